@@ -1,0 +1,61 @@
+"""KV-cache arithmetic, the one source of truth for the engine's start-up log and ``engine plan``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+GiB = 1 << 30
+
+
+def dtype_size(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def model_dims(hf_config) -> tuple[int, int, int]:
+    """(layers, kv heads, head dim) of a transformers config."""
+    heads = hf_config.num_attention_heads
+    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
+    return hf_config.num_hidden_layers, kv_heads, head_dim
+
+
+def kv_bytes_per_token(hf_config, dtype: torch.dtype, tensor_parallel: int = 1) -> int:
+    """K and V of every layer for one token (per GPU when the KV heads are split ``tensor_parallel`` ways)."""
+    layers, kv_heads, head_dim = model_dims(hf_config)
+    kv_heads_per_rank = max(1, kv_heads // tensor_parallel)
+    return 2 * layers * kv_heads_per_rank * head_dim * dtype_size(dtype)
+
+
+@dataclass
+class KVCapacity:
+    num_blocks: int
+    block_size: int
+    bytes_per_token: int
+    max_model_len: int
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+    @property
+    def bytes(self) -> int:
+        return self.num_tokens * self.bytes_per_token
+
+    @property
+    def max_concurrency(self) -> float:
+        """How many sequences of max_model_len tokens fit at once."""
+        blocks_per_seq = -(-self.max_model_len // self.block_size)
+        return self.num_blocks / blocks_per_seq
+
+    def describe(self) -> str:
+        return (
+            f"KV cache: {self.num_blocks} blocks x {self.block_size} tokens = {self.num_tokens} tokens "
+            f"({self.bytes / GiB:.2f} GiB, {self.bytes_per_token} bytes/token); "
+            f"maximum concurrency at max_model_len {self.max_model_len}: {self.max_concurrency:.2f}x"
+        )
+
+
+def blocks_for_memory(memory_bytes: int, block_size: int, bytes_per_token: int) -> int:
+    return max(0, int(memory_bytes // (block_size * bytes_per_token)))

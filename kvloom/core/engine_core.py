@@ -1,0 +1,217 @@
+"""EngineCore: owns the model, the KV cache and the step loop (schedule -> run -> sample -> emit).
+It speaks token ids only; frontends own text."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from kvloom.core import capacity
+from kvloom.core.attention import get_attention_backend
+from kvloom.core.config import ConfigError, EngineConfig
+from kvloom.core.kv_cache import FreeListAllocator, KVCacheManager
+from kvloom.core.loader import build_model, is_gguf, load_hf_config
+from kvloom.core.messages import AddRequest, EngineStats, TokenDelta
+from kvloom.core.model_files import resolve_model
+from kvloom.core.model_runner import ModelRunner
+from kvloom.core.request import Request, RequestStatus
+from kvloom.core.scheduler import FCFSPolicy, Scheduler
+
+logger = logging.getLogger("kvloom")
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DEFAULT_CPU_KV_GIB = 1.0
+
+
+class RequestRejected(ValueError):
+    """A request that can never run (bad tokens, over the context or over the whole KV cache)."""
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig) -> None:
+        config.validate()
+        self.config = config
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        self.model_path = resolve_model(config.model)
+        self.hf_config = load_hf_config(self.model_path, config.hf_overrides)
+        self.max_model_len = self._resolve_max_model_len()
+        self.eos_token_ids = _eos_ids(self.hf_config)
+        self.vocab_size = self.hf_config.vocab_size
+
+        t0 = time.perf_counter()
+        backend = get_attention_backend(self.device)
+        self.model = build_model(
+            self.model_path, self.hf_config, load_format=config.load_format, device=self.device,
+            dtype=self.dtype, backend=backend, max_positions=self.max_model_len, seed=config.seed,
+        )
+        logger.info("Loaded %s (%s, %s) in %.1fs", config.model, self.dtype, self.device, time.perf_counter() - t0)
+
+        self.capacity = self._kv_capacity()
+        logger.info(self.capacity.describe())
+        layers, kv_heads, head_dim = capacity.model_dims(self.hf_config)
+        shape = (self.capacity.num_blocks, config.block_size, kv_heads, head_dim)
+        kv_caches = [
+            (torch.zeros(shape, dtype=self.dtype, device=self.device),
+             torch.zeros(shape, dtype=self.dtype, device=self.device))
+            for _ in range(layers)
+        ]
+        self.kv = KVCacheManager(FreeListAllocator(self.capacity.num_blocks), config.block_size)
+        self.scheduler = Scheduler(
+            self.kv, FCFSPolicy(), max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=self.max_model_len,
+        )
+        self.runner = ModelRunner(self.model, kv_caches, config.block_size, self.device, config.seed)
+        self.last_step_tokens = 0
+
+    # --- set-up ------------------------------------------------------------------------------------
+    def _resolve_max_model_len(self) -> int:
+        model_max = getattr(self.hf_config, "max_position_embeddings", None) or 4096
+        wanted = self.config.max_model_len or model_max
+        if wanted > model_max:
+            raise ConfigError(f"max_model_len={wanted} exceeds the model's max_position_embeddings={model_max}")
+        return wanted
+
+    def _kv_capacity(self) -> capacity.KVCapacity:
+        cfg = self.config
+        per_token = capacity.kv_bytes_per_token(self.hf_config, self.dtype)
+        if cfg.num_kv_blocks is not None:
+            blocks = cfg.num_kv_blocks
+        elif cfg.kv_cache_memory_gib is not None:
+            blocks = capacity.blocks_for_memory(int(cfg.kv_cache_memory_gib * capacity.GiB), cfg.block_size, per_token)
+        elif self.device.type == "cuda":
+            blocks = capacity.blocks_for_memory(self._profile_free_gpu_memory(), cfg.block_size, per_token)
+        else:
+            blocks = capacity.blocks_for_memory(int(DEFAULT_CPU_KV_GIB * capacity.GiB), cfg.block_size, per_token)
+        if blocks < 1:
+            raise ConfigError("no memory is left for the KV cache: lower max_num_batched_tokens or raise "
+                              f"gpu_memory_utilization={cfg.gpu_memory_utilization}")
+        return capacity.KVCapacity(blocks, cfg.block_size, per_token, self.max_model_len)
+
+    @torch.inference_mode()
+    def _profile_free_gpu_memory(self) -> int:
+        """Bytes left for the KV cache: run the largest step once and take its peak, then
+        ``gpu_memory_utilization * total - peak - memory held outside PyTorch``."""
+        from kvloom.core.attention import AttentionMetadata
+
+        cfg = self.config
+        n = min(cfg.max_num_batched_tokens, self.max_model_len)
+        layers, kv_heads, head_dim = capacity.model_dims(self.hf_config)
+        blocks = -(-n // cfg.block_size)
+        shape = (blocks, cfg.block_size, kv_heads, head_dim)
+        caches = [(torch.empty(shape, dtype=self.dtype, device=self.device),) * 2 for _ in range(layers)]
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.arange(n, device=dev), block_tables=torch.arange(blocks, device=dev, dtype=torch.int32)[None],
+            seq_lens=torch.tensor([n], device=dev, dtype=torch.int32),
+            query_start_loc=torch.tensor([0, n], device=dev, dtype=torch.int32),
+            num_decodes=0, max_query_len=n, max_seq_len=n, query_lens_cpu=[n], seq_lens_cpu=[n],
+        )
+        hidden = self.model(torch.zeros(n, dtype=torch.long, device=dev), torch.arange(n, device=dev), meta, caches)
+        self.model.compute_logits(hidden[: cfg.max_num_seqs]).softmax(-1)
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated()
+        del caches, hidden
+        free, total = torch.cuda.mem_get_info()
+        outside_torch = total - free - torch.cuda.memory_reserved()
+        budget = int(cfg.gpu_memory_utilization * total) - peak - outside_torch - (cfg.block_size * capacity.GiB // 4096)
+        logger.info("Memory profile: total %.1f GiB, peak %.2f GiB (weights + activations), outside PyTorch %.2f GiB",
+                    total / capacity.GiB, peak / capacity.GiB, outside_torch / capacity.GiB)
+        torch.cuda.empty_cache()
+        return max(0, budget)
+
+    # --- requests ----------------------------------------------------------------------------------
+    def add_request(self, msg: AddRequest) -> Request:
+        """Admit a request or raise RequestRejected naming the value and the limit."""
+        prompt = msg.prompt_token_ids
+        n = len(prompt)
+        if n == 0:
+            raise RequestRejected("the prompt is empty: at least one token is needed")
+        bad = next((t for t in prompt if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise RequestRejected(f"prompt token id {bad} is out of range [0, {self.vocab_size})")
+        if msg.request_id in self.scheduler.requests:
+            raise RequestRejected(f"request id {msg.request_id!r} is already in use")
+        limit = self.max_model_len
+        max_tokens = msg.sampling.max_tokens
+        if max_tokens is None:
+            max_tokens = limit - n
+            if max_tokens < 1:
+                raise RequestRejected(f"the prompt has {n} tokens, which leaves no room under max_model_len={limit}")
+        elif n + max_tokens > limit:
+            raise RequestRejected(
+                f"prompt ({n} tokens) + max_tokens ({max_tokens}) = {n + max_tokens} exceeds max_model_len={limit}"
+            )
+        need = self.kv.blocks_for(n + max_tokens)
+        if need > self.kv.num_blocks:
+            raise RequestRejected(
+                f"the request needs {need} KV blocks ({n + max_tokens} tokens) but the whole cache has "
+                f"{self.kv.num_blocks} blocks ({self.capacity.num_tokens} tokens)"
+            )
+        req = Request.from_message(msg, eos_token_ids=self.eos_token_ids, max_tokens=max_tokens)
+        self.scheduler.add_request(req)
+        return req
+
+    def abort_requests(self, request_ids: list[str]) -> list[TokenDelta]:
+        return [
+            TokenDelta(request_id=r.request_id, new_token_ids=[], finish_reason="abort",
+                       num_prompt_tokens=r.num_prompt_tokens, num_cached_tokens=r.num_cached_tokens)
+            for r in self.scheduler.abort(request_ids)
+        ]
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # --- the loop body -----------------------------------------------------------------------------
+    def step(self) -> list[TokenDelta]:
+        plan = self.scheduler.schedule()
+        if not plan:
+            self.last_step_tokens = 0
+            return []
+        sampled, logprobs = self.runner.execute(plan)
+        self.last_step_tokens = plan.num_tokens
+        deltas = []
+        for u in self.scheduler.update(plan, sampled):
+            req = u.request
+            lps = logprobs.get(req.request_id)
+            deltas.append(TokenDelta(
+                request_id=req.request_id, new_token_ids=u.new_token_ids,
+                finish_reason=u.finished.value if u.finished else None,
+                stop_token_id=req.stop_token_id if u.finished is RequestStatus.FINISHED_STOPPED else None,
+                logprobs=lps[: len(u.new_token_ids)] if lps else None,
+                num_prompt_tokens=req.num_prompt_tokens, num_cached_tokens=req.num_cached_tokens,
+            ))
+        return deltas
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+            num_free_blocks=self.kv.num_free_blocks(), num_total_blocks=self.kv.num_blocks,
+            kv_usage=self.kv.usage(), num_preemptions=self.scheduler.num_preemptions,
+            step_tokens=self.last_step_tokens,
+        )
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device='cuda' was asked for but no CUDA device is available")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return _DTYPES[name]
+
+
+def _eos_ids(hf_config) -> tuple[int, ...]:
+    eos = getattr(hf_config, "eos_token_id", None)
+    if eos is None:
+        return ()
+    return tuple(eos) if isinstance(eos, (list, tuple)) else (eos,)

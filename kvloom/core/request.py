@@ -1,0 +1,108 @@
+"""The engine's live request object (the wire form is ``messages.AddRequest``)."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+
+from kvloom.core.messages import AddRequest
+from kvloom.core.sampling_params import SamplingParams
+
+_arrival_counter = itertools.count()
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+    FINISHED_ERROR = "error"
+
+    @property
+    def finished(self) -> bool:
+        return self.value in ("stop", "length", "abort", "error")
+
+
+class Request:
+    """A request inside the engine. Progress is one number, ``num_computed_tokens``: how many of
+    ``all_token_ids`` have their KV in the cache. Prefill, chunked prefill, prefix-cache hits,
+    recompute after preemption and speculative tokens are all just different values of it."""
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling: SamplingParams,
+        *,
+        priority: int = 0,
+        arrival_time: float | None = None,
+        client_index: int = 0,
+        eos_token_ids: tuple[int, ...] = (),
+        max_tokens: int,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.all_token_ids = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.sampling = sampling
+        self.priority = priority
+        self.arrival_time = time.time() if arrival_time is None else arrival_time
+        self.arrival_order = next(_arrival_counter)  # ties broken by order of arrival
+        self.client_index = client_index
+        self.eos_token_ids = () if sampling.ignore_eos else tuple(eos_token_ids)
+        self.stop_token_ids = frozenset(sampling.stop_token_ids)
+        self.max_tokens = max_tokens  # resolved against max_model_len at admission
+        self.status = RequestStatus.WAITING
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at first admission
+        self.num_preemptions = 0
+        self.block_ids: list[int] = []
+        self.stop_token_id: int | None = None
+        self.generator = None  # per-request torch.Generator for seeded sampling (set by the runner)
+        self.first_scheduled_time: float | None = None
+
+    @classmethod
+    def from_message(cls, msg: AddRequest, *, eos_token_ids: tuple[int, ...], max_tokens: int) -> "Request":
+        return cls(
+            msg.request_id, msg.prompt_token_ids, msg.sampling, priority=msg.priority,
+            arrival_time=msg.arrival_time or None, client_index=msg.client_index,
+            eos_token_ids=eos_token_ids, max_tokens=max_tokens,
+        )
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def max_total_tokens(self) -> int:
+        return self.num_prompt_tokens + self.max_tokens
+
+    def append_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+    def check_stop(self) -> RequestStatus | None:
+        """The finished status after the newest token, or None to keep going."""
+        n_out = self.num_output_tokens
+        last = self.output_token_ids[-1]
+        if n_out >= self.sampling.min_tokens and (last in self.eos_token_ids or last in self.stop_token_ids):
+            self.stop_token_id = last
+            return RequestStatus.FINISHED_STOPPED
+        if n_out >= self.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id!r}, status={self.status.value}, tokens={self.num_tokens}, "
+                f"computed={self.num_computed_tokens})")

@@ -1,0 +1,72 @@
+"""Per-request sampling parameters, validated with errors that name the value and its range."""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
+    """How to pick each next token and when to stop. ``temperature=0`` is greedy (exact, deterministic).
+
+    Text-level options (``stop`` strings, ``skip_special_tokens``) are applied by the frontends; the
+    engine works on token ids only.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 (or -1): disabled
+    min_p: float = 0.0
+    seed: int | None = None
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    max_tokens: int | None = 16  # None: up to the context limit
+    min_tokens: int = 0
+    stop: list[str] = []
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+    logprobs: int | None = None  # top-n logprobs per generated token (0: only the sampled token's)
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first out-of-range field."""
+        if not isinstance(self.n, int) or self.n < 1 or self.n > 128:
+            raise ValueError(f"n={self.n!r} must be an integer in [1, 128]")
+        _in_range("temperature", self.temperature, 0.0, 100.0)
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p={self.top_p!r} must be in (0, 1]")
+        if self.top_k < -1:
+            raise ValueError(f"top_k={self.top_k!r} must be -1 or 0 (disabled) or a positive integer")
+        _in_range("min_p", self.min_p, 0.0, 1.0)
+        if not 0.0 < self.repetition_penalty <= 10.0:
+            raise ValueError(f"repetition_penalty={self.repetition_penalty!r} must be in (0, 10]")
+        _in_range("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        _in_range("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise ValueError(f"max_tokens={self.max_tokens!r} must be >= 1")
+        if self.min_tokens < 0:
+            raise ValueError(f"min_tokens={self.min_tokens!r} must be >= 0")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens={self.min_tokens} must be <= max_tokens={self.max_tokens}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            raise ValueError(f"logprobs={self.logprobs!r} must be in [0, 20]")
+        if self.seed is not None and not -(2**63) <= self.seed < 2**63:
+            raise ValueError(f"seed={self.seed!r} must fit in a signed 64-bit integer")
+        if any(not s for s in self.stop):
+            raise ValueError("stop strings must not be empty")
+        if any(t < 0 for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids={self.stop_token_ids!r} must be non-negative token ids")
+
+
+def _in_range(name: str, value: float, lo: float, hi: float) -> None:
+    if not isinstance(value, (int, float)) or not lo <= value <= hi:
+        raise ValueError(f"{name}={value!r} must be in [{lo}, {hi}]")

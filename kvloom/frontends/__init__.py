@@ -1,0 +1,1 @@
+"""Frontends own text: tokenization, chat templates, detokenization, stop strings, validation."""

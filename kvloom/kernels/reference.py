@@ -1,0 +1,132 @@
+"""Plain-PyTorch reference kernels: the CPU path of kvloom and the oracle for the Triton kernels.
+
+KV cache layout (one K and one V tensor per layer): ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+A token's *slot* is ``block_id * block_size + offset``; a request's block table lists its block ids in order.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def write_kv_cache(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Store ``k``/``v`` (``[T, Hkv, D]``) at ``slot_mapping`` (``[T]``, all valid) in the paged caches."""
+    flat_k = k_cache.view(-1, k_cache.shape[-2], k_cache.shape[-1])
+    flat_v = v_cache.view(-1, v_cache.shape[-2], v_cache.shape[-1])
+    idx = slot_mapping.long()
+    flat_k.index_copy_(0, idx, k.to(k_cache.dtype))
+    flat_v.index_copy_(0, idx, v.to(v_cache.dtype))
+
+
+def _gather_slots(block_tables: torch.Tensor, block_size: int, num_tokens: int) -> torch.Tensor:
+    """Slot index of each of the first ``num_tokens`` positions of each row of ``block_tables``."""
+    num_blocks = -(-num_tokens // block_size)
+    blocks = block_tables[:, :num_blocks].long()
+    offsets = torch.arange(block_size, device=blocks.device)
+    return (blocks[:, :, None] * block_size + offsets).reshape(blocks.shape[0], -1)[:, :num_tokens]
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    max_seq_len: int,
+    scale: float,
+) -> torch.Tensor:
+    """One query token per sequence. ``q`` is ``[B, Hq, D]``; ``seq_lens[b]`` counts cached tokens
+    (the query's own included); returns ``[B, Hq, D]``."""
+    bs = k_cache.shape[1]
+    slots = _gather_slots(block_tables, bs, max_seq_len)  # [B, L]
+    flat_k = k_cache.view(-1, k_cache.shape[-2], k_cache.shape[-1])
+    flat_v = v_cache.view(-1, v_cache.shape[-2], v_cache.shape[-1])
+    keys = flat_k[slots].transpose(1, 2)  # [B, Hkv, L, D]
+    values = flat_v[slots].transpose(1, 2)
+    mask = torch.arange(max_seq_len, device=q.device)[None, :] < seq_lens[:, None].to(q.device)
+    out = F.scaled_dot_product_attention(
+        q[:, :, None, :], keys.to(q.dtype), values.to(q.dtype), attn_mask=mask[:, None, None, :],
+        scale=scale, enable_gqa=True,
+    )
+    return out[:, :, 0, :]
+
+
+def paged_prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_lens: list[int],
+    seq_lens: list[int],
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention for chunks of queries over paged caches (prefill, chunked prefill, prefix hits).
+
+    ``q`` is ``[T, Hq, D]`` with the sequences' queries laid end to end; sequence ``b`` has
+    ``query_lens[b]`` queries, which are its last tokens, ``seq_lens[b]`` tokens in all (cached prefix
+    included, already written to the cache). Query ``i`` of sequence ``b`` sits at position
+    ``seq_lens[b] - query_lens[b] + i`` and attends to every position up to its own.
+    """
+    bs = k_cache.shape[1]
+    flat_k = k_cache.view(-1, k_cache.shape[-2], k_cache.shape[-1])
+    flat_v = v_cache.view(-1, v_cache.shape[-2], v_cache.shape[-1])
+    out = torch.empty_like(q)
+    start = 0
+    for b, (q_len, s_len) in enumerate(zip(query_lens, seq_lens)):
+        slots = _gather_slots(block_tables[b : b + 1], bs, s_len)[0]
+        keys = flat_k[slots].transpose(0, 1).to(q.dtype)  # [Hkv, S, D]
+        values = flat_v[slots].transpose(0, 1).to(q.dtype)
+        qb = q[start : start + q_len].transpose(0, 1)  # [Hq, Q, D]
+        if q_len == s_len:
+            o = F.scaled_dot_product_attention(qb, keys, values, is_causal=True, scale=scale, enable_gqa=True)
+        else:
+            q_pos = torch.arange(s_len - q_len, s_len, device=q.device)
+            mask = torch.arange(s_len, device=q.device)[None, :] <= q_pos[:, None]
+            o = F.scaled_dot_product_attention(qb, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
+        out[start : start + q_len] = o.transpose(0, 1)
+        start += q_len
+    return out
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm as Hugging Face computes it (float32 statistics, cast back, then scale).
+
+    With ``residual``, first adds it (``x + residual``) and returns ``(normed, x + residual)``.
+    """
+    if residual is not None:
+        x = x + residual
+        new_residual = x
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    out = weight * h.to(x.dtype)
+    return (out, new_residual) if residual is not None else out
+
+
+def rotary_embedding(
+    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Neox-style rotary embedding (rotate halves). ``q``: ``[T, Hq, D]``, ``k``: ``[T, Hkv, D]``;
+    ``cos_sin_cache``: ``[max_positions, D]`` float32 holding ``cos`` of the ``D/2`` frequencies, then ``sin``."""
+    cs = cos_sin_cache[positions.long()]
+    half = cs.shape[-1] // 2
+    cos = torch.cat([cs[:, :half], cs[:, :half]], dim=-1)[:, None, :]
+    sin = torch.cat([cs[:, half:], cs[:, half:]], dim=-1)[:, None, :]
+
+    def rotate(x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        x1, x2 = xf[..., :half], xf[..., half:]
+        rotated = torch.cat([-x2, x1], dim=-1)
+        return (xf * cos + rotated * sin).to(x.dtype)
+
+    return rotate(q), rotate(k)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """``silu(x[:, :I]) * x[:, I:]`` for ``x`` of ``[T, 2I]``."""
+    half = x.shape[-1] // 2
+    return F.silu(x[..., :half]) * x[..., half:]

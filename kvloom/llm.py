@@ -1,0 +1,177 @@
+"""The offline batch API: ``LLM(...).generate(prompts, SamplingParams)`` and ``.chat(messages)``,
+driving the engine core in this process with a progress bar."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+from tqdm.auto import tqdm
+
+from kvloom.core.config import DEFAULT_MODEL, EngineConfig
+from kvloom.core.engine_core import EngineCore
+from kvloom.core.messages import AddRequest, TokenLogprobs
+from kvloom.core.sampling_params import SamplingParams
+from kvloom.frontends.text import IncrementalText, apply_chat_template, load_tokenizer
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    stop_reason: str | int | None = None  # the stop string or stop token that ended it
+    logprobs: list[TokenLogprobs] | None = None
+
+
+@dataclass
+class RequestMetrics:
+    arrival_time: float
+    first_token_time: float | None = None
+    finish_time: float | None = None
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    @property
+    def latency(self) -> float | None:
+        return None if self.finish_time is None else self.finish_time - self.arrival_time
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    num_cached_tokens: int = 0
+    metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.time()))
+
+    # The first (usually only) completion, for the common n=1 case.
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.outputs[0].finish_reason
+
+
+class LLM:
+    """Offline generation over a batch of prompts with continuous batching."""
+
+    def __init__(self, model: str = DEFAULT_MODEL, *, config: EngineConfig | None = None, **options: Any) -> None:
+        self.config = config or EngineConfig(model=model, **options)
+        self.engine = EngineCore(self.config)
+        self.tokenizer = load_tokenizer(self.config.model, self.config.tokenizer)
+        self._ids = itertools.count()
+
+    def generate(
+        self,
+        prompts: str | Sequence[str] | Sequence[list[int]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Complete each prompt (text or token ids). Outputs come back in the order of ``prompts``."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        encoded = []
+        for p in prompts:
+            if isinstance(p, str):
+                encoded.append((p, self.tokenizer.encode(p, add_special_tokens=True)))
+            else:
+                encoded.append((None, list(p)))
+        return self._run(encoded, sampling_params, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[dict[str, Any]] | Sequence[list[dict[str, Any]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Answer one conversation (a list of ``{"role", "content"}``) or several, through the model's
+        chat template."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        encoded = []
+        for conv in conversations:
+            ids = apply_chat_template(self.tokenizer, list(conv), add_generation_prompt)
+            encoded.append((self.tokenizer.decode(ids), ids))
+        return self._run(encoded, sampling_params, use_tqdm)
+
+    # ---------------------------------------------------------------------------------------------
+    def _run(self, encoded, sampling_params, use_tqdm: bool) -> list[RequestOutput]:
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params = list(sampling_params) if isinstance(sampling_params, Sequence) else [sampling_params] * len(encoded)
+        if len(params) != len(encoded):
+            raise ValueError(f"got {len(params)} SamplingParams for {len(encoded)} prompts")
+        engine = self.engine
+        results: list[RequestOutput] = []
+        states: dict[str, tuple[RequestOutput, CompletionOutput, IncrementalText]] = {}
+        admitted: list[str] = []
+        try:
+            # Admit everything first, so a bad prompt fails the call before any work is done.
+            for (text, ids), sp in zip(encoded, params):
+                out = RequestOutput(str(next(self._ids)), text, ids, [])
+                for i in range(sp.n):
+                    sub = sp if sp.n == 1 else _with(sp, n=1, seed=None if sp.seed is None else sp.seed + i)
+                    rid = out.request_id if sp.n == 1 else f"{out.request_id}-{i}"
+                    engine.add_request(AddRequest(request_id=rid, prompt_token_ids=ids, sampling=sub,
+                                                  arrival_time=out.metrics.arrival_time))
+                    admitted.append(rid)
+                    comp = CompletionOutput(i, "", [], None, logprobs=[] if sp.logprobs is not None else None)
+                    out.outputs.append(comp)
+                    states[rid] = (out, comp, IncrementalText(self.tokenizer, sp.stop, sp.skip_special_tokens,
+                                                               sp.include_stop_str_in_output))
+                results.append(out)
+        except Exception:
+            engine.abort_requests(admitted)
+            raise
+
+        total = len(states)
+        bar = tqdm(total=total, desc="Generating", unit="req", disable=not use_tqdm)
+        try:
+            while states:
+                for delta in engine.step():
+                    out, comp, text = states[delta.request_id]
+                    now = time.time()
+                    if out.metrics.first_token_time is None and delta.new_token_ids:
+                        out.metrics.first_token_time = now
+                    comp.token_ids.extend(delta.new_token_ids)
+                    if delta.logprobs and comp.logprobs is not None:
+                        comp.logprobs.extend(delta.logprobs)
+                    comp.text += text.add_tokens(delta.new_token_ids, final=delta.finish_reason is not None)
+                    finish = delta.finish_reason
+                    if text.stopped_by is not None and finish is None:
+                        engine.abort_requests([delta.request_id])
+                        finish = "stop"
+                    if finish is not None:
+                        comp.finish_reason = finish
+                        comp.stop_reason = text.stopped_by if text.stopped_by is not None else delta.stop_token_id
+                        out.num_cached_tokens = delta.num_cached_tokens
+                        del states[delta.request_id]
+                        if all(c.finish_reason for c in out.outputs):
+                            out.metrics.finish_time = now
+                        bar.update(1)
+        finally:
+            bar.close()
+            if states:  # interrupted: leave nothing running in the engine
+                engine.abort_requests(list(states))
+        return results
+
+
+def _with(sp: SamplingParams, **changes: Any) -> SamplingParams:
+    import msgspec
+
+    return msgspec.structs.replace(sp, **changes)

@@ -1,0 +1,106 @@
+"""Shared fixtures: tiny random models of each family (saved as Hugging Face folders with a locally
+made tokenizer) and the real SmolLM2 GGUF file."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+TINY_COMMON = dict(
+    hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+    max_position_embeddings=512, rms_norm_eps=1e-6, vocab_size=384, bos_token_id=1, eos_token_id=2,
+    pad_token_id=0, initializer_range=0.1,
+)
+
+TINY_FAMILIES = {
+    # Llama with Llama-3 rope scaling and untied embeddings.
+    "llama": ("LlamaConfig", "LlamaForCausalLM", dict(
+        tie_word_embeddings=False,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                      "original_max_position_embeddings": 128},
+        rope_theta=500000.0)),
+    # Qwen2: q/k/v biases, tied embeddings.
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(tie_word_embeddings=True, rope_theta=10000.0)),
+    # Qwen3: per-head q/k norms and a head_dim that is not hidden/heads.
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(tie_word_embeddings=False, head_dim=32, rope_theta=10000.0)),
+}
+
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Paris is the capital of France. Berlin is the capital of Germany.",
+    "kvloom schedules tokens, not phases: prefill and decode share one batch.",
+    "Numbers: 0 1 2 3 4 5 6 7 8 9 10 100 1000. Unicode: café, naïve, 東京, 🚀.",
+]
+
+
+def make_tokenizer(path: Path) -> None:
+    """A small byte-level BPE tokenizer with a chat template, saved as a Hugging Face tokenizer."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=320, special_tokens=["<pad>", "<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+    )
+    tok.train_from_iterator(CORPUS * 4, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+    fast.chat_template = (
+        "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>{% endfor %}"
+        "{% if add_generation_prompt %}<s>assistant:{% endif %}"
+    )
+    fast.save_pretrained(str(path))
+
+
+def make_tiny_model(path: Path, family: str, seed: int = 0) -> Path:
+    import transformers
+
+    cls_name, arch, extra = TINY_FAMILIES[family]
+    config = getattr(transformers, cls_name)(**TINY_COMMON, **extra, architectures=[arch])
+    torch.manual_seed(seed)
+    model = getattr(transformers, arch)(config).eval()
+    model.save_pretrained(str(path), safe_serialization=True)
+    make_tokenizer(path)
+    return path
+
+
+@pytest.fixture(scope="session", params=sorted(TINY_FAMILIES))
+def tiny_model(request, tmp_path_factory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp(f"tiny-{request.param}"), request.param)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-llama"), "llama")
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> Path:
+    from kvloom.core.model_files import default_model_path
+
+    return default_model_path()
+
+
+def hf_greedy(path: Path, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """Hugging Face transformers' greedy continuation of each prompt (batch of one, EOS ignored)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None  # generate exactly max_new_tokens, EOS included
+    outs = []
+    with torch.no_grad():
+        for p in prompts:
+            ids = torch.tensor([p])
+            gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                                 do_sample=False, pad_token_id=0)
+            outs.append(gen[0, len(p):].tolist())
+    return outs
+
+
+def read_json(path: Path) -> dict:
+    return json.loads(Path(path).read_text())
