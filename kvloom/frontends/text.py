@@ -8,16 +8,28 @@ from typing import Any
 
 from tokenizers.decoders import DecodeStream
 
-from kvloom.core.model_files import resolve_model
+from kvloom.core.model_files import cache_dir, resolve_model
 
 
 def load_tokenizer(model: str, tokenizer: str | None = None):
-    """A Hugging Face fast tokenizer from a folder or from a GGUF file's embedded vocabulary."""
+    """A Hugging Face fast tokenizer from a folder or from a GGUF file's embedded vocabulary.
+
+    Converting a GGUF vocabulary takes seconds, so the converted tokenizer is cached as a folder.
+    """
     from transformers import AutoTokenizer
 
     path = Path(tokenizer).expanduser() if tokenizer else resolve_model(model)
     if path.is_file() and path.suffix == ".gguf":
-        return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        stat = path.stat()
+        cached = cache_dir() / "tokenizers" / f"{path.stem}-{stat.st_size}-{int(stat.st_mtime)}"
+        if (cached / "tokenizer_config.json").exists():
+            return AutoTokenizer.from_pretrained(str(cached))
+        tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        try:
+            tok.save_pretrained(str(cached))
+        except OSError:  # a read-only cache only costs the conversion next time
+            pass
+        return tok
     return AutoTokenizer.from_pretrained(str(path))
 
 
