@@ -35,6 +35,19 @@ class AttentionBackend:
 
     name = "torch"
 
+    def __init__(self) -> None:
+        self._workspace: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def _decode_workspace(self, k_cache: torch.Tensor, batch: int, max_seq_len: int):
+        """Reusable K/V gather buffers, grown to the largest decode batch seen (shared by all layers)."""
+        bs = k_cache.shape[1]
+        need = batch * -(-max_seq_len // bs) * k_cache[0].numel()
+        ws = self._workspace
+        if ws is None or ws[0].numel() < need or ws[0].dtype != k_cache.dtype or ws[0].device != k_cache.device:
+            ws = tuple(torch.empty(need, dtype=k_cache.dtype, device=k_cache.device) for _ in range(2))
+            self._workspace = ws
+        return ws
+
     def forward(
         self,
         q: torch.Tensor,
@@ -47,16 +60,17 @@ class AttentionBackend:
         k_cache, v_cache = kv_cache
         reference.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
         nd = meta.num_decodes
-        if nd == meta.num_seqs:
-            return reference.paged_decode_attention(
-                q, k_cache, v_cache, meta.block_tables, meta.seq_lens, max(meta.seq_lens_cpu), scale
+        if nd:
+            max_len = max(meta.seq_lens_cpu[:nd])
+            decoded = reference.paged_decode_attention(
+                q[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens[:nd], max_len, scale,
+                workspace=self._decode_workspace(k_cache, nd, max_len),
             )
+            if nd == meta.num_seqs:
+                return decoded
         out = torch.empty_like(q)
         if nd:
-            out[:nd] = reference.paged_decode_attention(
-                q[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens[:nd],
-                max(meta.seq_lens_cpu[:nd]), scale,
-            )
+            out[:nd] = decoded
         out[nd:] = reference.paged_prefill_attention(
             q[nd:], k_cache, v_cache, meta.block_tables[nd:], meta.query_lens_cpu[nd:],
             meta.seq_lens_cpu[nd:], scale,

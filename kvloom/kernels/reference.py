@@ -21,12 +21,25 @@ def write_kv_cache(
     flat_v.index_copy_(0, idx, v.to(v_cache.dtype))
 
 
-def _gather_slots(block_tables: torch.Tensor, block_size: int, num_tokens: int) -> torch.Tensor:
-    """Slot index of each of the first ``num_tokens`` positions of each row of ``block_tables``."""
-    num_blocks = -(-num_tokens // block_size)
-    blocks = block_tables[:, :num_blocks].long()
-    offsets = torch.arange(block_size, device=blocks.device)
-    return (blocks[:, :, None] * block_size + offsets).reshape(blocks.shape[0], -1)[:, :num_tokens]
+def _gather(
+    cache: torch.Tensor, block_tables: torch.Tensor, num_tokens: int, workspace: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The first ``num_tokens`` cached tokens of each row of ``block_tables``: ``[B, num_tokens, Hkv, D]``.
+
+    Whole blocks are gathered with ``index_select`` (contiguous copies), which on the CPU is several
+    times faster than indexing token by token. A reused ``workspace`` (any 1-D tensor of the cache's
+    dtype, grown as needed) spares a fresh multi-megabyte allocation per layer.
+    """
+    bs = cache.shape[1]
+    num_blocks = -(-num_tokens // bs)
+    blocks = block_tables[:, :num_blocks]
+    idx = blocks.reshape(-1).long()
+    if workspace is not None and workspace.numel() >= idx.numel() * cache[0].numel():
+        out = workspace[: idx.numel() * cache[0].numel()].view(idx.numel(), *cache.shape[1:])
+        torch.index_select(cache, 0, idx, out=out)
+    else:
+        out = cache.index_select(0, idx)
+    return out.view(blocks.shape[0], num_blocks * bs, *cache.shape[2:])[:, :num_tokens]
 
 
 def paged_decode_attention(
@@ -37,21 +50,21 @@ def paged_decode_attention(
     seq_lens: torch.Tensor,
     max_seq_len: int,
     scale: float,
+    workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """One query token per sequence. ``q`` is ``[B, Hq, D]``; ``seq_lens[b]`` counts cached tokens
-    (the query's own included); returns ``[B, Hq, D]``."""
-    bs = k_cache.shape[1]
-    slots = _gather_slots(block_tables, bs, max_seq_len)  # [B, L]
-    flat_k = k_cache.view(-1, k_cache.shape[-2], k_cache.shape[-1])
-    flat_v = v_cache.view(-1, v_cache.shape[-2], v_cache.shape[-1])
-    keys = flat_k[slots].transpose(1, 2)  # [B, Hkv, L, D]
-    values = flat_v[slots].transpose(1, 2)
+    (the query's own included); returns ``[B, Hq, D]``. ``workspace``: optional reusable buffers for
+    the gathered K and V (see ``_gather``)."""
+    batch, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    k_ws, v_ws = workspace if workspace is not None else (None, None)
+    keys = _gather(k_cache, block_tables, max_seq_len, k_ws).transpose(1, 2).to(q.dtype)  # [B, Hkv, L, D]
+    values = _gather(v_cache, block_tables, max_seq_len, v_ws).transpose(1, 2).to(q.dtype)
     mask = torch.arange(max_seq_len, device=q.device)[None, :] < seq_lens[:, None].to(q.device)
-    out = F.scaled_dot_product_attention(
-        q[:, :, None, :], keys.to(q.dtype), values.to(q.dtype), attn_mask=mask[:, None, None, :],
-        scale=scale, enable_gqa=True,
-    )
-    return out[:, :, 0, :]
+    # The query heads sharing a KV head act as that head's queries: no K/V expansion for GQA.
+    grouped = q.view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=mask[:, None, None, :], scale=scale)
+    return out.reshape(batch, num_heads, head_dim)
 
 
 def paged_prefill_attention(
@@ -70,15 +83,11 @@ def paged_prefill_attention(
     included, already written to the cache). Query ``i`` of sequence ``b`` sits at position
     ``seq_lens[b] - query_lens[b] + i`` and attends to every position up to its own.
     """
-    bs = k_cache.shape[1]
-    flat_k = k_cache.view(-1, k_cache.shape[-2], k_cache.shape[-1])
-    flat_v = v_cache.view(-1, v_cache.shape[-2], v_cache.shape[-1])
     out = torch.empty_like(q)
     start = 0
     for b, (q_len, s_len) in enumerate(zip(query_lens, seq_lens)):
-        slots = _gather_slots(block_tables[b : b + 1], bs, s_len)[0]
-        keys = flat_k[slots].transpose(0, 1).to(q.dtype)  # [Hkv, S, D]
-        values = flat_v[slots].transpose(0, 1).to(q.dtype)
+        keys = _gather(k_cache, block_tables[b : b + 1], s_len)[0].transpose(0, 1).to(q.dtype)  # [Hkv, S, D]
+        values = _gather(v_cache, block_tables[b : b + 1], s_len)[0].transpose(0, 1).to(q.dtype)
         qb = q[start : start + q_len].transpose(0, 1)  # [Hq, Q, D]
         if q_len == s_len:
             o = F.scaled_dot_product_attention(qb, keys, values, is_causal=True, scale=scale, enable_gqa=True)

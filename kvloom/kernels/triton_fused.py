@@ -1,0 +1,172 @@
+"""Triton kernels for the small fused ops around attention: RMSNorm (+ residual add), rotary embedding and
+SiLU-and-mul.
+
+Each reproduces the rounding of its reference in ``reference.py`` (float32 math, cast back where the
+reference casts), so that CUDA results match the CPU path to the last bit or close to it. Inputs may be
+strided views (e.g. q/k sliced from a fused qkv projection) as long as the last dimension is contiguous.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as a 2-D ``[rows, last_dim]`` view (copying only if no such view exists) with a unit last stride."""
+    x2 = x.reshape(-1, x.shape[-1])
+    return x2 if x2.stride(-1) == 1 else x2.contiguous()
+
+
+def _row_warps(block: int) -> int:
+    return 4 if block <= 1024 else 8 if block <= 4096 else 16
+
+
+# --------------------------------------------------------------------------------------------------
+# RMSNorm
+# --------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr, res_ptr, w_ptr, out_ptr, new_res_ptr,
+    stride_x, stride_res, stride_out, stride_new_res,
+    n_cols, eps,
+    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0)
+        # Round the sum to the stream dtype first, as ``x + residual`` does in the reference.
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(new_res_ptr.dtype.element_ty)
+        tl.store(new_res_ptr + row * stride_new_res + cols, x, mask=mask)
+    h = x.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(h * h, 0) / n_cols + eps)
+    # ``weight * normed.to(x.dtype)``: the normalized value is rounded to x's dtype before scaling.
+    normed = (h * rstd).to(x.dtype).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_out + cols, (w * normed).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm over the last dimension; with ``residual`` returns ``(norm(x + residual), x + residual)``."""
+    shape = x.shape
+    n_cols = shape[-1]
+    x2 = _rows(x)
+    stream_dtype = x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)
+    out = torch.empty(x2.shape, dtype=torch.promote_types(weight.dtype, stream_dtype), device=x.device)
+    if residual is not None:
+        res2 = _rows(residual)
+        new_res = torch.empty(x2.shape, dtype=stream_dtype, device=x.device)
+    else:
+        res2 = new_res = x2  # unused by the kernel
+    if x2.shape[0] > 0:
+        block = triton.next_power_of_2(n_cols)
+        _rms_norm_kernel[(x2.shape[0],)](
+            x2, res2, weight.contiguous(), out, new_res,
+            x2.stride(0), res2.stride(0), out.stride(0), new_res.stride(0),
+            n_cols, eps,
+            HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=_row_warps(block),
+        )
+    out = out.view(shape)
+    return (out, new_res.view(shape)) if residual is not None else out
+
+
+# --------------------------------------------------------------------------------------------------
+# Rotary embedding (neox style, in place)
+# --------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _rotate_heads(
+    x_ptr, stride_t, stride_h, t, num_heads, cos, sin,
+    BLOCK_H: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
+):
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_HALF)
+    ptr1 = x_ptr + t * stride_t + offs_h[:, None] * stride_h + offs_d[None, :]
+    ptr2 = ptr1 + HALF
+    mask = (offs_h[:, None] < num_heads) & (offs_d[None, :] < HALF)
+    x1 = tl.load(ptr1, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(ptr2, mask=mask, other=0.0).to(tl.float32)
+    tl.store(ptr1, (x1 * cos - x2 * sin).to(x_ptr.dtype.element_ty), mask=mask)
+    tl.store(ptr2, (x2 * cos + x1 * sin).to(x_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rotary_kernel(
+    pos_ptr, q_ptr, k_ptr, cos_sin_ptr,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_cs,
+    num_q_heads, num_kv_heads,
+    HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    offs_d = tl.arange(0, BLOCK_HALF)
+    d_mask = offs_d < HALF
+    # Cache row: cos of the HALF frequencies, then their sin.
+    cos = tl.load(cos_sin_ptr + pos * stride_cs + offs_d, mask=d_mask, other=0.0)[None, :]
+    sin = tl.load(cos_sin_ptr + pos * stride_cs + HALF + offs_d, mask=d_mask, other=0.0)[None, :]
+    _rotate_heads(q_ptr, stride_qt, stride_qh, t, num_q_heads, cos, sin, BLOCK_HQ, HALF, BLOCK_HALF)
+    _rotate_heads(k_ptr, stride_kt, stride_kh, t, num_kv_heads, cos, sin, BLOCK_HKV, HALF, BLOCK_HALF)
+
+
+def rotary_embedding(
+    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Neox-style rotary embedding of ``q`` ``[T, Hq, D]`` and ``k`` ``[T, Hkv, D]``, **in place**; returns ``(q, k)``.
+
+    ``q`` and ``k`` may be strided views (into a fused qkv buffer, say) with a contiguous last dimension.
+    """
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    assert cos_sin_cache.shape[-1] == head_dim, "rotary dim must equal head_dim"
+    assert head_dim % 2 == 0, "head_dim must be even"
+    assert q.stride(-1) == 1 and k.stride(-1) == 1, "q/k head_dim must be contiguous"
+    cos_sin_cache = cos_sin_cache.contiguous()
+    if num_tokens > 0:
+        _rotary_kernel[(num_tokens,)](
+            positions, q, k, cos_sin_cache,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_sin_cache.stride(0),
+            num_q_heads, num_kv_heads,
+            HALF=head_dim // 2, BLOCK_HALF=triton.next_power_of_2(head_dim // 2),
+            BLOCK_HQ=triton.next_power_of_2(num_q_heads), BLOCK_HKV=triton.next_power_of_2(num_kv_heads),
+        )
+    return q, k
+
+
+# --------------------------------------------------------------------------------------------------
+# SiLU and mul
+# --------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, n_cols, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    up = tl.load(x_ptr + row * stride_x + n_cols + cols, mask=mask, other=0.0)
+    g = gate.to(tl.float32)
+    # The reference rounds silu(gate) to the input dtype before the product.
+    act = (g / (1.0 + tl.exp(-g))).to(gate.dtype).to(tl.float32)
+    tl.store(out_ptr + row * stride_out + cols, (act * up.to(tl.float32)).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """``silu(x[..., :I]) * x[..., I:]`` for ``x`` of ``[..., 2I]``."""
+    n_cols = x.shape[-1] // 2
+    x2 = _rows(x)
+    out = torch.empty(x2.shape[0], n_cols, dtype=x.dtype, device=x.device)
+    if x2.shape[0] > 0 and n_cols > 0:
+        block = min(1024, triton.next_power_of_2(n_cols))
+        _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(n_cols, block))](
+            x2, out, x2.stride(0), out.stride(0), n_cols, BLOCK=block, num_warps=4,
+        )
+    return out.view(*x.shape[:-1], n_cols)

@@ -1,0 +1,396 @@
+"""Triton kernels against the PyTorch references (computed on the CPU).
+
+The small-shape tests run the kernels through the ``tk`` fixture (see conftest.py): under the Triton
+interpreter on a machine without CUDA, compiled on a GPU otherwise. The ``gpu`` tests run the compiled
+kernels on realistic shapes (Llama-3-8B heads, bf16) and skip without CUDA.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvloom.kernels import ops
+from kvloom.kernels import reference as ref
+
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+# --------------------------------------------------------------------------------------------------
+# helpers
+# --------------------------------------------------------------------------------------------------
+
+
+def make_paged_cache(seq_lens, block_size, num_kv_heads, head_dim, dtype, device="cpu", spare_blocks=3, seed=0):
+    """Random K/V caches (unused slots hold noise too) and shuffled, non-contiguous block tables."""
+    gen = torch.Generator().manual_seed(seed)
+    blocks_per_seq = [-(-s // block_size) for s in seq_lens]
+    max_blocks = max(max(blocks_per_seq), 1) + 1  # one spare column: tables are wider than needed
+    num_blocks = sum(blocks_per_seq) + spare_blocks
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.randn(shape, generator=gen).to(dtype).to(device)
+    v_cache = torch.randn(shape, generator=gen).to(dtype).to(device)
+    perm = torch.randperm(num_blocks, generator=gen)
+    tables = torch.zeros(len(seq_lens), max_blocks, dtype=torch.int32)
+    used = 0
+    for b, n in enumerate(blocks_per_seq):
+        tables[b, :n] = perm[used : used + n]
+        used += n
+    return k_cache, v_cache, tables.to(device)
+
+
+def qkv_views(num_tokens, num_q_heads, num_kv_heads, head_dim, dtype, device="cpu", seed=1):
+    """q, k, v as strided views of one fused projection output, the way model code produces them."""
+    gen = torch.Generator().manual_seed(seed)
+    width = (num_q_heads + 2 * num_kv_heads) * head_dim
+    qkv = torch.randn(num_tokens, width, generator=gen).to(dtype).to(device)
+    q, k, v = qkv.split([num_q_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
+    return (
+        q.view(num_tokens, num_q_heads, head_dim),
+        k.view(num_tokens, num_kv_heads, head_dim),
+        v.view(num_tokens, num_kv_heads, head_dim),
+    )
+
+
+def decode_reference(q, k_cache, v_cache, tables, seq_lens):
+    """Reference decode (scale ``D ** -0.5``) on the rows with tokens; padding rows (seq_len 0) give zeros."""
+    out = torch.zeros_like(q)
+    live = seq_lens > 0
+    if live.any():
+        out[live] = ref.paged_decode_attention(
+            q[live], k_cache, v_cache, tables[live], seq_lens[live], int(seq_lens.max()), q.shape[-1] ** -0.5
+        )
+    return out
+
+
+def to_device(device, *tensors):
+    return [t.to(device) for t in tensors]
+
+
+def start_locs(query_lens):
+    """``query_start_loc`` (int32 ``[B+1]``) for the given per-sequence query counts."""
+    return torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
+
+
+def upcast(*tensors):
+    return [t.float() for t in tensors]
+
+
+def cos_sin_cache(max_pos, head_dim, device="cpu"):
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    freqs = torch.arange(max_pos, dtype=torch.float32)[:, None] * inv_freq[None, :]
+    return torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(device)
+
+
+HEADS = [(4, 2), (2, 2)]  # (Hq, Hkv): grouped-query and plain multi-head
+# (query_len, seq_len): full prefill, chunk over a cached prefix, one token, longer than a tile, long prefix
+PREFILL_SEQS = [(5, 5), (7, 20), (1, 9), (19, 19), (10, 150)]
+
+
+# --------------------------------------------------------------------------------------------------
+# small shapes: interpreted on the CPU, compiled on a GPU (``tk`` fixture, see conftest.py)
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("block_size", [8, 16])
+def test_write_kv_cache_skips_padding(tk, block_size):
+    num_tokens, hq, hkv, d = 6, 4, 2, 16
+    k_cache, v_cache, _ = make_paged_cache([40], block_size, hkv, d, torch.float32)
+    _, k, v = qkv_views(num_tokens, hq, hkv, d, torch.float32)
+    slots = torch.tensor([3, -1, 17, 0, -1, 2 * block_size + 5], dtype=torch.int32)  # distinct valid slots
+    expect_k, expect_v = k_cache.clone(), v_cache.clone()
+    valid = slots >= 0
+    ref.write_kv_cache(k[valid], v[valid], expect_k, expect_v, slots[valid])
+
+    dk, dv = k_cache.to(tk.device), v_cache.to(tk.device)
+    tk.attention.write_kv_cache(k.to(tk.device), v.to(tk.device), dk, dv, slots.to(tk.device))
+    assert torch.equal(dk.cpu(), expect_k)
+    assert torch.equal(dv.cpu(), expect_v)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("heads", HEADS)
+@pytest.mark.parametrize("block_size", [8, 16])
+def test_decode_matches_reference(tk, block_size, heads, num_splits):
+    hq, hkv = heads
+    d = 16
+    # Zeros are padding rows; lengths are not multiples of the block size; 300 and 130 span several
+    # 64-key tiles, so num_splits=3 really splits them (300: 2 + 2 + 1 tiles, 130: 1 + 1 + 1).
+    seq_lens_list = [13, 0, 1, 300, 0, 130]
+    k_cache, v_cache, tables = make_paged_cache(seq_lens_list, block_size, hkv, d, torch.float32)
+    seq_lens = torch.tensor(seq_lens_list, dtype=torch.int32)
+    q, _, _ = qkv_views(len(seq_lens_list), hq, hkv, d, torch.float32)  # strided view, like model code's
+
+    # max_seq_len is only a hint: pass more than the true maximum, as a CUDA graph would.
+    out = tk.attention.paged_decode_attention(
+        *to_device(tk.device, q, k_cache, v_cache, tables, seq_lens), 512, d**-0.5, num_splits=num_splits
+    ).cpu()
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, decode_reference(q, k_cache, v_cache, tables, seq_lens), atol=1e-4, rtol=1e-4)
+
+
+def test_decode_more_splits_than_tiles(tk):
+    """Most splits are empty (150 keys = 3 tiles over 8 splits) and must not disturb the reduction."""
+    seq_lens_list = [3, 0, 150]
+    k_cache, v_cache, tables = make_paged_cache(seq_lens_list, 8, 2, 16, torch.float32)
+    seq_lens = torch.tensor(seq_lens_list, dtype=torch.int32)
+    q = torch.randn(3, 4, 16)
+    out = tk.attention.paged_decode_attention(
+        *to_device(tk.device, q, k_cache, v_cache, tables, seq_lens), 150, 0.25, num_splits=8
+    ).cpu()
+    torch.testing.assert_close(out, decode_reference(q, k_cache, v_cache, tables, seq_lens), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("heads", HEADS)
+@pytest.mark.parametrize("block_size", [8, 16])
+def test_prefill_matches_reference(tk, block_size, heads):
+    hq, hkv = heads
+    d = 16
+    query_lens = [q for q, _ in PREFILL_SEQS]
+    seq_lens_list = [s for _, s in PREFILL_SEQS]
+    k_cache, v_cache, tables = make_paged_cache(seq_lens_list, block_size, hkv, d, torch.float32)
+    q, _, _ = qkv_views(sum(query_lens), hq, hkv, d, torch.float32)
+    query_start_loc = start_locs(query_lens)
+    seq_lens = torch.tensor(seq_lens_list, dtype=torch.int32)
+
+    out = tk.attention.paged_prefill_attention(
+        *to_device(tk.device, q, k_cache, v_cache, tables, query_start_loc, seq_lens), max(query_lens), d**-0.5
+    ).cpu()
+    expect = ref.paged_prefill_attention(q, k_cache, v_cache, tables, query_lens, seq_lens_list, d**-0.5)
+    torch.testing.assert_close(out, expect, atol=1e-4, rtol=1e-4)
+
+
+def test_prefill_large_query_block(tk):
+    """A chunk of >= 64 queries switches to BLOCK_M = 64; a query block then spans several key tiles."""
+    query_lens, seq_lens_list = [70, 3], [100, 3]
+    k_cache, v_cache, tables = make_paged_cache(seq_lens_list, 16, 2, 32, torch.float32)
+    q = torch.randn(sum(query_lens), 4, 32)
+    seq_lens = torch.tensor(seq_lens_list, dtype=torch.int32)
+    out = tk.attention.paged_prefill_attention(
+        *to_device(tk.device, q, k_cache, v_cache, tables, start_locs(query_lens), seq_lens), 70, 0.2
+    ).cpu()
+    expect = ref.paged_prefill_attention(q, k_cache, v_cache, tables, query_lens, seq_lens_list, 0.2)
+    torch.testing.assert_close(out, expect, atol=1e-4, rtol=1e-4)
+
+
+def test_attention_head_dim_below_dot_minimum(tk):
+    """D=8 is padded to the 16 columns tl.dot needs; the padding must not leak into the results."""
+    query_lens, seq_lens_list = [3, 1], [11, 6]
+    k_cache, v_cache, tables = make_paged_cache(seq_lens_list, 8, 2, 8, torch.float32)
+    seq_lens = torch.tensor(seq_lens_list, dtype=torch.int32)
+    q = torch.randn(4, 4, 8)
+    out = tk.attention.paged_prefill_attention(
+        *to_device(tk.device, q, k_cache, v_cache, tables, start_locs(query_lens), seq_lens), 3, 8**-0.5
+    ).cpu()
+    expect = ref.paged_prefill_attention(q, k_cache, v_cache, tables, query_lens, seq_lens_list, 8**-0.5)
+    torch.testing.assert_close(out, expect, atol=1e-4, rtol=1e-4)
+
+    q = torch.randn(2, 4, 8)
+    out = tk.attention.paged_decode_attention(
+        *to_device(tk.device, q, k_cache, v_cache, tables, seq_lens), 11, 8**-0.5, num_splits=2
+    ).cpu()
+    torch.testing.assert_close(out, decode_reference(q, k_cache, v_cache, tables, seq_lens), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm(tk, dtype, with_residual):
+    x = torch.randn(5, 48).to(dtype)  # 48: not a power of two, exercises the column mask
+    w = (1 + 0.1 * torch.randn(48)).to(dtype)
+    residual = torch.randn(5, 48).to(dtype) if with_residual else None
+    expect = ref.rms_norm(x, w, 1e-6, residual)
+    got = tk.fused.rms_norm(*to_device(tk.device, x, w), 1e-6, None if residual is None else residual.to(tk.device))
+    tol = 1e-5 if dtype == torch.float32 else 1e-3
+    if with_residual:
+        torch.testing.assert_close(got[1].cpu(), expect[1], atol=0, rtol=0)
+        got, expect = got[0], expect[0]
+    torch.testing.assert_close(got.cpu(), expect, atol=tol, rtol=tol)
+
+
+def test_rms_norm_strided_3d(tk):
+    x = torch.randn(2, 3, 64)[:, :, :32]  # non-contiguous rows
+    w = torch.randn(32)
+    got = tk.fused.rms_norm(*to_device(tk.device, x, w), 1e-5).cpu()
+    torch.testing.assert_close(got, ref.rms_norm(x, w, 1e-5), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("heads", HEADS)
+def test_rotary_embedding_on_qkv_views(tk, dtype, heads):
+    hq, hkv = heads
+    q, k, _ = qkv_views(6, hq, hkv, 32, dtype)
+    positions = torch.tensor([0, 5, 1, 99, 7, 3])
+    cache = cos_sin_cache(128, 32)
+    expect_q, expect_k = ref.rotary_embedding(positions, q, k, cache)
+    got_q, got_k = tk.fused.rotary_embedding(*to_device(tk.device, positions, q, k, cache))
+    tol = 1e-5 if dtype == torch.float32 else 1e-3
+    torch.testing.assert_close(got_q.cpu(), expect_q, atol=tol, rtol=tol)
+    torch.testing.assert_close(got_k.cpu(), expect_k, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_silu_and_mul(tk, dtype):
+    x = torch.randn(2, 3, 2 * 40).to(dtype)
+    tol = 1e-5 if dtype == torch.float32 else 1e-3
+    got = tk.fused.silu_and_mul(x.to(tk.device)).cpu()
+    torch.testing.assert_close(got, ref.silu_and_mul(x), atol=tol, rtol=tol)
+
+
+# --------------------------------------------------------------------------------------------------
+# dispatch on the CPU (reference path, no Triton)
+# --------------------------------------------------------------------------------------------------
+
+
+def test_ops_cpu_paths_accept_engine_arguments():
+    """The CPU path takes the same tensors as the CUDA path: padded slots, a loose max_seq_len, no lists."""
+    k_cache, v_cache, tables = make_paged_cache([12, 5], 8, 2, 16, torch.float32)
+    _, k, v = qkv_views(3, 4, 2, 16, torch.float32)
+    before = k_cache.view(-1, 2, 16).clone()
+    ops.write_kv_cache(k, v, k_cache, v_cache, torch.tensor([4, -1, 9], dtype=torch.int32))
+    flat = k_cache.view(-1, 2, 16)
+    assert torch.equal(flat[4], k[0]) and torch.equal(flat[9], k[2])
+    untouched = [i for i in range(flat.shape[0]) if i not in (4, 9)]
+    assert torch.equal(flat[untouched], before[untouched])
+
+    # A padding row (seq_len 0, block table row of zeros) and a max_seq_len far above the longest sequence.
+    q = torch.randn(3, 4, 16)
+    seq_lens = torch.tensor([12, 0, 5], dtype=torch.int32)
+    padded_tables = torch.stack([tables[0], torch.zeros_like(tables[0]), tables[1]])
+    out = ops.paged_decode_attention(q, k_cache, v_cache, padded_tables, seq_lens, 1000, 0.25)
+    torch.testing.assert_close(out, decode_reference(q, k_cache, v_cache, padded_tables, seq_lens))
+
+    q = torch.randn(9, 4, 16)
+    out = ops.paged_prefill_attention(
+        q, k_cache, v_cache, tables, start_locs([4, 5]), torch.tensor([12, 5], dtype=torch.int32), 5, 0.25
+    )
+    torch.testing.assert_close(out, ref.paged_prefill_attention(q, k_cache, v_cache, tables, [4, 5], [12, 5], 0.25))
+
+
+# --------------------------------------------------------------------------------------------------
+# GPU tests: compiled kernels, Llama-3-8B head shapes, bf16
+# --------------------------------------------------------------------------------------------------
+
+GPU_HQ, GPU_HKV, GPU_D = 32, 8, 128
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_gpu_write_kv_cache():
+    from kvloom.kernels import triton_attention
+
+    k_cache, v_cache, _ = make_paged_cache([4096], 16, GPU_HKV, GPU_D, torch.bfloat16, "cuda")
+    _, k, v = qkv_views(300, GPU_HQ, GPU_HKV, GPU_D, torch.bfloat16, "cuda")
+    slots = torch.randperm(4096, device="cuda")[:300].int()
+    slots[::7] = -1
+    expect_k, expect_v = k_cache.clone(), v_cache.clone()
+    valid = slots >= 0
+    ref.write_kv_cache(k[valid], v[valid], expect_k, expect_v, slots[valid])
+    triton_attention.write_kv_cache(k, v, k_cache, v_cache, slots)
+    torch.cuda.synchronize()
+    assert torch.equal(k_cache, expect_k) and torch.equal(v_cache, expect_v)
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("seq_lens_list", [[4096], [1, 17, 0, 513, 2048, 4096, 100, 0], [777] * 64])
+def test_gpu_decode(seq_lens_list):
+    from kvloom.kernels import triton_attention
+
+    k_cache, v_cache, tables = make_paged_cache(seq_lens_list, 16, GPU_HKV, GPU_D, torch.bfloat16, "cuda")
+    seq_lens = torch.tensor(seq_lens_list, dtype=torch.int32, device="cuda")
+    q, _, _ = qkv_views(len(seq_lens_list), GPU_HQ, GPU_HKV, GPU_D, torch.bfloat16, "cuda")
+    expect = decode_reference(*upcast(q, k_cache, v_cache), tables, seq_lens)
+    for num_splits in (None, 1, 7):  # heuristic, forced single pass, forced split-K
+        out = triton_attention.paged_decode_attention(
+            q, k_cache, v_cache, tables, seq_lens, 4096, GPU_D**-0.5, num_splits=num_splits
+        )
+        torch.testing.assert_close(out.float(), expect, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_gpu_decode_cuda_graph_replay():
+    """Captured once with a fixed max_seq_len, replayed with new lengths (including padding rows)."""
+    seq_lens_list = [2000, 3000, 50, 4096]
+    k_cache, v_cache, tables = make_paged_cache(seq_lens_list, 16, GPU_HKV, GPU_D, torch.bfloat16, "cuda")
+    q, _, _ = qkv_views(4, GPU_HQ, GPU_HKV, GPU_D, torch.bfloat16, "cuda")
+    seq_lens = torch.tensor(seq_lens_list, dtype=torch.int32, device="cuda")
+    ops.paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, 4096, GPU_D**-0.5)  # compile outside capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = ops.paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, 4096, GPU_D**-0.5)
+    for new_lens in ([2000, 3000, 50, 4096], [1, 0, 4000, 17]):
+        seq_lens.copy_(torch.tensor(new_lens, dtype=torch.int32))
+        graph.replay()
+        torch.cuda.synchronize()
+        expect = decode_reference(*upcast(q, k_cache, v_cache), tables, seq_lens)
+        torch.testing.assert_close(out.float(), expect, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("block_size", [16, 64])
+def test_gpu_prefill(block_size):
+    from kvloom.kernels import triton_attention
+
+    seqs = [(512, 512), (100, 3000), (1, 4096), (2048, 4096), (333, 333)]
+    query_lens = [q for q, _ in seqs]
+    seq_lens_list = [s for _, s in seqs]
+    k_cache, v_cache, tables = make_paged_cache(seq_lens_list, block_size, GPU_HKV, GPU_D, torch.bfloat16, "cuda")
+    q, _, _ = qkv_views(sum(query_lens), GPU_HQ, GPU_HKV, GPU_D, torch.bfloat16, "cuda")
+    query_start_loc = start_locs(query_lens).cuda()
+    seq_lens = torch.tensor(seq_lens_list, dtype=torch.int32, device="cuda")
+    out = triton_attention.paged_prefill_attention(
+        q, k_cache, v_cache, tables, query_start_loc, seq_lens, max(query_lens), GPU_D**-0.5
+    )
+    qf, kf, vf = upcast(q, k_cache, v_cache)
+    expect = ref.paged_prefill_attention(qf, kf, vf, tables, query_lens, seq_lens_list, GPU_D**-0.5)
+    torch.testing.assert_close(out.float(), expect, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_gpu_attention_float32_is_exact():
+    """float32 inputs use IEEE dots (not tf32), so they match the reference tightly."""
+    from kvloom.kernels import triton_attention
+
+    seq_lens_list = [300, 1000]
+    k_cache, v_cache, tables = make_paged_cache(seq_lens_list, 16, GPU_HKV, GPU_D, torch.float32, "cuda")
+    seq_lens = torch.tensor(seq_lens_list, dtype=torch.int32, device="cuda")
+    q = torch.randn(2, GPU_HQ, GPU_D, device="cuda")
+    out = triton_attention.paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, 1000, GPU_D**-0.5)
+    expect = decode_reference(q, k_cache, v_cache, tables, seq_lens)
+    torch.testing.assert_close(out, expect, atol=1e-4, rtol=1e-4)
+
+    query_lens = [300, 600]  # >= 512: the large-tile prefill configuration is for 16-bit inputs only
+    q = torch.randn(sum(query_lens), GPU_HQ, GPU_D, device="cuda")
+    out = triton_attention.paged_prefill_attention(
+        q, k_cache, v_cache, tables, start_locs(query_lens).cuda(), seq_lens, 600, GPU_D**-0.5
+    )
+    expect = ref.paged_prefill_attention(q, k_cache, v_cache, tables, query_lens, seq_lens_list, GPU_D**-0.5)
+    torch.testing.assert_close(out, expect, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_gpu_fused_ops_through_dispatch():
+    hidden = 4096
+    x = torch.randn(37, hidden, device="cuda", dtype=torch.bfloat16)
+    residual = torch.randn_like(x)
+    w = (1 + 0.1 * torch.randn(hidden, device="cuda")).to(torch.bfloat16)
+    got, got_res = ops.rms_norm(x, w, 1e-5, residual)
+    expect, expect_res = ref.rms_norm(x, w, 1e-5, residual)
+    torch.testing.assert_close(got_res, expect_res, atol=0, rtol=0)
+    torch.testing.assert_close(got, expect, atol=2e-2, rtol=2e-2)
+
+    q, k, _ = qkv_views(37, GPU_HQ, GPU_HKV, GPU_D, torch.bfloat16, "cuda")
+    positions = torch.randint(0, 8192, (37,), device="cuda")
+    cache = cos_sin_cache(8192, GPU_D, "cuda")
+    expect_q, expect_k = ref.rotary_embedding(positions, q.clone(), k.clone(), cache)
+    got_q, got_k = ops.rotary_embedding(positions, q, k, cache)
+    torch.testing.assert_close(got_q, expect_q, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(got_k, expect_k, atol=2e-2, rtol=2e-2)
+
+    x = torch.randn(37, 2 * 14336, device="cuda", dtype=torch.bfloat16)
+    torch.testing.assert_close(ops.silu_and_mul(x), ref.silu_and_mul(x), atol=2e-2, rtol=2e-2)
