@@ -64,6 +64,8 @@ class EngineCore:
             max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=self.max_model_len,
         )
         self.runner = ModelRunner(self.model, kv_caches, config.block_size, self.device, config.seed)
+        if self.device.type == "cuda" and not config.enforce_eager:
+            self.runner.capture_graphs(config.max_num_seqs, self.max_model_len)
         self.last_step_tokens = 0
 
     # --- set-up ------------------------------------------------------------------------------------

@@ -1,6 +1,10 @@
-"""Turns a scheduler plan into flat tensors, runs the model over the paged KV cache, and samples."""
+"""Turns a scheduler plan into flat tensors, runs the model over the paged KV cache, and samples.
+On CUDA, pure-decode steps replay CUDA graphs captured for a ladder of batch sizes."""
 
 from __future__ import annotations
+
+import logging
+import time
 
 import torch
 
@@ -8,6 +12,17 @@ from kvloom.core.attention import AttentionMetadata
 from kvloom.core.messages import TokenLogprobs
 from kvloom.core.sampler import Sampler
 from kvloom.core.scheduler import ScheduledRequest, SchedulerPlan
+
+logger = logging.getLogger("kvloom")
+
+
+def graph_batch_sizes(max_num_seqs: int) -> list[int]:
+    """Batch sizes to capture: 1, 2, 4, 8, then every 16 up to max_num_seqs (and max_num_seqs itself)."""
+    sizes = [b for b in (1, 2, 4, 8) if b <= max_num_seqs]
+    sizes += list(range(16, max_num_seqs + 1, 16))
+    if max_num_seqs not in sizes:
+        sizes.append(max_num_seqs)
+    return sorted(set(sizes))
 
 
 class ModelRunner:
@@ -18,11 +33,12 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self.sampler = Sampler(device, seed)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._pin = device.type == "cuda"
 
-    def prepare(self, scheduled: list[ScheduledRequest]):
-        """Flat inputs for one step; sequences with a single query (decodes) come first."""
+    # --- inputs --------------------------------------------------------------------------------
+    def _host_inputs(self, order: list[ScheduledRequest]):
         bs = self.block_size
-        order = sorted(scheduled, key=lambda s: s.num_new_tokens != 1)
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -43,37 +59,112 @@ class ModelRunner:
             if s.samples:
                 logits_rows.append(query_start[-1] - 1)
         max_blocks = max(len(s.request.block_ids) for s in order)
-        table = torch.zeros(len(order), max_blocks, dtype=torch.int32)
-        for i, s in enumerate(order):
-            table[i, : len(s.request.block_ids)] = torch.tensor(s.request.block_ids, dtype=torch.int32)
-        dev = self.device
+        table = [s.request.block_ids + [0] * (max_blocks - len(s.request.block_ids)) for s in order]
+        return input_ids, positions, slots, query_start, seq_lens, query_lens, logits_rows, table
+
+    def _to_device(self, data, dtype) -> torch.Tensor:
+        t = torch.tensor(data, dtype=dtype)
+        if self._pin:
+            t = t.pin_memory()
+        return t.to(self.device, non_blocking=True)
+
+    def prepare(self, scheduled: list[ScheduledRequest]):
+        """Flat inputs for one step; sequences with a single query (decodes) come first."""
+        order = sorted(scheduled, key=lambda s: s.num_new_tokens != 1)
+        ids, pos, slots, qsl, seq_lens, query_lens, rows, table = self._host_inputs(order)
         meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64).to(dev, non_blocking=True),
-            block_tables=table.to(dev, non_blocking=True),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(dev, non_blocking=True),
-            query_start_loc=torch.tensor(query_start, dtype=torch.int32).to(dev, non_blocking=True),
+            slot_mapping=self._to_device(slots, torch.int64),
+            block_tables=self._to_device(table, torch.int32),
+            seq_lens=self._to_device(seq_lens, torch.int32),
+            query_start_loc=self._to_device(qsl, torch.int32),
             num_decodes=sum(1 for q in query_lens if q == 1),
             max_query_len=max(query_lens),
             max_seq_len=max(seq_lens),
             query_lens_cpu=query_lens,
             seq_lens_cpu=seq_lens,
         )
-        ids = torch.tensor(input_ids, dtype=torch.int64).to(dev, non_blocking=True)
-        pos = torch.tensor(positions, dtype=torch.int64).to(dev, non_blocking=True)
-        rows = torch.tensor(logits_rows, dtype=torch.int64).to(dev, non_blocking=True)
         sampling = [s for s in order if s.samples]
-        return ids, pos, meta, rows, sampling
+        return (self._to_device(ids, torch.int64), self._to_device(pos, torch.int64), meta,
+                self._to_device(rows, torch.int64), sampling)
 
+    # --- execution -----------------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, plan: SchedulerPlan) -> tuple[dict[str, list[int]], dict[str, list[TokenLogprobs]]]:
         """Run one step; returns the sampled token ids (and logprobs, where asked) per request id."""
-        ids, pos, meta, rows, sampling = self.prepare(plan.scheduled)
-        hidden = self.model(ids, pos, meta, self.kv_caches)
+        scheduled = plan.scheduled
+        batch = len(scheduled)
+        if self.graphs and batch <= self._max_graph_batch and all(s.num_new_tokens == 1 for s in scheduled):
+            logits, sampling = self._replay(scheduled)
+        else:
+            ids, pos, meta, rows, sampling = self.prepare(scheduled)
+            hidden = self.model(ids, pos, meta, self.kv_caches)
+            logits = self.model.compute_logits(hidden[rows]) if sampling else None
         if not sampling:
             return {}, {}
-        logits = self.model.compute_logits(hidden[rows])
         requests = [s.request for s in sampling]
         tokens, logprobs = self.sampler(logits, requests)
         sampled = {r.request_id: [t] for r, t in zip(requests, tokens)}
         lps = {r.request_id: [lp] for r, lp in zip(requests, logprobs) if lp is not None}
         return sampled, lps
+
+    # --- CUDA graphs ---------------------------------------------------------------------------
+    @torch.inference_mode()
+    def capture_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
+        """Capture one graph per decode batch size (model forward + logits), largest first so the
+        smaller ones reuse its memory pool."""
+        sizes = graph_batch_sizes(max_num_seqs)
+        max_b = sizes[-1]
+        max_blocks = -(-max_model_len // self.block_size)
+        dev = self.device
+        self._static = {
+            "ids": torch.zeros(max_b, dtype=torch.int64, device=dev),
+            "pos": torch.zeros(max_b, dtype=torch.int64, device=dev),
+            "slots": torch.full((max_b,), -1, dtype=torch.int64, device=dev),
+            "table": torch.zeros(max_b, max_blocks, dtype=torch.int32, device=dev),
+            "seq_lens": torch.zeros(max_b, dtype=torch.int32, device=dev),
+            "qsl": torch.arange(max_b + 1, dtype=torch.int32, device=dev),
+        }
+        self._max_graph_batch = max_b
+        self._max_model_len = max_model_len
+        self._logits: dict[int, torch.Tensor] = {}
+        pool = torch.cuda.graph_pool_handle()
+        t0 = time.perf_counter()
+        for b in reversed(sizes):
+            meta = self._static_meta(b)
+            s = self._static
+            for _ in range(2):  # warm up (Triton autotune/compile) outside the capture
+                self.model.compute_logits(self.model(s["ids"][:b], s["pos"][:b], meta, self.kv_caches))
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                hidden = self.model(s["ids"][:b], s["pos"][:b], meta, self.kv_caches)
+                self._logits[b] = self.model.compute_logits(hidden)
+            self.graphs[b] = graph
+        torch.cuda.synchronize()
+        logger.info("Captured CUDA graphs for %d decode batch sizes (1..%d) in %.1fs",
+                    len(sizes), max_b, time.perf_counter() - t0)
+
+    def _static_meta(self, b: int) -> AttentionMetadata:
+        s = self._static
+        return AttentionMetadata(
+            slot_mapping=s["slots"][:b], block_tables=s["table"][:b], seq_lens=s["seq_lens"][:b],
+            query_start_loc=s["qsl"][: b + 1], num_decodes=b, max_query_len=1,
+            max_seq_len=self._max_model_len, query_lens_cpu=[1] * b, seq_lens_cpu=[self._max_model_len] * b,
+        )
+
+    def _replay(self, scheduled: list[ScheduledRequest]):
+        batch = len(scheduled)
+        b = next(size for size in sorted(self.graphs) if size >= batch)
+        ids, pos, slots, _, seq_lens, _, _, table = self._host_inputs(scheduled)
+        pad = b - batch
+        s = self._static
+        s["ids"][:b].copy_(self._to_device(ids + [0] * pad, torch.int64), non_blocking=True)
+        s["pos"][:b].copy_(self._to_device(pos + [0] * pad, torch.int64), non_blocking=True)
+        s["slots"][:b].copy_(self._to_device(slots + [-1] * pad, torch.int64), non_blocking=True)
+        s["seq_lens"][:b].copy_(self._to_device(seq_lens + [0] * pad, torch.int32), non_blocking=True)
+        width = len(table[0])
+        s["table"][:batch, :width].copy_(self._to_device(table, torch.int32), non_blocking=True)
+        self.graphs[b].replay()
+        rows = [i for i, sc in enumerate(scheduled) if sc.samples]
+        logits = self._logits[b][:batch] if len(rows) == batch else self._logits[b][rows]
+        return logits, [scheduled[i] for i in rows]

@@ -52,8 +52,11 @@ class IncrementalText:
 
     def __init__(self, tokenizer, stop: list[str] | None = None, skip_special_tokens: bool = True,
                  include_stop_str_in_output: bool = False) -> None:
+        self._tokenizer = tokenizer
         self._backend = tokenizer.backend_tokenizer
+        self._skip_special = skip_special_tokens
         self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+        self.token_ids: list[int] = []
         self.stop = list(stop or [])
         self.include_stop = include_stop_str_in_output
         self._hold = max((len(s) for s in self.stop), default=1) - 1
@@ -66,10 +69,17 @@ class IncrementalText:
         ``stopped_by`` is set and the text ends at (or after, if asked) the stop string."""
         if self.stopped_by is not None:
             return ""
+        self.token_ids.extend(token_ids)
         for t in token_ids:
             piece = self._stream.step(self._backend, t)
             if piece:
                 self.text += piece
+        if final:
+            # The stream holds back bytes of an unfinished character; at the end they decode as
+            # replacement characters, exactly as a one-shot decode of all the tokens would show them.
+            full = self._tokenizer.decode(self.token_ids, skip_special_tokens=self._skip_special)
+            if full.startswith(self.text):
+                self.text = full
         if self.stop:
             search_from = max(0, self.emitted - self._hold)
             hits = [(i, s) for s in self.stop if (i := self.text.find(s, search_from)) != -1]

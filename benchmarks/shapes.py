@@ -1,0 +1,50 @@
+"""Real model shapes for benchmarks with dummy weights (no checkpoint download needed)."""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+
+SHAPES = {
+    "llama-3-8b": dict(
+        architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=4096, intermediate_size=14336,
+        num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
+        max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=False,
+        bos_token_id=128000, eos_token_id=128001,
+    ),
+    "llama-2-7b": dict(
+        architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=4096, intermediate_size=11008,
+        num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32, vocab_size=32000,
+        max_position_embeddings=4096, rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False,
+        bos_token_id=1, eos_token_id=2,
+    ),
+    "qwen3-0.6b": dict(
+        architectures=["Qwen3ForCausalLM"], model_type="qwen3", hidden_size=1024, intermediate_size=3072,
+        num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128, vocab_size=151936,
+        max_position_embeddings=40960, rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=True,
+        bos_token_id=151643, eos_token_id=151645,
+    ),
+}
+
+
+def shape_folder(name: str) -> Path:
+    """A folder holding just the config.json of a known shape (enough for ``--load-format dummy``)."""
+    if name not in SHAPES:
+        raise SystemExit(f"unknown shape {name!r}; known: {sorted(SHAPES)}")
+    folder = Path(tempfile.gettempdir()) / "kvloom-shapes" / name
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(SHAPES[name], indent=2))
+    return folder
+
+
+def model_for_benchmark(model: str | None, shape: str | None) -> tuple[str, str, int]:
+    """(model path or name, load format, vocab size) for the benchmark's arguments."""
+    if shape:
+        return str(shape_folder(shape)), "dummy", SHAPES[shape]["vocab_size"]
+    from kvloom.core.config import DEFAULT_MODEL
+    from kvloom.core.loader import load_hf_config
+    from kvloom.core.model_files import resolve_model
+
+    model = model or DEFAULT_MODEL
+    return model, "auto", load_hf_config(resolve_model(model)).vocab_size

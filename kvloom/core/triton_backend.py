@@ -1,0 +1,33 @@
+"""Attention on CUDA through the Triton kernels (the backend ``get_attention_backend`` picks on GPUs)."""
+
+from __future__ import annotations
+
+import torch
+
+from kvloom.core.attention import AttentionMetadata
+from kvloom.kernels import triton_attention
+
+
+class TritonAttentionBackend:
+    name = "triton"
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        k_cache, v_cache = kv_cache
+        triton_attention.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+        if meta.num_decodes == meta.num_seqs:
+            # ``max_seq_len`` is only a hint for the split count; CUDA graphs capture with a fixed one.
+            return triton_attention.paged_decode_attention(
+                q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.max_seq_len, scale
+            )
+        # Mixed batches: the prefill kernel handles single-query sequences too, in one launch.
+        return triton_attention.paged_prefill_attention(
+            q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, meta.max_query_len, scale
+        )
