@@ -47,10 +47,21 @@ def run_kvloom(args, model: str, load_format: str, prompts, outputs) -> dict:
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in outputs]
     llm.generate(prompts[: min(4, len(prompts))], params[: min(4, len(prompts))], use_tqdm=False)  # warm-up
     _sync()
+    profiler = None
+    if args.profile:
+        import cProfile
+
+        profiler = cProfile.Profile()
+        profiler.enable()
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=not args.quiet)
     _sync()
     elapsed = time.perf_counter() - t0
+    if profiler is not None:
+        import pstats
+
+        profiler.disable()
+        pstats.Stats(profiler, stream=sys.stderr).sort_stats("tottime").print_stats(25)
     n_out = sum(len(o.token_ids) for o in outs)
     assert n_out == sum(outputs), "kvloom produced a different number of tokens than asked for"
     n_in = sum(len(p) for p in prompts)
@@ -142,6 +153,7 @@ def main() -> None:
     p.add_argument("--skip-hf", action="store_true")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quiet", action="store_true")
+    p.add_argument("--profile", action="store_true", help="Print where kvloom's host time goes (cProfile).")
     args = p.parse_args()
 
     model, load_format, vocab = model_for_benchmark(args.model, args.shape)

@@ -14,7 +14,7 @@ from kvloom.core.config import DEFAULT_MODEL, EngineConfig
 from kvloom.core.engine_core import EngineCore
 from kvloom.core.messages import AddRequest, TokenLogprobs
 from kvloom.core.sampling_params import SamplingParams
-from kvloom.frontends.text import IncrementalText, apply_chat_template, load_tokenizer
+from kvloom.frontends.text import IncrementalText, apply_chat_template, has_tokenizer, load_tokenizer
 
 
 @dataclass
@@ -71,7 +71,9 @@ class LLM:
     def __init__(self, model: str = DEFAULT_MODEL, *, config: EngineConfig | None = None, **options: Any) -> None:
         self.config = config or EngineConfig(model=model, **options)
         self.engine = EngineCore(self.config)
-        self.tokenizer = load_tokenizer(self.config.model, self.config.tokenizer)
+        # Without a tokenizer (a config-only folder for dummy weights) prompts must be token ids.
+        self.tokenizer = (load_tokenizer(self.config.model, self.config.tokenizer)
+                          if self.config.tokenizer or has_tokenizer(self.config.model) else None)
         self._ids = itertools.count()
 
     def generate(
@@ -87,7 +89,7 @@ class LLM:
         encoded = []
         for p in prompts:
             if isinstance(p, str):
-                encoded.append((p, self.tokenizer.encode(p, add_special_tokens=True)))
+                encoded.append((p, self._require_tokenizer().encode(p, add_special_tokens=True)))
             else:
                 encoded.append((None, list(p)))
         return self._run(encoded, sampling_params, use_tqdm)
@@ -105,9 +107,15 @@ class LLM:
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         encoded = []
         for conv in conversations:
-            ids = apply_chat_template(self.tokenizer, list(conv), add_generation_prompt)
+            ids = apply_chat_template(self._require_tokenizer(), list(conv), add_generation_prompt)
             encoded.append((self.tokenizer.decode(ids), ids))
         return self._run(encoded, sampling_params, use_tqdm)
+
+    def _require_tokenizer(self):
+        if self.tokenizer is None:
+            raise ValueError(f"model {self.config.model!r} has no tokenizer: give prompts as token ids "
+                             "or pass tokenizer=PATH")
+        return self.tokenizer
 
     # ---------------------------------------------------------------------------------------------
     def _run(self, encoded, sampling_params, use_tqdm: bool) -> list[RequestOutput]:
@@ -116,6 +124,8 @@ class LLM:
         params = list(sampling_params) if isinstance(sampling_params, Sequence) else [sampling_params] * len(encoded)
         if len(params) != len(encoded):
             raise ValueError(f"got {len(params)} SamplingParams for {len(encoded)} prompts")
+        if self.tokenizer is None and any(p.stop for p in params):
+            raise ValueError("stop strings need a tokenizer; this model has none (use stop_token_ids)")
         engine = self.engine
         results: list[RequestOutput] = []
         states: dict[str, tuple[RequestOutput, CompletionOutput, IncrementalText]] = {}
@@ -132,8 +142,9 @@ class LLM:
                     admitted.append(rid)
                     comp = CompletionOutput(i, "", [], None, logprobs=[] if sp.logprobs is not None else None)
                     out.outputs.append(comp)
-                    states[rid] = (out, comp, IncrementalText(self.tokenizer, sp.stop, sp.skip_special_tokens,
-                                                               sp.include_stop_str_in_output))
+                    text = (IncrementalText(self.tokenizer, sp.stop, sp.skip_special_tokens,
+                                            sp.include_stop_str_in_output) if self.tokenizer else None)
+                    states[rid] = (out, comp, text)
                 results.append(out)
         except Exception:
             engine.abort_requests(admitted)
@@ -151,14 +162,17 @@ class LLM:
                     comp.token_ids.extend(delta.new_token_ids)
                     if delta.logprobs and comp.logprobs is not None:
                         comp.logprobs.extend(delta.logprobs)
-                    comp.text += text.add_tokens(delta.new_token_ids, final=delta.finish_reason is not None)
                     finish = delta.finish_reason
-                    if text.stopped_by is not None and finish is None:
-                        engine.abort_requests([delta.request_id])
-                        finish = "stop"
+                    stop_string = None
+                    if text is not None:
+                        comp.text += text.add_tokens(delta.new_token_ids, final=finish is not None)
+                        stop_string = text.stopped_by
+                        if stop_string is not None and finish is None:
+                            engine.abort_requests([delta.request_id])
+                            finish = "stop"
                     if finish is not None:
                         comp.finish_reason = finish
-                        comp.stop_reason = text.stopped_by if text.stopped_by is not None else delta.stop_token_id
+                        comp.stop_reason = stop_string if stop_string is not None else delta.stop_token_id
                         out.num_cached_tokens = delta.num_cached_tokens
                         del states[delta.request_id]
                         if all(c.finish_reason for c in out.outputs):

@@ -11,13 +11,38 @@ import torch
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 
+PROMPT_LENGTHS = (3, 9, 17, 40, 64, 100, 130, 7)
+
+
+def _prompts():
+    rng = random.Random(0)
+    return [[rng.randrange(3, 384) for _ in range(n)] for n in PROMPT_LENGTHS]
+
+
+def test_float32_greedy_parity_is_exact_on_gpu(tiny_llama):
+    """Same kernels, graphs and scheduling as bf16, but in float32: token for token like the CPU."""
+    from kvloom import LLM, SamplingParams
+    from tests.conftest import hf_greedy
+
+    prompts = _prompts()
+    expected = hf_greedy(tiny_llama, prompts, 16)  # float32 on the CPU: the reference
+    llm = LLM(str(tiny_llama), dtype="float32", device="cuda", max_num_seqs=16, kv_cache_memory_gib=0.25)
+    assert llm.engine.runner.graphs, "CUDA graphs were not captured"
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True), use_tqdm=False)
+    assert [o.token_ids for o in outs] == expected
+    # Chunked prefill (mixed prefill/decode batches through the prefill kernel) too.
+    llm = LLM(str(tiny_llama), dtype="float32", device="cuda", max_num_seqs=16, max_num_batched_tokens=24,
+              kv_cache_memory_gib=0.25)
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True), use_tqdm=False)
+    assert [o.token_ids for o in outs] == expected
+
+
 def test_bf16_greedy_parity_with_transformers_on_gpu(tiny_llama):
     from transformers import AutoModelForCausalLM
 
     from kvloom import LLM, SamplingParams
 
-    rng = random.Random(0)
-    prompts = [[rng.randrange(3, 384) for _ in range(n)] for n in (3, 9, 17, 40, 64, 100, 130, 7)]
+    prompts = _prompts()
     hf = AutoModelForCausalLM.from_pretrained(str(tiny_llama), dtype=torch.bfloat16).cuda().eval()
     hf.generation_config.eos_token_id = None
     expected, hf_first_logprobs = [], []
@@ -29,13 +54,16 @@ def test_bf16_greedy_parity_with_transformers_on_gpu(tiny_llama):
             expected.append(out.sequences[0, len(p):].tolist())
             hf_first_logprobs.append(torch.log_softmax(out.scores[0][0].float(), -1))
 
-    llm = LLM(str(tiny_llama), dtype="bfloat16", device="cuda", max_num_seqs=16)
+    llm = LLM(str(tiny_llama), dtype="bfloat16", device="cuda", max_num_seqs=16, kv_cache_memory_gib=0.25)
     assert llm.engine.runner.graphs, "CUDA graphs were not captured"
     assert llm.engine.model.layers[0].self_attn.backend.name == "triton"
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=5),
                         use_tqdm=False)
+    # bf16 rounding differs between any two implementations, so a near-tie can flip a later token:
+    # the first token must agree everywhere and whole sequences on most prompts.
+    assert all(o.token_ids[0] == e[0] for o, e in zip(outs, expected))
     same = sum(o.token_ids == e for o, e in zip(outs, expected))
-    assert same >= len(prompts) - 1, f"only {same}/{len(prompts)} prompts matched transformers token for token"
+    assert same > len(prompts) // 2, f"only {same}/{len(prompts)} prompts matched transformers token for token"
     for out, ref in zip(outs, hf_first_logprobs):
         first = out.outputs[0].logprobs[0]
         for top in first.top:

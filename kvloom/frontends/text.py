@@ -11,6 +11,15 @@ from tokenizers.decoders import DecodeStream
 from kvloom.core.model_files import cache_dir, resolve_model
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def has_tokenizer(model: str) -> bool:
+    """Whether the model ships a tokenizer (a config-only folder for dummy weights does not)."""
+    path = resolve_model(model)
+    return path.suffix == ".gguf" or any((path / name).exists() for name in TOKENIZER_FILES)
+
+
 def load_tokenizer(model: str, tokenizer: str | None = None):
     """A Hugging Face fast tokenizer from a folder or from a GGUF file's embedded vocabulary.
 
