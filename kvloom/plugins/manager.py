@@ -237,11 +237,13 @@ class PluginManager:
         rows = []
         for name, plugin in sorted(self.available.items(), key=lambda kv: _listing_key(kv[1])):
             info = plugin.info
+            values = self.options.get(name, {})
             rows.append({
                 "name": name, "kind": info.kind if info else None, "origin": plugin.origin,
                 "enabled": name in self.enabled.values(), "default": name in DEFAULTS.values(),
                 "description": info.description if info else None, "error": plugin.error,
-                "options": [{"name": o.name, "default": o.default, "help": o.help, "choices": list(o.choices)}
+                "options": [{"name": o.name, "default": o.default, "help": o.help, "choices": list(o.choices),
+                             **({"value": values[o.name]} if o.name in values else {})}
                             for o in (info.options if info else ())],
                 "conflicts": dict(info.conflicts) if info else {},
             })
@@ -273,8 +275,8 @@ def _check_option(plugin: str, option: PluginOption, value: Any) -> Any:
 
 def format_listing(rows: list[dict[str, Any]]) -> str:
     """``engine plugins`` as text: one line per plugin, then its options and conflicts, indented."""
-    lines = []
     width = max(len(r["name"]) for r in rows)
+    lines = [f"{'NAME':<{width}}  {'KIND':<13} ORIGIN"]
     for r in rows:
         marks = ", ".join(m for m, on in (("enabled", r["enabled"]), ("default", r["default"])) if on)
         head = f"{r['name']:<{width}}  {(r['kind'] or 'broken'):<13} {r['origin']}"
@@ -282,7 +284,8 @@ def format_listing(rows: list[dict[str, Any]]) -> str:
         lines.append(f"{'':<{width}}  {r['error'] and 'error: ' + r['error'] or r['description']}")
         for o in r["options"]:
             choices = f" (one of {o['choices']})" if o["choices"] else ""
-            lines.append(f"{'':<{width}}    option {o['name']} = {o['default']!r}: {o['help']}{choices}")
+            value = f" [set: {o['value']!r}]" if "value" in o and o["value"] != o["default"] else ""
+            lines.append(f"{'':<{width}}    option {o['name']} = {o['default']!r}{value}: {o['help']}{choices}")
         for other, reason in r["conflicts"].items():
             lines.append(f"{'':<{width}}    conflicts with {other}: {reason}")
     return "\n".join(lines)
