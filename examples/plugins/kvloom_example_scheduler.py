@@ -7,27 +7,23 @@ from __future__ import annotations
 from typing import Any
 
 from kvloom.core.request import Request
+from kvloom.core.scheduler import RankedPolicy
 from kvloom.plugins import hookimpl
 from kvloom.plugins.info import PluginInfo, PluginOption
 
 
-class ShortestOutputFirst:
+class ShortestOutputFirst(RankedPolicy):
+    """RankedPolicy admits in ascending rank and preempts the highest rank first."""
+
     name = "shortest_output"
 
     def __init__(self, max_wait_s: float) -> None:
         self.max_wait_s = max_wait_s
 
-    def _key(self, request: Request, now: float) -> tuple:
+    def rank(self, request: Request, now: float) -> tuple:
         if now - request.arrival_time >= self.max_wait_s:
             return (0, request.arrival_order)  # overdue: oldest first, ahead of everything else
         return (1, request.max_tokens, request.arrival_order)
-
-    def waiting_order(self, waiting: list[Request], now: float) -> list[Request]:
-        return sorted(waiting, key=lambda r: self._key(r, now))
-
-    def select_victim(self, running: list[Request], now: float) -> Request:
-        # The request this policy would admit last gives its blocks up first.
-        return max(running, key=lambda r: self._key(r, now))
 
 
 @hookimpl

@@ -3,16 +3,18 @@ tokens as the budget allows. Pure bookkeeping: no tensors here."""
 
 from __future__ import annotations
 
+import abc
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Protocol
+from typing import Any, Callable, Protocol
 
 from kvloom.core.kv_cache import KVCacheManager
 from kvloom.core.request import Request, RequestStatus
 
 
 class SchedulingPolicy(Protocol):
-    """What a scheduler plugin provides (kvloom/plugins/builtin/fcfs.py is the simplest one).
+    """What a scheduler plugin provides (kvloom/plugins/builtin/fcfs.py is the simplest one; most
+    policies subclass ``RankedPolicy`` below).
 
     A policy may also define ``may_preempt(waiting, running) -> bool``: when the first request in
     waiting order cannot get KV blocks, the scheduler preempts ``select_victim(running, now)`` for it
@@ -29,6 +31,23 @@ class SchedulingPolicy(Protocol):
     def select_victim(self, running: list[Request], now: float) -> Request:
         """The running request to preempt when KV blocks run out (it is recomputed later)."""
         ...
+
+
+class RankedPolicy(abc.ABC):
+    """A policy from one ranking: waiting requests are admitted in ascending ``rank`` and the running
+    request with the highest rank is preempted first. Subclasses define ``name`` and ``rank``."""
+
+    name: str
+
+    @abc.abstractmethod
+    def rank(self, request: Request, now: float) -> Any:
+        """A sortable key; lower is admitted sooner and preempted later."""
+
+    def waiting_order(self, waiting: list[Request], now: float) -> list[Request]:
+        return sorted(waiting, key=lambda r: self.rank(r, now))
+
+    def select_victim(self, running: list[Request], now: float) -> Request:
+        return max(running, key=lambda r: self.rank(r, now))
 
 
 @dataclass

@@ -3,20 +3,18 @@
 from __future__ import annotations
 
 from kvloom.core.request import Request
+from kvloom.core.scheduler import RankedPolicy
 from kvloom.plugins import hookimpl
 from kvloom.plugins.info import PluginInfo
 
 
-class FCFSPolicy:
+class FCFSPolicy(RankedPolicy):
     """Admit in order of arrival; preempt the newest running request first."""
 
     name = "fcfs"
 
-    def waiting_order(self, waiting: list[Request], now: float) -> list[Request]:
-        return sorted(waiting, key=lambda r: r.arrival_order)
-
-    def select_victim(self, running: list[Request], now: float) -> Request:
-        return max(running, key=lambda r: r.arrival_order)
+    def rank(self, request: Request, now: float) -> int:
+        return request.arrival_order
 
 
 @hookimpl

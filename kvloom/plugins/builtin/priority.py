@@ -5,11 +5,12 @@ from __future__ import annotations
 from typing import Any
 
 from kvloom.core.request import Request
+from kvloom.core.scheduler import RankedPolicy
 from kvloom.plugins import hookimpl
 from kvloom.plugins.info import PluginInfo, PluginOption
 
 
-class PriorityPolicy:
+class PriorityPolicy(RankedPolicy):
     """Order by (priority, arrival); the victim is the lowest-priority (largest value), newest request.
     With ``preempt_for_waiting``, a waiting request that cannot get KV blocks preempts running requests
     of strictly lower priority instead of waiting for them to finish."""
@@ -19,15 +20,8 @@ class PriorityPolicy:
     def __init__(self, preempt_for_waiting: bool = True) -> None:
         self.preempt_for_waiting = preempt_for_waiting
 
-    @staticmethod
-    def _key(r: Request) -> tuple[int, int]:
-        return (r.priority, r.arrival_order)
-
-    def waiting_order(self, waiting: list[Request], now: float) -> list[Request]:
-        return sorted(waiting, key=self._key)
-
-    def select_victim(self, running: list[Request], now: float) -> Request:
-        return max(running, key=self._key)
+    def rank(self, request: Request, now: float) -> tuple[int, int]:
+        return (request.priority, request.arrival_order)
 
     def may_preempt(self, waiting: Request, running: Request) -> bool:
         # Strictly lower priority only: equals never preempt each other, so nothing thrashes.

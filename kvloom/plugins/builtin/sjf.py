@@ -6,11 +6,12 @@ from typing import Any
 
 from kvloom.core.config import ConfigError
 from kvloom.core.request import Request
+from kvloom.core.scheduler import RankedPolicy
 from kvloom.plugins import hookimpl
 from kvloom.plugins.info import PluginInfo, PluginOption
 
 
-class ShortestPromptFirstPolicy:
+class ShortestPromptFirstPolicy(RankedPolicy):
     """Order by prompt length minus ``aging_tokens_per_s`` for every second waited since arrival: a
     request's place improves steadily while it waits, so a long prompt overtakes newer short ones after
     (its length - theirs) / aging_tokens_per_s seconds. The victim is the request that would be admitted
@@ -21,14 +22,9 @@ class ShortestPromptFirstPolicy:
     def __init__(self, aging_tokens_per_s: float = 100.0) -> None:
         self.aging_tokens_per_s = aging_tokens_per_s
 
-    def _key(self, r: Request, now: float) -> tuple[float, int]:
-        return (r.num_prompt_tokens - self.aging_tokens_per_s * (now - r.arrival_time), r.arrival_order)
-
-    def waiting_order(self, waiting: list[Request], now: float) -> list[Request]:
-        return sorted(waiting, key=lambda r: self._key(r, now))
-
-    def select_victim(self, running: list[Request], now: float) -> Request:
-        return max(running, key=lambda r: self._key(r, now))
+    def rank(self, request: Request, now: float) -> tuple[float, int]:
+        waited = now - request.arrival_time
+        return (request.num_prompt_tokens - self.aging_tokens_per_s * waited, request.arrival_order)
 
 
 @hookimpl
