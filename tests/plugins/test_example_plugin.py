@@ -1,5 +1,8 @@
 """The example third-party package (examples/plugins), pip-installed from a copy: found through its
-``kvloom.plugins`` entry point, listed by ``engine plugins``, and scheduling requests."""
+``kvloom.plugins`` entry point, listed by ``engine plugins``, and scheduling requests.
+
+pip installs it into a temporary site directory (``--target``) that the checks' Python processes put
+on their path, so the shared environment is never changed, even when the test is interrupted."""
 
 from __future__ import annotations
 
@@ -26,32 +29,29 @@ print(json.dumps({"policy": llm.engine.scheduler.policy.name, "order": order}))
 """
 
 
-def _python(*args: str) -> str:
-    # This checkout's kvloom, whatever kvloom the environment has installed.
-    env = dict(os.environ, PYTHONPATH=str(REPO))
+def _python(site: Path, *args: str) -> str:
+    # This checkout's kvloom (whatever kvloom the environment has installed) and the installed example.
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), str(site)]))
     done = subprocess.run([sys.executable, *args], capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0, done.stderr
     return done.stdout
 
 
 @pytest.fixture
-def example_installed(tmp_path):
-    copy = tmp_path / "example"
+def example_site(tmp_path) -> Path:
+    copy, site = tmp_path / "example", tmp_path / "site"
     shutil.copytree(REPO / "examples" / "plugins", copy)
-    pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "--quiet"]
-    subprocess.run([*pip, "install", "--no-deps", "--no-build-isolation", str(copy)], check=True, timeout=300)
-    try:
-        yield
-    finally:
-        subprocess.run([*pip, "uninstall", "--yes", PACKAGE], check=True, timeout=300)
+    subprocess.run([sys.executable, "-m", "pip", "--disable-pip-version-check", "--quiet", "install", "--no-deps",
+                    "--no-build-isolation", "--target", str(site), str(copy)], check=True, timeout=300)
+    return site
 
 
-def test_example_package_is_found_through_its_entry_point_and_schedules(example_installed, tiny_llama):
-    rows = {r["name"]: r for r in json.loads(_python("-m", "kvloom.cli", "plugins", "--json"))}
+def test_example_package_is_found_through_its_entry_point_and_schedules(example_site, tiny_llama):
+    rows = {r["name"]: r for r in json.loads(_python(example_site, "-m", "kvloom.cli", "plugins", "--json"))}
     row = rows["shortest_output"]
     assert row["kind"] == "scheduler" and row["error"] is None
     assert row["origin"] == f"entry point of {PACKAGE} 0.1.0"
     assert [o["name"] for o in row["options"]] == ["max_wait_s"]
 
-    result = json.loads(_python("-c", GENERATE, str(tiny_llama)).splitlines()[-1])
+    result = json.loads(_python(example_site, "-c", GENERATE, str(tiny_llama)).splitlines()[-1])
     assert result == {"policy": "shortest_output", "order": [1, 2, 0]}  # smallest max_tokens first
