@@ -101,6 +101,8 @@ class PluginManager:
     def _add_entry_points(self) -> None:
         for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
             origin = f"entry point of {ep.dist.name} {ep.dist.version}" if ep.dist else "entry point"
+            if self._name_taken(ep.name, origin):
+                continue
             try:
                 plugin = ep.load()
             except Exception as e:  # a broken third-party plugin must not stop engines that do not use it
@@ -108,10 +110,14 @@ class PluginManager:
                 continue
             self._add(ep.name, plugin, origin)
 
-    def _add(self, name: str, plugin: object, origin: str) -> None:
+    def _name_taken(self, name: str, origin: str) -> bool:
         if name in self.available:
             logger.warning("plugin name %r (%s) is taken by the plugin from %s; ignoring it",
                            name, origin, self.available[name].origin)
+        return name in self.available
+
+    def _add(self, name: str, plugin: object, origin: str) -> None:
+        if self._name_taken(name, origin):
             return
         try:
             self._pm.register(plugin, name=name)

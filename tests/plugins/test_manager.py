@@ -143,7 +143,9 @@ def test_broken_plugins_are_listed_and_cannot_be_enabled():
         def kvloom_plugin_infos(self):
             return None
 
-    manager = PluginManager(extra_plugins={"noinfo": NoInfo(), "wrong": WrongHook(), "typo": Misspelt()})
+    manager = PluginManager(extra_plugins={"noinfo": NoInfo(), "wrong": WrongHook(), "typo": Misspelt(),
+                                           "fcfs": Misspelt()})
+    assert manager.available["fcfs"].origin == "built-in"  # a clashing name never replaces a plugin
     errors = {r["name"]: r["error"] for r in manager.listing() if r["error"]}
     assert "does not implement kvloom_plugin_info" in errors["noinfo"]
     assert "a scheduler plugin implements kvloom_scheduler_policy and no other" in errors["wrong"]
