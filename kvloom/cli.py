@@ -1,5 +1,6 @@
 """The ``engine`` command. Flags are generated from ``EngineConfig``; ``--config FILE.toml`` takes the
-same keys. Subcommands: ``generate`` (offline prompts from a file or flags) and ``chat`` (terminal)."""
+same keys. Subcommands: ``generate`` (offline prompts from a file or flags), ``chat`` (terminal) and
+``plugins`` (list the available plugins)."""
 
 from __future__ import annotations
 
@@ -25,8 +26,6 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--config", metavar="FILE.toml", help="Read engine options from a TOML file.")
     hints = typing.get_type_hints(EngineConfig)
     for f in dataclasses.fields(EngineConfig):
-        if f.name == "plugin_options":
-            continue
         hint = hints[f.name]
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
         help_text = f"{f.metadata['help']} (default: {default!r})"
@@ -38,7 +37,7 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
         elif f.name == "plugins":
             kw["type"] = _split_names
             kw["metavar"] = "A,B"
-        elif f.name == "hf_overrides":
+        elif f.name in ("hf_overrides", "plugin_options"):
             kw["type"] = json.loads
             kw["metavar"] = "JSON"
         else:
@@ -80,6 +79,11 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--max-tokens", type=int, default=512)
     chat.add_argument("--temperature", type=float, default=0.7)
     add_engine_flags(chat)
+
+    plugins = sub.add_parser("plugins", help="List every available plugin: its kind, origin and options "
+                                             "(with --plugins/--config: also check that combination).")
+    plugins.add_argument("--json", action="store_true", help="Print JSON instead of text.")
+    add_engine_flags(plugins)
     return parser
 
 
@@ -90,11 +94,20 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 0
+    from kvloom.plugins.manager import PluginManager
+
     try:
         config = config_from_args(args)
+        plugins = PluginManager.from_config(config)  # unknown plugins and conflicts fail before a model loads
     except (ConfigError, ValueError, OSError) as e:
         print(f"engine: error: {e}", file=sys.stderr)
         return 2
+    if args.command == "plugins":
+        from kvloom.plugins.manager import format_listing
+
+        rows = plugins.listing()
+        print(json.dumps(rows, indent=2) if args.json else format_listing(rows))
+        return 0
     if args.command == "generate":
         return _generate(args, config)
     if args.command == "chat":

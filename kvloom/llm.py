@@ -82,8 +82,11 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         use_tqdm: bool = True,
+        priority: int | Sequence[int] = 0,
     ) -> list[RequestOutput]:
-        """Complete each prompt (text or token ids). Outputs come back in the order of ``prompts``."""
+        """Complete each prompt (text or token ids). Outputs come back in the order of ``prompts``.
+        ``priority`` (one for all, or one per prompt; lower runs first) matters under the ``priority``
+        scheduler plugin."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         encoded = []
@@ -92,7 +95,7 @@ class LLM:
                 encoded.append((p, self._require_tokenizer().encode(p, add_special_tokens=True)))
             else:
                 encoded.append((None, list(p)))
-        return self._run(encoded, sampling_params, use_tqdm)
+        return self._run(encoded, sampling_params, use_tqdm, priority)
 
     def chat(
         self,
@@ -101,15 +104,16 @@ class LLM:
         *,
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
+        priority: int | Sequence[int] = 0,
     ) -> list[RequestOutput]:
         """Answer one conversation (a list of ``{"role", "content"}``) or several, through the model's
-        chat template."""
+        chat template. ``priority`` is as for ``generate``."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         encoded = []
         for conv in conversations:
             ids = apply_chat_template(self._require_tokenizer(), list(conv), add_generation_prompt)
             encoded.append((self.tokenizer.decode(ids), ids))
-        return self._run(encoded, sampling_params, use_tqdm)
+        return self._run(encoded, sampling_params, use_tqdm, priority)
 
     def _require_tokenizer(self):
         if self.tokenizer is None:
@@ -118,12 +122,11 @@ class LLM:
         return self.tokenizer
 
     # ---------------------------------------------------------------------------------------------
-    def _run(self, encoded, sampling_params, use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, encoded, sampling_params, use_tqdm: bool, priority: int | Sequence[int]) -> list[RequestOutput]:
         if sampling_params is None:
             sampling_params = SamplingParams()
-        params = list(sampling_params) if isinstance(sampling_params, Sequence) else [sampling_params] * len(encoded)
-        if len(params) != len(encoded):
-            raise ValueError(f"got {len(params)} SamplingParams for {len(encoded)} prompts")
+        params = _per_prompt(sampling_params, len(encoded), "SamplingParams")
+        priorities = _per_prompt(priority, len(encoded), "priorities")
         if self.tokenizer is None and any(p.stop for p in params):
             raise ValueError("stop strings need a tokenizer; this model has none (use stop_token_ids)")
         engine = self.engine
@@ -132,13 +135,13 @@ class LLM:
         admitted: list[str] = []
         try:
             # Admit everything first, so a bad prompt fails the call before any work is done.
-            for (text, ids), sp in zip(encoded, params):
+            for (text, ids), sp, prio in zip(encoded, params, priorities):
                 out = RequestOutput(str(next(self._ids)), text, ids, [])
                 for i in range(sp.n):
                     sub = sp if sp.n == 1 else _with(sp, n=1, seed=None if sp.seed is None else sp.seed + i)
                     rid = out.request_id if sp.n == 1 else f"{out.request_id}-{i}"
                     engine.add_request(AddRequest(request_id=rid, prompt_token_ids=ids, sampling=sub,
-                                                  arrival_time=out.metrics.arrival_time))
+                                                  priority=prio, arrival_time=out.metrics.arrival_time))
                     admitted.append(rid)
                     comp = CompletionOutput(i, "", [], None, logprobs=[] if sp.logprobs is not None else None)
                     out.outputs.append(comp)
@@ -183,6 +186,14 @@ class LLM:
             if states:  # interrupted: leave nothing running in the engine
                 engine.abort_requests(list(states))
         return results
+
+
+def _per_prompt(value: Any, n: int, what: str) -> list:
+    """One value per prompt from a single value or a sequence of them."""
+    values = list(value) if isinstance(value, Sequence) else [value] * n
+    if len(values) != n:
+        raise ValueError(f"got {len(values)} {what} for {n} prompts")
+    return values
 
 
 def _with(sp: SamplingParams, **changes: Any) -> SamplingParams:

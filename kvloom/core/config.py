@@ -42,7 +42,8 @@ class EngineConfig:
     seed: int = _opt(0, "Seed for dummy weights and for sampling of requests without their own seed.")
     enforce_eager: bool = _opt(False, "Never capture CUDA graphs.")
     plugins: list[str] = _opt([], "Optional plugins to enable, e.g. prefix_cache.")
-    plugin_options: dict[str, dict[str, Any]] = _opt({}, "Per-plugin options ([plugins.NAME] in the config file).")
+    plugin_options: dict[str, dict[str, Any]] = _opt({}, "Per-plugin options, e.g. {\"sjf\": {\"aging_tokens_per_s\": 50}} "
+                                                     "([plugins.NAME] tables in the config file).")
     hf_overrides: dict[str, Any] = _opt({}, "Overrides applied to the model's config (e.g. for dummy shapes).")
 
     def validate(self) -> None:

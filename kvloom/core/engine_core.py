@@ -11,13 +11,14 @@ import torch
 from kvloom.core import capacity
 from kvloom.core.attention import get_attention_backend
 from kvloom.core.config import ConfigError, EngineConfig
-from kvloom.core.kv_cache import FreeListAllocator, KVCacheManager
+from kvloom.core.kv_cache import KVCacheManager
 from kvloom.core.loader import build_model, is_gguf, load_hf_config
 from kvloom.core.messages import AddRequest, EngineStats, TokenDelta
 from kvloom.core.model_files import resolve_model
 from kvloom.core.model_runner import ModelRunner
 from kvloom.core.request import Request, RequestStatus
-from kvloom.core.scheduler import FCFSPolicy, Scheduler
+from kvloom.core.scheduler import Scheduler
+from kvloom.plugins.manager import PluginManager
 
 logger = logging.getLogger("kvloom")
 
@@ -33,6 +34,7 @@ class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
         config.validate()
         self.config = config
+        self.plugins = PluginManager.from_config(config)  # an unknown name or a conflict fails before loading
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.model_path = resolve_model(config.model)
@@ -58,11 +60,17 @@ class EngineCore:
              torch.zeros(shape, dtype=self.dtype, device=self.device))
             for _ in range(layers)
         ]
-        self.kv = KVCacheManager(FreeListAllocator(self.capacity.num_blocks), config.block_size)
+        # --- plugins: KV allocator, prefix cache, scheduling policy ---
+        self.kv = KVCacheManager(
+            self.plugins.make_kv_allocator(self.capacity.num_blocks, config), config.block_size,
+            self.plugins.make_prefix_cache(config.block_size, config),
+        )
         self.scheduler = Scheduler(
-            self.kv, FCFSPolicy(), max_num_seqs=config.max_num_seqs,
+            self.kv, self.plugins.make_scheduler_policy(config), max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=self.max_model_len,
         )
+        logger.info("Plugins: %s", ", ".join(f"{kind}={name}" for kind, name in self.plugins.enabled.items()))
+        # --- end of plugins ---
         self.runner = ModelRunner(self.model, kv_caches, config.block_size, self.device, config.seed)
         if self.device.type == "cuda" and not config.enforce_eager:
             self.runner.capture_graphs(config.max_num_seqs, self.max_model_len)
@@ -190,12 +198,19 @@ class EngineCore:
         return deltas
 
     def stats(self) -> EngineStats:
+        sched = self.scheduler
         return EngineStats(
-            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+            num_running=len(sched.running), num_waiting=len(sched.waiting),
             num_free_blocks=self.kv.num_free_blocks(), num_total_blocks=self.kv.num_blocks,
-            kv_usage=self.kv.usage(), num_preemptions=self.scheduler.num_preemptions,
+            kv_usage=self.kv.usage(), num_preemptions=sched.num_preemptions,
+            prefix_cache_queries=sched.prefix_cache_queries, prefix_cache_hits=sched.prefix_cache_hits,
             step_tokens=self.last_step_tokens,
         )
+
+    def reset_prefix_cache(self) -> bool:
+        """Empty the prefix cache (e.g. between benchmark runs). False when no prefix cache is enabled or
+        while requests are in flight (they hold cached blocks): call again when idle."""
+        return self.kv.reset_prefix_cache()
 
 
 def resolve_device(name: str) -> torch.device:

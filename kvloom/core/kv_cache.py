@@ -1,92 +1,71 @@
-"""Paged KV-cache bookkeeping: the block allocator interface, the default free-list allocator, and the
-manager that gives each request its block table. No tensors here: the model runner owns the memory."""
+"""Paged KV-cache bookkeeping: the block-allocator and prefix-cache interfaces (their plugins live in
+kvloom/plugins/builtin) and the manager that gives each request its block table. No tensors here: the
+model runner owns the memory."""
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from typing import Callable, Protocol, Sequence
 
 from kvloom.core.request import Request
 
 
 class BlockAllocator(Protocol):
-    """What a KV-allocator plugin provides: reference-counted blocks ``0..num_blocks-1``.
+    """What a KV-allocator plugin provides: reference-counted blocks ``0..num_blocks-1``
+    (kvloom/plugins/builtin/free_list.py is the default).
 
     ``allocate`` hands out blocks with a reference count of one; ``share`` adds a reference (a
     prefix-cache hit may revive a block that is free but still holds cached KV); ``free`` drops one
     reference per block and a block with none left becomes free again. ``free`` receives a request's
     blocks in the order they should be reused (the allocator may keep its own order).
     ``on_evict`` is called with a block id whenever a free block is handed out again, so a prefix cache
-    can forget what the block held.
+    can forget what the block held; the engine sets it when a prefix cache is enabled.
     """
 
     num_blocks: int
     on_evict: Callable[[int], None] | None
 
-    def num_free(self) -> int: ...
-    def ref_count(self, block_id: int) -> int: ...
-    def allocate(self, n: int) -> list[int]: ...
-    def share(self, block_ids: Sequence[int]) -> None: ...
-    def free(self, block_ids: Sequence[int]) -> None: ...
-
-
-class FreeListAllocator:
-    """The default allocator: an LRU-ordered free queue (freed blocks go to the back, allocation takes
-    from the front), so blocks that held cached prefixes are reused as late as possible."""
-
-    def __init__(self, num_blocks: int) -> None:
-        self.num_blocks = num_blocks
-        self.ref_counts = [0] * num_blocks
-        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
-        self.on_evict: Callable[[int], None] | None = None
-
     def num_free(self) -> int:
-        return len(self._free)
+        """Blocks with no reference (free, cached or not)."""
+        ...
 
-    def ref_count(self, block_id: int) -> int:
-        return self.ref_counts[block_id]
+    def ref_count(self, block_id: int) -> int: ...
 
     def allocate(self, n: int) -> list[int]:
-        if n > len(self._free):
-            raise MemoryError(f"asked for {n} KV blocks with only {len(self._free)} free")
-        out = []
-        for _ in range(n):
-            block, _ = self._free.popitem(last=False)
-            self.ref_counts[block] = 1
-            if self.on_evict is not None:
-                self.on_evict(block)
-            out.append(block)
-        return out
+        """``n`` free blocks, each now with one reference; MemoryError when fewer are free (the manager
+        checks ``num_free`` first)."""
+        ...
 
     def share(self, block_ids: Sequence[int]) -> None:
-        for block in block_ids:
-            if self.ref_counts[block] == 0:
-                del self._free[block]
-            self.ref_counts[block] += 1
+        """One more reference to each block; a free block leaves the free pool without being evicted."""
+        ...
 
     def free(self, block_ids: Sequence[int]) -> None:
-        for block in block_ids:
-            self.ref_counts[block] -= 1
-            if self.ref_counts[block] == 0:
-                self._free[block] = None
-            elif self.ref_counts[block] < 0:
-                raise RuntimeError(f"KV block {block} freed more often than allocated")
+        """One reference fewer to each block; RuntimeError for a block that had none."""
+        ...
 
 
 class PrefixCache(Protocol):
-    """What a prefix-caching plugin provides to the KV-cache manager (see plugins/builtin/prefix_cache.py)."""
+    """What a prefix-caching plugin provides to the KV-cache manager (kvloom/plugins/builtin/prefix_cache.py).
+    Only full blocks are cached; the manager owns reference counts, so a cached block in use by one
+    request is never freed by another."""
 
     def lookup(self, request: Request) -> list[int]:
-        """Blocks holding the longest cached prefix of the request's tokens (full blocks only);
-        the manager shares them with the request."""
+        """Blocks holding the longest cached prefix of ``request.all_token_ids`` (full blocks only, in
+        order); the manager shares them with the request."""
         ...
 
-    def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
-        """Record the request's blocks that ``num_computed_tokens`` has filled completely."""
+    def cache_blocks(self, request: Request, start_block: int, end_block: int) -> None:
+        """Record ``request.block_ids[start_block:end_block]``, which now hold computed KV for full
+        blocks of ``request.all_token_ids``."""
         ...
 
-    def evict(self, block_id: int) -> None: ...
-    def reset(self) -> bool: ...
+    def evict(self, block_id: int) -> None:
+        """The allocator hands this free block out again: forget what it held."""
+        ...
+
+    def reset(self) -> bool:
+        """Forget every cached block (the manager calls it only when no block is in use)."""
+        ...
 
 
 class KVCacheManager:
@@ -138,9 +117,13 @@ class KVCacheManager:
             request.block_ids.extend(self.allocator.allocate(need))
         return True
 
-    def cache_blocks(self, request: Request) -> None:
+    def cache_blocks(self, request: Request, num_new_tokens: int) -> None:
+        """Offer the blocks that the last ``num_new_tokens`` computed tokens filled to the prefix cache."""
         if self.prefix_cache is not None:
-            self.prefix_cache.cache_blocks(request, request.num_computed_tokens)
+            end = request.num_computed_tokens
+            start_block, end_block = (end - num_new_tokens) // self.block_size, end // self.block_size
+            if end_block > start_block:
+                self.prefix_cache.cache_blocks(request, start_block, end_block)
 
     def free(self, request: Request) -> None:
         # Later blocks are the least likely to be shared again: free them first so they are reused first.
@@ -148,4 +131,8 @@ class KVCacheManager:
         request.block_ids = []
 
     def reset_prefix_cache(self) -> bool:
-        return self.prefix_cache.reset() if self.prefix_cache is not None else False
+        """Empty the prefix cache. False, with nothing changed, when there is no prefix cache or when
+        blocks are in use (requests in flight hold cached blocks: retry when the engine is idle)."""
+        if self.prefix_cache is None or self.allocator.num_free() != self.allocator.num_blocks:
+            return False
+        return self.prefix_cache.reset()

@@ -90,6 +90,11 @@ class EngineStats(msgspec.Struct, omit_defaults=True, kw_only=True):
     prefix_cache_hits: int = 0
     step_tokens: int = 0
 
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        """Prompt tokens served from the prefix cache / prompt tokens looked up (0 before any lookup)."""
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+
 
 class StepOutputs(_Msg):
     """Everything one engine step produced for one frontend."""

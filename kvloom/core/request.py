@@ -60,6 +60,7 @@ class Request:
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at first admission
         self.num_preemptions = 0
         self.block_ids: list[int] = []
+        self.block_hashes: list = []  # chained hashes of full blocks, filled in by the prefix cache
         self.stop_token_id: int | None = None
         self.generator = None  # per-request torch.Generator for seeded sampling (set by the runner)
         self.first_scheduled_time: float | None = None

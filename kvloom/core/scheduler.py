@@ -3,38 +3,51 @@ tokens as the budget allows. Pure bookkeeping: no tensors here."""
 
 from __future__ import annotations
 
+import abc
 import time
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Callable, Protocol
 
 from kvloom.core.kv_cache import KVCacheManager
 from kvloom.core.request import Request, RequestStatus
 
 
 class SchedulingPolicy(Protocol):
-    """What a scheduler plugin provides: the order of the waiting queue and the preemption victim."""
+    """What a scheduler plugin provides (kvloom/plugins/builtin/fcfs.py is the simplest one; most
+    policies subclass ``RankedPolicy`` below).
+
+    A policy may also define ``may_preempt(waiting, running) -> bool``: when the first request in
+    waiting order cannot get KV blocks, the scheduler preempts ``select_victim(running, now)`` for it
+    while ``may_preempt`` says yes. Without that method, waiting requests never preempt running ones.
+    """
 
     name: str
 
     def waiting_order(self, waiting: list[Request], now: float) -> list[Request]:
-        """The waiting requests in the order they should be admitted."""
+        """The waiting requests (new and preempted) in the order they should be admitted. ``now`` is
+        the scheduler's clock, comparable with ``Request.arrival_time``."""
         ...
 
-    def select_victim(self, running: list[Request]) -> Request:
-        """The running request to preempt when KV blocks run out."""
+    def select_victim(self, running: list[Request], now: float) -> Request:
+        """The running request to preempt when KV blocks run out (it is recomputed later)."""
         ...
 
 
-class FCFSPolicy:
-    """First come, first served; the newest running request is preempted first."""
+class RankedPolicy(abc.ABC):
+    """A policy from one ranking: waiting requests are admitted in ascending ``rank`` and the running
+    request with the highest rank is preempted first. Subclasses define ``name`` and ``rank``."""
 
-    name = "fcfs"
+    name: str
+
+    @abc.abstractmethod
+    def rank(self, request: Request, now: float) -> Any:
+        """A sortable key; lower is admitted sooner and preempted later."""
 
     def waiting_order(self, waiting: list[Request], now: float) -> list[Request]:
-        return sorted(waiting, key=lambda r: r.arrival_order)
+        return sorted(waiting, key=lambda r: self.rank(r, now))
 
-    def select_victim(self, running: list[Request]) -> Request:
-        return max(running, key=lambda r: r.arrival_order)
+    def select_victim(self, running: list[Request], now: float) -> Request:
+        return max(running, key=lambda r: self.rank(r, now))
 
 
 @dataclass
@@ -75,16 +88,21 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         max_model_len: int,
+        clock: Callable[[], float] = time.time,
     ) -> None:
         self.kv = kv
         self.policy = policy
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
+        self.clock = clock
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        # Prompt tokens looked up in the prefix cache, and found, at each request's first admission.
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
 
     # ---------------------------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -109,6 +127,7 @@ class Scheduler:
         plan = SchedulerPlan()
         budget = self.max_num_batched_tokens
         scheduled: dict[str, ScheduledRequest] = {}
+        now = self.clock()
 
         for req in list(self.running):
             if budget == 0:
@@ -117,12 +136,8 @@ class Scheduler:
                 continue
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
             while not self.kv.allocate_slots(req, num_new):
-                victim = self.policy.select_victim(self.running)
-                undone = scheduled.pop(victim.request_id, None)
-                if undone is not None:
-                    budget += undone.num_new_tokens
-                self._preempt(victim)
-                plan.preempted.append(victim)
+                victim = self.policy.select_victim(self.running, now)
+                budget += self._preempt(victim, plan, scheduled)
                 if victim is req:
                     break
             else:
@@ -130,34 +145,53 @@ class Scheduler:
                 budget -= num_new
 
         if not plan.preempted:
-            now = time.time()
             for req in self.policy.waiting_order(self.waiting, now):
                 if budget == 0 or len(self.running) >= self.max_num_seqs:
                     break
                 computed = self.kv.get_computed_blocks(req)
                 num_computed = len(computed) * self.kv.block_size
                 num_new = min(req.num_tokens - num_computed, budget)
-                if not self.kv.allocate_slots(req, num_new, computed):
+                fits = self.kv.allocate_slots(req, num_new, computed)
+                while not fits and (victim := self._admission_victim(req, now)) is not None:
+                    budget += self._preempt(victim, plan, scheduled)
+                    fits = self.kv.allocate_slots(req, num_new, computed)
+                if not fits:
                     break  # the head of the queue waits for blocks; nobody jumps it
-                self.waiting.remove(req)
-                if req.num_preemptions == 0:
-                    req.num_cached_tokens = num_computed
-                req.num_computed_tokens = num_computed
-                req.status = RequestStatus.RUNNING
-                if req.first_scheduled_time is None:
-                    req.first_scheduled_time = now
-                self.running.append(req)
+                self._admit(req, num_computed, now)
                 scheduled[req.request_id] = ScheduledRequest(req, num_new, self._samples(req, num_new))
                 budget -= num_new
 
         plan.scheduled = list(scheduled.values())
         return plan
 
+    def _admit(self, req: Request, num_computed: int, now: float) -> None:
+        self.waiting.remove(req)
+        if req.num_preemptions == 0:
+            req.num_cached_tokens = num_computed
+            if self.kv.prefix_cache is not None:
+                self.prefix_cache_queries += req.num_tokens
+                self.prefix_cache_hits += num_computed
+        req.num_computed_tokens = num_computed
+        req.status = RequestStatus.RUNNING
+        if req.first_scheduled_time is None:
+            req.first_scheduled_time = now
+        self.running.append(req)
+
+    def _admission_victim(self, req: Request, now: float) -> Request | None:
+        """The running request that ``req`` may preempt to get blocks, if the policy allows one."""
+        may_preempt = getattr(self.policy, "may_preempt", None)
+        if may_preempt is None or not self.running:
+            return None
+        victim = self.policy.select_victim(self.running, now)
+        return victim if may_preempt(req, victim) else None
+
     @staticmethod
     def _samples(req: Request, num_new: int) -> bool:
         return req.num_computed_tokens + num_new == req.num_tokens
 
-    def _preempt(self, req: Request) -> None:
+    def _preempt(self, req: Request, plan: SchedulerPlan, scheduled: dict[str, ScheduledRequest]) -> int:
+        """Free a running request's blocks and send it back to wait (it is recomputed later); returns
+        the budget it gives back if it was already scheduled in this step."""
         self.running.remove(req)
         self.kv.free(req)
         req.status = RequestStatus.PREEMPTED
@@ -165,6 +199,9 @@ class Scheduler:
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.append(req)
+        plan.preempted.append(req)
+        undone = scheduled.pop(req.request_id, None)
+        return undone.num_new_tokens if undone is not None else 0
 
     # ---------------------------------------------------------------------------------------------
     def update(self, plan: SchedulerPlan, sampled: dict[str, list[int]]) -> list[FinishedUpdate]:
@@ -175,7 +212,7 @@ class Scheduler:
             if req.status is not RequestStatus.RUNNING:
                 continue
             req.num_computed_tokens += s.num_new_tokens
-            self.kv.cache_blocks(req)
+            self.kv.cache_blocks(req, s.num_new_tokens)
             if not s.samples:
                 continue
             new_tokens = []
