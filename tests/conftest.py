@@ -24,6 +24,8 @@ TINY_FAMILIES = {
         rope_theta=500000.0)),
     # Qwen2: q/k/v biases, tied embeddings.
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(tie_word_embeddings=True, rope_theta=10000.0)),
+    # Mistral: the Llama layout under its own architecture name (no sliding window in this config).
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(tie_word_embeddings=False, sliding_window=None)),
     # Qwen3: per-head q/k norms and a head_dim that is not hidden/heads.
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(tie_word_embeddings=False, head_dim=32, rope_theta=10000.0)),
 }
@@ -57,14 +59,15 @@ def make_tokenizer(path: Path) -> None:
     fast.save_pretrained(str(path))
 
 
-def make_tiny_model(path: Path, family: str, seed: int = 0) -> Path:
+def make_tiny_model(path: Path, family: str, seed: int = 0, max_shard_size: str | None = None) -> Path:
     import transformers
 
     cls_name, arch, extra = TINY_FAMILIES[family]
     config = getattr(transformers, cls_name)(**TINY_COMMON, **extra, architectures=[arch])
     torch.manual_seed(seed)
     model = getattr(transformers, arch)(config).eval()
-    model.save_pretrained(str(path), safe_serialization=True)
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(str(path), safe_serialization=True, **kwargs)
     make_tokenizer(path)
     return path
 

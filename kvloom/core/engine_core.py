@@ -82,6 +82,15 @@ class EngineCore:
         wanted = self.config.max_model_len or model_max
         if wanted > model_max:
             raise ConfigError(f"max_model_len={wanted} exceeds the model's max_position_embeddings={model_max}")
+        # Sliding-window attention is not implemented: stay inside the window, where it equals full attention.
+        window = getattr(self.hf_config, "sliding_window", None)
+        uses_window = self.hf_config.model_type == "mistral" or getattr(self.hf_config, "use_sliding_window", False)
+        if window and uses_window and wanted > window:
+            if self.config.max_model_len:
+                raise ConfigError(f"max_model_len={wanted} exceeds the model's sliding_window={window}, "
+                                  "and sliding-window attention is not supported")
+            logger.warning("Capping max_model_len at the model's sliding_window=%d", window)
+            wanted = window
         return wanted
 
     def _kv_capacity(self) -> capacity.KVCapacity:
