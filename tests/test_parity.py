@@ -52,3 +52,21 @@ def test_greedy_parity_under_preemption(reference):
     assert llm.engine.scheduler.num_preemptions > 0
     assert got == expected
     assert llm.engine.kv.num_free_blocks() == 14
+
+
+def test_greedy_parity_with_async_scheduling(reference):
+    path, prompts, expected = reference
+    # The next step is scheduled before the previous one's tokens reach the host: with chunked
+    # prefill and preemption the tokens must not change, and every block must come back.
+    llm, got = _kvloom(path, prompts, async_scheduling="on", max_num_batched_tokens=7, block_size=8,
+                       num_kv_blocks=14, plugins=["prefix_cache"])
+    assert got == expected
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert llm.engine.kv.num_free_blocks() == 14
+    # With room to keep them, the second pass is served from the prefix cache, still token for token.
+    llm, got = _kvloom(path, prompts, async_scheduling="on", max_num_batched_tokens=7, block_size=8,
+                       num_kv_blocks=64, plugins=["prefix_cache"])
+    again = [o.token_ids for o in llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=MAX_NEW,
+                                                                        ignore_eos=True), use_tqdm=False)]
+    assert got == expected and again == expected
+    assert llm.engine.scheduler.prefix_cache_hits > 0

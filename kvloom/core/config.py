@@ -41,6 +41,9 @@ class EngineConfig:
     num_kv_blocks: int | None = _opt(None, "Exact number of KV blocks (overrides the memory-based size).")
     seed: int = _opt(0, "Seed for dummy weights and for sampling of requests without their own seed.")
     enforce_eager: bool = _opt(False, "Never capture CUDA graphs.")
+    async_scheduling: str = _opt("auto", "Schedule the next step while the device runs the current one "
+                                 "(auto: on for CUDA, where it hides the host's work).",
+                                 choices=("auto", "on", "off"))
     plugins: list[str] = _opt([], "Optional plugins to enable, e.g. prefix_cache.")
     plugin_options: dict[str, dict[str, Any]] = _opt({}, "Per-plugin options, e.g. {\"sjf\": {\"aging_tokens_per_s\": 50}} "
                                                      "([plugins.NAME] tables in the config file).")

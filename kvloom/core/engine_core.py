@@ -75,6 +75,9 @@ class EngineCore:
         if self.device.type == "cuda" and not config.enforce_eager:
             self.runner.capture_graphs(config.max_num_seqs, self.max_model_len)
         self.last_step_tokens = 0
+        self.async_scheduling = config.async_scheduling == "on" or (
+            config.async_scheduling == "auto" and self.device.type == "cuda")
+        self._in_flight: tuple | None = None  # (plan, launched step) not yet resolved
 
     # --- set-up ------------------------------------------------------------------------------------
     def _resolve_max_model_len(self) -> int:
@@ -183,18 +186,43 @@ class EngineCore:
         ]
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self._in_flight is not None
 
     # --- the loop body -----------------------------------------------------------------------------
     def step(self) -> list[TokenDelta]:
+        """Schedule, run and sample one step. With async scheduling the step is launched and the
+        previous one's tokens are returned, so the host's work overlaps the device's."""
+        deltas: list[TokenDelta] = []
+        if self._in_flight is not None and not self._can_overlap():
+            deltas += self._resolve(*self._in_flight)
+            self._in_flight = None
         plan = self.scheduler.schedule()
-        if not plan:
-            self.last_step_tokens = 0
-            return []
-        sampled, logprobs = self.runner.execute(plan)
         self.last_step_tokens = plan.num_tokens
+        launched = None
+        if plan:
+            launched = (plan, self.runner.launch(plan))
+            self.scheduler.advance(plan)
+        if self._in_flight is not None:
+            deltas += self._resolve(*self._in_flight)
+            self._in_flight = None
+        if launched is not None:
+            if self.async_scheduling:
+                self._in_flight = launched
+            else:
+                deltas += self._resolve(*launched)
+        return deltas
+
+    def _can_overlap(self) -> bool:
+        """Penalties need every earlier token on the host, so such requests wait for each step."""
+        if not self.async_scheduling:
+            return False
+        return not any(r.sampling.repetition_penalty != 1.0 or r.sampling.presence_penalty
+                       or r.sampling.frequency_penalty for r in self.scheduler.running)
+
+    def _resolve(self, plan, launched) -> list[TokenDelta]:
+        sampled, logprobs = launched.fetch()
         deltas = []
-        for u in self.scheduler.update(plan, sampled):
+        for u in self.scheduler.resolve(plan, sampled):
             req = u.request
             lps = logprobs.get(req.request_id)
             deltas.append(TokenDelta(

@@ -117,10 +117,11 @@ class KVCacheManager:
             request.block_ids.extend(self.allocator.allocate(need))
         return True
 
-    def cache_blocks(self, request: Request, num_new_tokens: int) -> None:
-        """Offer the blocks that the last ``num_new_tokens`` computed tokens filled to the prefix cache."""
+    def cache_blocks(self, request: Request, num_new_tokens: int, end: int | None = None) -> None:
+        """Offer the blocks that ``num_new_tokens`` computed tokens ending at ``end`` (default: all the
+        computed ones) filled to the prefix cache."""
         if self.prefix_cache is not None:
-            end = request.num_computed_tokens
+            end = request.num_computed_tokens if end is None else end
             start_block, end_block = (end - num_new_tokens) // self.block_size, end // self.block_size
             if end_block > start_block:
                 self.prefix_cache.cache_blocks(request, start_block, end_block)

@@ -10,7 +10,8 @@ import torch
 
 from kvloom.core.attention import AttentionMetadata
 from kvloom.core.messages import TokenLogprobs
-from kvloom.core.sampler import Sampler
+from kvloom.core.request import PLACEHOLDER
+from kvloom.core.sampler import SampleResult, Sampler
 from kvloom.core.scheduler import ScheduledRequest, SchedulerPlan
 
 logger = logging.getLogger("kvloom")
@@ -35,6 +36,10 @@ class ModelRunner:
         self.sampler = Sampler(device, seed)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._pin = device.type == "cuda"
+        # The previous step's sampled tokens on the device, and each request's row in them: inputs that
+        # are still placeholders on the host are filled from here without waiting for the copy back.
+        self._prev_tokens: torch.Tensor | None = None
+        self._prev_rows: dict[str, int] = {}
 
     # --- inputs --------------------------------------------------------------------------------
     def _host_inputs(self, order: list[ScheduledRequest]):
@@ -84,13 +89,19 @@ class ModelRunner:
             seq_lens_cpu=seq_lens,
         )
         sampling = [s for s in order if s.samples]
-        return (self._to_device(ids, torch.int64), self._to_device(pos, torch.int64), meta,
-                self._to_device(rows, torch.int64), sampling)
+        ids_dev = self._to_device([max(t, 0) for t in ids], torch.int64)
+        self._fill_placeholders(ids, order, ids_dev)
+        return ids_dev, self._to_device(pos, torch.int64), meta, self._to_device(rows, torch.int64), sampling
 
     # --- execution -----------------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, plan: SchedulerPlan) -> tuple[dict[str, list[int]], dict[str, list[TokenLogprobs]]]:
-        """Run one step; returns the sampled token ids (and logprobs, where asked) per request id."""
+        """Run one step and wait for it; returns the sampled token ids (and logprobs) per request id."""
+        return self.launch(plan).fetch()
+
+    @torch.inference_mode()
+    def launch(self, plan: SchedulerPlan) -> "StepResult":
+        """Queue one step on the device and return at once; ``fetch()`` on the result waits for it."""
         scheduled = plan.scheduled
         batch = len(scheduled)
         if self.graphs and batch <= self._max_graph_batch and all(s.num_new_tokens == 1 for s in scheduled):
@@ -100,12 +111,36 @@ class ModelRunner:
             hidden = self.model(ids, pos, meta, self.kv_caches)
             logits = self.model.compute_logits(hidden[rows]) if sampling else None
         if not sampling:
-            return {}, {}
+            self._prev_tokens, self._prev_rows = None, {}
+            return StepResult([], None)
         requests = [s.request for s in sampling]
-        tokens, logprobs = self.sampler(logits, requests)
-        sampled = {r.request_id: [t] for r, t in zip(requests, tokens)}
-        lps = {r.request_id: [lp] for r, lp in zip(requests, logprobs) if lp is not None}
-        return sampled, lps
+        result = self.sampler.sample(logits, requests)
+        result.start_copy()
+        self._prev_tokens = result.tokens
+        self._prev_rows = {r.request_id: i for i, r in enumerate(requests)}
+        return StepResult(requests, result)
+
+    def _fill_placeholders(self, ids_host: list[int], order: list[ScheduledRequest], ids_dev: torch.Tensor) -> None:
+        """Replace placeholder inputs with the previous step's sampled tokens, on the device."""
+        dst, src = [], []
+        offset = 0
+        for s in order:
+            req = s.request
+            start = req.num_computed_tokens
+            # Only a request's newest two tokens can still be placeholders.
+            for j in range(max(0, s.num_new_tokens - 2), s.num_new_tokens):
+                if ids_host[offset + j] == PLACEHOLDER:
+                    row = self._prev_rows.get(req.request_id)
+                    if row is None or self._prev_tokens is None:
+                        raise RuntimeError(f"request {req.request_id!r} has an unresolved token at position "
+                                           f"{start + j} that the previous step did not sample")
+                    dst.append(offset + j)
+                    src.append(row)
+            offset += s.num_new_tokens
+        if dst:
+            dst_t = self._to_device(dst, torch.int64)
+            src_t = self._to_device(src, torch.int64)
+            ids_dev.index_copy_(0, dst_t, self._prev_tokens.index_select(0, src_t))
 
     # --- CUDA graphs ---------------------------------------------------------------------------
     @torch.inference_mode()
@@ -158,7 +193,8 @@ class ModelRunner:
         ids, pos, slots, _, seq_lens, _, _, table = self._host_inputs(scheduled)
         pad = b - batch
         s = self._static
-        s["ids"][:b].copy_(self._to_device(ids + [0] * pad, torch.int64), non_blocking=True)
+        s["ids"][:b].copy_(self._to_device([max(t, 0) for t in ids] + [0] * pad, torch.int64), non_blocking=True)
+        self._fill_placeholders(ids, scheduled, s["ids"])
         s["pos"][:b].copy_(self._to_device(pos + [0] * pad, torch.int64), non_blocking=True)
         s["slots"][:b].copy_(self._to_device(slots + [-1] * pad, torch.int64), non_blocking=True)
         s["seq_lens"][:b].copy_(self._to_device(seq_lens + [0] * pad, torch.int32), non_blocking=True)
@@ -168,3 +204,19 @@ class ModelRunner:
         rows = [i for i, sc in enumerate(scheduled) if sc.samples]
         logits = self._logits[b][:batch] if len(rows) == batch else self._logits[b][rows]
         return logits, [scheduled[i] for i in rows]
+
+
+class StepResult:
+    """A launched step: ``fetch()`` waits for its tokens and maps them to request ids."""
+
+    def __init__(self, requests, sample: SampleResult | None) -> None:
+        self.requests = requests
+        self.sample = sample
+
+    def fetch(self) -> tuple[dict[str, list[int]], dict[str, list[TokenLogprobs]]]:
+        if self.sample is None:
+            return {}, {}
+        tokens, logprobs = self.sample.fetch()
+        sampled = {r.request_id: [t] for r, t in zip(self.requests, tokens)}
+        lps = {r.request_id: [lp] for r, lp in zip(self.requests, logprobs) if lp is not None}
+        return sampled, lps

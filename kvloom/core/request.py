@@ -11,6 +11,10 @@ from kvloom.core.sampling_params import SamplingParams
 
 _arrival_counter = itertools.count()
 
+# Stands for a sampled token that is still on the GPU (async scheduling); the model runner feeds the
+# real id from the device, and the scheduler writes it in once the step's results arrive.
+PLACEHOLDER = -1
+
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
@@ -64,6 +68,7 @@ class Request:
         self.stop_token_id: int | None = None
         self.generator = None  # per-request torch.Generator for seeded sampling (set by the runner)
         self.first_scheduled_time: float | None = None
+        self.awaiting_final_token = False  # its last possible token is in flight: schedule it no more
 
     @classmethod
     def from_message(cls, msg: AddRequest, *, eos_token_ids: tuple[int, ...], max_tokens: int) -> "Request":
@@ -93,10 +98,26 @@ class Request:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
 
-    def check_stop(self) -> RequestStatus | None:
-        """The finished status after the newest token, or None to keep going."""
-        n_out = self.num_output_tokens
-        last = self.output_token_ids[-1]
+    def set_token(self, index: int, token_id: int) -> None:
+        """Replace the placeholder at ``all_token_ids[index]`` with the sampled token."""
+        self.all_token_ids[index] = token_id
+        self.output_token_ids[index - self.num_prompt_tokens] = token_id
+
+    def truncate(self, num_tokens: int) -> None:
+        """Drop tokens past the first ``num_tokens`` (placeholders sampled after the request stopped)."""
+        del self.all_token_ids[num_tokens:]
+        del self.output_token_ids[max(0, num_tokens - self.num_prompt_tokens):]
+
+    @property
+    def has_placeholder(self) -> bool:
+        return PLACEHOLDER in self.output_token_ids[-2:]
+
+    def check_stop(self, index: int | None = None) -> RequestStatus | None:
+        """The finished status after the token at ``all_token_ids[index]`` (default: the newest one),
+        or None to keep going."""
+        index = self.num_tokens - 1 if index is None else index
+        n_out = index + 1 - self.num_prompt_tokens
+        last = self.all_token_ids[index]
         if n_out >= self.sampling.min_tokens and (last in self.eos_token_ids or last in self.stop_token_ids):
             self.stop_token_id = last
             return RequestStatus.FINISHED_STOPPED

@@ -9,6 +9,47 @@ from kvloom.core.messages import TokenLogprobs, TopLogprob
 from kvloom.core.request import Request
 
 
+class SampleResult:
+    """Sampled tokens (and logprobs) still on the device; ``fetch`` brings them to the host.
+
+    ``start_copy`` queues the device-to-host copies without waiting, so a caller can schedule the
+    next step while the GPU finishes this one.
+    """
+
+    def __init__(self, tokens: torch.Tensor, params, logprob_parts=None) -> None:
+        self.tokens = tokens  # [N] int64 on the device: also the next step's input ids
+        self.params = params
+        self._parts = [tokens] + list(logprob_parts or [])
+        self._host: list[torch.Tensor] | None = None
+        self._event = None
+
+    def start_copy(self) -> None:
+        if self.tokens.is_cuda:
+            self._host = [t.to("cpu", non_blocking=True) for t in self._parts]
+            self._event = torch.cuda.Event()
+            self._event.record()
+        else:
+            self._host = self._parts
+
+    def fetch(self) -> tuple[list[int], list[TokenLogprobs | None]]:
+        if self._host is None:
+            self.start_copy()
+        if self._event is not None:
+            self._event.synchronize()
+        tokens = self._host[0].tolist()
+        if len(self._host) == 1:
+            return tokens, [None] * len(tokens)
+        chosen, top_vals, top_ids = (t.tolist() for t in self._host[1:])
+        out: list[TokenLogprobs | None] = []
+        for i, p in enumerate(self.params):
+            if p.logprobs is None:
+                out.append(None)
+                continue
+            top = [TopLogprob(top_ids[i][j], top_vals[i][j]) for j in range(p.logprobs)]
+            out.append(TokenLogprobs(tokens[i], chosen[i], top))
+        return tokens, out
+
+
 class Sampler:
     def __init__(self, device: torch.device, seed: int = 0) -> None:
         self.device = device
@@ -17,6 +58,11 @@ class Sampler:
     @torch.no_grad()
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> tuple[list[int], list[TokenLogprobs | None]]:
         """One token per row of ``logits`` (``[N, V]`` float32) for the matching request."""
+        return self.sample(logits, requests).fetch()
+
+    @torch.no_grad()
+    def sample(self, logits: torch.Tensor, requests: list[Request]) -> SampleResult:
+        """Like calling the sampler, but the result stays on the device until fetched."""
         params = [r.sampling for r in requests]
         want_logprobs = any(p.logprobs is not None for p in params)
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
@@ -34,10 +80,12 @@ class Sampler:
             tokens = logits.argmax(dim=-1)
         else:
             tokens = self._sample(logits, requests)
-        token_list = tokens.tolist()
         if raw_logprobs is None:
-            return token_list, [None] * len(requests)
-        return token_list, self._logprobs(raw_logprobs, token_list, params)
+            return SampleResult(tokens, params)
+        k = max(p.logprobs or 0 for p in params)
+        chosen = raw_logprobs.gather(1, tokens[:, None])[:, 0]
+        top_vals, top_ids = raw_logprobs.topk(k, dim=-1)
+        return SampleResult(tokens, params, (chosen, top_vals, top_ids))
 
     # ---------------------------------------------------------------------------------------------
     def _apply_penalties(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
@@ -103,19 +151,3 @@ class Sampler:
                 noise[i].exponential_(generator=r.generator)
         sampled = (probs / noise).argmax(dim=-1)
         return torch.where(greedy, logits.argmax(dim=-1), sampled)
-
-    @staticmethod
-    def _logprobs(raw: torch.Tensor, tokens: list[int], params) -> list[TokenLogprobs | None]:
-        k = max(p.logprobs or 0 for p in params)
-        chosen = raw.gather(1, torch.tensor(tokens, device=raw.device)[:, None])[:, 0].tolist()
-        top_vals, top_ids = (raw.topk(k, dim=-1) if k else (None, None))
-        top_vals = top_vals.tolist() if k else None
-        top_ids = top_ids.tolist() if k else None
-        out: list[TokenLogprobs | None] = []
-        for i, p in enumerate(params):
-            if p.logprobs is None:
-                out.append(None)
-                continue
-            top = [TopLogprob(top_ids[i][j], top_vals[i][j]) for j in range(p.logprobs)] if p.logprobs else []
-            out.append(TokenLogprobs(tokens[i], chosen[i], top))
-        return out

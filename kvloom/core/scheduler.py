@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
 from kvloom.core.kv_cache import KVCacheManager
-from kvloom.core.request import Request, RequestStatus
+from kvloom.core.request import PLACEHOLDER, Request, RequestStatus
 
 
 class SchedulingPolicy(Protocol):
@@ -55,6 +55,8 @@ class ScheduledRequest:
     request: Request
     num_new_tokens: int
     samples: bool  # this step completes the known tokens, so a new token is sampled
+    computed_end: int = 0  # num_computed_tokens after this step (set by Scheduler.advance)
+    token_index: int = -1  # where this step's sampled token goes in all_token_ids (set by advance)
 
 
 @dataclass
@@ -132,8 +134,8 @@ class Scheduler:
         for req in list(self.running):
             if budget == 0:
                 break
-            if req.status is not RequestStatus.RUNNING:  # preempted earlier in this loop
-                continue
+            if req.status is not RequestStatus.RUNNING or req.awaiting_final_token:
+                continue  # preempted earlier in this loop, or its last token is already in flight
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
             while not self.kv.allocate_slots(req, num_new):
                 victim = self.policy.select_victim(self.running, now)
@@ -148,6 +150,8 @@ class Scheduler:
             for req in self.policy.waiting_order(self.waiting, now):
                 if budget == 0 or len(self.running) >= self.max_num_seqs:
                     break
+                if req.has_placeholder:
+                    continue  # preempted while its newest token was in flight: back once it lands
                 computed = self.kv.get_computed_blocks(req)
                 num_computed = len(computed) * self.kv.block_size
                 num_new = min(req.num_tokens - num_computed, budget)
@@ -206,27 +210,46 @@ class Scheduler:
     # ---------------------------------------------------------------------------------------------
     def update(self, plan: SchedulerPlan, sampled: dict[str, list[int]]) -> list[FinishedUpdate]:
         """Advance each scheduled request by its tokens, append sampled tokens, finish the stopped ones."""
-        updates = []
+        self.advance(plan)
+        return self.resolve(plan, sampled)
+
+    def advance(self, plan: SchedulerPlan) -> None:
+        """What a step does regardless of the tokens it samples: its input tokens are computed, and each
+        sampling request gets a placeholder for its new token. Called as soon as the step is launched,
+        so the next step can be scheduled while this one runs on the GPU."""
         for s in plan.scheduled:
             req = s.request
             if req.status is not RequestStatus.RUNNING:
                 continue
             req.num_computed_tokens += s.num_new_tokens
-            self.kv.cache_blocks(req, s.num_new_tokens)
+            s.computed_end = req.num_computed_tokens
+            if s.samples:
+                req.append_token(PLACEHOLDER)
+                s.token_index = req.num_tokens - 1
+                if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len:
+                    req.awaiting_final_token = True
+
+    def resolve(self, plan: SchedulerPlan, sampled: dict[str, list[int]]) -> list[FinishedUpdate]:
+        """Write in the tokens a step sampled, offer its full blocks to the prefix cache, and finish
+        the requests that stopped. Tokens of requests that finished meanwhile are dropped."""
+        updates = []
+        for s in plan.scheduled:
+            req = s.request
+            if req.status.finished:
+                continue
+            if req.status is RequestStatus.RUNNING and len(req.block_ids) * self.kv.block_size >= s.computed_end:
+                self.kv.cache_blocks(req, s.num_new_tokens, end=s.computed_end)
             if not s.samples:
                 continue
-            new_tokens = []
-            finished = None
-            for token in sampled[req.request_id]:
-                req.append_token(token)
-                new_tokens.append(token)
-                finished = req.check_stop()
-                if finished is None and req.num_tokens >= self.max_model_len:
-                    finished = RequestStatus.FINISHED_LENGTH
-                if finished is not None:
-                    self._finish(req, finished)
-                    break
-            updates.append(FinishedUpdate(req, new_tokens, finished))
+            token = sampled[req.request_id][0]
+            req.set_token(s.token_index, token)
+            finished = req.check_stop(s.token_index)
+            if finished is None and s.token_index + 1 >= self.max_model_len:
+                finished = RequestStatus.FINISHED_LENGTH
+            if finished is not None:
+                req.truncate(s.token_index + 1)
+                self._finish(req, finished)
+            updates.append(FinishedUpdate(req, [token], finished))
         return updates
 
     def _finish(self, req: Request, status: RequestStatus) -> None:
