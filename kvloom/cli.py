@@ -135,9 +135,11 @@ def main(argv: list[str] | None = None) -> int:
         return _generate(args, config)
     if args.command == "chat":
         return _chat(args, config)
+    from kvloom.core.model_files import resolve_model
     from kvloom.launcher import serve
 
     try:
+        resolve_model(config.model)  # a wrong path fails here, not in three processes at once
         return serve(config, server, args.log_level)
     except OSError as e:
         print(f"engine: error: {e}", file=sys.stderr)

@@ -92,12 +92,11 @@ class Launcher:
         if not cfg.is_loopback:
             logger.warning("Listening on %s: the API is reachable from the network%s", cfg.host,
                            "" if cfg.api_key else " without an API key")
+        sock = bind_http_socket(cfg.host, cfg.port)
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             signal.signal(sig, lambda signum, frame: self.signals.append(signum))
         private_dir = tempfile.mkdtemp(prefix="kvloom-")  # mode 0700: only this user reaches the sockets
-        sock = None
         try:
-            sock = bind_http_socket(cfg.host, cfg.port)
             address = cfg.engine_address or f"ipc://{private_dir}/engine.sock"
             self.engine = self._spawn("kvloom.core.engine_process", ["--address", address])
             fd = str(sock.fileno())
@@ -107,15 +106,13 @@ class Launcher:
             if cfg.gateway:
                 self.frontends.append(self._spawn("kvloom.frontends.gateway",
                                                   ["--engine-address", address, "--address", cfg.gateway]))
-            sock.close()
-            sock = None
-            host, port = (cfg.host, cfg.port)
+            host, port = sock.getsockname()[:2]
+            sock.close()  # the workers hold their own copies
             logger.info("Serving the OpenAI API on http://%s:%d with %d worker(s)%s; engine at %s", host, port,
                         cfg.api_workers, f" and the ZMQ gateway on {cfg.gateway}" if cfg.gateway else "", address)
             return self._watch()
         finally:
-            if sock is not None:
-                sock.close()
+            sock.close()
             self._stop_all()
             shutil.rmtree(private_dir, ignore_errors=True)
 

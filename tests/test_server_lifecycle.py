@@ -1,0 +1,104 @@
+"""Failures and shutdown of the real server: the engine process dying under load, and SIGTERM draining
+in-flight requests and leaving no process behind. Each test starts its own server from a config file."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+
+from tests.server_utils import EngineServer, alive, free_port
+
+
+
+def start_server(model, tmp_path) -> EngineServer:
+    port = free_port()
+    config = tmp_path / "serve.toml"
+    # Serving and engine keys side by side, as the flags name them.
+    config.write_text(f'model = "{model}"\nport = {port}\napi_workers = 1\nnum_kv_blocks = 256\n'
+                      'drain_timeout = 30.0\n')
+    return EngineServer(["--config", str(config)], tmp_path, port=port).wait_ready()
+
+
+def long_stream(server: EngineServer, http: httpx.Client, max_tokens: int = 400):
+    body = {"model": None, "prompt": "Once upon a time", "max_tokens": max_tokens, "stream": True,
+            "ignore_eos": True}
+    return http.stream("POST", server.url + "/v1/completions", json=body)
+
+
+def data_lines(lines, count: int | None = None) -> list[str]:
+    out = []
+    for line in lines:
+        if line.startswith("data:"):
+            out.append(line[5:].strip())
+            if count is not None and len(out) == count:
+                break
+    return out
+
+
+def test_engine_death_fails_requests_and_health(tiny_llama, tmp_path):
+    server = start_server(tiny_llama, tmp_path)
+    children = server.descendants()
+    try:
+        engine_pid = server.child_running("kvloom.core.engine_process")
+        with httpx.Client(timeout=60) as http, ThreadPoolExecutor(1) as pool:
+            with long_stream(server, http) as r:
+                lines = r.iter_lines()
+                assert len(data_lines(lines, 2)) == 2
+                waiting = pool.submit(http.post, server.url + "/v1/completions",
+                                      json={"prompt": "Hello", "max_tokens": 400, "ignore_eos": True})
+                time.sleep(0.5)  # let the non-streaming request reach the engine
+                os.kill(engine_pid, signal.SIGKILL)
+                t0 = time.monotonic()
+                rest = data_lines(lines)
+            assert time.monotonic() - t0 < 10, "the stream hung after the engine died"
+            assert rest[-1] == "[DONE]"
+            error = json.loads(rest[-2])["error"]
+            assert error["code"] == 503 and "engine" in error["message"]
+
+            blocked = waiting.result(timeout=10)
+            assert blocked.status_code == 503
+            assert "engine" in blocked.json()["error"]["message"]
+
+            health = http.get(server.url + "/health")
+            assert health.status_code == 503 and "engine" in health.json()["error"]["message"]
+
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=10)
+        with pytest.raises(openai.InternalServerError) as err:
+            client.completions.create(model=str(tiny_llama), prompt="hi", max_tokens=4, stream=True)
+        assert err.value.status_code == 503
+    finally:
+        server.stop(timeout=60)
+    assert [pid for pid in children if alive(pid)] == []
+
+
+def test_sigterm_drains_in_flight_requests_and_leaves_no_process(tiny_llama, tmp_path):
+    server = start_server(tiny_llama, tmp_path)
+    children = server.descendants()
+    assert len(children) == 2  # the engine process and one HTTP worker
+    try:
+        with httpx.Client(timeout=60) as http:
+            with long_stream(server, http, max_tokens=100) as r:
+                lines = r.iter_lines()
+                first = data_lines(lines, 1)
+                server.proc.send_signal(signal.SIGTERM)
+                time.sleep(0.5)
+                with pytest.raises(httpx.ConnectError):  # no new connections while draining
+                    httpx.get(server.url + "/health", timeout=5)
+                rest = data_lines(lines)
+        events = [json.loads(e) for e in first + rest[:-1]]
+        assert rest[-1] == "[DONE]"
+        assert events[-1]["choices"][0]["finish_reason"] == "length"
+        assert server.proc.wait(timeout=60) == 0
+    finally:
+        server.stop()
+    deadline = time.monotonic() + 10
+    while any(alive(pid) for pid in children):
+        assert time.monotonic() < deadline, f"orphans left: {[p for p in children if alive(p)]}"
+        time.sleep(0.1)
