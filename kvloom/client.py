@@ -87,6 +87,12 @@ def _claim(inbox: dict, request_id: str) -> str:
     return request_id
 
 
+def _end_stream(sock: zmq.Socket, inbox: dict, request_id: str, finished: bool) -> None:
+    del inbox[request_id]
+    if not finished:  # the caller stopped reading early: stop the request in the engine too
+        sock.send(encode(Cancel(request_id=request_id)))
+
+
 def _check(reply: TextChunk | RequestFailed) -> TextChunk:
     if isinstance(reply, RequestFailed):
         raise GatewayError(reply.message, reply.status, reply.request_id)
@@ -128,9 +134,7 @@ class Client:
                 finished = chunk.finish_reason is not None
                 yield chunk
         finally:
-            del self._inbox[rid]
-            if not finished:
-                self._sock.send(encode(Cancel(request_id=rid)))
+            _end_stream(self._sock, self._inbox, rid, finished)
 
     def generate(self, prompt: str | None = None, **kwargs: Any) -> Completion:
         """The whole completion (see ``stream`` for the arguments)."""
@@ -207,9 +211,7 @@ class AsyncClient:
                 finished = chunk.finish_reason is not None
                 yield chunk
         finally:
-            del self._inbox[rid]
-            if not finished:
-                self._sock.send(encode(Cancel(request_id=rid)))
+            _end_stream(self._sock, self._inbox, rid, finished)
 
     async def generate(self, prompt: str | None = None, **kwargs: Any) -> Completion:
         out = None

@@ -3,6 +3,7 @@ them down in order on SIGTERM (frontends drain first, then the engine). No proce
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import logging
@@ -44,6 +45,18 @@ def bind_to_parent() -> None:
 def read_launch_payload() -> dict[str, Any]:
     """The launch settings a child gets as JSON on stdin (so an API key never shows in ``ps``)."""
     return json.loads(sys.stdin.read() or "{}")
+
+
+def start_child(parser: argparse.ArgumentParser, argv: list[str] | None
+                ) -> tuple[argparse.Namespace, EngineConfig, ServerConfig]:
+    """The common start of every child process: parse its flags (plus ``--log-level``), set up logging,
+    die with the launcher, and read the engine and serving settings from stdin."""
+    parser.add_argument("--log-level", default="info")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    bind_to_parent()
+    payload = read_launch_payload()
+    return args, EngineConfig(**payload["engine"]), ServerConfig(**payload.get("server", {}))
 
 
 def launch_payload(engine: EngineConfig, server: ServerConfig) -> bytes:

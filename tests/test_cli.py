@@ -69,3 +69,12 @@ def test_generate_from_a_prompts_file(tiny_llama, tmp_path):
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["prompt"] for r in rows] == ["Hello there", "Paris is"]
     assert all(r["num_tokens"] == 3 or r["finish_reason"] == "stop" for r in rows)
+
+
+def test_chat_in_the_terminal(tiny_llama, monkeypatch, capsys):
+    lines = iter(["Hello!", ""])
+    monkeypatch.setattr("builtins.input", lambda prompt="": next(lines))
+    assert main(["chat", "--model", str(tiny_llama), "--num-kv-blocks", "32", "--max-tokens", "3",
+                 "--temperature", "0"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("assistant> ") == 1

@@ -119,6 +119,10 @@ def test_utility_calls_are_allow_listed(engine):
 def test_malformed_messages_are_dropped_and_aborts_free_blocks(engine):
     sock = raw_socket(engine)
     sock.send(b"\x93not a message")
+    sock.send(m.encode(m.AddRequest(request_id="bad", prompt_token_ids=[999], sampling=GREEDY)))
+    rejected = m.decode_engine_message(sock.recv()).outputs[0]
+    assert (rejected.finish_reason, rejected.error_kind) == ("error", "rejected")
+    assert "999" in rejected.error and "384" in rejected.error
     sock.send(m.encode(m.AddRequest(request_id="long", prompt_token_ids=[7] * 40,
                                     sampling=SamplingParams(max_tokens=300, ignore_eos=True))))
     first = m.decode_engine_message(sock.recv())

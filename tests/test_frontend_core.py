@@ -3,6 +3,7 @@ multi-byte characters, stop strings across tokens, context and admission limits.
 
 from __future__ import annotations
 
+import asyncio
 from types import SimpleNamespace
 
 import pytest
@@ -52,10 +53,19 @@ class FakeClient:
         self.dead_reason = None if healthy else "the engine process went away"
 
 
-def core(in_flight=0, healthy=True, limit=4):
+    async def generate(self, request_id, prompt_token_ids, sampling, priority=0, arrival_time=0.0):
+        try:
+            await asyncio.sleep(3600)  # an engine that never answers
+            yield None
+        finally:
+            self.aborted = request_id
+
+
+def core(in_flight=0, healthy=True, limit=4, timeout=None, tokenizer=None):
     ready = EngineReady(model_name="m", max_model_len=100, vocab_size=50, num_kv_blocks=10, block_size=16,
                         eos_token_ids=[2])
-    return FrontendCore(FakeClient(in_flight, healthy), SimpleNamespace(), ready, max_pending_requests=limit)
+    return FrontendCore(FakeClient(in_flight, healthy), tokenizer or SimpleNamespace(), ready,
+                        max_pending_requests=limit, request_timeout=timeout)
 
 
 def test_prepare_checks_the_context_with_numbers():
@@ -80,3 +90,17 @@ def test_admission_limit_and_dead_engine():
     assert e.value.status == 503 and "went away" in e.value.message
     c = core()
     assert c.next_request_id().startswith("fe-test:") and c.next_request_id() != c.next_request_id()
+
+
+def test_request_timeout_stops_the_request(tokenizer):
+    c = core(timeout=0.2, tokenizer=tokenizer)
+
+    async def main():
+        with pytest.raises(RequestError) as e:
+            async for _ in c.generate(c.prepare([1, 2], SamplingParams(max_tokens=5))):
+                pass
+        return e.value
+
+    error = asyncio.run(main())
+    assert error.status == 408 and "request_timeout=0.2s" in error.message
+    assert c.client.aborted.startswith("fe-test:")

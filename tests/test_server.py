@@ -63,6 +63,7 @@ def sampled(**extra):
 # --- the OpenAI API --------------------------------------------------------------------------------
 def test_models_health_version(server, client):
     assert [m.id for m in client.models.list().data] == [server.model]
+    assert client.models.retrieve(server.model).id == server.model
     assert httpx.get(server.url + "/health").status_code == 200
     assert httpx.get(server.url + "/version").json()["version"]
 
@@ -181,6 +182,13 @@ def test_bad_requests_get_openai_errors(server, path, body, status, words, param
     assert all(w in error["message"] for w in words), error
     assert error["param"] == param
     assert error["type"] and error["code"] == status
+
+
+def test_unknown_routes_answer_in_openai_shape(server):
+    r = httpx.get(server.url + "/v1/nothing-here", headers=server.headers)
+    assert r.status_code == 404 and "/v1/nothing-here" in r.json()["error"]["message"]
+    r = httpx.get(server.url + "/v1/completions", headers=server.headers)
+    assert r.status_code == 405 and r.json()["error"]["code"] == 405
 
 
 def test_openai_client_raises_typed_errors(client, model):
@@ -322,5 +330,7 @@ def test_metrics_count_requests(server):
     stats = engine_stats(server)
     assert stats["kvloom_engine_healthy"] == 1
     assert stats["kvloom_kv_cache_total_blocks"] == NUM_BLOCKS
-    text = httpx.get(server.url + "/metrics").text
+    with httpx.Client() as http:  # one keep-alive connection: both requests reach the same worker
+        http.get(server.url + "/health")
+        text = http.get(server.url + "/metrics").text
     assert 'kvloom_http_requests_total{path="/health",status="200"}' in text

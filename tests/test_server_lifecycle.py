@@ -13,16 +13,17 @@ import httpx
 import openai
 import pytest
 
+from kvloom.client import Client
 from tests.server_utils import EngineServer, alive, free_port
 
 
 
-def start_server(model, tmp_path) -> EngineServer:
+def start_server(model, tmp_path, extra: str = "") -> EngineServer:
     port = free_port()
     config = tmp_path / "serve.toml"
     # Serving and engine keys side by side, as the flags name them.
     config.write_text(f'model = "{model}"\nport = {port}\napi_workers = 1\nnum_kv_blocks = 256\n'
-                      'drain_timeout = 30.0\n')
+                      f'drain_timeout = 30.0\n{extra}')
     return EngineServer(["--config", str(config)], tmp_path, port=port).wait_ready()
 
 
@@ -43,7 +44,8 @@ def data_lines(lines, count: int | None = None) -> list[str]:
 
 
 def test_engine_death_fails_requests_and_health(tiny_llama, tmp_path):
-    server = start_server(tiny_llama, tmp_path)
+    # Over TCP this time: the frontends must notice the dead engine there too.
+    server = start_server(tiny_llama, tmp_path, f'engine_address = "tcp://127.0.0.1:{free_port()}"\n')
     children = server.descendants()
     try:
         engine_pid = server.child_running("kvloom.core.engine_process")
@@ -75,30 +77,51 @@ def test_engine_death_fails_requests_and_health(tiny_llama, tmp_path):
         assert err.value.status_code == 503
     finally:
         server.stop(timeout=60)
-    assert [pid for pid in children if alive(pid)] == []
+    wait_gone(children)
 
 
 def test_sigterm_drains_in_flight_requests_and_leaves_no_process(tiny_llama, tmp_path):
-    server = start_server(tiny_llama, tmp_path)
+    gateway = f"ipc://{tmp_path}/gw.sock"
+    server = start_server(tiny_llama, tmp_path, f'gateway = "{gateway}"\n')
     children = server.descendants()
-    assert len(children) == 2  # the engine process and one HTTP worker
+    assert len(children) == 3  # the engine process, one HTTP worker, the gateway
     try:
-        with httpx.Client(timeout=60) as http:
+        with httpx.Client(timeout=60) as http, Client(gateway, timeout=60) as gw, ThreadPoolExecutor(1) as pool:
+            gw_stream = gw.stream("Once upon a time", max_tokens=100, ignore_eos=True)
+            assert next(gw_stream).finish_reason is None
             with long_stream(server, http, max_tokens=100) as r:
                 lines = r.iter_lines()
                 first = data_lines(lines, 1)
                 server.proc.send_signal(signal.SIGTERM)
+                gw_rest = pool.submit(list, gw_stream)
                 time.sleep(0.5)
                 with pytest.raises(httpx.ConnectError):  # no new connections while draining
                     httpx.get(server.url + "/health", timeout=5)
                 rest = data_lines(lines)
+            gw_chunks = gw_rest.result(timeout=60)
         events = [json.loads(e) for e in first + rest[:-1]]
         assert rest[-1] == "[DONE]"
         assert events[-1]["choices"][0]["finish_reason"] == "length"
+        assert gw_chunks[-1].finish_reason == "length" and gw_chunks[-1].usage.completion_tokens == 100
         assert server.proc.wait(timeout=60) == 0
     finally:
         server.stop()
-    deadline = time.monotonic() + 10
-    while any(alive(pid) for pid in children):
-        assert time.monotonic() < deadline, f"orphans left: {[p for p in children if alive(p)]}"
+    wait_gone(children)
+
+
+def test_killed_launcher_takes_its_children_along(tiny_llama, tmp_path):
+    server = start_server(tiny_llama, tmp_path)
+    children = server.descendants()
+    try:
+        server.proc.send_signal(signal.SIGKILL)
+        server.proc.wait(timeout=10)
+        wait_gone(children)
+    finally:
+        server.stop()
+
+
+def wait_gone(pids: list[int], timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while any(alive(pid) for pid in pids):
+        assert time.monotonic() < deadline, f"orphans left: {[p for p in pids if alive(p)]}"
         time.sleep(0.1)

@@ -240,18 +240,13 @@ def serve_engine(config: EngineConfig, address: str, model_name: str | None = No
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m kvloom.core.engine_process --address ADDR``, with the launch settings as JSON on stdin
-    (``{"engine": {...EngineConfig...}, "server": {...}}``)."""
-    from kvloom.launcher import bind_to_parent, read_launch_payload
+    (``{"engine": {...EngineConfig...}, "server": {...ServerConfig...}}``)."""
+    from kvloom.launcher import start_child
 
     parser = argparse.ArgumentParser(prog="kvloom-engine")
     parser.add_argument("--address", required=True)
-    parser.add_argument("--log-level", default="info")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    bind_to_parent()
-    payload = read_launch_payload()
-    config = EngineConfig(**payload["engine"])
-    return serve_engine(config, args.address, payload.get("server", {}).get("served_model_name"))
+    args, engine, server = start_child(parser, argv)
+    return serve_engine(engine, args.address, server.served_model_name)
 
 
 if __name__ == "__main__":

@@ -13,12 +13,12 @@ import re
 import signal
 import socket
 import sys
-import time
 import uuid
 from typing import Any, AsyncIterator, Awaitable, Callable
 
 import msgspec
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
@@ -119,10 +119,20 @@ def _decode_error_param(message: str) -> str | None:
 
 
 def _check_unsupported(req: api._GenerationRequest) -> None:
+    """Refuse, by name, parameters this server accepts in the schema but does not implement."""
     if req.logit_bias:
         raise RequestError(400, "logit_bias is not supported", "logit_bias")
     if req.best_of is not None and req.best_of != req.n:
         raise RequestError(400, f"best_of={req.best_of} is not supported (only best_of == n)", "best_of")
+    if isinstance(req, api.CompletionRequest):
+        for name in ("echo", "suffix"):
+            if getattr(req, name):
+                raise RequestError(400, f"{name} is not supported", name)
+    if isinstance(req, api.ChatCompletionRequest):
+        if req.tools:
+            raise RequestError(400, "tools are not supported", "tools")
+        if req.response_format and req.response_format.get("type", "text") != "text":
+            raise RequestError(400, "only response_format type 'text' is supported", "response_format")
 
 
 def _sampling(req: api._GenerationRequest, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
@@ -136,8 +146,9 @@ def _sampling(req: api._GenerationRequest, max_tokens: int | None, logprobs: int
             stop=stop, stop_token_ids=list(req.stop_token_ids), ignore_eos=req.ignore_eos, logprobs=logprobs,
             skip_special_tokens=req.skip_special_tokens, include_stop_str_in_output=req.include_stop_str_in_output,
         )
-    except ValueError as e:
-        raise RequestError(400, str(e), str(e).split("=", 1)[0]) from e
+    except ValueError as e:  # SamplingParams names the field first: "top_k=-5 must be ..."
+        field = str(e).split("=", 1)[0]
+        raise RequestError(400, str(e), field if field.isidentifier() else None) from e
 
 
 def _choice_sampling(sp: SamplingParams, i: int) -> SamplingParams:
@@ -182,19 +193,20 @@ class OpenAIServer:
             Route("/v1/completions", self._endpoint(self.completions), methods=["POST"]),
             Route("/v1/chat/completions", self._endpoint(self.chat_completions), methods=["POST"]),
             Route("/v1/models", self._endpoint(self.models), methods=["GET"]),
-            Route("/health", self._endpoint(self.health), methods=["GET"]),
-            Route("/version", self._endpoint(self.version), methods=["GET"]),
-            Route("/metrics", self._endpoint(self.metrics_endpoint), methods=["GET"]),
+            Route("/v1/models/{model:path}", self._endpoint(self.model_card), methods=["GET"]),
+            Route("/health", self._endpoint(self.health, public=True), methods=["GET"]),
+            Route("/version", self._endpoint(self.version, public=True), methods=["GET"]),
+            Route("/metrics", self._endpoint(self.metrics_endpoint, public=True), methods=["GET"]),
             Route("/reset_prefix_cache", self._endpoint(self.reset_prefix_cache), methods=["POST"]),
         ]
 
     # --- plumbing ----------------------------------------------------------------------------------
-    def _endpoint(self, handler: Callable[[Request], Awaitable[Any]]):
-        protected = handler.__name__ not in ("health", "version", "metrics_endpoint")
+    def _endpoint(self, handler: Callable[[Request], Awaitable[Any]], public: bool = False):
+        """Wrap a handler: API-key check (unless public), errors in OpenAI's shape, request metrics."""
 
         async def endpoint(request: Request):
             try:
-                if protected:
+                if not public:
                     self._authorize(request)
                 response = await handler(request)
             except RequestError as e:
@@ -231,10 +243,13 @@ class OpenAIServer:
         except msgspec.DecodeError as e:
             raise RequestError(400, f"the request body is not valid JSON: {e}") from None
 
-    def _check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
-            raise RequestError(404, f"The model `{model}` does not exist; this server serves `{self.model_name}`.",
-                               "model")
+    async def _parse_generation(self, request: Request, typ: type):
+        req = await self._parse(request, typ)
+        if req.model is not None and req.model != self.model_name:
+            raise RequestError(404, f"The model `{req.model}` does not exist; this server serves "
+                               f"`{self.model_name}`.", "model")
+        _check_unsupported(req)
+        return req
 
     def _request_id(self, request: Request, prefix: str) -> str:
         # Echoed back only: the engine gets ids this frontend makes, so a reused id cannot mix outputs.
@@ -284,13 +299,7 @@ class OpenAIServer:
 
     # --- /v1/completions ---------------------------------------------------------------------------
     async def completions(self, request: Request):
-        req: api.CompletionRequest = await self._parse(request, api.CompletionRequest)
-        self._check_model(req.model)
-        _check_unsupported(req)
-        if req.echo:
-            raise RequestError(400, "echo is not supported", "echo")
-        if req.suffix:
-            raise RequestError(400, "suffix is not supported", "suffix")
+        req: api.CompletionRequest = await self._parse_generation(request, api.CompletionRequest)
         prompts = [self.core.check_token_ids(p) if isinstance(p, list) else self.core.encode_text(p)
                    for p in _split_prompts(req.prompt)]
         sp = _sampling(req, req.max_tokens, req.logprobs)
@@ -346,13 +355,7 @@ class OpenAIServer:
 
     # --- /v1/chat/completions ----------------------------------------------------------------------
     async def chat_completions(self, request: Request):
-        req: api.ChatCompletionRequest = await self._parse(request, api.ChatCompletionRequest)
-        self._check_model(req.model)
-        _check_unsupported(req)
-        if req.tools:
-            raise RequestError(400, "tools are not supported", "tools")
-        if req.response_format and req.response_format.get("type", "text") != "text":
-            raise RequestError(400, "only response_format type 'text' is supported", "response_format")
+        req: api.ChatCompletionRequest = await self._parse_generation(request, api.ChatCompletionRequest)
         ids = self.core.encode_chat(_chat_messages(req.messages))
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
@@ -412,6 +415,13 @@ class OpenAIServer:
     # --- the rest ----------------------------------------------------------------------------------
     async def models(self, request: Request):
         return json_response(api.ModelList([api.ModelCard(self.model_name, self.core.max_model_len)]))
+
+    async def model_card(self, request: Request):
+        name = request.path_params["model"]
+        if name != self.model_name:
+            raise RequestError(404, f"The model `{name}` does not exist; this server serves `{self.model_name}`.",
+                               "model")
+        return json_response(api.ModelCard(self.model_name, self.core.max_model_len))
 
     async def health(self, request: Request):
         client = self.core.client
@@ -488,7 +498,11 @@ def build_app(engine_address: str, engine_config: EngineConfig, server_config: S
         finally:
             await server.core.client.close()
 
-    app = Starlette(routes=server.routes(), lifespan=lifespan)
+    async def http_error(request: Request, exc: HTTPException) -> Response:
+        return error_response(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}")
+
+    app = Starlette(routes=server.routes(), lifespan=lifespan,
+                    exception_handlers={404: http_error, 405: http_error})
     app.state.server = server
     return app
 
@@ -517,19 +531,14 @@ def run_server(engine_address: str, engine_config: EngineConfig, server_config: 
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m kvloom.frontends.api_server --engine-address ADDR [--fd N]``, settings as JSON on stdin."""
-    from kvloom.launcher import bind_to_parent, read_launch_payload
+    from kvloom.launcher import start_child
 
     parser = argparse.ArgumentParser(prog="kvloom-api-server")
     parser.add_argument("--engine-address", required=True)
     parser.add_argument("--fd", type=int, help="An inherited, bound socket to listen on.")
-    parser.add_argument("--log-level", default="info")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    bind_to_parent()
-    payload = read_launch_payload()
+    args, engine, server = start_child(parser, argv)
     sock = socket.socket(fileno=args.fd) if args.fd is not None else None
-    return run_server(args.engine_address, EngineConfig(**payload["engine"]), ServerConfig(**payload["server"]),
-                      sock, args.log_level)
+    return run_server(args.engine_address, engine, server, sock, args.log_level)
 
 
 if __name__ == "__main__":

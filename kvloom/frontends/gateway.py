@@ -40,7 +40,7 @@ class Gateway:
         self.ctx = zmq.asyncio.Context()
         self.socket = self.ctx.socket(zmq.ROUTER)
         self.socket.setsockopt(zmq.ROUTER_MANDATORY, 1)  # replies to a vanished client raise
-        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.setsockopt(zmq.LINGER, 2000)  # deliver the last chunks of a drained request on exit
         self.socket.setsockopt(zmq.SNDHWM, SEND_QUEUE_LIMIT)
         self.socket.bind(address)
         # (client identity, the client's request id) -> the task streaming it
@@ -69,7 +69,7 @@ class Gateway:
             stopping.cancel()
             self._cancel_all()
             await asyncio.gather(*self.tasks.values(), return_exceptions=True)
-            self.socket.close(linger=0)
+            self.socket.close()
             self.ctx.term()
 
     async def _all_done(self) -> None:
@@ -177,18 +177,13 @@ async def run_gateway(engine_address: str, address: str, engine: EngineConfig, s
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m kvloom.frontends.gateway --engine-address ADDR --address GW``, settings as JSON on stdin."""
-    from kvloom.launcher import bind_to_parent, read_launch_payload
+    from kvloom.launcher import start_child
 
     parser = argparse.ArgumentParser(prog="kvloom-gateway")
     parser.add_argument("--engine-address", required=True)
     parser.add_argument("--address", required=True, help="Where clients connect, e.g. ipc:///tmp/kvloom.sock.")
-    parser.add_argument("--log-level", default="info")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    bind_to_parent()
-    payload = read_launch_payload()
-    main_coro = run_gateway(args.engine_address, args.address, EngineConfig(**payload["engine"]),
-                            ServerConfig(**payload["server"]))
+    args, engine, server = start_child(parser, argv)
+    main_coro = run_gateway(args.engine_address, args.address, engine, server)
     try:
         import uvloop
     except ImportError:
