@@ -87,9 +87,9 @@ def test_sigterm_drains_in_flight_requests_and_leaves_no_process(tiny_llama, tmp
     assert len(children) == 3  # the engine process, one HTTP worker, the gateway
     try:
         with httpx.Client(timeout=60) as http, Client(gateway, timeout=60) as gw, ThreadPoolExecutor(1) as pool:
-            gw_stream = gw.stream("Once upon a time", max_tokens=100, ignore_eos=True)
+            gw_stream = gw.stream("Once upon a time", max_tokens=200, ignore_eos=True)
             assert next(gw_stream).finish_reason is None
-            with long_stream(server, http, max_tokens=100) as r:
+            with long_stream(server, http, max_tokens=200) as r:
                 lines = r.iter_lines()
                 first = data_lines(lines, 1)
                 server.proc.send_signal(signal.SIGTERM)
@@ -102,7 +102,7 @@ def test_sigterm_drains_in_flight_requests_and_leaves_no_process(tiny_llama, tmp
         events = [json.loads(e) for e in first + rest[:-1]]
         assert rest[-1] == "[DONE]"
         assert events[-1]["choices"][0]["finish_reason"] == "length"
-        assert gw_chunks[-1].finish_reason == "length" and gw_chunks[-1].usage.completion_tokens == 100
+        assert gw_chunks[-1].finish_reason == "length" and gw_chunks[-1].usage.completion_tokens == 200
         assert server.proc.wait(timeout=60) == 0
     finally:
         server.stop()

@@ -322,8 +322,9 @@ class OpenAIServer:
             if delta.finish_reason is not None:
                 finals[index] = delta
                 usage.add(index, delta)
-        choices = [api.CompletionChoice(i, texts[i], self._completion_logprobs(lps[i], 0),
-                                        finals[i].finish_reason, finals[i].stop_reason) for i in range(count)]
+        choices = [api.CompletionChoice(index=i, text=texts[i], logprobs=self._completion_logprobs(lps[i], 0),
+                                        finish_reason=finals[i].finish_reason, stop_reason=finals[i].stop_reason)
+                   for i in range(count)]
         return api.CompletionResponse(id=rid, choices=choices, model=self.model_name, usage=usage.info())
 
     def _completion_events(self, req: api.CompletionRequest, rid: str, merged, usage: UsageCounter):
@@ -334,7 +335,8 @@ class OpenAIServer:
                 offsets[index] = offsets.get(index, 0) + len(delta.text)
                 if delta.finish_reason is not None:
                     usage.add(index, delta)
-                choice = api.CompletionChoice(index, delta.text, lp, delta.finish_reason, delta.stop_reason)
+                choice = api.CompletionChoice(index=index, text=delta.text, logprobs=lp,
+                                              finish_reason=delta.finish_reason, stop_reason=delta.stop_reason)
                 yield sse(api.CompletionResponse(id=rid, choices=[choice], model=self.model_name))
 
         include_usage = req.stream_options is not None and req.stream_options.include_usage
@@ -379,9 +381,10 @@ class OpenAIServer:
             if delta.finish_reason is not None:
                 finals[index] = delta
                 usage.add(index, delta)
-        choices = [api.ChatChoice(i, api.ChatMessageOut(texts[i]),
-                                  api.ChatLogprobs(lps[i]) if lps[i] is not None else None,
-                                  finals[i].finish_reason, finals[i].stop_reason) for i in range(n)]
+        choices = [api.ChatChoice(index=i, message=api.ChatMessageOut(texts[i]),
+                                  logprobs=api.ChatLogprobs(lps[i]) if lps[i] is not None else None,
+                                  finish_reason=finals[i].finish_reason, stop_reason=finals[i].stop_reason)
+                   for i in range(n)]
         return api.ChatCompletionResponse(id=rid, choices=choices, model=self.model_name, usage=usage.info())
 
     def _chat_events(self, req: api.ChatCompletionRequest, rid: str, merged, usage: UsageCounter):
@@ -389,12 +392,14 @@ class OpenAIServer:
 
         async def events():
             yield sse(api.ChatCompletionChunk(id=rid, model=model, choices=[
-                api.ChatChunkChoice(i, api.DeltaMessage(role="assistant", content="")) for i in range(req.n)]))
+                api.ChatChunkChoice(index=i, delta=api.DeltaMessage(role="assistant", content=""))
+                for i in range(req.n)]))
             async for index, delta in merged:
                 if delta.finish_reason is not None:
                     usage.add(index, delta)
                 lp = self._chat_logprobs(delta.logprobs) if delta.logprobs else None
-                choice = api.ChatChunkChoice(index, api.DeltaMessage(content=delta.text), lp, delta.finish_reason)
+                choice = api.ChatChunkChoice(index=index, delta=api.DeltaMessage(content=delta.text), logprobs=lp,
+                                             finish_reason=delta.finish_reason, stop_reason=delta.stop_reason)
                 yield sse(api.ChatCompletionChunk(id=rid, model=model, choices=[choice]))
 
         include_usage = req.stream_options is not None and req.stream_options.include_usage

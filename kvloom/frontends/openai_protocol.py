@@ -95,23 +95,29 @@ class CompletionLogprobs(Struct):
     text_offset: list[int]
 
 
-class CompletionChoice(Struct):
+class _Choice(Struct, kw_only=True):
     index: int
-    text: str
-    logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
-    stop_reason: str | int | None = None
+    stop_reason: str | int | None = None  # the stop string or stop token id that ended it
 
 
-class CompletionResponse(Struct):
-    """Also the shape of each streamed chunk (``object`` stays ``text_completion``)."""
-
+class _Completion(Struct, kw_only=True):
     id: str
-    choices: list[CompletionChoice]
     model: str
     created: int = msgspec.field(default_factory=lambda: int(time.time()))
-    object: str = "text_completion"
     usage: UsageInfo | None = None
+
+
+class CompletionChoice(_Choice, kw_only=True):
+    text: str
+    logprobs: CompletionLogprobs | None = None
+
+
+class CompletionResponse(_Completion, kw_only=True):
+    """Also the shape of each streamed chunk (``object`` stays ``text_completion``)."""
+
+    choices: list[CompletionChoice]
+    object: str = "text_completion"
 
 
 class TopLogprobOut(Struct):
@@ -120,10 +126,7 @@ class TopLogprobOut(Struct):
     bytes: list[int]
 
 
-class TokenLogprobOut(Struct):
-    token: str
-    logprob: float
-    bytes: list[int]
+class TokenLogprobOut(TopLogprobOut):
     top_logprobs: list[TopLogprobOut]
 
 
@@ -136,21 +139,14 @@ class ChatMessageOut(Struct):
     role: str = "assistant"
 
 
-class ChatChoice(Struct):
-    index: int
+class ChatChoice(_Choice, kw_only=True):
     message: ChatMessageOut
     logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = None
-    stop_reason: str | int | None = None
 
 
-class ChatCompletionResponse(Struct):
-    id: str
+class ChatCompletionResponse(_Completion, kw_only=True):
     choices: list[ChatChoice]
-    model: str
-    created: int = msgspec.field(default_factory=lambda: int(time.time()))
     object: str = "chat.completion"
-    usage: UsageInfo | None = None
 
 
 class DeltaMessage(Struct, omit_defaults=True):
@@ -158,20 +154,14 @@ class DeltaMessage(Struct, omit_defaults=True):
     content: str | None = None
 
 
-class ChatChunkChoice(Struct):
-    index: int
+class ChatChunkChoice(_Choice, kw_only=True):
     delta: DeltaMessage
     logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = None
 
 
-class ChatCompletionChunk(Struct):
-    id: str
+class ChatCompletionChunk(_Completion, kw_only=True):
     choices: list[ChatChunkChoice]
-    model: str
-    created: int = msgspec.field(default_factory=lambda: int(time.time()))
     object: str = "chat.completion.chunk"
-    usage: UsageInfo | None = None
 
 
 class ModelCard(Struct):
