@@ -136,8 +136,8 @@ class Launcher:
                 return self._shutdown()
             if self.engine.poll() is not None and not self.engine_lost:
                 self.engine_lost = True
-                logger.error("The engine process exited with code %s: frontends now answer 503; "
-                             "restart the server", self.engine.returncode)
+                logger.error("The engine process exited with code %s (its error is above); requests now get "
+                             "503 until the server is restarted", self.engine.returncode)
             exited = [p for p in self.frontends if p.poll() is not None]
             if exited:
                 codes = [p.returncode for p in exited]

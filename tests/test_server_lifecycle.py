@@ -109,6 +109,20 @@ def test_sigterm_drains_in_flight_requests_and_leaves_no_process(tiny_llama, tmp
     wait_gone(children)
 
 
+def test_engine_that_cannot_start_stops_the_server_with_its_reason(tiny_llama, tmp_path):
+    broken = tmp_path / "broken-model"
+    broken.mkdir()
+    for f in tiny_llama.iterdir():
+        if f.suffix != ".safetensors":
+            (broken / f.name).write_bytes(f.read_bytes())
+    server = EngineServer(["--model", str(broken)], tmp_path)
+    try:
+        assert server.proc.wait(timeout=120) == 1
+    finally:
+        server.stop()
+    assert "the engine failed to start: no .safetensors files" in server.log()
+
+
 def test_killed_launcher_takes_its_children_along(tiny_llama, tmp_path):
     server = start_server(tiny_llama, tmp_path)
     children = server.descendants()

@@ -131,7 +131,8 @@ class EngineServer:
         elif isinstance(msg, RegisterFrontend):
             self.frontends[ident] = msg.frontend_id
             logger.info("Frontend %s (pid %d) connected", msg.frontend_id, msg.pid)
-            self._send(ident, self.ready)
+            if self.ready is not None:  # None only while reporting a failed start to everyone waiting
+                self._send(ident, self.ready)
         elif isinstance(msg, Shutdown):
             self.request_shutdown(msg.drain)
 

@@ -8,7 +8,7 @@ import asyncio
 import itertools
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
 import msgspec
@@ -55,7 +55,6 @@ class TextDelta:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     num_output_tokens: int = 0  # tokens generated so far (usage counts these, text or not)
-    first_token_time: float | None = field(default=None, repr=False)
 
 
 class FrontendCore:
@@ -133,7 +132,6 @@ class FrontendCore:
         deltas = self.client.generate(self.next_request_id(), req.prompt_token_ids, sp, req.priority, time.time())
         deadline = None if self.request_timeout is None else time.monotonic() + self.request_timeout
         num_out = 0
-        first_token_time = None
         held: list[int] = []  # tokens whose text is held back (a partial character or possible stop string)
         try:
             while True:
@@ -142,8 +140,6 @@ class FrontendCore:
                     status = 400 if delta.error_kind == "rejected" else 503
                     raise RequestError(status, delta.error or "the engine failed this request")
                 num_out += len(delta.new_token_ids)
-                if first_token_time is None and delta.new_token_ids:
-                    first_token_time = time.monotonic()
                 finish = delta.finish_reason
                 new_text = text.add_tokens(delta.new_token_ids, final=finish is not None)
                 stop_reason = delta.stop_token_id
@@ -154,7 +150,7 @@ class FrontendCore:
                     continue
                 yield TextDelta(new_text, held, delta.logprobs, finish, stop_reason,
                                 delta.num_prompt_tokens or len(req.prompt_token_ids), delta.num_cached_tokens,
-                                num_out, first_token_time)
+                                num_out)
                 held = []
                 if finish is not None:
                     return
