@@ -1,0 +1,55 @@
+"""Where the device time of an offline workload goes: runs kvloom under torch.profiler and prints the
+kernels that took the most GPU time, grouped by name (a tool for tuning, not a benchmark).
+
+    python benchmarks/profile_gpu.py --shape llama-3-8b --num-requests 256 --prompt-len 512 --output-len 256
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from shapes import model_for_benchmark  # noqa: E402
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", default="llama-3-8b")
+    p.add_argument("--num-requests", type=int, default=256)
+    p.add_argument("--prompt-len", type=int, default=512)
+    p.add_argument("--output-len", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument("--rows", type=int, default=25)
+    args = p.parse_args()
+    from kvloom import LLM, SamplingParams
+
+    model, load_format, vocab = model_for_benchmark(None, args.shape)
+    rng = random.Random(0)
+    prompts = [[rng.randrange(10, vocab - 10) for _ in range(args.prompt_len)] for _ in range(args.num_requests)]
+    llm = LLM(model, load_format=load_format, max_num_seqs=256, max_num_batched_tokens=args.max_num_batched_tokens)
+    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+    llm.generate(prompts[:4], params, use_tqdm=False)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        llm.generate(prompts, params, use_tqdm=False)
+        torch.cuda.synchronize()
+        elapsed = time.perf_counter() - t0
+    print(f"elapsed {elapsed:.2f}s (under the profiler), {args.num_requests * args.output_len / elapsed:.0f} output tok/s")
+    events = [e for e in prof.key_averages() if e.device_type.name == "CUDA" or getattr(e, "self_device_time_total", 0) > 0]
+    total = sum(getattr(e, "self_device_time_total", 0) for e in events)
+    print(f"GPU busy (sum of kernel times): {total / 1e6:.2f}s")
+    for e in sorted(events, key=lambda e: -getattr(e, "self_device_time_total", 0))[: args.rows]:
+        t = getattr(e, "self_device_time_total", 0)
+        print(f"{t / 1e6:8.3f}s {100 * t / max(total, 1):5.1f}% {e.count:7d}  {e.key[:90]}")
+
+
+if __name__ == "__main__":
+    main()
