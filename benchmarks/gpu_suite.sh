@@ -14,7 +14,7 @@ for part in $parts; do
     gputests) timeout 120 python3 -m pytest -q tests/test_gpu.py 2>&1 | tail -15 ;;
     llama8b) timeout 420 python3 benchmarks/offline_throughput.py --shape llama-3-8b --num-requests 256 \
         --prompt-len 512 --output-len 256 --hf-batch-size 64 --max-num-seqs 256 \
-        --max-num-batched-tokens 8192 --quiet | tee "$out/offline_llama3_8b.json" ;;
+        --max-num-batched-tokens 16384 --quiet | tee "$out/offline_llama3_8b.json" ;;
     latency) timeout 240 python3 benchmarks/latency.py --shape llama-3-8b --prompt-len 128 --new-tokens 256 \
         | tee "$out/latency_llama3_8b.json" ;;
     qwen3) timeout 300 python3 benchmarks/offline_throughput.py --shape qwen3-0.6b --num-requests 256 \

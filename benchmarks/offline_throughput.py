@@ -45,7 +45,10 @@ def run_kvloom(args, model: str, load_format: str, prompts, outputs) -> dict:
     llm = LLM(model, **options)
     load_s = time.perf_counter() - t0
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in outputs]
-    llm.generate(prompts[: min(4, len(prompts))], params[: min(4, len(prompts))], use_tqdm=False)  # warm-up
+    # Warm-up on the same prompts with two output tokens: every step shape the run will see (prefill
+    # chunk sizes, decode batch sizes) has its Triton kernels compiled before the clock starts.
+    llm.generate(prompts, [SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)] * len(prompts),
+                 use_tqdm=False)
     _sync()
     profiler = None
     if args.profile:
