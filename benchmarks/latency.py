@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from shapes import model_for_benchmark  # noqa: E402
+from shapes import load_transformers_model, model_for_benchmark  # noqa: E402
 
 
 def copy_bandwidth_gbs() -> float | None:
@@ -97,23 +97,7 @@ def main() -> None:
 
 
 def run_hf(args, model, load_format, prompt) -> dict:
-    from transformers import AutoModelForCausalLM
-
-    from kvloom.core.loader import load_hf_config
-    from kvloom.core.model_files import resolve_model
-
-    path = resolve_model(model)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    if load_format == "dummy":
-        with torch.device(device):
-            hf = AutoModelForCausalLM.from_config(load_hf_config(path), dtype=dtype)
-    elif path.suffix == ".gguf":
-        hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype).to(device)
-    else:
-        hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).to(device)
-    hf.eval()
-    hf.generation_config.eos_token_id = None
+    hf, device = load_transformers_model(model, load_format, args.dtype)
     ids = torch.tensor([prompt], device=device)
 
     def gen(n):

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from shapes import model_for_benchmark  # noqa: E402
+from shapes import load_transformers_model, model_for_benchmark  # noqa: E402
 
 
 def workload(args, vocab: int) -> tuple[list[list[int]], list[int]]:
@@ -76,25 +76,7 @@ def run_kvloom(args, model: str, load_format: str, prompts, outputs) -> dict:
 
 
 def run_hf(args, model: str, load_format: str, prompts, outputs) -> dict:
-    from transformers import AutoModelForCausalLM
-
-    from kvloom.core.loader import load_hf_config
-    from kvloom.core.model_files import resolve_model
-
-    path = resolve_model(model)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    dtype = {"auto": torch.bfloat16 if device == "cuda" else torch.float32, "float32": torch.float32,
-             "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
-    if load_format == "dummy":
-        config = load_hf_config(path)
-        with torch.device(device):
-            hf = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    elif path.suffix == ".gguf":
-        hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype).to(device)
-    else:
-        hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).to(device)
-    hf.eval()
-    hf.generation_config.eos_token_id = None
+    hf, device = load_transformers_model(model, load_format, args.dtype)
     pad = hf.config.pad_token_id if hf.config.pad_token_id is not None else 0
     batch = args.hf_batch_size
     n_out = 0

@@ -1,4 +1,5 @@
-"""Real model shapes for benchmarks with dummy weights (no checkpoint download needed)."""
+"""Real model shapes for benchmarks with dummy weights (no checkpoint download needed), and the
+matching Hugging Face transformers model that every benchmark runs beside kvloom."""
 
 from __future__ import annotations
 
@@ -48,3 +49,28 @@ def model_for_benchmark(model: str | None, shape: str | None) -> tuple[str, str,
 
     model = model or DEFAULT_MODEL
     return model, "auto", load_hf_config(resolve_model(model)).vocab_size
+
+
+def load_transformers_model(model: str, load_format: str, dtype_name: str = "auto"):
+    """The same model in transformers, on the GPU if there is one: same weights (or, for dummy
+    weights, the same shape), EOS disabled so it generates exactly what it is asked for."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from kvloom.core.loader import load_hf_config
+    from kvloom.core.model_files import resolve_model
+
+    path = resolve_model(model)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = {"auto": torch.bfloat16 if device == "cuda" else torch.float32, "float32": torch.float32,
+             "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype_name]
+    if load_format == "dummy":
+        with torch.device(device):
+            hf = AutoModelForCausalLM.from_config(load_hf_config(path), dtype=dtype)
+    elif path.suffix == ".gguf":
+        hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype).to(device)
+    else:
+        hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).to(device)
+    hf.eval()
+    hf.generation_config.eos_token_id = None
+    return hf, device

@@ -12,7 +12,7 @@ from kvloom.core import capacity
 from kvloom.core.attention import get_attention_backend
 from kvloom.core.config import ConfigError, EngineConfig
 from kvloom.core.kv_cache import KVCacheManager
-from kvloom.core.loader import build_model, is_gguf, load_hf_config
+from kvloom.core.loader import build_model, load_hf_config
 from kvloom.core.messages import AddRequest, EngineStats, TokenDelta
 from kvloom.core.model_files import resolve_model
 from kvloom.core.model_runner import ModelRunner
