@@ -185,6 +185,7 @@ class LLM:
             bar.close()
             if states:  # interrupted: leave nothing running in the engine
                 engine.abort_requests(list(states))
+            engine.flush()  # a step may still be in flight for requests that have finished
         return results
 
 

@@ -9,9 +9,10 @@ from kvloom import LLM, SamplingParams
 PROMPTS = ["The quick brown fox", "Paris is the capital", "Numbers: 0 1 2"]
 
 
-@pytest.fixture(scope="module")
-def llm(tiny_llama):
-    return LLM(str(tiny_llama))
+@pytest.fixture(scope="module", params=["off", "on"], ids=["sync", "async"])
+def llm(request, tiny_llama):
+    # With async scheduling, tokens reach the host a step late: every behaviour below must hold anyway.
+    return LLM(str(tiny_llama), async_scheduling=request.param)
 
 
 def _texts(llm, params):

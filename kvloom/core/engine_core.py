@@ -192,24 +192,27 @@ class EngineCore:
     def step(self) -> list[TokenDelta]:
         """Schedule, run and sample one step. With async scheduling the step is launched and the
         previous one's tokens are returned, so the host's work overlaps the device's."""
-        deltas: list[TokenDelta] = []
-        if self._in_flight is not None and not self._can_overlap():
-            deltas += self._resolve(*self._in_flight)
-            self._in_flight = None
+        deltas = [] if self._can_overlap() else self.flush()
         plan = self.scheduler.schedule()
         self.last_step_tokens = plan.num_tokens
         launched = None
         if plan:
             launched = (plan, self.runner.launch(plan))
             self.scheduler.advance(plan)
-        if self._in_flight is not None:
-            deltas += self._resolve(*self._in_flight)
-            self._in_flight = None
+        deltas += self.flush()
         if launched is not None:
             if self.async_scheduling:
                 self._in_flight = launched
             else:
                 deltas += self._resolve(*launched)
+        return deltas
+
+    def flush(self) -> list[TokenDelta]:
+        """Wait for the step still in flight (async scheduling) and return its tokens."""
+        if self._in_flight is None:
+            return []
+        deltas = self._resolve(*self._in_flight)
+        self._in_flight = None
         return deltas
 
     def _can_overlap(self) -> bool:
