@@ -1,6 +1,7 @@
-"""The ``engine`` command. Flags are generated from ``EngineConfig``; ``--config FILE.toml`` takes the
-same keys. Subcommands: ``generate`` (offline prompts from a file or flags), ``chat`` (terminal) and
-``plugins`` (list the available plugins)."""
+"""The ``engine`` command. With no subcommand it serves the OpenAI API (and optionally the ZMQ gateway);
+``generate`` runs prompts from a file or flags offline, ``chat`` is a terminal chat and ``plugins`` lists
+the available plugins. Flags are generated from ``EngineConfig`` and ``ServerConfig``; ``--config
+FILE.toml`` takes the same keys."""
 
 from __future__ import annotations
 
@@ -9,27 +10,29 @@ import dataclasses
 import json
 import logging
 import sys
+import tomllib
 import typing
 from typing import Any
 
 from kvloom.core.config import ConfigError, EngineConfig, _split_names
+from kvloom.frontends.config import ServerConfig
 
 
 def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def add_engine_flags(parser: argparse.ArgumentParser) -> None:
-    """One flag per EngineConfig field, with its help text and choices; defaults stay None so a
-    config file's values are only overridden by flags the user actually gave."""
-    group = parser.add_argument_group("engine options (also accepted as keys in --config FILE.toml)")
-    group.add_argument("--config", metavar="FILE.toml", help="Read engine options from a TOML file.")
-    hints = typing.get_type_hints(EngineConfig)
-    for f in dataclasses.fields(EngineConfig):
+def add_config_flags(group, cls, skip: tuple[str, ...] = ()) -> None:
+    """One flag per field of the config dataclass ``cls``, with its help text and choices. Defaults are
+    suppressed so a config file's values are only overridden by flags the user actually gave."""
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if f.name in skip:
+            continue
         hint = hints[f.name]
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
         help_text = f"{f.metadata['help']} (default: {default!r})"
-        kw: dict[str, Any] = {"dest": f.name, "default": None, "help": help_text}
+        kw: dict[str, Any] = {"dest": f.name, "default": argparse.SUPPRESS, "help": help_text}
         if f.metadata.get("choices"):
             kw["choices"] = f.metadata["choices"]
         if hint is bool:
@@ -46,22 +49,59 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
         group.add_argument(_flag(f.name), **kw)
 
 
+def add_engine_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("engine options (also accepted as keys in --config FILE.toml)")
+    group.add_argument("--config", metavar="FILE.toml", default=argparse.SUPPRESS,
+                       help="Read options from a TOML file with the flags' names as keys (e.g. max_num_seqs = 64); "
+                            "flags given on the command line win.")
+    add_config_flags(group, EngineConfig)
+
+
+def add_server_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("serving options (also accepted as keys in --config FILE.toml)")
+    add_config_flags(group, ServerConfig)
+
+
+def _read_config_file(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The config file's keys, split into (engine keys, serving keys)."""
+    path = getattr(args, "config", None)
+    if not path:
+        return {}, {}
+    with open(path, "rb") as f:
+        data = tomllib.load(f)
+    server_keys = ServerConfig.keys()
+    return ({k: v for k, v in data.items() if k not in server_keys},
+            {k: v for k, v in data.items() if k in server_keys})
+
+
+def _given(args: argparse.Namespace, cls) -> dict[str, Any]:
+    return {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)}
+
+
 def config_from_args(args: argparse.Namespace) -> EngineConfig:
-    config = EngineConfig.from_toml(args.config) if getattr(args, "config", None) else EngineConfig()
-    changes = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)
-               if getattr(args, f.name, None) is not None}
-    config = config.replace(**changes)
+    engine_keys, _ = _read_config_file(args)
+    config = EngineConfig.from_dict(engine_keys).replace(**_given(args, EngineConfig))
+    config.validate()
+    return config
+
+
+def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
+    _, server_keys = _read_config_file(args)
+    config = ServerConfig(**server_keys).replace(**_given(args, ServerConfig))
     config.validate()
     return config
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="engine", description="kvloom: a pure-PyTorch LLM inference engine.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        prog="engine", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        description="kvloom: a pure-PyTorch LLM inference engine. With no subcommand, serve the OpenAI-compatible "
+                    "API: engine --model PATH --plugins a,b --host 127.0.0.1 --port 8000",
     )
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    sub = parser.add_subparsers(dest="command")
+    add_engine_flags(parser)
+    add_server_flags(parser)
+    sub = parser.add_subparsers(dest="command", metavar="{generate,chat,plugins}")
 
     gen = sub.add_parser("generate", help="Generate offline for prompts given as flags or in a file.")
     gen.add_argument("--prompt", action="append", default=[], help="A prompt (repeatable).")
@@ -91,15 +131,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    if args.command is None:
-        parser.print_help()
-        return 0
     from kvloom.plugins.manager import PluginManager
 
     try:
         config = config_from_args(args)
+        server = server_config_from_args(args) if args.command is None else None
         plugins = PluginManager.from_config(config)  # unknown plugins and conflicts fail before a model loads
-    except (ConfigError, ValueError, OSError) as e:
+    except (ConfigError, ValueError, TypeError, OSError) as e:
         print(f"engine: error: {e}", file=sys.stderr)
         return 2
     if args.command == "plugins":
@@ -112,7 +150,15 @@ def main(argv: list[str] | None = None) -> int:
         return _generate(args, config)
     if args.command == "chat":
         return _chat(args, config)
-    return 0
+    from kvloom.core.model_files import resolve_model
+    from kvloom.launcher import serve
+
+    try:
+        resolve_model(config.model)  # a wrong path fails here, not in three processes at once
+        return serve(config, server, args.log_level)
+    except OSError as e:
+        print(f"engine: error: {e}", file=sys.stderr)
+        return 2
 
 
 def _read_prompts(args) -> list[str]:

@@ -6,6 +6,8 @@ language can speak the protocol from the JSON Schema in docs/. Nothing here is e
 
 from __future__ import annotations
 
+import json
+import sys
 from typing import Any, Union
 
 import msgspec
@@ -18,6 +20,14 @@ class _Msg(msgspec.Struct, tag=True, omit_defaults=True, kw_only=True):
 
 
 # frontend -> engine -------------------------------------------------------------------------------
+class RegisterFrontend(_Msg):
+    """First message of every frontend; the engine answers with ``EngineReady`` once the model is
+    loaded. Outputs go back to the ZeroMQ identity the frontend registered from."""
+
+    frontend_id: str
+    pid: int = 0
+
+
 class AddRequest(_Msg):
     """Start generating for ``prompt_token_ids``. ``request_id`` is unique per engine (frontends prefix
     their clients' ids); ``priority`` is used by priority schedulers (lower value runs first)."""
@@ -67,7 +77,9 @@ class TokenLogprobs(msgspec.Struct, array_like=True):
 
 class TokenDelta(_Msg):
     """New tokens of one request in one step; ``finish_reason`` is set on its last delta
-    (``stop``, ``length``, ``abort`` or ``error`` with ``error`` holding the message)."""
+    (``stop``, ``length``, ``abort`` or ``error`` with ``error`` holding the message). ``error_kind``
+    says whether an error is the request's fault (``rejected``: it can never run) or the engine's
+    (``unavailable``: shutting down or failed; retrying elsewhere may work)."""
 
     request_id: str
     new_token_ids: list[int]
@@ -77,6 +89,7 @@ class TokenDelta(_Msg):
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     error: str | None = None
+    error_kind: str | None = None
 
 
 class EngineStats(msgspec.Struct, omit_defaults=True, kw_only=True):
@@ -125,14 +138,89 @@ class EngineReady(_Msg):
     block_size: int
     eos_token_ids: list[int]
     plugins: list[str] = []
+    pid: int = 0
 
 
-FrontendMessage = Union[AddRequest, AbortRequest, Utility, Shutdown]
+FrontendMessage = Union[RegisterFrontend, AddRequest, AbortRequest, Utility, Shutdown]
 EngineMessage = Union[StepOutputs, UtilityResult, EngineError, EngineReady]
+
+
+# service -> ZMQ gateway (text in) -----------------------------------------------------------------
+class ChatMessage(msgspec.Struct, omit_defaults=True, kw_only=True):
+    role: str
+    content: str
+
+
+class Generate(_Msg):
+    """Generate text for exactly one of ``prompt`` (text), ``messages`` (a chat, through the model's
+    chat template) or ``prompt_token_ids``. ``request_id`` is the client's own: it only has to be
+    unique among the client's unfinished requests."""
+
+    request_id: str
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    prompt_token_ids: list[int] | None = None
+    sampling: SamplingParams = msgspec.field(default_factory=SamplingParams)
+    priority: int = 0
+
+
+class Cancel(_Msg):
+    """Stop one of this client's requests; the gateway answers with its last ``TextChunk``
+    (``finish_reason`` ``abort``)."""
+
+    request_id: str
+
+
+class Ping(_Msg):
+    """Ask the gateway whether the engine is up; answered with ``Pong``."""
+
+
+GatewayRequest = Union[Generate, Cancel, Ping]
+
+
+# ZMQ gateway -> service (streamed text out) -------------------------------------------------------
+class Usage(msgspec.Struct, omit_defaults=True, kw_only=True):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+
+class TextChunk(_Msg):
+    """New text of a request. The last chunk has ``finish_reason`` (``stop``, ``length`` or
+    ``abort``), ``stop_reason`` (the stop string or token id that ended it, if any) and ``usage``."""
+
+    request_id: str
+    text: str
+    token_ids: list[int] = []
+    logprobs: list[TokenLogprobs] | None = None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    usage: Usage | None = None
+
+
+class RequestFailed(_Msg):
+    """The request ended with an error; ``status`` follows HTTP: 400 a bad request (the message names
+    the field and the limit), 429 too many requests in flight, 503 the engine is down or stopping."""
+
+    request_id: str
+    message: str
+    status: int = 400
+
+
+class Pong(_Msg):
+    healthy: bool
+    model: str = ""
+    max_model_len: int = 0
+    message: str | None = None
+
+
+GatewayReply = Union[TextChunk, RequestFailed, Pong]
 
 _encoder = msgspec.msgpack.Encoder()
 _frontend_decoder = msgspec.msgpack.Decoder(FrontendMessage)
 _engine_decoder = msgspec.msgpack.Decoder(EngineMessage)
+_gateway_request_decoder = msgspec.msgpack.Decoder(GatewayRequest)
+_gateway_reply_decoder = msgspec.msgpack.Decoder(GatewayReply)
 
 
 def encode(msg: _Msg) -> bytes:
@@ -145,3 +233,45 @@ def decode_frontend_message(data: bytes) -> FrontendMessage:
 
 def decode_engine_message(data: bytes) -> EngineMessage:
     return _engine_decoder.decode(data)
+
+
+def decode_gateway_request(data: bytes) -> GatewayRequest:
+    return _gateway_request_decoder.decode(data)
+
+
+def decode_gateway_reply(data: bytes) -> GatewayReply:
+    return _gateway_reply_decoder.decode(data)
+
+
+CHANNELS = {
+    "frontend_to_engine": FrontendMessage,
+    "engine_to_frontend": EngineMessage,
+    "client_to_gateway": GatewayRequest,
+    "gateway_to_client": GatewayReply,
+}
+
+
+def protocol_schema() -> dict[str, Any]:
+    """The JSON Schema of every message, one property per channel (docs/protocol.schema.json)."""
+    schemas, defs = msgspec.json.schema_components(list(CHANNELS.values()), ref_template="#/$defs/{name}")
+    return {
+        "$schema": "https://json-schema.org/draft/2020-12/schema",
+        "title": "kvloom wire protocol",
+        "description": "msgpack-encoded messages over ZeroMQ; each channel carries one tagged union "
+                       "whose 'type' field names the message. See docs/protocol.md.",
+        "type": "object",
+        "properties": dict(zip(CHANNELS, schemas)),
+        "$defs": defs,
+    }
+
+
+def protocol_schema_text() -> str:
+    return json.dumps(protocol_schema(), indent=2, sort_keys=True) + "\n"
+
+
+if __name__ == "__main__":  # python -m kvloom.core.messages [OUT.json]: write the schema
+    if len(sys.argv) > 1:
+        with open(sys.argv[1], "w") as f:
+            f.write(protocol_schema_text())
+    else:
+        sys.stdout.write(protocol_schema_text())

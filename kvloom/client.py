@@ -1,0 +1,257 @@
+"""Python client of the ZMQ gateway (``engine --gateway ADDRESS``): ``Client`` blocks, ``AsyncClient``
+is for asyncio. Both stream text chunks or return a whole completion::
+
+    with Client("ipc:///tmp/kvloom.sock") as client:
+        print(client.generate("The capital of France is", max_tokens=16, temperature=0).text)
+        for chunk in client.stream(messages=[{"role": "user", "content": "Hi!"}], max_tokens=32):
+            print(chunk.text, end="", flush=True)
+
+Sampling options are ``SamplingParams`` fields (``max_tokens``, ``temperature``, ``top_p``, ``stop``,
+``seed``, ``logprobs``, ...).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Iterator
+
+import zmq
+import zmq.asyncio
+
+from kvloom.core.messages import (
+    Cancel,
+    ChatMessage,
+    Generate,
+    Ping,
+    Pong,
+    RequestFailed,
+    TextChunk,
+    TokenLogprobs,
+    Usage,
+    decode_gateway_reply,
+    encode,
+)
+from kvloom.core.sampling_params import SamplingParams
+
+__all__ = ["AsyncClient", "Client", "Completion", "GatewayError", "TextChunk"]
+
+
+class GatewayError(RuntimeError):
+    """A request failed; ``status`` follows HTTP (400 bad request, 429 busy, 503 engine unavailable)."""
+
+    def __init__(self, message: str, status: int, request_id: str = "") -> None:
+        super().__init__(f"{message} (status {status})")
+        self.message = message
+        self.status = status
+        self.request_id = request_id
+
+
+@dataclass
+class Completion:
+    request_id: str
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    usage: Usage | None = None
+    logprobs: list[TokenLogprobs] | None = None
+
+    def add(self, chunk: TextChunk) -> None:
+        self.text += chunk.text
+        self.token_ids.extend(chunk.token_ids)
+        if chunk.logprobs:
+            self.logprobs = (self.logprobs or []) + chunk.logprobs
+        if chunk.finish_reason is not None:
+            self.finish_reason, self.stop_reason, self.usage = chunk.finish_reason, chunk.stop_reason, chunk.usage
+
+
+_ids = itertools.count()
+
+
+def _generate_message(prompt: str | None, messages: list[dict[str, str]] | None, prompt_token_ids: list[int] | None,
+                      request_id: str | None, priority: int, sampling: dict[str, Any]) -> Generate:
+    return Generate(
+        request_id=request_id or f"{os.getpid()}-{next(_ids)}", prompt=prompt,
+        messages=None if messages is None else [ChatMessage(role=m["role"], content=m["content"]) for m in messages],
+        prompt_token_ids=prompt_token_ids, sampling=SamplingParams(**sampling), priority=priority,
+    )
+
+
+def _claim(inbox: dict, request_id: str) -> str:
+    if request_id in inbox:
+        raise ValueError(f"request id {request_id!r} is already in flight on this client")
+    return request_id
+
+
+def _end_stream(sock: zmq.Socket, inbox: dict, request_id: str, finished: bool) -> None:
+    del inbox[request_id]
+    if not finished:  # the caller stopped reading early: stop the request in the engine too
+        sock.send(encode(Cancel(request_id=request_id)))
+
+
+def _check(reply: TextChunk | RequestFailed) -> TextChunk:
+    if isinstance(reply, RequestFailed):
+        raise GatewayError(reply.message, reply.status, reply.request_id)
+    return reply
+
+
+def _socket(ctx: zmq.Context, address: str) -> zmq.Socket:
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(address)
+    return sock
+
+
+class Client:
+    """A blocking client. One thread at a time; several streams may be open and read in turn.
+    ``timeout`` is the longest wait for the next reply (None: forever)."""
+
+    def __init__(self, address: str, *, timeout: float | None = 300.0) -> None:
+        self.address = address
+        self.timeout = timeout
+        self._ctx = zmq.Context()
+        self._sock = _socket(self._ctx, address)
+        self._inbox: dict[str, deque] = {}
+        self._pongs: deque[Pong] = deque()
+
+    def stream(self, prompt: str | None = None, *, messages: list[dict[str, str]] | None = None,
+               prompt_token_ids: list[int] | None = None, request_id: str | None = None, priority: int = 0,
+               **sampling: Any) -> Iterator[TextChunk]:
+        """Yield the request's text chunks; the last has ``finish_reason`` and ``usage``. Stopping early
+        cancels the request."""
+        msg = _generate_message(prompt, messages, prompt_token_ids, request_id, priority, sampling)
+        rid = _claim(self._inbox, msg.request_id)
+        self._inbox[rid] = deque()
+        finished = False
+        try:
+            self._sock.send(encode(msg))
+            while not finished:
+                chunk = _check(self._next(rid))
+                finished = chunk.finish_reason is not None
+                yield chunk
+        finally:
+            _end_stream(self._sock, self._inbox, rid, finished)
+
+    def generate(self, prompt: str | None = None, **kwargs: Any) -> Completion:
+        """The whole completion (see ``stream`` for the arguments)."""
+        out = None
+        for chunk in self.stream(prompt, **kwargs):
+            out = out or Completion(chunk.request_id)
+            out.add(chunk)
+        return out
+
+    def ping(self) -> Pong:
+        self._sock.send(encode(Ping()))
+        while not self._pongs:
+            self._receive_one()
+        return self._pongs.popleft()
+
+    def _next(self, rid: str):
+        box = self._inbox[rid]
+        while not box:
+            self._receive_one()
+        return box.popleft()
+
+    def _receive_one(self) -> None:
+        timeout_ms = None if self.timeout is None else int(self.timeout * 1000)
+        if not self._sock.poll(timeout_ms):
+            raise TimeoutError(f"no reply from the kvloom gateway at {self.address} within {self.timeout:g}s")
+        reply = decode_gateway_reply(self._sock.recv())
+        if isinstance(reply, Pong):
+            self._pongs.append(reply)
+        elif reply.request_id in self._inbox:
+            self._inbox[reply.request_id].append(reply)
+        elif isinstance(reply, RequestFailed) and not reply.request_id:
+            raise GatewayError(reply.message, reply.status)
+
+    def close(self) -> None:
+        self._sock.close(linger=0)
+        self._ctx.term()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class AsyncClient:
+    """An asyncio client: any number of concurrent streams over one connection."""
+
+    def __init__(self, address: str, *, timeout: float | None = 300.0) -> None:
+        self.address = address
+        self.timeout = timeout
+        self._ctx = zmq.asyncio.Context()
+        self._sock = _socket(self._ctx, address)
+        self._inbox: dict[str, asyncio.Queue] = {}
+        self._pongs: deque[asyncio.Future] = deque()
+        self._reader: asyncio.Task | None = None
+
+    async def stream(self, prompt: str | None = None, *, messages: list[dict[str, str]] | None = None,
+                     prompt_token_ids: list[int] | None = None, request_id: str | None = None, priority: int = 0,
+                     **sampling: Any) -> AsyncIterator[TextChunk]:
+        msg = _generate_message(prompt, messages, prompt_token_ids, request_id, priority, sampling)
+        rid = _claim(self._inbox, msg.request_id)
+        self._start_reader()
+        queue = self._inbox[rid] = asyncio.Queue()
+        finished = False
+        try:
+            await self._sock.send(encode(msg))
+            while not finished:
+                try:
+                    reply = await asyncio.wait_for(queue.get(), self.timeout)
+                except asyncio.TimeoutError:
+                    raise TimeoutError(f"no reply from the kvloom gateway at {self.address} within "
+                                       f"{self.timeout:g}s") from None
+                chunk = _check(reply)
+                finished = chunk.finish_reason is not None
+                yield chunk
+        finally:
+            _end_stream(self._sock, self._inbox, rid, finished)
+
+    async def generate(self, prompt: str | None = None, **kwargs: Any) -> Completion:
+        out = None
+        async for chunk in self.stream(prompt, **kwargs):
+            out = out or Completion(chunk.request_id)
+            out.add(chunk)
+        return out
+
+    async def ping(self) -> Pong:
+        self._start_reader()
+        future = asyncio.get_running_loop().create_future()
+        self._pongs.append(future)
+        await self._sock.send(encode(Ping()))
+        return await asyncio.wait_for(future, self.timeout)
+
+    def _start_reader(self) -> None:
+        if self._reader is None:
+            self._reader = asyncio.create_task(self._read())
+
+    async def _read(self) -> None:
+        while True:
+            reply = decode_gateway_reply(await self._sock.recv())
+            if isinstance(reply, Pong):
+                while self._pongs:
+                    future = self._pongs.popleft()
+                    if not future.done():
+                        future.set_result(reply)
+                        break
+            elif reply.request_id in self._inbox:
+                self._inbox[reply.request_id].put_nowait(reply)
+
+    async def close(self) -> None:
+        if self._reader is not None:
+            self._reader.cancel()
+            await asyncio.gather(self._reader, return_exceptions=True)
+        self._sock.close(linger=0)
+        self._ctx.term()
+
+    async def __aenter__(self) -> "AsyncClient":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()

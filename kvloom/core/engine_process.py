@@ -1,0 +1,254 @@
+"""The engine process: runs the EngineCore loop and talks to frontends only through msgspec messages
+over one ZeroMQ ROUTER socket (``ipc://`` by default). It never sees text."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import traceback
+from collections import defaultdict
+
+import msgspec
+import zmq
+
+from kvloom.core.config import EngineConfig
+from kvloom.core.messages import (
+    AbortRequest,
+    AddRequest,
+    EngineError,
+    EngineReady,
+    RegisterFrontend,
+    Shutdown,
+    StepOutputs,
+    TokenDelta,
+    Utility,
+    UtilityResult,
+    decode_frontend_message,
+    encode,
+)
+
+logger = logging.getLogger("kvloom.engine")
+
+# What a frontend may call through ``Utility``; anything else is refused by name.
+UTILITY_METHODS = ("stats", "reset_prefix_cache")
+IDLE_POLL_MS = 100  # how often an idle engine wakes up to notice signals
+
+
+class EngineServer:
+    """Owns the ROUTER socket and the loop: drain the inbox (blocking only when idle), step, send one
+    ``StepOutputs`` per frontend that has news."""
+
+    def __init__(self, config: EngineConfig, address: str, model_name: str | None = None) -> None:
+        self.config = config
+        self.model_name = model_name or config.model
+        self.ctx = zmq.Context()
+        self.socket = self.ctx.socket(zmq.ROUTER)
+        # A send to a frontend that is gone raises instead of vanishing, so its requests can be aborted.
+        self.socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self.socket.setsockopt(zmq.SNDHWM, 0)
+        self.socket.setsockopt(zmq.RCVHWM, 0)
+        self.socket.setsockopt(zmq.LINGER, 2000)
+        self.socket.bind(address)
+        self.core = None
+        self.ready: EngineReady | None = None
+        self.frontends: dict[bytes, str] = {}  # ZeroMQ identity -> frontend id
+        self.owners: dict[str, bytes] = {}  # request id -> identity of the frontend that sent it
+        self.outbox: dict[bytes, list[TokenDelta]] = defaultdict(list)
+        self.draining = False  # finish what is running, refuse new requests, then exit
+        self.stop_now = False
+
+    # --- lifecycle ---------------------------------------------------------------------------------
+    def load(self) -> None:
+        from kvloom.core.engine_core import EngineCore  # torch and the model code load here only
+
+        self.core = EngineCore(self.config)
+        self.ready = EngineReady(
+            model_name=self.model_name, max_model_len=self.core.max_model_len, vocab_size=self.core.vocab_size,
+            num_kv_blocks=self.core.kv.num_blocks, block_size=self.config.block_size,
+            eos_token_ids=list(self.core.eos_token_ids), plugins=list(self.config.plugins), pid=os.getpid(),
+        )
+
+    def request_shutdown(self, drain: bool = True) -> None:
+        if drain and not self.draining:
+            self.draining = True
+            logger.info("Draining: finishing in-flight requests, refusing new ones")
+        else:
+            self.stop_now = True
+
+    def run(self) -> None:
+        core = self.core
+        while not self.stop_now and not (self.draining and not core.has_unfinished()):
+            self._drain_inbox(block=not core.has_unfinished())
+            if self.stop_now:
+                break
+            if core.has_unfinished():
+                for delta in core.step():
+                    self._route(delta)
+            self._flush()
+        if core.has_unfinished():
+            for delta in core.abort_requests(list(self.owners)):
+                self._route(delta)
+            self._flush()
+
+    def close(self, message: str) -> None:
+        """Tell every frontend the engine is gone (its in-flight requests are over), then close."""
+        self.fail_frontends(message)
+        self.socket.close()
+        self.ctx.term()
+
+    def fail_frontends(self, message: str) -> None:
+        for ident in list(self.frontends):
+            self._send(ident, EngineError(message=message))
+        self.frontends.clear()
+
+    # --- inbox -------------------------------------------------------------------------------------
+    def _drain_inbox(self, block: bool) -> None:
+        if block and not self.socket.poll(IDLE_POLL_MS):
+            return
+        while True:
+            try:
+                ident, data = self.socket.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                msg = decode_frontend_message(data)
+            except (msgspec.DecodeError, msgspec.ValidationError) as e:
+                logger.warning("Dropped a malformed message from frontend %r: %s", ident, e)
+                continue
+            self._handle(ident, msg)
+
+    def _handle(self, ident: bytes, msg) -> None:
+        if isinstance(msg, AddRequest):
+            self._add(ident, msg)
+        elif isinstance(msg, AbortRequest):
+            for delta in self.core.abort_requests(msg.request_ids):
+                self._route(delta)
+        elif isinstance(msg, Utility):
+            self._send(ident, self._utility(msg))
+        elif isinstance(msg, RegisterFrontend):
+            self.frontends[ident] = msg.frontend_id
+            logger.info("Frontend %s (pid %d) connected", msg.frontend_id, msg.pid)
+            if self.ready is not None:  # None only while reporting a failed start to everyone waiting
+                self._send(ident, self.ready)
+        elif isinstance(msg, Shutdown):
+            self.request_shutdown(msg.drain)
+
+    def _add(self, ident: bytes, msg: AddRequest) -> None:
+        from kvloom.core.engine_core import RequestRejected
+
+        if self.draining:
+            self.outbox[ident].append(_error_delta(msg.request_id, "the engine is shutting down", "unavailable"))
+            return
+        if msg.request_id in self.owners:
+            # Never let a second request take over the first one's outputs.
+            self.outbox[ident].append(_error_delta(msg.request_id, f"request id {msg.request_id!r} is already "
+                                                   "in use", "rejected"))
+            return
+        try:
+            self.core.add_request(msg)
+        except RequestRejected as e:
+            self.outbox[ident].append(_error_delta(msg.request_id, str(e), "rejected"))
+            return
+        self.owners[msg.request_id] = ident
+
+    def _utility(self, msg: Utility) -> UtilityResult:
+        if msg.method not in UTILITY_METHODS:
+            return UtilityResult(call_id=msg.call_id, error=f"unknown utility method {msg.method!r}; "
+                                 f"allowed: {list(UTILITY_METHODS)}")
+        method = getattr(self.core, msg.method, None)
+        if method is None:
+            return UtilityResult(call_id=msg.call_id, error=f"this engine has no {msg.method!r} "
+                                 "(it may need a plugin that is not enabled)")
+        try:
+            result = method(*msg.args)
+            encode(UtilityResult(call_id=msg.call_id, result=result))  # fail here, not in the send
+        except Exception as e:  # noqa: BLE001 - the caller gets the message; the engine keeps running
+            return UtilityResult(call_id=msg.call_id, error=f"{msg.method} failed: {e}")
+        return UtilityResult(call_id=msg.call_id, result=result)
+
+    # --- outbox ------------------------------------------------------------------------------------
+    def _route(self, delta: TokenDelta) -> None:
+        ident = self.owners.get(delta.request_id)
+        if ident is None:
+            return
+        if delta.finish_reason is not None:
+            del self.owners[delta.request_id]
+        self.outbox[ident].append(delta)
+
+    def _flush(self) -> None:
+        if not self.outbox:
+            return
+        stats = self.core.stats()
+        for ident, deltas in self.outbox.items():
+            self._send(ident, StepOutputs(outputs=deltas, stats=stats))
+        self.outbox.clear()
+
+    def _send(self, ident: bytes, msg) -> None:
+        try:
+            self.socket.send_multipart([ident, encode(msg)], zmq.NOBLOCK)
+        except zmq.ZMQError as e:
+            if e.errno != zmq.EHOSTUNREACH:
+                raise
+            self._forget_frontend(ident)
+
+    def _forget_frontend(self, ident: bytes) -> None:
+        """A frontend went away: stop its requests so their KV blocks come back."""
+        name = self.frontends.pop(ident, ident.decode(errors="replace"))
+        orphans = [rid for rid, owner in self.owners.items() if owner == ident]
+        for rid in orphans:
+            del self.owners[rid]
+        if orphans and self.core is not None:
+            self.core.abort_requests(orphans)
+            logger.warning("Frontend %s is gone; aborted its %d request(s)", name, len(orphans))
+        else:
+            logger.info("Frontend %s is gone", name)
+
+
+def _error_delta(request_id: str, message: str, kind: str) -> TokenDelta:
+    return TokenDelta(request_id=request_id, new_token_ids=[], finish_reason="error", error=message, error_kind=kind)
+
+
+def serve_engine(config: EngineConfig, address: str, model_name: str | None = None) -> int:
+    """Bind, load the model, run until drained or told to stop. Returns the process exit code."""
+    server = EngineServer(config, address, model_name)
+
+    def on_signal(signum, frame):  # first signal drains, a second one stops now
+        server.request_shutdown(drain=not server.draining)
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    try:
+        server.load()
+    except Exception as e:  # noqa: BLE001 - reported to the frontends waiting for EngineReady
+        logger.error("The engine failed to start: %s", e)
+        server._drain_inbox(block=False)
+        server.close(f"the engine failed to start: {e}")
+        return 1
+    logger.info("Engine ready at %s", address)
+    try:
+        server.run()
+    except Exception as e:  # noqa: BLE001
+        logger.error("The engine loop failed:\n%s", traceback.format_exc())
+        server.close(f"the engine failed: {e!r}")
+        return 1
+    server.close("the engine process has shut down")
+    logger.info("Engine stopped")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m kvloom.core.engine_process --address ADDR``, with the launch settings as JSON on stdin
+    (``{"engine": {...EngineConfig...}, "server": {...ServerConfig...}}``)."""
+    from kvloom.launcher import start_child
+
+    parser = argparse.ArgumentParser(prog="kvloom-engine")
+    parser.add_argument("--address", required=True)
+    args, engine, server = start_child(parser, argv)
+    return serve_engine(engine, args.address, server.served_model_name)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,63 @@
+"""Serving options (HTTP server, ZMQ gateway, admission control), typed like ``EngineConfig``: the
+``engine`` flags and the config file's serving keys are generated from it."""
+
+from __future__ import annotations
+
+import dataclasses
+import ipaddress
+from dataclasses import dataclass, fields
+from typing import Any
+
+from kvloom.core.config import ConfigError, _opt
+
+LOOPBACK = "127.0.0.1"
+
+
+@dataclass
+class ServerConfig:
+    """How the frontends serve. Field docs are the CLI help."""
+
+    host: str = _opt(LOOPBACK, "Address the HTTP server listens on (0.0.0.0 exposes it to the network).")
+    port: int = _opt(8000, "HTTP port.")
+    api_workers: int = _opt(1, "HTTP frontend processes, all feeding the one engine process.")
+    api_key: str | None = _opt(None, "Require 'Authorization: Bearer KEY' on /v1 routes (put it in the "
+                               "config file to keep it out of the process list).")
+    served_model_name: str | None = _opt(None, "The model name clients use (default: --model as given).")
+    gateway: str | None = _opt(None, "Also serve the ZMQ gateway for non-HTTP services at this address, "
+                               "e.g. ipc:///tmp/kvloom.sock or tcp://127.0.0.1:5557.")
+    engine_address: str | None = _opt(None, "ZeroMQ address of the engine process (default: ipc:// in a "
+                                      "private temp dir; tcp://127.0.0.1:PORT for TCP).")
+    max_pending_requests: int = _opt(1024, "Most requests one frontend process keeps in flight; more are "
+                                     "refused with 429.")
+    request_timeout: float | None = _opt(None, "Seconds a request may run before it is stopped (408).")
+    drain_timeout: float = _opt(60.0, "Seconds SIGTERM waits for in-flight requests before stopping them.")
+    engine_start_timeout: float = _opt(900.0, "Seconds frontends wait for the engine to load the model.")
+
+    def validate(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ConfigError(f"port={self.port} must be in [0, 65535]")
+        for name in ("api_workers", "max_pending_requests"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name}={getattr(self, name)} must be >= 1")
+        for name in ("request_timeout", "drain_timeout", "engine_start_timeout"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ConfigError(f"{name}={value} must be > 0")
+        for name in ("gateway", "engine_address"):
+            value = getattr(self, name)
+            if value is not None and not value.startswith(("ipc://", "tcp://")):
+                raise ConfigError(f"{name}={value!r} must start with ipc:// or tcp://")
+
+    @property
+    def is_loopback(self) -> bool:
+        try:
+            return ipaddress.ip_address(self.host).is_loopback
+        except ValueError:
+            return self.host == "localhost"
+
+    @classmethod
+    def keys(cls) -> set[str]:
+        return {f.name for f in fields(cls)}
+
+    def replace(self, **changes: Any) -> "ServerConfig":
+        return dataclasses.replace(self, **changes)

@@ -1,0 +1,180 @@
+"""A frontend's asyncio connection to the engine process: one task reads engine output and routes each
+request's deltas to its own queue; engine death (an ``EngineError`` or a lost connection) ends every
+in-flight request with an error instead of leaving it waiting."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import secrets
+from typing import Any, AsyncIterator
+
+import zmq
+import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
+
+from kvloom.core.messages import (
+    AbortRequest,
+    AddRequest,
+    EngineError,
+    EngineReady,
+    EngineStats,
+    RegisterFrontend,
+    StepOutputs,
+    TokenDelta,
+    Utility,
+    UtilityResult,
+    decode_engine_message,
+    encode,
+)
+from kvloom.core.sampling_params import SamplingParams
+
+logger = logging.getLogger("kvloom.frontend")
+
+
+class EngineUnavailable(RuntimeError):
+    """The engine process is gone (or never came up); the message says why."""
+
+
+class AsyncEngineClient:
+    def __init__(self, address: str, frontend_id: str | None = None) -> None:
+        self.address = address
+        self.frontend_id = frontend_id or f"fe{os.getpid()}-{secrets.token_hex(3)}"
+        self.ready: EngineReady | None = None
+        self.dead_reason: str | None = None
+        self.last_stats: EngineStats | None = None
+        self._queues: dict[str, asyncio.Queue[TokenDelta]] = {}
+        self._calls: dict[int, asyncio.Future] = {}
+        self._call_ids = itertools.count()
+        self._ready_event = asyncio.Event()
+        self._tasks: list[asyncio.Task] = []
+        self._ctx = zmq.asyncio.Context()
+        self._sock = self._ctx.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.IDENTITY, self.frontend_id.encode())
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.SNDHWM, 0)
+        self._sock.setsockopt(zmq.RCVHWM, 0)
+        self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+
+    @property
+    def healthy(self) -> bool:
+        return self.ready is not None and self.dead_reason is None
+
+    async def start(self, timeout: float) -> EngineReady:
+        """Connect, register and wait for ``EngineReady`` (the engine may still be loading the model)."""
+        self._sock.connect(self.address)
+        self._tasks = [asyncio.create_task(self._read()), asyncio.create_task(self._watch_connection())]
+        self._send(RegisterFrontend(frontend_id=self.frontend_id, pid=os.getpid()))
+        try:
+            await asyncio.wait_for(self._ready_event.wait(), timeout)
+        except asyncio.TimeoutError:
+            raise EngineUnavailable(f"the engine at {self.address} was not ready within {timeout:g}s") from None
+        if self.dead_reason is not None:
+            raise EngineUnavailable(self.dead_reason)
+        return self.ready
+
+    async def close(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._monitor.close(linger=0)
+        self._sock.close(linger=0)
+        self._ctx.term()
+
+    # --- requests ----------------------------------------------------------------------------------
+    async def generate(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
+                       priority: int = 0, arrival_time: float = 0.0) -> AsyncIterator[TokenDelta]:
+        """The deltas of one request, ending with the one that has ``finish_reason``. Leaving the loop
+        early (or being cancelled) aborts the request in the engine, which frees its KV blocks."""
+        if not self.healthy:
+            raise EngineUnavailable(self.dead_reason or "the engine is not ready")
+        if request_id in self._queues:
+            raise ValueError(f"request id {request_id!r} is already in flight")
+        queue: asyncio.Queue[TokenDelta] = asyncio.Queue()
+        self._queues[request_id] = queue
+        finished = False
+        try:
+            self._send(AddRequest(request_id=request_id, prompt_token_ids=prompt_token_ids, sampling=sampling,
+                                  priority=priority, arrival_time=arrival_time))
+            while not finished:
+                delta = await queue.get()
+                finished = delta.finish_reason is not None
+                yield delta
+        finally:
+            self._queues.pop(request_id, None)
+            if not finished and self.dead_reason is None:
+                self._send(AbortRequest(request_ids=[request_id]))
+
+    async def utility(self, method: str, *args: Any, timeout: float = 10.0) -> Any:
+        """Call an allow-listed EngineCore method (``stats``, ``reset_prefix_cache``) in the engine."""
+        if not self.healthy:
+            raise EngineUnavailable(self.dead_reason or "the engine is not ready")
+        call_id = next(self._call_ids)
+        future = asyncio.get_running_loop().create_future()
+        self._calls[call_id] = future
+        try:
+            self._send(Utility(call_id=call_id, method=method, args=list(args)))
+            result: UtilityResult = await asyncio.wait_for(future, timeout)
+        finally:
+            self._calls.pop(call_id, None)
+        if result.error is not None:
+            raise RuntimeError(result.error)
+        return result.result
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._queues)
+
+    # --- plumbing ----------------------------------------------------------------------------------
+    def _send(self, msg) -> None:
+        # With no high-water mark a DEALER send never blocks, so this completes now and in order.
+        self._sock.send(encode(msg))
+
+    async def _read(self) -> None:
+        try:
+            while True:
+                msg = decode_engine_message(await self._sock.recv())
+                if isinstance(msg, StepOutputs):
+                    if msg.stats is not None:
+                        self.last_stats = msg.stats
+                    for delta in msg.outputs:
+                        queue = self._queues.get(delta.request_id)
+                        if queue is not None:
+                            queue.put_nowait(delta)
+                elif isinstance(msg, UtilityResult):
+                    future = self._calls.get(msg.call_id)
+                    if future is not None and not future.done():
+                        future.set_result(msg)
+                elif isinstance(msg, EngineReady):
+                    self.ready = msg
+                    self._ready_event.set()
+                elif isinstance(msg, EngineError):
+                    self._fail(msg.message)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - a reader that dies silently would hang every request
+            logger.exception("Reading from the engine failed")
+            self._fail(f"reading from the engine failed: {e!r}")
+
+    async def _watch_connection(self) -> None:
+        while True:
+            event = parse_monitor_message(await self._monitor.recv_multipart())
+            if event["event"] == zmq.EVENT_DISCONNECTED:
+                self._fail("the engine process went away (connection lost)")
+                return
+
+    def _fail(self, reason: str) -> None:
+        """The engine is gone: end every in-flight request and utility call with ``reason``."""
+        if self.dead_reason is not None:
+            return
+        self.dead_reason = reason
+        logger.warning("Engine unavailable: %s", reason)
+        for rid, queue in self._queues.items():
+            queue.put_nowait(TokenDelta(request_id=rid, new_token_ids=[], finish_reason="error", error=reason,
+                                        error_kind="unavailable"))
+        for future in self._calls.values():
+            if not future.done():
+                future.set_exception(EngineUnavailable(reason))
+        self._ready_event.set()

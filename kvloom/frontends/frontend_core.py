@@ -1,0 +1,225 @@
+"""What every frontend shares: turning text or chats into prompt tokens, validating a request against
+the engine's limits, admission control, and streaming one completion back as text (incremental
+detokenization and stop strings)."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, AsyncIterator
+
+import msgspec
+
+from kvloom.core.config import EngineConfig
+from kvloom.core.messages import EngineReady, TokenLogprobs
+from kvloom.core.sampling_params import SamplingParams
+from kvloom.frontends.config import ServerConfig
+from kvloom.frontends.engine_client import AsyncEngineClient, EngineUnavailable
+from kvloom.frontends.text import IncrementalText, apply_chat_template, load_tokenizer
+
+logger = logging.getLogger("kvloom.frontend")
+
+
+class RequestError(Exception):
+    """A request that fails; ``status`` follows HTTP (400 bad input, 404 unknown model, 408 timeout,
+    429 too many in flight, 503 engine unavailable) and ``param`` names the offending field."""
+
+    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+
+
+@dataclass
+class PreparedRequest:
+    """A validated request: its prompt tokens and the sampling it runs with (``max_tokens`` resolved)."""
+
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    priority: int = 0
+
+
+@dataclass
+class TextDelta:
+    """New text of one completion; the last one has ``finish_reason`` and ``stop_reason``."""
+
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs] | None = None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_output_tokens: int = 0  # tokens generated so far (usage counts these, text or not)
+
+
+class FrontendCore:
+    def __init__(self, client: AsyncEngineClient, tokenizer, ready: EngineReady, *, max_pending_requests: int,
+                 request_timeout: float | None = None) -> None:
+        self.client = client
+        self.tokenizer = tokenizer
+        self.ready = ready
+        self.max_pending_requests = max_pending_requests
+        self.request_timeout = request_timeout
+        self._ids = itertools.count()
+
+    @property
+    def max_model_len(self) -> int:
+        return self.ready.max_model_len
+
+    # --- prompts -----------------------------------------------------------------------------------
+    def encode_text(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=True)
+
+    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+        try:
+            return apply_chat_template(self.tokenizer, messages)
+        except Exception as e:  # noqa: BLE001 - jinja errors from the model's template are the user's input
+            raise RequestError(400, f"the chat template could not render these messages: {e}", "messages") from e
+
+    def check_token_ids(self, ids: list[int], param: str = "prompt") -> list[int]:
+        vocab = self.ready.vocab_size
+        bad = next((t for t in ids if not isinstance(t, int) or not 0 <= t < vocab), None)
+        if bad is not None:
+            raise RequestError(400, f"token id {bad!r} is out of range [0, {vocab})", param)
+        return ids
+
+    # --- validation --------------------------------------------------------------------------------
+    def prepare(self, prompt_token_ids: list[int], sampling: SamplingParams, *, priority: int = 0,
+                max_tokens_param: str = "max_tokens", prompt_param: str = "prompt") -> PreparedRequest:
+        """Check the request against the context and the admission limit; raises RequestError."""
+        self.check_available()
+        n = len(prompt_token_ids)
+        limit = self.max_model_len
+        if n == 0:
+            raise RequestError(400, "the prompt is empty: at least one token is needed", prompt_param)
+        max_tokens = sampling.max_tokens
+        if max_tokens is None:
+            if n >= limit:
+                raise RequestError(400, f"This model's maximum context length is {limit} tokens, and the prompt "
+                                   f"has {n} tokens, which leaves no room for a completion.", prompt_param)
+            sampling = msgspec.structs.replace(sampling, max_tokens=limit - n)
+        elif n + max_tokens > limit:
+            raise RequestError(400, f"This model's maximum context length is {limit} tokens. However, you "
+                               f"requested {n + max_tokens} tokens ({n} in the prompt, {max_tokens} for the "
+                               f"completion). Please reduce the prompt or {max_tokens_param}.", max_tokens_param)
+        bad_stop = next((t for t in sampling.stop_token_ids if t >= self.ready.vocab_size), None)
+        if bad_stop is not None:
+            raise RequestError(400, f"stop token id {bad_stop} is out of range [0, {self.ready.vocab_size})",
+                               "stop_token_ids")
+        return PreparedRequest(prompt_token_ids, sampling, priority)
+
+    def check_available(self, new_requests: int = 1) -> None:
+        if not self.client.healthy:
+            raise RequestError(503, f"the engine is unavailable: {self.client.dead_reason or 'not ready'}")
+        if self.client.num_in_flight + new_requests > self.max_pending_requests:
+            raise RequestError(429, f"too many requests in flight ({self.client.num_in_flight} of at most "
+                               f"{self.max_pending_requests}); retry later")
+
+    # --- generation --------------------------------------------------------------------------------
+    def next_request_id(self) -> str:
+        # The engine sees only ids this frontend made, so clients' ids can never collide.
+        return f"{self.client.frontend_id}:{next(self._ids)}"
+
+    async def generate(self, req: PreparedRequest) -> AsyncIterator[TextDelta]:
+        """Stream one completion as text. Closing the iterator early aborts it in the engine."""
+        sp = req.sampling
+        text = IncrementalText(self.tokenizer, sp.stop, sp.skip_special_tokens, sp.include_stop_str_in_output)
+        deltas = self.client.generate(self.next_request_id(), req.prompt_token_ids, sp, req.priority, time.time())
+        deadline = None if self.request_timeout is None else time.monotonic() + self.request_timeout
+        num_out = 0
+        held: list[int] = []  # tokens whose text is held back (a partial character or possible stop string)
+        try:
+            while True:
+                delta = await self._next(deltas, deadline)
+                if delta.finish_reason == "error":
+                    status = 400 if delta.error_kind == "rejected" else 503
+                    raise RequestError(status, delta.error or "the engine failed this request")
+                num_out += len(delta.new_token_ids)
+                finish = delta.finish_reason
+                new_text = text.add_tokens(delta.new_token_ids, final=finish is not None)
+                stop_reason = delta.stop_token_id
+                if text.stopped_by is not None:
+                    finish, stop_reason = "stop", text.stopped_by
+                held.extend(delta.new_token_ids)
+                if finish is None and not new_text and not delta.logprobs:
+                    continue
+                yield TextDelta(new_text, held, delta.logprobs, finish, stop_reason,
+                                delta.num_prompt_tokens or len(req.prompt_token_ids), delta.num_cached_tokens,
+                                num_out)
+                held = []
+                if finish is not None:
+                    return
+        finally:
+            await deltas.aclose()  # aborts the engine request unless it finished
+
+    async def _next(self, deltas, deadline: float | None):
+        try:
+            if deadline is None:
+                return await anext(deltas)
+            return await asyncio.wait_for(anext(deltas), max(0.0, deadline - time.monotonic()))
+        except asyncio.TimeoutError:
+            raise RequestError(408, f"the request did not finish within request_timeout={self.request_timeout:g}s")
+        except EngineUnavailable as e:
+            raise RequestError(503, f"the engine is unavailable: {e}") from e
+
+
+async def merge_streams(streams: list[AsyncIterator[Any]]) -> AsyncIterator[tuple[int, Any]]:
+    """Interleave several async iterators as ``(index, item)`` in arrival order. An error in one ends
+    all; closing the merged iterator closes every source (so each aborts its engine request)."""
+    if len(streams) == 1:
+        try:
+            async for item in streams[0]:
+                yield 0, item
+        finally:
+            await streams[0].aclose()
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(index: int, stream) -> None:
+        try:
+            async for item in stream:
+                queue.put_nowait((index, item, None))
+        except Exception as e:  # noqa: BLE001 - handed to the consumer
+            queue.put_nowait((index, None, e))
+        finally:
+            await stream.aclose()
+            queue.put_nowait((index, done, None))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            index, item, error = await queue.get()
+            if error is not None:
+                raise error
+            if item is done:
+                remaining -= 1
+            else:
+                yield index, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def start_frontend_core(engine_address: str, engine: EngineConfig, server: ServerConfig) -> FrontendCore:
+    """Connect to the engine while the tokenizer loads; returns once the engine is ready."""
+    client = AsyncEngineClient(engine_address)
+    connecting = asyncio.create_task(client.start(server.engine_start_timeout))
+    try:
+        tokenizer = await asyncio.to_thread(load_tokenizer, engine.model, engine.tokenizer)
+        ready = await connecting
+    except BaseException:
+        connecting.cancel()
+        await client.close()
+        raise
+    logger.info("Frontend %s ready (model %s, max_model_len %d)", client.frontend_id, ready.model_name,
+                ready.max_model_len)
+    return FrontendCore(client, tokenizer, ready, max_pending_requests=server.max_pending_requests,
+                        request_timeout=server.request_timeout)

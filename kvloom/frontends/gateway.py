@@ -1,0 +1,195 @@
+"""The ZMQ gateway: a frontend for non-HTTP services. Text in, streamed text out, as msgpack messages on
+a ROUTER socket (docs/protocol.md); any language with ZeroMQ and msgpack can use it."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from kvloom.core.config import EngineConfig
+from kvloom.core.messages import (
+    Cancel,
+    Generate,
+    Ping,
+    Pong,
+    RequestFailed,
+    TextChunk,
+    Usage,
+    decode_gateway_request,
+    encode,
+)
+from kvloom.frontends.config import ServerConfig
+from kvloom.frontends.frontend_core import FrontendCore, PreparedRequest, RequestError, start_frontend_core
+
+logger = logging.getLogger("kvloom.gateway")
+
+SEND_QUEUE_LIMIT = 100_000  # replies queued for one client that does not read before its requests stop
+
+
+class Gateway:
+    def __init__(self, core: FrontendCore, address: str) -> None:
+        self.core = core
+        self.address = address
+        self.ctx = zmq.asyncio.Context()
+        self.socket = self.ctx.socket(zmq.ROUTER)
+        self.socket.setsockopt(zmq.ROUTER_MANDATORY, 1)  # replies to a vanished client raise
+        self.socket.setsockopt(zmq.LINGER, 2000)  # deliver the last chunks of a drained request on exit
+        self.socket.setsockopt(zmq.SNDHWM, SEND_QUEUE_LIMIT)
+        self.socket.bind(address)
+        # (client identity, the client's request id) -> the task streaming it
+        self.tasks: dict[tuple[bytes, str], asyncio.Task] = {}
+        self.cancelled: set[tuple[bytes, str]] = set()
+        self.accepting = True
+
+    async def serve(self, stop: asyncio.Event, drain_timeout: float) -> None:
+        """Answer clients until ``stop`` is set, then refuse new requests and let running ones finish."""
+        stopping = asyncio.create_task(stop.wait())
+        try:
+            while self.accepting or self.tasks:
+                receiving = asyncio.ensure_future(self.socket.recv_multipart())
+                await asyncio.wait({receiving, stopping}, return_when=asyncio.FIRST_COMPLETED)
+                if receiving.done():
+                    self._handle(*receiving.result())
+                else:
+                    receiving.cancel()
+                    await asyncio.gather(receiving, return_exceptions=True)
+                if stop.is_set() and self.accepting:
+                    self.accepting = False
+                    logger.info("Draining %d request(s)", len(self.tasks))
+                    asyncio.get_running_loop().call_later(drain_timeout, self._cancel_all)
+                    stopping = asyncio.create_task(self._all_done())
+        finally:
+            stopping.cancel()
+            self._cancel_all()
+            await asyncio.gather(*self.tasks.values(), return_exceptions=True)
+            self.socket.close()
+            self.ctx.term()
+
+    async def _all_done(self) -> None:
+        while self.tasks:
+            await asyncio.gather(*self.tasks.values(), return_exceptions=True)
+
+    def _cancel_all(self) -> None:
+        for task in self.tasks.values():
+            task.cancel()
+
+    # --- requests ----------------------------------------------------------------------------------
+    def _handle(self, ident: bytes, data: bytes) -> None:
+        try:
+            msg = decode_gateway_request(data)
+        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            self._reply(ident, RequestFailed(request_id="", message=f"malformed message: {e}", status=400))
+            return
+        if isinstance(msg, Generate):
+            self._generate(ident, msg)
+        elif isinstance(msg, Cancel):
+            task = self.tasks.get((ident, msg.request_id))
+            if task is not None:
+                self.cancelled.add((ident, msg.request_id))
+                task.cancel()
+        elif isinstance(msg, Ping):
+            client = self.core.client
+            self._reply(ident, Pong(healthy=client.healthy, model=self.core.ready.model_name,
+                                    max_model_len=self.core.max_model_len, message=client.dead_reason))
+
+    def _generate(self, ident: bytes, msg: Generate) -> None:
+        key = (ident, msg.request_id)
+        try:
+            if not self.accepting:
+                raise RequestError(503, "the gateway is shutting down")
+            if key in self.tasks:
+                raise RequestError(400, f"request id {msg.request_id!r} is already in flight", "request_id")
+            prepared = self.core.prepare(self._prompt_ids(msg), msg.sampling, priority=msg.priority)
+        except RequestError as e:
+            self._reply(ident, RequestFailed(request_id=msg.request_id, message=e.message, status=e.status))
+            return
+        self.tasks[key] = asyncio.create_task(self._stream(ident, msg.request_id, prepared))
+
+    def _prompt_ids(self, msg: Generate) -> list[int]:
+        given = [name for name in ("prompt", "messages", "prompt_token_ids") if getattr(msg, name) is not None]
+        if len(given) != 1:
+            raise RequestError(400, f"give exactly one of prompt, messages, prompt_token_ids (got {given or 'none'})")
+        if msg.sampling.n != 1:
+            raise RequestError(400, f"n={msg.sampling.n}: the gateway streams one completion per request; "
+                               "send n requests", "n")
+        if msg.prompt is not None:
+            return self.core.encode_text(msg.prompt)
+        if msg.messages is not None:
+            return self.core.encode_chat([{"role": m.role, "content": m.content} for m in msg.messages])
+        return self.core.check_token_ids(msg.prompt_token_ids, "prompt_token_ids")
+
+    async def _stream(self, ident: bytes, request_id: str, prepared: PreparedRequest) -> None:
+        key = (ident, request_id)
+        try:
+            async for d in self.core.generate(prepared):
+                usage = None
+                if d.finish_reason is not None:
+                    usage = Usage(prompt_tokens=d.num_prompt_tokens, completion_tokens=d.num_output_tokens,
+                                  cached_tokens=d.num_cached_tokens)
+                self._reply(ident, TextChunk(request_id=request_id, text=d.text, token_ids=d.token_ids,
+                                             logprobs=d.logprobs, finish_reason=d.finish_reason,
+                                             stop_reason=d.stop_reason, usage=usage))
+        except RequestError as e:
+            self._reply(ident, RequestFailed(request_id=request_id, message=e.message, status=e.status))
+        except asyncio.CancelledError:
+            if key in self.cancelled:  # the client asked: confirm; otherwise the gateway is stopping
+                self._reply(ident, TextChunk(request_id=request_id, text="", finish_reason="abort"))
+            else:
+                self._reply(ident, RequestFailed(request_id=request_id, message="the gateway is shutting down",
+                                                 status=503))
+        finally:
+            self.tasks.pop(key, None)
+            self.cancelled.discard(key)
+
+    def _reply(self, ident: bytes, msg) -> None:
+        try:
+            self.socket.send_multipart([ident, encode(msg)], zmq.NOBLOCK)
+        except zmq.ZMQError as e:
+            if e.errno not in (zmq.EHOSTUNREACH, zmq.EAGAIN):
+                raise
+            # The client is gone (or not reading): stop its requests so their KV blocks come back.
+            for (owner, rid), task in list(self.tasks.items()):
+                if owner == ident:
+                    task.cancel()
+
+
+async def run_gateway(engine_address: str, address: str, engine: EngineConfig, server: ServerConfig) -> int:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    core = await start_frontend_core(engine_address, engine, server)
+    try:
+        gateway = Gateway(core, address)
+        logger.info("ZMQ gateway listening on %s", address)
+        await gateway.serve(stop, server.drain_timeout)
+    finally:
+        await core.client.close()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m kvloom.frontends.gateway --engine-address ADDR --address GW``, settings as JSON on stdin."""
+    from kvloom.launcher import start_child
+
+    parser = argparse.ArgumentParser(prog="kvloom-gateway")
+    parser.add_argument("--engine-address", required=True)
+    parser.add_argument("--address", required=True, help="Where clients connect, e.g. ipc:///tmp/kvloom.sock.")
+    args, engine, server = start_child(parser, argv)
+    main_coro = run_gateway(args.engine_address, args.address, engine, server)
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(main_coro)
+    return uvloop.run(main_coro)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,188 @@
+"""The OpenAI-compatible HTTP API's request and response bodies as msgspec Structs. Limits live in the
+types (``Meta``), so a bad value fails decoding with a message naming the field and the limit."""
+
+from __future__ import annotations
+
+import time
+from typing import Annotated, Any
+
+import msgspec
+from msgspec import Meta, Struct
+
+Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
+Int64 = Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)]
+MAX_STOP_STRINGS = 16
+
+
+class StreamOptions(Struct, kw_only=True):
+    include_usage: bool = False
+
+
+class _GenerationRequest(Struct, kw_only=True):
+    """Fields shared by /v1/completions and /v1/chat/completions, including a few widely used
+    extensions (``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos``, ...)."""
+
+    model: str | None = None
+    n: Annotated[int, Meta(ge=1, le=128)] = 1
+    temperature: Annotated[float, Meta(ge=0.0, le=2.0)] | None = None
+    top_p: Annotated[float, Meta(gt=0.0, le=1.0)] | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    seed: Int64 | None = None
+    stop: str | Annotated[list[str], Meta(max_length=MAX_STOP_STRINGS)] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    logit_bias: dict[str, float] | None = None
+    best_of: int | None = None
+    # extensions
+    top_k: Annotated[int, Meta(ge=-1)] = 0
+    min_p: Annotated[float, Meta(ge=0.0, le=1.0)] = 0.0
+    repetition_penalty: Annotated[float, Meta(gt=0.0, le=10.0)] = 1.0
+    min_tokens: Annotated[int, Meta(ge=0)] = 0
+    ignore_eos: bool = False
+    stop_token_ids: list[Annotated[int, Meta(ge=0)]] = []
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    priority: int = 0
+
+
+class CompletionRequest(_GenerationRequest, kw_only=True):
+    prompt: str | list[Any]  # text, token ids, or a batch of either
+    max_tokens: Annotated[int, Meta(ge=1)] | None = 16
+    logprobs: Annotated[int, Meta(ge=0, le=5)] | None = None
+    echo: bool = False
+    suffix: str | None = None
+
+
+class ContentPart(Struct, kw_only=True):
+    type: str
+    text: str | None = None
+
+
+class ChatMessageIn(Struct, kw_only=True):
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(_GenerationRequest, kw_only=True):
+    messages: Annotated[list[ChatMessageIn], Meta(min_length=1)]
+    max_tokens: Annotated[int, Meta(ge=1)] | None = None
+    max_completion_tokens: Annotated[int, Meta(ge=1)] | None = None
+    logprobs: bool = False
+    top_logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
+    tools: list[Any] | None = None
+    response_format: dict[str, Any] | None = None
+
+
+# --- responses -------------------------------------------------------------------------------------
+class PromptTokensDetails(Struct):
+    cached_tokens: int = 0
+
+
+class UsageInfo(Struct):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+
+class CompletionLogprobs(Struct):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]] | None
+    text_offset: list[int]
+
+
+class _Choice(Struct, kw_only=True):
+    index: int
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None  # the stop string or stop token id that ended it
+
+
+class _Completion(Struct, kw_only=True):
+    id: str
+    model: str
+    created: int = msgspec.field(default_factory=lambda: int(time.time()))
+    usage: UsageInfo | None = None
+
+
+class CompletionChoice(_Choice, kw_only=True):
+    text: str
+    logprobs: CompletionLogprobs | None = None
+
+
+class CompletionResponse(_Completion, kw_only=True):
+    """Also the shape of each streamed chunk (``object`` stays ``text_completion``)."""
+
+    choices: list[CompletionChoice]
+    object: str = "text_completion"
+
+
+class TopLogprobOut(Struct):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprobOut(TopLogprobOut):
+    top_logprobs: list[TopLogprobOut]
+
+
+class ChatLogprobs(Struct):
+    content: list[TokenLogprobOut] | None
+
+
+class ChatMessageOut(Struct):
+    content: str
+    role: str = "assistant"
+
+
+class ChatChoice(_Choice, kw_only=True):
+    message: ChatMessageOut
+    logprobs: ChatLogprobs | None = None
+
+
+class ChatCompletionResponse(_Completion, kw_only=True):
+    choices: list[ChatChoice]
+    object: str = "chat.completion"
+
+
+class DeltaMessage(Struct, omit_defaults=True):
+    role: str | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(_Choice, kw_only=True):
+    delta: DeltaMessage
+    logprobs: ChatLogprobs | None = None
+
+
+class ChatCompletionChunk(_Completion, kw_only=True):
+    choices: list[ChatChunkChoice]
+    object: str = "chat.completion.chunk"
+
+
+class ModelCard(Struct):
+    id: str
+    max_model_len: int
+    created: int = msgspec.field(default_factory=lambda: int(time.time()))
+    object: str = "model"
+    owned_by: str = "kvloom"
+
+
+class ModelList(Struct):
+    data: list[ModelCard]
+    object: str = "list"
+
+
+class ErrorInfo(Struct):
+    message: str
+    type: str
+    param: str | None = None
+    code: int | str | None = None
+
+
+class ErrorResponse(Struct):
+    error: ErrorInfo

@@ -1,0 +1,189 @@
+"""``engine`` serving: starts the engine process and the frontend processes, watches them, and shuts
+them down in order on SIGTERM (frontends drain first, then the engine). No process outlives it."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+from kvloom.core.config import EngineConfig
+from kvloom.frontends.config import ServerConfig
+
+logger = logging.getLogger("kvloom")
+
+POLL_S = 0.1
+ENGINE_STOP_TIMEOUT_S = 30.0
+
+
+# --- helpers for the child processes ---------------------------------------------------------------
+def bind_to_parent() -> None:
+    """Die with the parent (Linux): a launcher killed with SIGKILL must not leave an engine behind."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    parent = os.getppid()
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:  # the parent died before prctl took effect
+        os._exit(1)
+
+
+def read_launch_payload() -> dict[str, Any]:
+    """The launch settings a child gets as JSON on stdin (so an API key never shows in ``ps``)."""
+    return json.loads(sys.stdin.read() or "{}")
+
+
+def start_child(parser: argparse.ArgumentParser, argv: list[str] | None
+                ) -> tuple[argparse.Namespace, EngineConfig, ServerConfig]:
+    """The common start of every child process: parse its flags (plus ``--log-level``), set up logging,
+    die with the launcher, and read the engine and serving settings from stdin."""
+    parser.add_argument("--log-level", default="info")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    bind_to_parent()
+    payload = read_launch_payload()
+    return args, EngineConfig(**payload["engine"]), ServerConfig(**payload.get("server", {}))
+
+
+def launch_payload(engine: EngineConfig, server: ServerConfig) -> bytes:
+    return json.dumps({"engine": dataclasses.asdict(engine), "server": dataclasses.asdict(server)}).encode()
+
+
+def bind_http_socket(host: str, port: int) -> socket.socket:
+    """Bind (not listen) the HTTP port in the launcher, so a busy port fails at once and every worker
+    shares one socket; connections are refused until a worker is ready and starts listening."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise OSError(f"cannot listen on {host}:{port}: {e.strerror}") from e
+    sock.set_inheritable(True)
+    return sock
+
+
+# --- the launcher ----------------------------------------------------------------------------------
+class Launcher:
+    """Parent of the engine process and of every frontend process."""
+
+    def __init__(self, engine: EngineConfig, server: ServerConfig, log_level: str = "info") -> None:
+        self.engine_config = engine
+        self.server_config = server
+        self.log_level = log_level
+        self.engine: subprocess.Popen | None = None
+        self.frontends: list[subprocess.Popen] = []
+        self.signals: list[int] = []
+        self.engine_lost = False
+
+    def _spawn(self, module: str, args: list[str], pass_fds: tuple[int, ...] = ()) -> subprocess.Popen:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", module, *args, "--log-level", self.log_level],
+            stdin=subprocess.PIPE, pass_fds=pass_fds,
+        )
+        proc.stdin.write(launch_payload(self.engine_config, self.server_config))
+        proc.stdin.close()
+        return proc
+
+    def run(self) -> int:
+        cfg = self.server_config
+        if not cfg.is_loopback:
+            logger.warning("Listening on %s: the API is reachable from the network%s", cfg.host,
+                           "" if cfg.api_key else " without an API key")
+        sock = bind_http_socket(cfg.host, cfg.port)
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            signal.signal(sig, lambda signum, frame: self.signals.append(signum))
+        private_dir = tempfile.mkdtemp(prefix="kvloom-")  # mode 0700: only this user reaches the sockets
+        try:
+            address = cfg.engine_address or f"ipc://{private_dir}/engine.sock"
+            self.engine = self._spawn("kvloom.core.engine_process", ["--address", address])
+            fd = str(sock.fileno())
+            for _ in range(cfg.api_workers):
+                self.frontends.append(self._spawn("kvloom.frontends.api_server",
+                                                  ["--engine-address", address, "--fd", fd], (sock.fileno(),)))
+            if cfg.gateway:
+                self.frontends.append(self._spawn("kvloom.frontends.gateway",
+                                                  ["--engine-address", address, "--address", cfg.gateway]))
+            host, port = sock.getsockname()[:2]
+            sock.close()  # the workers hold their own copies
+            logger.info("Serving the OpenAI API on http://%s:%d with %d worker(s)%s; engine at %s", host, port,
+                        cfg.api_workers, f" and the ZMQ gateway on {cfg.gateway}" if cfg.gateway else "", address)
+            return self._watch()
+        finally:
+            sock.close()
+            self._stop_all()
+            shutil.rmtree(private_dir, ignore_errors=True)
+
+    def _watch(self) -> int:
+        while True:
+            if self.signals:
+                logger.info("Got %s: draining in-flight requests", signal.Signals(self.signals[0]).name)
+                return self._shutdown()
+            if self.engine.poll() is not None and not self.engine_lost:
+                self.engine_lost = True
+                logger.error("The engine process exited with code %s (its error is above); requests now get "
+                             "503 until the server is restarted", self.engine.returncode)
+            exited = [p for p in self.frontends if p.poll() is not None]
+            if exited:
+                codes = [p.returncode for p in exited]
+                logger.error("A frontend process exited (code %s); stopping the server", codes[0])
+                self._shutdown()
+                return 1
+            time.sleep(POLL_S)
+
+    def _shutdown(self) -> int:
+        """Frontends first (they stop accepting and finish their requests), then the engine."""
+        drain = self.server_config.drain_timeout
+        for p in self.frontends:
+            _signal(p, signal.SIGTERM)
+        self._wait(self.frontends, drain + 10.0)
+        if self.engine is not None:
+            _signal(self.engine, signal.SIGTERM)
+            self._wait([self.engine], ENGINE_STOP_TIMEOUT_S)
+        return 1 if self.engine_lost else 0
+
+    def _wait(self, procs: list[subprocess.Popen], timeout: float) -> None:
+        """Wait for ``procs`` to exit; a second signal or the timeout kills them."""
+        seen = len(self.signals)
+        deadline = time.monotonic() + timeout
+        while any(p.poll() is None for p in procs):
+            if time.monotonic() > deadline or len(self.signals) > max(seen, 1):
+                for p in procs:
+                    _signal(p, signal.SIGKILL)
+                for p in procs:
+                    p.wait()
+                return
+            time.sleep(POLL_S)
+
+    def _stop_all(self) -> None:
+        for p in [*self.frontends, self.engine]:
+            if p is not None and p.poll() is None:
+                _signal(p, signal.SIGKILL)
+                p.wait()
+
+
+def _signal(proc: subprocess.Popen, sig: int) -> None:
+    if proc.poll() is None:
+        try:
+            proc.send_signal(sig)
+        except ProcessLookupError:
+            pass
+
+
+def serve(engine: EngineConfig, server: ServerConfig, log_level: str = "info") -> int:
+    return Launcher(engine, server, log_level).run()
