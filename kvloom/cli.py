@@ -1,6 +1,6 @@
 """The ``engine`` command. With no subcommand it serves the OpenAI API (and optionally the ZMQ gateway);
 ``generate`` runs prompts from a file or flags offline, ``chat`` is a terminal chat, ``plugins`` lists
-the available plugins and ``plan`` does the memory
+the available plugins, ``bench serve``/``bench ab`` load-test servers and ``plan`` does the memory
 arithmetic of a deployment. Flags are generated from ``EngineConfig`` and ``ServerConfig``; ``--config
 FILE.toml`` takes the same keys."""
 
@@ -121,7 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     add_engine_flags(parser)
     add_server_flags(parser)
-    sub = parser.add_subparsers(dest="command", metavar="{generate,chat,plugins,plan}")
+    sub = parser.add_subparsers(dest="command", metavar="{generate,chat,plugins,bench,plan}")
 
     gen = sub.add_parser("generate", help="Generate offline for prompts given as flags or in a file.")
     gen.add_argument("--prompt", action="append", default=[], help="A prompt (repeatable).")
@@ -144,6 +144,10 @@ def build_parser() -> argparse.ArgumentParser:
                                              "(with --plugins/--config: also check that combination).")
     plugins.add_argument("--json", action="store_true", help="Print JSON instead of text.")
     add_engine_flags(plugins)
+
+    from kvloom.bench.commands import add_bench_parser
+
+    add_bench_parser(sub, add_engine_flags)
 
     plan = sub.add_parser("plan", help="Weights, KV bytes per token, KV capacity and maximum concurrency of a "
                                        "model on a device, per tensor-parallel size (the engine's own arithmetic).")
@@ -170,6 +174,10 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, ValueError, TypeError, OSError) as e:
         print(f"engine: error: {e}", file=sys.stderr)
         return 2
+    if args.command == "bench":
+        from kvloom.bench.commands import run_bench
+
+        return run_bench(args, config_from_args, config_flags)
     if args.command == "plan":
         from kvloom import plan
 
