@@ -169,6 +169,9 @@ def test_ab_compares_two_plugin_combinations(tiny_llama, tmp_path, capsys):
     assert data["runs"][0]["levels"][0]["prompt_tokens"] == data["runs"][1]["levels"][0]["prompt_tokens"] == 8 * 68
     assert "prefix_cache=prefix_cache" in (tmp_path / "logs" / "server-1.log").read_text()
     assert "prefix_cache=" not in (tmp_path / "logs" / "server-0.log").read_text()
+    assert data["runs"][0]["engine_stats"]["prefix_cache_hits"] == 0
+    assert data["runs"][1]["engine_stats"]["prefix_cache_hits"] >= 64  # later requests reuse the shared prefix
+    assert "prompt tokens from the prefix cache" in printed
     table = printed[printed.index("figure "):]
     header = table.splitlines()[0].split()
     assert header == ["figure", "none", "prefix_cache", "ratio"]

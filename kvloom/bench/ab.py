@@ -23,6 +23,8 @@ from kvloom.core.config import EngineConfig
 SERVING_LINE = re.compile(r"Serving the OpenAI API on (http://[^\s]+?:\d+)")
 KV_LINE = re.compile(r"(KV cache: .*)$", re.MULTILINE)
 STOP_TIMEOUT_S = 60.0
+ENGINE_COUNTERS = {"preemptions": "kvloom_num_preemptions", "prefix_cache_queries": "kvloom_prefix_cache_queries",
+                   "prefix_cache_hits": "kvloom_prefix_cache_hits"}
 
 
 def combination_name(plugins: list[str]) -> str:
@@ -76,6 +78,15 @@ class ServerProcess:
         return self.proc.returncode
 
 
+def engine_stats(url: str) -> dict[str, float]:
+    """The engine's counters from our server's /metrics after the load (preemptions, prefix-cache hits)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(url + "/metrics", timeout=30).text
+    samples = {s.name: s.value for fam in text_string_to_metric_families(text) for s in fam.samples}
+    return {key: samples[name] for key, name in ENGINE_COUNTERS.items() if name in samples}
+
+
 def run_ab(config: EngineConfig, combinations: list[list[str]], spec: LoadSpec, workload: Workload,
            engine_args: Callable[[EngineConfig], list[str]], *, start_timeout: float = 900.0,
            log_dir: str | None = None, on_level=None) -> dict[str, Any]:
@@ -92,12 +103,13 @@ def run_ab(config: EngineConfig, combinations: list[list[str]], spec: LoadSpec, 
         name = combination_name(c.plugins)
         server = ServerProcess(engine_args(c), log_root / f"server-{i}.log")
         try:
-            spec_i = dataclasses.replace(spec, base_url=server.wait_ready(start_timeout), model=None)
-            result = run_sweep(spec_i, workload,
+            url = server.wait_ready(start_timeout)
+            result = run_sweep(dataclasses.replace(spec, base_url=url, model=None), workload,
                                on_level=(lambda s, name=name: on_level(name, s)) if on_level else None)
+            stats = engine_stats(url)
         finally:
             server.stop()
         kv = KV_LINE.search(server.log())
         runs.append({"name": name, "plugins": c.plugins, "kv_cache": kv.group(1) if kv else None,
-                     "server_log": str(server.log_path), **result})
+                     "engine_stats": stats, "server_log": str(server.log_path), **result})
     return {"model": config.model, "combinations": [r["name"] for r in runs], "runs": runs}

@@ -167,7 +167,8 @@ def run_bench(args: argparse.Namespace, config_from_args, config_flags) -> int:
                             log_dir=args.log_dir, on_level=lambda name, s: _print_level(s, name))
             runs = result["runs"]
             for run in runs:
-                print(f"\n{run['name']}: {run['kv_cache'] or ''}\n" + report.sweep_table(run["levels"]))
+                print(f"\n{run['name']}: {run['kv_cache'] or ''}\n{report.engine_stats_line(run['engine_stats'])}\n"
+                      + report.sweep_table(run["levels"]))
             for i in range(len(spec.levels())):
                 print("\n" + report.comparison_table(runs, i))
     except httpx.HTTPError as e:

@@ -60,6 +60,13 @@ def sweep_table(levels: list[dict[str, Any]]) -> str:
     return format_table(header, rows) + "\n(latencies in ms; goodput in req/s meeting every SLO given)"
 
 
+def engine_stats_line(stats: dict[str, float]) -> str:
+    """Our engine's counters over the whole run (warm-up and every level)."""
+    queries, hits = stats.get("prefix_cache_queries", 0), stats.get("prefix_cache_hits", 0)
+    cache = f"{hits:,.0f} of {queries:,.0f} prompt tokens from the prefix cache" if queries else "no prefix cache lookups"
+    return f"engine: {cache}, {stats.get('preemptions', 0):,.0f} preemptions"
+
+
 def comparison_table(runs: list[dict[str, Any]], level_index: int = 0) -> str:
     """A/B: each figure per combination, and its ratio to the first combination."""
     names = [r["name"] for r in runs]
@@ -110,7 +117,7 @@ def plot_sweep(runs: list[dict[str, Any]], path: str | Path, title: str = "") ->
             ax.plot(x, [s[f"{metric}_ms"]["p99"] for s in levels], "s--", color=p50.get_color(), alpha=0.6,
                     label=f"{run['name']} p99")
             for s, xi in zip(levels, x):
-                ax.annotate(level_name(s["level"]).split()[-1], (xi, s[f"{metric}_ms"]["p50"]),
+                ax.annotate(_short_level(s["level"]), (xi, s[f"{metric}_ms"]["p50"]),
                             textcoords="offset points", xytext=(4, 4), fontsize=8)
     for ax, metric in zip(axes, ("ttft", "tpot", "e2e")):
         ax.set_xlabel("output throughput (tokens/s)")
@@ -141,6 +148,10 @@ def plot_comparison(runs: list[dict[str, Any]], path: str | Path, level_index: i
     ax.legend(fontsize=8)
     fig.tight_layout()
     return _save(fig, plt, path)
+
+
+def _short_level(level: dict[str, Any]) -> str:
+    return f"c={level['concurrency']}" if "concurrency" in level else f"{level['request_rate']:g}/s"
 
 
 def _save(fig, plt, path: str | Path) -> Path:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import os
 import random
 import time
 from dataclasses import asdict, dataclass, field
@@ -226,7 +227,9 @@ async def run_sweep_async(spec: LoadSpec, workload: Workload, on_level=None) -> 
     levels = []
     for i, level in enumerate(spec.levels()):
         results, duration = await run_level(spec, workload.endpoint, bodies, level, seed=workload.seed + i)
-        summary = {"level": level, **summarize(results, duration, spec.slo)}
+        summary = {"level": level, **summarize(results, duration, spec.slo),
+                   # this (client) host's 1-minute load average after the level: a busy shared CPU shows here
+                   "host_load_average": round(os.getloadavg()[0], 2)}
         levels.append(summary)
         if on_level is not None:
             on_level(summary)
