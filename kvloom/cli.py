@@ -177,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "bench":
         from kvloom.bench.commands import run_bench
 
-        return run_bench(args, config_from_args, config_flags)
+        return run_bench(args, config, config_flags)
     if args.command == "plan":
         from kvloom import plan
 

@@ -156,6 +156,9 @@ def make_plan(config: EngineConfig, hf_config, model_name: str, *, gpu_memory_gi
                      + ("plus a float32 scale per output channel" if quantization == "fp8" else
                         f"plus an fp16 scale and 4-bit zero per {GROUP_SIZE} weights")
                      + f"; embeddings, norms and lm_head in {str(dtype).removeprefix('torch.')}")
+    if getattr(hf_config, "gguf_file_bytes", None):
+        notes.append(f"weights as the engine holds them: the GGUF file ({_gib(hf_config.gguf_file_bytes)} on disk) "
+                     f"is dequantized to {str(dtype).removeprefix('torch.')} at load")
     rows = []
     if not on_gpu:
         kv = capacity.kv_capacity(config, hf_config, dtype, max_len)
@@ -197,7 +200,7 @@ def make_plan(config: EngineConfig, hf_config, model_name: str, *, gpu_memory_gi
 
 def load_plan_config(config: EngineConfig, config_json: str | None):
     """(hf_config, model name) from ``--config-json FILE`` or the engine's ``--model``."""
-    from kvloom.core.loader import load_hf_config
+    from kvloom.core.loader import is_gguf, load_hf_config
     from kvloom.core.model_files import resolve_model
 
     if config_json:
@@ -205,7 +208,11 @@ def load_plan_config(config: EngineConfig, config_json: str | None):
         if not path.is_file():
             raise FileNotFoundError(f"--config-json {config_json!r}: no such file")
         return load_hf_config(path, config.hf_overrides), path.parent.name if path.name == "config.json" else path.stem
-    return load_hf_config(resolve_model(config.model), config.hf_overrides), config.model
+    path = resolve_model(config.model)
+    hf_config = load_hf_config(path, config.hf_overrides)
+    if is_gguf(path):
+        hf_config.gguf_file_bytes = path.stat().st_size
+    return hf_config, config.model
 
 
 def _gib(n: int | None) -> str:

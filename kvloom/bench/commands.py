@@ -131,7 +131,9 @@ def _print_level(summary, name: str | None = None) -> None:
     print((f"[{name}] " if name else "") + level_detail(summary), flush=True)
 
 
-def run_bench(args: argparse.Namespace, config_from_args, config_flags) -> int:
+def run_bench(args: argparse.Namespace, config, config_flags) -> int:
+    """Run ``bench serve`` or ``bench ab`` (with the engine ``config`` and ``config_flags``, which turns a
+    config into ``engine`` flags for each server it starts)."""
     try:
         import httpx
     except ImportError:
@@ -148,7 +150,6 @@ def run_bench(args: argparse.Namespace, config_from_args, config_flags) -> int:
                                             api_key=args.api_key)
         else:
             spec, workload = load_from_args(args)
-            config = config_from_args(args)
             combos = [[p.strip() for p in c.split(",") if p.strip()] for c in args.combinations]
     except (ValueError, OSError) as e:
         print(f"engine bench: error: {e}", file=sys.stderr)
