@@ -184,7 +184,8 @@ def make_plan(config: EngineConfig, hf_config, model_name: str, *, gpu_memory_gi
                      f"activations are estimated and {CUDA_CONTEXT_GIB:g} GiB is set aside for the CUDA context")
         if tps != [1]:
             notes.append("tensor parallel > 1: weights split evenly and KV heads split (or replicated) across the "
-                         "GPUs; each GPU holds its share of every token, so KV tokens is the whole group's capacity")
+                         "GPUs; each GPU holds its share of every token, so KV tokens is the whole group's capacity "
+                         "(kvloom itself runs on one GPU today: these rows are for planning)")
         for r in rows:
             if r.kv.num_blocks == 0:
                 notes.append(f"TP={r.tensor_parallel}: the weights and activations leave no room for a KV cache")
