@@ -145,6 +145,8 @@ def test_bad_targets_and_values_are_clear_errors(capsys):
                         (["--input-len", "9:3"], "--input-len"), (["--base-url", "ftp://x"], "http://")]:
         assert main(["bench", "serve", *argv]) == 2
         assert words in capsys.readouterr().err
+    assert main(["bench", "ab", "--plugins", "", "--plugins", "no_such_plugin"]) == 2  # before any server starts
+    assert "no_such_plugin" in capsys.readouterr().err
 
 
 def test_config_flags_give_back_the_config():

@@ -149,8 +149,12 @@ def run_bench(args: argparse.Namespace, config, config_flags) -> int:
             spec, workload = load_from_args(args, base_url=args.base_url, model=args.target_model,
                                             api_key=args.api_key)
         else:
+            from kvloom.plugins.manager import PluginManager
+
             spec, workload = load_from_args(args)
             combos = [[p.strip() for p in c.split(",") if p.strip()] for c in args.combinations]
+            for combo in combos:  # an unknown plugin or a conflict fails before any server starts
+                PluginManager.from_config(config.replace(plugins=combo))
     except (ValueError, OSError) as e:
         print(f"engine bench: error: {e}", file=sys.stderr)
         return 2
