@@ -1,7 +1,8 @@
 """The ``engine`` command. With no subcommand it serves the OpenAI API (and optionally the ZMQ gateway);
-``generate`` runs prompts from a file or flags offline, ``chat`` is a terminal chat and ``plugins``
-lists the available plugins. Flags are generated from ``EngineConfig`` and ``ServerConfig``;
-``--config FILE.toml`` takes the same keys."""
+``generate`` runs prompts from a file or flags offline, ``chat`` is a terminal chat, ``plugins`` lists
+the available plugins, ``bench serve``/``bench ab`` load-test servers and ``plan`` does the memory
+arithmetic of a deployment. Flags are generated from ``EngineConfig`` and ``ServerConfig``; ``--config
+FILE.toml`` takes the same keys."""
 
 from __future__ import annotations
 
@@ -49,12 +50,31 @@ def add_config_flags(group, cls, skip: tuple[str, ...] = ()) -> None:
         group.add_argument(_flag(f.name), **kw)
 
 
-def add_engine_flags(parser: argparse.ArgumentParser) -> None:
+def add_engine_flags(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
     group = parser.add_argument_group("engine options (also accepted as keys in --config FILE.toml)")
     group.add_argument("--config", metavar="FILE.toml", default=argparse.SUPPRESS,
                        help="Read options from a TOML file with the flags' names as keys (e.g. max_num_seqs = 64); "
                             "flags given on the command line win.")
-    add_config_flags(group, EngineConfig)
+    add_config_flags(group, EngineConfig, skip)
+
+
+def config_flags(config) -> list[str]:
+    """The flags that give ``config`` (the inverse of add_config_flags; fields at their default are left out)."""
+    default = type(config)()
+    flags = []
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        if value == getattr(default, f.name):
+            continue
+        if isinstance(value, bool):
+            flags.append(_flag(f.name) if value else "--no-" + _flag(f.name)[2:])
+        elif f.name == "plugins":
+            flags += [_flag(f.name), ",".join(value)]
+        elif isinstance(value, dict):
+            flags += [_flag(f.name), json.dumps(value)]
+        else:
+            flags += [_flag(f.name), str(value)]
+    return flags
 
 
 def add_server_flags(parser: argparse.ArgumentParser) -> None:
@@ -101,7 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     add_engine_flags(parser)
     add_server_flags(parser)
-    sub = parser.add_subparsers(dest="command", metavar="{generate,chat,plugins}")
+    sub = parser.add_subparsers(dest="command", metavar="{generate,chat,plugins,bench,plan}")
 
     gen = sub.add_parser("generate", help="Generate offline for prompts given as flags or in a file.")
     gen.add_argument("--prompt", action="append", default=[], help="A prompt (repeatable).")
@@ -124,6 +144,20 @@ def build_parser() -> argparse.ArgumentParser:
                                              "(and check a combination given with --plugins/--config).")
     plugins.add_argument("--json", action="store_true", help="Print JSON instead of text.")
     add_engine_flags(plugins)
+
+    from kvloom.bench.commands import add_bench_parser
+
+    add_bench_parser(sub, add_engine_flags)
+
+    plan = sub.add_parser("plan", help="Weights, KV bytes per token, KV capacity and maximum concurrency of a "
+                                       "model on a device, per tensor-parallel size (the engine's own arithmetic).")
+    plan.add_argument("--config-json", metavar="FILE", help="A model's config.json (instead of --model).")
+    plan.add_argument("--quantization", choices=("fp8", "awq", "gptq"), help="Weight format of the linear layers.")
+    plan.add_argument("--gpu-memory", type=float, metavar="GiB", help="Memory of one GPU (a GPU plan).")
+    plan.add_argument("--tensor-parallel-sizes", default="1,2,4,8", metavar="N,N",
+                      help="GPU plan: tensor-parallel sizes to show (those that split the heads evenly).")
+    plan.add_argument("--json", action="store_true", help="Print JSON instead of text.")
+    add_engine_flags(plan)
     return parser
 
 
@@ -140,6 +174,14 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, ValueError, TypeError, OSError) as e:
         print(f"engine: error: {e}", file=sys.stderr)
         return 2
+    if args.command == "bench":
+        from kvloom.bench.commands import run_bench
+
+        return run_bench(args, config, config_flags)
+    if args.command == "plan":
+        from kvloom import plan
+
+        return plan.run_plan(args, config)
     if args.command == "plugins":
         from kvloom.plugins.manager import format_listing
 

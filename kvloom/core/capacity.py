@@ -2,11 +2,20 @@
 
 from __future__ import annotations
 
+import logging
+
 from dataclasses import dataclass
+
+from typing import Callable
 
 import torch
 
+from kvloom.core.config import ConfigError, EngineConfig
+
+logger = logging.getLogger("kvloom")
+
 GiB = 1 << 30
+DEFAULT_CPU_KV_GIB = 1.0
 
 
 def dtype_size(dtype: torch.dtype) -> int:
@@ -59,3 +68,42 @@ class KVCapacity:
 
 def blocks_for_memory(memory_bytes: int, block_size: int, bytes_per_token: int) -> int:
     return max(0, int(memory_bytes // (block_size * bytes_per_token)))
+
+
+def resolve_max_model_len(hf_config, wanted: int | None) -> int:
+    """``wanted`` (default: the model's max_position_embeddings), checked against the model's limit."""
+    model_max = getattr(hf_config, "max_position_embeddings", None) or 4096
+    asked = wanted
+    wanted = wanted or model_max
+    if wanted > model_max:
+        raise ConfigError(f"max_model_len={wanted} exceeds the model's max_position_embeddings={model_max}")
+    # Sliding-window attention is not implemented: stay inside the window, where it equals full attention.
+    window = getattr(hf_config, "sliding_window", None)
+    uses_window = hf_config.model_type == "mistral" or getattr(hf_config, "use_sliding_window", False)
+    if window and uses_window and wanted > window:
+        if asked:
+            raise ConfigError(f"max_model_len={wanted} exceeds the model's sliding_window={window}, "
+                              "and sliding-window attention is not supported")
+        logger.warning("Capping max_model_len at the model's sliding_window=%d", window)
+        wanted = window
+    return wanted
+
+
+def kv_capacity(config: EngineConfig, hf_config, dtype: torch.dtype, max_model_len: int,
+                gpu_kv_budget: Callable[[], int] | None = None, tensor_parallel: int = 1) -> KVCapacity:
+    """The KV cache the engine allocates: ``num_kv_blocks`` if given, else ``kv_cache_memory_gib``, else
+    on a GPU ``gpu_kv_budget()`` bytes (the engine profiles, ``engine plan`` estimates), else
+    DEFAULT_CPU_KV_GIB. Raises ConfigError when not even one block fits."""
+    per_token = kv_bytes_per_token(hf_config, dtype, tensor_parallel)
+    if config.num_kv_blocks is not None:
+        blocks = config.num_kv_blocks
+    elif config.kv_cache_memory_gib is not None:
+        blocks = blocks_for_memory(int(config.kv_cache_memory_gib * GiB), config.block_size, per_token)
+    elif gpu_kv_budget is not None:
+        blocks = blocks_for_memory(gpu_kv_budget(), config.block_size, per_token)
+    else:
+        blocks = blocks_for_memory(int(DEFAULT_CPU_KV_GIB * GiB), config.block_size, per_token)
+    if blocks < 1:
+        raise ConfigError("no memory is left for the KV cache: lower max_num_batched_tokens or raise "
+                          f"gpu_memory_utilization={config.gpu_memory_utilization}")
+    return KVCapacity(blocks, config.block_size, per_token, max_model_len)

@@ -23,7 +23,6 @@ from kvloom.plugins.manager import PluginManager
 logger = logging.getLogger("kvloom")
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-DEFAULT_CPU_KV_GIB = 1.0
 
 
 class RequestRejected(ValueError):
@@ -81,36 +80,12 @@ class EngineCore:
 
     # --- set-up ------------------------------------------------------------------------------------
     def _resolve_max_model_len(self) -> int:
-        model_max = getattr(self.hf_config, "max_position_embeddings", None) or 4096
-        wanted = self.config.max_model_len or model_max
-        if wanted > model_max:
-            raise ConfigError(f"max_model_len={wanted} exceeds the model's max_position_embeddings={model_max}")
-        # Sliding-window attention is not implemented: stay inside the window, where it equals full attention.
-        window = getattr(self.hf_config, "sliding_window", None)
-        uses_window = self.hf_config.model_type == "mistral" or getattr(self.hf_config, "use_sliding_window", False)
-        if window and uses_window and wanted > window:
-            if self.config.max_model_len:
-                raise ConfigError(f"max_model_len={wanted} exceeds the model's sliding_window={window}, "
-                                  "and sliding-window attention is not supported")
-            logger.warning("Capping max_model_len at the model's sliding_window=%d", window)
-            wanted = window
-        return wanted
+        return capacity.resolve_max_model_len(self.hf_config, self.config.max_model_len)
 
     def _kv_capacity(self) -> capacity.KVCapacity:
-        cfg = self.config
-        per_token = capacity.kv_bytes_per_token(self.hf_config, self.dtype)
-        if cfg.num_kv_blocks is not None:
-            blocks = cfg.num_kv_blocks
-        elif cfg.kv_cache_memory_gib is not None:
-            blocks = capacity.blocks_for_memory(int(cfg.kv_cache_memory_gib * capacity.GiB), cfg.block_size, per_token)
-        elif self.device.type == "cuda":
-            blocks = capacity.blocks_for_memory(self._profile_free_gpu_memory(), cfg.block_size, per_token)
-        else:
-            blocks = capacity.blocks_for_memory(int(DEFAULT_CPU_KV_GIB * capacity.GiB), cfg.block_size, per_token)
-        if blocks < 1:
-            raise ConfigError("no memory is left for the KV cache: lower max_num_batched_tokens or raise "
-                              f"gpu_memory_utilization={cfg.gpu_memory_utilization}")
-        return capacity.KVCapacity(blocks, cfg.block_size, per_token, self.max_model_len)
+        # One function for the engine and ``engine plan``; on CUDA the budget is profiled (only if needed).
+        profile = self._profile_free_gpu_memory if self.device.type == "cuda" else None
+        return capacity.kv_capacity(self.config, self.hf_config, self.dtype, self.max_model_len, profile)
 
     @torch.inference_mode()
     def _profile_free_gpu_memory(self) -> int:

@@ -1,0 +1,243 @@
+"""``engine bench serve``: a load generator for any OpenAI-compatible endpoint, by fixed concurrency or by
+Poisson request rate, streaming every response (SSE) to time its tokens. A sweep runs one level after
+another; every level is bounded by a request count and a duration."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import os
+import random
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import httpx
+from tqdm.auto import tqdm
+
+from kvloom.bench.metrics import SLO, RequestResult, summarize
+from kvloom.bench.workloads import BenchRequest, Workload
+
+MAX_REQUESTS_PER_LEVEL = 100_000
+MAX_DURATION_S = 24 * 3600.0
+
+
+@dataclass
+class LoadSpec:
+    """How to load the server. Exactly one of ``concurrency`` / ``request_rate`` lists the sweep levels."""
+
+    base_url: str = "http://127.0.0.1:8000"
+    model: str | None = None  # default: the first model /v1/models lists
+    api_key: str | None = None
+    num_requests: int = 32  # per level
+    concurrency: list[int] = field(default_factory=list)
+    request_rate: list[float] = field(default_factory=list)  # requests/s; inf sends all at once
+    max_concurrency: int | None = None  # cap on requests in flight in rate mode
+    max_duration_s: float = 600.0  # per level: no request starts after it, in-flight ones are cut off
+    request_timeout_s: float = 600.0
+    warmup_requests: int = 1  # sent one by one before the first level, not counted
+    ignore_eos: bool = True
+    sampling: dict[str, Any] = field(default_factory=lambda: {"temperature": 0.0})
+    slo: SLO = field(default_factory=SLO)
+    progress: bool = True
+
+    def validate(self) -> None:
+        if not self.base_url.startswith(("http://", "https://")):
+            raise ValueError(f"--base-url {self.base_url!r} must start with http:// or https://")
+        if not 1 <= self.num_requests <= MAX_REQUESTS_PER_LEVEL:
+            raise ValueError(f"--num-requests={self.num_requests} must be in [1, {MAX_REQUESTS_PER_LEVEL}]")
+        if not 0 < self.max_duration_s <= MAX_DURATION_S:
+            raise ValueError(f"--max-duration={self.max_duration_s} must be in (0, {MAX_DURATION_S:g}] seconds")
+        if self.request_timeout_s <= 0:
+            raise ValueError(f"--request-timeout={self.request_timeout_s} must be > 0")
+        if bool(self.concurrency) == bool(self.request_rate):
+            raise ValueError("give exactly one of --concurrency and --request-rate (each a level or a list to sweep)")
+        if any(c < 1 for c in self.concurrency):
+            raise ValueError(f"--concurrency {self.concurrency}: every level must be >= 1")
+        if any(not r > 0 for r in self.request_rate):
+            raise ValueError(f"--request-rate {self.request_rate}: every level must be > 0 (inf: all at once)")
+        if self.max_concurrency is not None and self.max_concurrency < 1:
+            raise ValueError(f"--max-concurrency={self.max_concurrency} must be >= 1")
+        if not 0 <= self.warmup_requests <= 100:
+            raise ValueError(f"--warmup-requests={self.warmup_requests} must be in [0, 100]")
+
+    @property
+    def root(self) -> str:
+        return self.base_url.rstrip("/").removesuffix("/v1")
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def levels(self) -> list[dict[str, Any]]:
+        if self.concurrency:
+            return [{"concurrency": c} for c in self.concurrency]
+        return [{"request_rate": r, "max_concurrency": self.max_concurrency} for r in self.request_rate]
+
+
+def level_name(level: dict[str, Any]) -> str:
+    if "concurrency" in level:
+        return f"concurrency {level['concurrency']}"
+    return f"rate {level['request_rate']:g}/s"
+
+
+# --- one request ------------------------------------------------------------------------------------
+def _is_token_chunk(choice: dict[str, Any], endpoint: str) -> bool:
+    """A chunk that carries generated tokens (its text may be empty while a multi-byte character is
+    incomplete). Chat streams open with a role-only chunk that carries none."""
+    if endpoint == "chat":
+        delta = choice.get("delta") or {}
+        return "role" not in delta or bool(delta.get("content"))
+    return "text" in choice
+
+
+async def send_request(client: httpx.AsyncClient, spec: LoadSpec, endpoint: str, body: dict[str, Any],
+                       result: RequestResult, prompt_len: int | None) -> None:
+    """Stream one request into ``result`` (filled as chunks arrive, so a cut-off request keeps what came)."""
+    path = "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
+    sent = time.perf_counter()
+    result.prompt_tokens = prompt_len
+    chunks = 0
+    async with client.stream("POST", spec.root + path, json=body, headers=spec.headers,
+                             timeout=spec.request_timeout_s) as resp:
+        if resp.status_code != 200:
+            text = (await resp.aread()).decode(errors="replace")
+            result.error = f"HTTP {resp.status_code}: {text[:200]}"
+            return
+        async for line in resp.aiter_lines():
+            if not line.startswith("data:"):
+                continue
+            data = line[5:].strip()
+            if data == "[DONE]":
+                result.e2e = time.perf_counter() - sent
+                break
+            event = json.loads(data)
+            if "error" in event:
+                result.error = f"stream error: {str(event['error'])[:200]}"
+                return
+            choices = event.get("choices") or []
+            if choices and _is_token_chunk(choices[0], endpoint):
+                result.chunk_times.append(time.perf_counter() - sent)
+                chunks += 1
+            if event.get("usage"):
+                result.prompt_tokens = event["usage"].get("prompt_tokens", prompt_len)
+                result.output_tokens = event["usage"].get("completion_tokens")
+                result.usage_reported = True
+    if result.e2e is None:
+        result.error = "the stream ended without [DONE]"
+        return
+    if not result.usage_reported:
+        result.output_tokens = chunks  # no usage from the server: one token per chunk
+    result.ok = True
+
+
+# --- one level --------------------------------------------------------------------------------------
+async def timed_request(client: httpx.AsyncClient, spec: LoadSpec, endpoint: str, body: dict[str, Any],
+                        result: RequestResult, prompt_len: int | None) -> None:
+    """``send_request`` bounded by --request-timeout in total; any failure is recorded, never raised."""
+    try:
+        await asyncio.wait_for(send_request(client, spec, endpoint, body, result, prompt_len), spec.request_timeout_s)
+    except asyncio.TimeoutError:
+        result.error = f"no complete answer within --request-timeout={spec.request_timeout_s:g}s"
+    except Exception as e:  # a load test records a bad answer and goes on
+        result.error = f"{type(e).__name__}: {e}"[:200]
+
+
+async def run_level(spec: LoadSpec, endpoint: str, bodies: list[tuple[dict[str, Any], int | None]],
+                    level: dict[str, Any], seed: int = 0) -> tuple[list[RequestResult], float]:
+    """Send the request ``bodies`` (each with its prompt length, if known) at ``level``; returns the
+    results of the requests sent and the level's wall time."""
+    limit = level.get("concurrency") or level.get("max_concurrency") or len(bodies)
+    rate = level.get("request_rate")
+    gate = asyncio.Semaphore(limit)
+    rng = random.Random(seed)
+    results: list[RequestResult] = []
+    t0 = time.perf_counter()
+    deadline = t0 + spec.max_duration_s
+    bar = tqdm(total=len(bodies), desc=level_name(level), unit="req", disable=not spec.progress, leave=False)
+
+    async def one(client: httpx.AsyncClient, body: dict[str, Any], prompt_len: int | None) -> None:
+        async with gate:
+            if time.perf_counter() >= deadline:
+                return
+            result = RequestResult(start=time.perf_counter() - t0)
+            results.append(result)
+            try:
+                await timed_request(client, spec, endpoint, body, result, prompt_len)
+            except asyncio.CancelledError:
+                result.incomplete = True
+                raise
+            finally:
+                bar.update(1)
+
+    limits = httpx.Limits(max_connections=limit, max_keepalive_connections=limit)
+    async with httpx.AsyncClient(limits=limits, timeout=spec.request_timeout_s) as client:
+        tasks = []
+        next_arrival = t0
+        for body, prompt_len in bodies:
+            if rate is not None and math.isfinite(rate):
+                next_arrival += rng.expovariate(rate)  # Poisson arrivals
+                await asyncio.sleep(max(0.0, min(next_arrival, deadline) - time.perf_counter()))
+            if time.perf_counter() >= deadline:
+                break
+            tasks.append(asyncio.create_task(one(client, body, prompt_len)))
+        if tasks:
+            _, pending = await asyncio.wait(tasks, timeout=max(0.0, deadline - time.perf_counter()))
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+    bar.close()
+    ends = [r.start + r.e2e for r in results if r.e2e is not None]
+    duration = max(ends) if ends and not any(r.incomplete for r in results) else time.perf_counter() - t0
+    return results, duration
+
+
+async def _first_model(spec: LoadSpec) -> str:
+    async with httpx.AsyncClient(timeout=30) as client:
+        resp = await client.get(spec.root + "/v1/models", headers=spec.headers)
+        resp.raise_for_status()
+        return resp.json()["data"][0]["id"]
+
+
+async def _warm_up(spec: LoadSpec, endpoint: str, bodies: list[tuple[dict[str, Any], int | None]]) -> None:
+    async with httpx.AsyncClient(timeout=spec.request_timeout_s) as client:
+        for body, prompt_len in bodies:
+            result = RequestResult()
+            await timed_request(client, spec, endpoint, body, result, prompt_len)
+            if not result.ok:
+                raise RuntimeError(f"warm-up request failed: {result.error}")
+
+
+def request_bodies(spec: LoadSpec, endpoint: str, model: str, requests: list[BenchRequest]
+                   ) -> list[tuple[dict[str, Any], int | None]]:
+    """The JSON bodies, made before the load starts (a bad workload fails here, not in every request)."""
+    return [(r.body(endpoint, model, spec.ignore_eos, spec.sampling), r.prompt_len) for r in requests]
+
+
+async def run_sweep_async(spec: LoadSpec, workload: Workload, on_level=None) -> dict[str, Any]:
+    spec.validate()
+    model = spec.model or await _first_model(spec)
+    requests = workload.requests(spec.num_requests)
+    bodies = request_bodies(spec, workload.endpoint, model, requests)
+    if spec.warmup_requests:
+        warm = Workload(**{**asdict(workload), "seed": workload.seed + 1_000_003, "_file_rows": []})
+        await _warm_up(spec, workload.endpoint,
+                       request_bodies(spec, workload.endpoint, model, warm.requests(spec.warmup_requests)))
+    levels = []
+    for i, level in enumerate(spec.levels()):
+        results, duration = await run_level(spec, workload.endpoint, bodies, level, seed=workload.seed + i)
+        summary = {"level": level, **summarize(results, duration, spec.slo),
+                   # this (client) host's 1-minute load average after the level: a busy shared CPU shows here
+                   "host_load_average": round(os.getloadavg()[0], 2)}
+        levels.append(summary)
+        if on_level is not None:
+            on_level(summary)
+    config = {k: v for k, v in asdict(spec).items() if k not in ("api_key", "progress", "slo")}
+    return {"target": spec.root, "model": model, "workload": workload.describe(), "load": config,
+            "expected_output_tokens": sum(r.output_len for r in requests) if spec.ignore_eos else None,
+            "levels": levels}
+
+
+def run_sweep(spec: LoadSpec, workload: Workload, on_level=None) -> dict[str, Any]:
+    return asyncio.run(run_sweep_async(spec, workload, on_level))

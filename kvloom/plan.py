@@ -1,0 +1,267 @@
+"""``engine plan``: the memory arithmetic of a deployment (weights, KV bytes per token, KV capacity and
+maximum concurrency, per tensor-parallel size) from the functions the engine itself logs at start-up."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvloom.core import capacity
+from kvloom.core.config import ConfigError, EngineConfig
+from kvloom.text_table import format_table
+
+GiB = capacity.GiB
+# Quantized linear layers: bits per weight, and bytes of scales/zeros per group of GROUP_SIZE weights
+# (fp8: one float32 scale per output channel instead). Embeddings, norms and lm_head stay in the dtype,
+# as in the usual fp8/AWQ/GPTQ checkpoints.
+QUANTIZATIONS = {"fp8": 8, "awq": 4, "gptq": 4}
+GROUP_SIZE = 128
+INT4_GROUP_BYTES = 2 + 0.5  # an fp16 scale and a 4-bit zero point per group
+CUDA_CONTEXT_GIB = 0.5  # memory a CUDA process holds outside PyTorch's allocator (context, cuBLAS workspaces)
+DEFAULT_TP_SIZES = (1, 2, 4, 8)
+
+
+@dataclass
+class ParameterCount:
+    """Parameters of the model the engine builds, split into the linear layers a quantization method
+    replaces and everything else (embeddings, norms, lm_head, biases)."""
+
+    linear_weights: int = 0
+    linear_out_features: int = 0
+    other: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.linear_weights + self.other
+
+
+def count_parameters(hf_config) -> ParameterCount:
+    """Build the engine's own model on the meta device (no memory) and count what it holds."""
+    from kvloom.core.attention import AttentionBackend
+    from kvloom.core.loader import check_architecture
+    from kvloom.core.models.llama import SUPPORTED_ARCHITECTURES
+
+    count = ParameterCount()
+
+    def counting_linear(in_features: int, out_features: int, bias: bool, prefix: str) -> torch.nn.Module:
+        count.linear_weights += in_features * out_features
+        count.linear_out_features += out_features
+        return torch.nn.Linear(in_features, out_features, bias=bias)
+
+    with torch.device("meta"):
+        model = SUPPORTED_ARCHITECTURES[check_architecture(hf_config)](hf_config, AttentionBackend(), counting_linear)
+    count.other = sum(p.numel() for p in model.parameters()) - count.linear_weights
+    return count
+
+
+def weight_bytes(params: ParameterCount, dtype: torch.dtype, quantization: str | None) -> int:
+    size = capacity.dtype_size(dtype)
+    if quantization is None:
+        return params.total * size
+    if quantization == "fp8":
+        linear = params.linear_weights + 4 * params.linear_out_features
+    else:
+        linear = params.linear_weights // 2 + int(params.linear_weights / GROUP_SIZE * INT4_GROUP_BYTES)
+    return linear + params.other * size
+
+
+def activation_bytes(hf_config, config: EngineConfig, dtype: torch.dtype, max_model_len: int) -> int:
+    """An estimate of what the engine's start-up profile measures besides the weights: one step of
+    ``max_num_batched_tokens`` (hidden states, fused qkv, attention output, gate/up and activation),
+    float32 logits and probabilities for ``max_num_seqs`` rows, and the profile's own KV blocks."""
+    n = min(config.max_num_batched_tokens, max_model_len)
+    layers, kv_heads, head_dim = capacity.model_dims(hf_config)
+    hidden, inter = hf_config.hidden_size, hf_config.intermediate_size
+    q = hf_config.num_attention_heads * head_dim
+    per_token = (2 * hidden + 2 * q + 2 * kv_heads * head_dim + 3 * inter) * capacity.dtype_size(dtype)
+    logits = 2 * min(config.max_num_seqs, n) * hf_config.vocab_size * 4
+    profile_kv = -(-n // config.block_size) * config.block_size * capacity.kv_bytes_per_token(hf_config, dtype)
+    return n * per_token + logits + profile_kv
+
+
+def valid_tp_sizes(hf_config, sizes) -> list[int]:
+    """Sizes that split the attention heads evenly (KV heads split or replicated evenly)."""
+    _, kv_heads, _ = capacity.model_dims(hf_config)
+    heads = hf_config.num_attention_heads
+    return [tp for tp in sizes if heads % tp == 0 and (kv_heads % tp == 0 or tp % kv_heads == 0)]
+
+
+@dataclass
+class PlanRow:
+    tensor_parallel: int
+    weight_bytes_per_gpu: int
+    activation_bytes: int | None
+    kv_budget_bytes: int | None
+    kv: capacity.KVCapacity
+
+    def to_dict(self) -> dict[str, Any]:
+        d = {k: v for k, v in dataclasses.asdict(self).items() if k != "kv"}
+        d.update(kv_bytes_per_token=self.kv.bytes_per_token, kv_blocks=self.kv.num_blocks,
+                 kv_tokens=self.kv.num_tokens, kv_bytes=self.kv.bytes,
+                 max_concurrency=round(self.kv.max_concurrency, 4), kv_cache_line=self.kv.describe())
+        return d
+
+
+@dataclass
+class Plan:
+    model: str
+    architecture: str
+    device: str
+    dtype: str
+    quantization: str | None
+    max_model_len: int
+    block_size: int
+    gpu_memory_gib: float | None
+    gpu_memory_utilization: float
+    parameters: ParameterCount
+    weight_bytes: int
+    rows: list[PlanRow]
+    dims: dict[str, Any]
+    notes: list[str]
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["parameters"] = dict(d["parameters"], total=self.parameters.total)
+        d["rows"] = [r.to_dict() for r in self.rows]
+        return d
+
+
+def make_plan(config: EngineConfig, hf_config, model_name: str, *, gpu_memory_gib: float | None = None,
+              quantization: str | None = None, tp_sizes=DEFAULT_TP_SIZES) -> Plan:
+    from kvloom.core.engine_core import resolve_dtype
+
+    if quantization is not None and quantization not in QUANTIZATIONS:
+        raise ConfigError(f"quantization={quantization!r} is not one of {sorted(QUANTIZATIONS)}")
+    on_gpu = config.device == "cuda" or (config.device == "auto" and (gpu_memory_gib is not None
+                                                                      or torch.cuda.is_available()))
+    if config.device == "cpu" and gpu_memory_gib is not None:
+        raise ConfigError("--gpu-memory is for GPU plans; drop it or --device cpu")
+    if on_gpu and gpu_memory_gib is None:
+        if not torch.cuda.is_available():
+            raise ConfigError("a GPU plan needs --gpu-memory GiB (no CUDA device here to ask)")
+        gpu_memory_gib = torch.cuda.mem_get_info()[1] / GiB
+    device = torch.device("cuda" if on_gpu else "cpu")
+    dtype = resolve_dtype(config.dtype, device)
+    max_len = capacity.resolve_max_model_len(hf_config, config.max_model_len)
+    params = count_parameters(hf_config)
+    weights = weight_bytes(params, dtype, quantization)
+    layers, kv_heads, head_dim = capacity.model_dims(hf_config)
+    notes = []
+    if quantization:
+        notes.append(f"{quantization}: linear layers at {QUANTIZATIONS[quantization]} bits "
+                     + ("plus a float32 scale per output channel" if quantization == "fp8" else
+                        f"plus an fp16 scale and 4-bit zero per {GROUP_SIZE} weights")
+                     + f"; embeddings, norms and lm_head in {str(dtype).removeprefix('torch.')}")
+    if getattr(hf_config, "gguf_file_bytes", None):
+        notes.append(f"weights as the engine holds them: the GGUF file ({_gib(hf_config.gguf_file_bytes)} on disk) "
+                     f"is dequantized to {str(dtype).removeprefix('torch.')} at load")
+    rows = []
+    if not on_gpu:
+        kv = capacity.kv_capacity(config, hf_config, dtype, max_len)
+        rows.append(PlanRow(1, weights, None, None, kv))
+        notes.append("CPU: the KV cache is sized by --kv-cache-memory-gib (default "
+                     f"{capacity.DEFAULT_CPU_KV_GIB:g} GiB) or --num-kv-blocks, exactly as the engine sizes it")
+    else:
+        tps = valid_tp_sizes(hf_config, tp_sizes)
+        if not tps:
+            raise ConfigError(f"none of the tensor-parallel sizes {list(tp_sizes)} divides "
+                              f"num_attention_heads={hf_config.num_attention_heads} and the {kv_heads} KV heads")
+        act = activation_bytes(hf_config, config, dtype, max_len)
+        for tp in tps:
+            budget = int(config.gpu_memory_utilization * gpu_memory_gib * GiB) - weights // tp - act \
+                - int(CUDA_CONTEXT_GIB * GiB)
+            try:
+                kv = capacity.kv_capacity(config, hf_config, dtype, max_len, lambda: max(0, budget), tp)
+            except ConfigError:
+                kv = capacity.KVCapacity(0, config.block_size, capacity.kv_bytes_per_token(hf_config, dtype, tp),
+                                         max_len)
+            rows.append(PlanRow(tp, weights // tp, act, budget, kv))
+        notes.append(f"GPU: an estimate. The engine measures weights + activations at start-up; here the "
+                     f"activations are estimated and {CUDA_CONTEXT_GIB:g} GiB is set aside for the CUDA context")
+        if tps != [1]:
+            notes.append("tensor parallel > 1: weights split evenly and KV heads split (or replicated) across the "
+                         "GPUs; each GPU holds its share of every token, so KV tokens is the whole group's capacity "
+                         "(kvloom itself runs on one GPU today: these rows are for planning)")
+        for r in rows:
+            if r.kv.num_blocks == 0:
+                notes.append(f"TP={r.tensor_parallel}: the weights and activations leave no room for a KV cache")
+    dims = dict(layers=layers, hidden_size=hf_config.hidden_size, heads=hf_config.num_attention_heads,
+                kv_heads=kv_heads, head_dim=head_dim, intermediate_size=hf_config.intermediate_size,
+                vocab_size=hf_config.vocab_size,
+                tied_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
+                max_position_embeddings=getattr(hf_config, "max_position_embeddings", None))
+    return Plan(model_name, hf_config.architectures[0], device.type, str(dtype).removeprefix("torch."),
+                quantization, max_len, config.block_size, gpu_memory_gib, config.gpu_memory_utilization,
+                params, weights, rows, dims, notes)
+
+
+def load_plan_config(config: EngineConfig, config_json: str | None):
+    """(hf_config, model name) from ``--config-json FILE`` or the engine's ``--model``."""
+    from kvloom.core.loader import is_gguf, load_hf_config
+    from kvloom.core.model_files import resolve_model
+
+    if config_json:
+        path = Path(config_json)
+        if not path.is_file():
+            raise FileNotFoundError(f"--config-json {config_json!r}: no such file")
+        return load_hf_config(path, config.hf_overrides), path.parent.name if path.name == "config.json" else path.stem
+    path = resolve_model(config.model)
+    hf_config = load_hf_config(path, config.hf_overrides)
+    if is_gguf(path):
+        hf_config.gguf_file_bytes = path.stat().st_size
+    return hf_config, config.model
+
+
+def _gib(n: int | None) -> str:
+    return "-" if n is None else f"{n / GiB:.2f} GiB"
+
+
+def format_plan(plan: Plan) -> str:
+    d = plan.dims
+    size = plan.rows[0].kv.bytes_per_token // (2 * d["layers"] * d["kv_heads"] * d["head_dim"])
+    lines = [
+        f"Model: {plan.model} ({plan.architecture}): {d['layers']} layers, hidden {d['hidden_size']}, "
+        f"{d['heads']} heads, {d['kv_heads']} KV heads x {d['head_dim']}, vocab {d['vocab_size']}"
+        f"{', tied embeddings' if d['tied_embeddings'] else ''}",
+        f"Device: {plan.device}, dtype {plan.dtype}, block size {plan.block_size}, max_model_len {plan.max_model_len}"
+        + (f", {plan.gpu_memory_gib:g} GiB x {plan.gpu_memory_utilization:g} per GPU" if plan.gpu_memory_gib else ""),
+        f"Parameters: {plan.parameters.total:,} ({plan.parameters.linear_weights:,} in linear layers)",
+        f"Weights: {_gib(plan.weight_bytes)}" + (f" ({plan.quantization})" if plan.quantization else ""),
+        f"KV bytes per token: {plan.rows[0].kv.bytes_per_token:,} = 2 (K, V) x {d['layers']} layers x "
+        f"{d['kv_heads']} KV heads x {d['head_dim']} x {size} bytes",
+    ]
+    if plan.device == "cpu":
+        lines.append(plan.rows[0].kv.describe())
+    else:
+        header = ("TP", "weights/GPU", "activations", "KV budget/GPU", "KV bytes/token/GPU", "KV tokens",
+                  f"max concurrency @ {plan.max_model_len}")
+        body = [(str(r.tensor_parallel), _gib(r.weight_bytes_per_gpu), _gib(r.activation_bytes),
+                 _gib(r.kv_budget_bytes), f"{r.kv.bytes_per_token:,}", f"{r.kv.num_tokens:,}",
+                 f"{r.kv.max_concurrency:.2f}x") for r in plan.rows]
+        lines += ["", format_table(header, body), ""]
+        lines += [f"TP={r.tensor_parallel}: {r.kv.describe()}" for r in plan.rows]
+    lines += [f"Note: {n}" for n in plan.notes]
+    return "\n".join(lines)
+
+
+def run_plan(args, config: EngineConfig) -> int:
+    """``engine plan``: print the plan (text or JSON); 2 and a message for a bad value."""
+    import json
+    import sys
+
+    try:
+        tps = [int(x) for x in args.tensor_parallel_sizes.split(",") if x.strip()]
+        if not tps or min(tps) < 1:
+            raise ConfigError(f"--tensor-parallel-sizes={args.tensor_parallel_sizes!r}: give sizes >= 1")
+        hf_config, name = load_plan_config(config, args.config_json)
+        plan = make_plan(config, hf_config, name, gpu_memory_gib=args.gpu_memory, quantization=args.quantization,
+                         tp_sizes=tps)
+    except (ConfigError, ValueError, OSError) as e:
+        print(f"engine plan: error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(plan.to_dict(), indent=2) if args.json else format_plan(plan))
+    return 0

@@ -1,0 +1,181 @@
+"""``engine bench serve`` and ``engine bench ab`` against the real server (a subprocess on a tiny model,
+loopback only): every reported figure is present and agrees with the server's own counters."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvloom.bench.ab import ServerProcess
+from kvloom.bench.metrics import LATENCIES, PERCENTILES, SLO, RequestResult, summarize
+from kvloom.bench.workloads import Workload
+from kvloom.cli import build_parser, config_flags, config_from_args, main
+from kvloom.core.config import EngineConfig
+
+TINY_TOKENS = "3:320"  # prompt token ids inside the tiny model's vocabulary, clear of its special tokens
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama, tmp_path_factory):
+    srv = ServerProcess(["--model", str(tiny_llama), "--num-kv-blocks", "512"],
+                        tmp_path_factory.mktemp("bench-server") / "server.log")
+    try:
+        srv.wait_ready(240)
+        yield srv
+    finally:
+        srv.stop()
+
+
+def token_counters(url: str) -> tuple[float, float]:
+    text = httpx.get(url + "/metrics", timeout=10).text
+    samples = {s.name: s.value for fam in text_string_to_metric_families(text) for s in fam.samples}
+    return samples["kvloom_prompt_tokens_total"], samples["kvloom_generation_tokens_total"]
+
+
+def run_bench(argv, tmp_path, capsys) -> tuple[int, dict, str]:
+    out = tmp_path / "bench.json"
+    rc = main(["bench", *argv, "--output-json", str(out), "--no-progress"])
+    printed = capsys.readouterr()
+    data = json.loads(out.read_text()) if out.exists() else {}
+    return rc, data, printed.out + printed.err
+
+
+def check_figures(level: dict) -> None:
+    """Every figure is present, percentiles are ordered, and throughputs agree with the counts."""
+    for metric in LATENCIES:
+        dist = level[f"{metric}_ms"]
+        values = [dist[k] for k in ("mean", *(f"p{p}" for p in PERCENTILES))]
+        assert all(isinstance(v, float) and v >= 0 for v in values), (metric, dist)
+        assert dist["p50"] <= dist["p95"] <= dist["p99"], (metric, dist)
+    assert level["ttft_ms"]["p50"] <= level["e2e_ms"]["p50"]
+    d = level["duration_s"]
+    assert level["request_throughput"] * d == pytest.approx(level["completed"])
+    assert level["output_throughput"] * d == pytest.approx(level["output_tokens"])
+    assert level["total_token_throughput"] * d == pytest.approx(level["prompt_tokens"] + level["output_tokens"])
+
+
+def test_serve_sweep_figures_match_the_server(server, tmp_path, capsys):
+    before = token_counters(server.url)
+    argv = ["serve", "--base-url", server.url + "/v1", "--random-token-range", TINY_TOKENS, "--input-len", "8:40",
+            "--output-len", "4:12", "--num-requests", "12", "--concurrency", "1,4", "--warmup-requests", "0",
+            "--slo-ttft-ms", "60000", "--slo-tpot-ms", "0.001"]
+    rc, data, printed = run_bench(argv, tmp_path, capsys)
+    assert rc == 0, printed
+    after = token_counters(server.url)
+
+    expected = Workload(input_len=(8, 40), output_len=(4, 12), token_range=(3, 320)).requests(12)
+    levels = data["levels"]
+    assert [lv["level"] for lv in levels] == [{"concurrency": 1}, {"concurrency": 4}]
+    for lv in levels:
+        assert (lv["completed"], lv["failed"], lv["incomplete"]) == (12, 0, 0)
+        assert lv["usage_reported"]
+        check_figures(lv)
+        # Token counts are the server's usage, and exact: token-id prompts, outputs with ignore_eos.
+        assert lv["prompt_tokens"] == sum(r.prompt_len for r in expected)
+        assert lv["output_tokens"] == data["expected_output_tokens"] == sum(r.output_len for r in expected)
+        # A TTFT limit every request meets and a TPOT limit none can: goodput counts neither alone.
+        assert lv["goodput"] == 0.0
+    # ... and add up to what the server counted in the same time.
+    assert after[0] - before[0] == sum(lv["prompt_tokens"] for lv in levels)
+    assert after[1] - before[1] == sum(lv["output_tokens"] for lv in levels)
+
+    table = printed[printed.index("level "):]
+    assert "concurrency 1 " in table and "concurrency 4 " in table
+    for figure in ("TTFT ms", "TPOT ms", "ITL ms", "E2E ms", "goodput 0.00 req/s"):
+        assert figure in printed
+    assert (tmp_path / "bench.png").read_bytes()[:8] == PNG_MAGIC
+
+
+def test_goodput_counts_requests_within_every_slo():
+    fast = RequestResult(ok=True, output_tokens=3, chunk_times=[0.01, 0.02, 0.03], e2e=0.03)
+    slow = RequestResult(ok=True, output_tokens=3, chunk_times=[0.5, 0.6, 0.7], e2e=0.7)
+    failed = RequestResult(error="HTTP 500")
+    s = summarize([fast, slow, failed], duration=2.0, slo=SLO(ttft_ms=100))
+    assert (s["completed"], s["failed"], s["goodput"], s["request_throughput"]) == (2, 1, 0.5, 1.0)
+    assert s["tpot_ms"]["mean"] == pytest.approx((10 + 100) / 2)  # (e2e - ttft) / (tokens - 1)
+    assert s["itl_ms"]["p50"] == pytest.approx(55)  # gaps 10, 10, 100, 100
+    assert summarize([fast], 1.0)["goodput"] is None  # no SLO given
+
+
+@pytest.mark.parametrize("argv", [
+    ["--endpoint", "chat", "--workload", "shared-prefix", "--prefix-len", "24", "--input-len", "4",
+     "--request-rate", "50"],
+    ["--workload", "shared-prefix", "--num-prefixes", "2", "--prefix-len", "32", "--input-len", "4:8",
+     "--random-token-range", TINY_TOKENS, "--request-rate", "inf", "--max-concurrency", "3"],
+    ["--workload", "jsonl", "--prompts-file", "PROMPTS", "--endpoint", "chat", "--concurrency", "2"],
+], ids=["chat-poisson", "shared-prefix-burst", "jsonl-chat"])
+def test_serve_workloads_and_load_modes(server, tmp_path, capsys, argv):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "The capital of France is", "output_len": 12}\n'
+                       '{"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}]}\n')
+    argv = [str(prompts) if a == "PROMPTS" else a for a in argv]
+    rc, data, printed = run_bench(["serve", "--base-url", server.url, "--num-requests", "6", "--output-len", "8",
+                                   "--slo-e2e-ms", "60000", *argv], tmp_path, capsys)
+    assert rc == 0, printed
+    (level,) = data["levels"]
+    assert (level["completed"], level["failed"]) == (6, 0)
+    check_figures(level)
+    assert level["output_tokens"] == data["expected_output_tokens"]
+    assert level["goodput"] == pytest.approx(level["request_throughput"])
+
+
+def test_max_duration_cuts_a_level_off(server, tmp_path, capsys):
+    rc, data, printed = run_bench(["serve", "--base-url", server.url, "--random-token-range", TINY_TOKENS,
+                                   "--input-len", "8", "--output-len", "480", "--num-requests", "20",
+                                   "--concurrency", "2", "--max-duration", "1", "--warmup-requests", "0"],
+                                  tmp_path, capsys)
+    (level,) = data["levels"]
+    assert level["incomplete"] >= 1 and level["failed"] == 0, printed
+    assert level["completed"] + level["incomplete"] < 20
+    assert level["duration_s"] < 5
+    assert "cut off at --max-duration" in printed
+
+
+def test_bad_targets_and_values_are_clear_errors(capsys):
+    from tests.server_utils import free_port
+
+    assert main(["bench", "serve", "--base-url", f"http://127.0.0.1:{free_port()}", "--no-progress"]) == 1
+    assert "ConnectError" in capsys.readouterr().err
+    for argv, words in [(["--concurrency", "0"], "--concurrency"), (["--num-requests", "0"], "--num-requests"),
+                        (["--request-rate", "1", "--concurrency", "2"], "exactly one"),
+                        (["--input-len", "9:3"], "--input-len"), (["--base-url", "ftp://x"], "http://")]:
+        assert main(["bench", "serve", *argv]) == 2
+        assert words in capsys.readouterr().err
+    assert main(["bench", "ab", "--plugins", "", "--plugins", "no_such_plugin"]) == 2  # before any server starts
+    assert "no_such_plugin" in capsys.readouterr().err
+
+
+def test_config_flags_give_back_the_config():
+    config = EngineConfig(model="m.gguf", plugins=["sjf", "prefix_cache"], enforce_eager=True, max_num_seqs=7,
+                          plugin_options={"sjf": {"aging_tokens_per_s": 5}}, kv_cache_memory_gib=0.5)
+    assert config_from_args(build_parser().parse_args(config_flags(config))) == config
+
+
+def test_ab_compares_two_plugin_combinations(tiny_llama, tmp_path, capsys):
+    rc, data, printed = run_bench(
+        ["ab", "--plugins", "", "--plugins", "prefix_cache", "--model", str(tiny_llama), "--num-kv-blocks", "256",
+         "--workload", "shared-prefix", "--prefix-len", "64", "--input-len", "4", "--output-len", "4",
+         "--random-token-range", TINY_TOKENS, "--num-requests", "8", "--concurrency", "4",
+         "--log-dir", str(tmp_path / "logs")], tmp_path, capsys)
+    assert rc == 0, printed
+    assert data["combinations"] == ["none", "prefix_cache"]
+    for run in data["runs"]:
+        (level,) = run["levels"]
+        assert (level["completed"], level["failed"]) == (8, 0)
+        assert run["kv_cache"].startswith("KV cache: 256 blocks x 16 tokens")
+    # The same workload went to both servers, and each ran its own plugins.
+    assert data["runs"][0]["levels"][0]["prompt_tokens"] == data["runs"][1]["levels"][0]["prompt_tokens"] == 8 * 68
+    assert "prefix_cache=prefix_cache" in (tmp_path / "logs" / "server-1.log").read_text()
+    assert "prefix_cache=" not in (tmp_path / "logs" / "server-0.log").read_text()
+    assert data["runs"][0]["engine_stats"]["prefix_cache_hits"] == 0
+    assert data["runs"][1]["engine_stats"]["prefix_cache_hits"] >= 64  # later requests reuse the shared prefix
+    assert "prompt tokens from the prefix cache" in printed
+    table = printed[printed.index("figure "):]
+    header = table.splitlines()[0].split()
+    assert header == ["figure", "none", "prefix_cache", "ratio"]
+    assert "output tok/s" in table and "TTFT p50 ms" in table and "x\n" in table
+    assert (tmp_path / "bench.png").read_bytes()[:8] == PNG_MAGIC
