@@ -194,8 +194,7 @@ class EngineCore:
         """Penalties need every earlier token on the host, so such requests wait for each step."""
         if not self.async_scheduling:
             return False
-        return not any(r.sampling.repetition_penalty != 1.0 or r.sampling.presence_penalty
-                       or r.sampling.frequency_penalty for r in self.scheduler.running)
+        return not any(r.sampling.uses_penalties for r in self.scheduler.running)
 
     def _resolve(self, plan, launched) -> list[TokenDelta]:
         sampled, logprobs = launched.fetch()

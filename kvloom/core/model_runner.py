@@ -95,11 +95,6 @@ class ModelRunner:
 
     # --- execution -----------------------------------------------------------------------------
     @torch.inference_mode()
-    def execute(self, plan: SchedulerPlan) -> tuple[dict[str, list[int]], dict[str, list[TokenLogprobs]]]:
-        """Run one step and wait for it; returns the sampled token ids (and logprobs) per request id."""
-        return self.launch(plan).fetch()
-
-    @torch.inference_mode()
     def launch(self, plan: SchedulerPlan) -> "StepResult":
         """Queue one step on the device and return at once; ``fetch()`` on the result waits for it."""
         scheduled = plan.scheduled

@@ -56,18 +56,14 @@ class Sampler:
         self.generator = torch.Generator(device=device).manual_seed(seed)
 
     @torch.no_grad()
-    def __call__(self, logits: torch.Tensor, requests: list[Request]) -> tuple[list[int], list[TokenLogprobs | None]]:
-        """One token per row of ``logits`` (``[N, V]`` float32) for the matching request."""
-        return self.sample(logits, requests).fetch()
-
-    @torch.no_grad()
     def sample(self, logits: torch.Tensor, requests: list[Request]) -> SampleResult:
-        """Like calling the sampler, but the result stays on the device until fetched."""
+        """One token per row of ``logits`` (``[N, V]`` float32) for the matching request; the result
+        stays on the device until fetched."""
         params = [r.sampling for r in requests]
         want_logprobs = any(p.logprobs is not None for p in params)
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
 
-        if any(p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty for p in params):
+        if any(p.uses_penalties for p in params):
             logits = self._apply_penalties(logits.clone(), requests)
         blocked = [(i, r) for i, r in enumerate(requests) if r.num_output_tokens < r.sampling.min_tokens]
         if blocked:

@@ -37,6 +37,11 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    @property
+    def uses_penalties(self) -> bool:
+        """Whether sampling reads the request's earlier tokens (repetition/presence/frequency penalties)."""
+        return self.repetition_penalty != 1.0 or bool(self.presence_penalty) or bool(self.frequency_penalty)
+
     def validate(self) -> None:
         """Raise ValueError naming the first out-of-range field."""
         if not isinstance(self.n, int) or self.n < 1 or self.n > 128:
