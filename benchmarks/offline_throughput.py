@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -32,78 +33,104 @@ def workload(args, vocab: int) -> tuple[list[list[int]], list[int]]:
     return prompts, outputs
 
 
-def run_kvloom(args, model: str, load_format: str, prompts, outputs) -> dict:
-    from kvloom import LLM, SamplingParams
+class KvloomRunner:
+    """kvloom's LLM, loaded once and warmed up; ``run()`` times one pass over the workload."""
 
-    options = dict(load_format=load_format, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
-                   max_num_batched_tokens=args.max_num_batched_tokens, enforce_eager=args.enforce_eager)
-    if args.max_model_len:
-        options["max_model_len"] = args.max_model_len
-    if args.kv_cache_memory_gib:
-        options["kv_cache_memory_gib"] = args.kv_cache_memory_gib
-    t0 = time.perf_counter()
-    llm = LLM(model, **options)
-    load_s = time.perf_counter() - t0
-    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in outputs]
-    # Warm-up on the same prompts with two output tokens: every step shape the run will see (prefill
-    # chunk sizes, decode batch sizes) has its Triton kernels compiled before the clock starts.
-    llm.generate(prompts, [SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)] * len(prompts),
-                 use_tqdm=False)
-    _sync()
-    profiler = None
-    if args.profile:
-        import cProfile
+    def __init__(self, args, model: str, load_format: str, prompts, outputs) -> None:
+        from kvloom import LLM, SamplingParams
 
-        profiler = cProfile.Profile()
-        profiler.enable()
-    t0 = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=not args.quiet)
-    _sync()
-    elapsed = time.perf_counter() - t0
-    if profiler is not None:
-        import pstats
+        options = dict(load_format=load_format, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
+                       enforce_eager=args.enforce_eager)
+        for name in ("max_num_batched_tokens", "max_model_len", "kv_cache_memory_gib"):
+            if getattr(args, name):
+                options[name] = getattr(args, name)
+        self.args, self.prompts, self.outputs = args, prompts, outputs
+        t0 = time.perf_counter()
+        self.llm = LLM(model, **options)
+        self.load_s = time.perf_counter() - t0
+        self.dtype = str(self.llm.engine.dtype).removeprefix("torch.")
+        self.params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in outputs]
+        # Warm-up on the same prompts with two output tokens: every step shape the run will see (prefill
+        # chunk sizes, decode batch sizes) has its Triton kernels compiled before the clock starts.
+        self.llm.generate(prompts, [SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)] * len(prompts),
+                          use_tqdm=False)
+        _sync()
 
-        profiler.disable()
-        pstats.Stats(profiler, stream=sys.stderr).sort_stats("tottime").print_stats(25)
-    n_out = sum(len(o.token_ids) for o in outs)
-    assert n_out == sum(outputs), "kvloom produced a different number of tokens than asked for"
-    n_in = sum(len(p) for p in prompts)
-    result = {"output_tok_s": n_out / elapsed, "total_tok_s": (n_in + n_out) / elapsed, "elapsed_s": elapsed,
-              "load_s": load_s, "kv_cache": llm.engine.capacity.describe()}
-    del llm, outs
-    _free_memory()
-    return result
+    def run(self) -> float:
+        profiler = None
+        if self.args.profile:
+            import cProfile
+
+            profiler = cProfile.Profile()
+            profiler.enable()
+        t0 = time.perf_counter()
+        outs = self.llm.generate(self.prompts, self.params, use_tqdm=not self.args.quiet)
+        _sync()
+        elapsed = time.perf_counter() - t0
+        if profiler is not None:
+            import pstats
+
+            profiler.disable()
+            pstats.Stats(profiler, stream=sys.stderr).sort_stats("tottime").print_stats(25)
+        n_out = sum(len(o.token_ids) for o in outs)
+        assert n_out == sum(self.outputs), "kvloom produced a different number of tokens than asked for"
+        return elapsed
+
+    def describe(self) -> dict:
+        return {"load_s": self.load_s, "dtype": self.dtype, "kv_cache": self.llm.engine.capacity.describe()}
+
+    def close(self) -> None:
+        del self.llm
+        _free_memory()
 
 
-def run_hf(args, model: str, load_format: str, prompts, outputs) -> dict:
-    hf, device = load_transformers_model(model, load_format, args.dtype)
-    pad = hf.config.pad_token_id if hf.config.pad_token_id is not None else 0
-    batch = args.hf_batch_size
-    n_out = 0
+class TransformersRunner:
+    """transformers' ``generate`` in static batches, the same model and dtype; ``run()`` times one pass."""
 
-    def generate(chunk, chunk_out):
+    def __init__(self, args, model: str, load_format: str, dtype: str, prompts, outputs) -> None:
+        self.hf, self.device = load_transformers_model(model, load_format, dtype)
+        self.dtype = dtype
+        self.pad = self.hf.config.pad_token_id if self.hf.config.pad_token_id is not None else 0
+        self.batch = args.hf_batch_size
+        self.prompts, self.outputs = prompts, outputs
+        self._generate(prompts[:2], [4, 4])  # warm-up
+        _sync()
+
+    def _generate(self, chunk, chunk_out) -> int:
         longest = max(len(p) for p in chunk)
-        ids = torch.full((len(chunk), longest), pad, dtype=torch.long)
+        ids = torch.full((len(chunk), longest), self.pad, dtype=torch.long)
         mask = torch.zeros_like(ids)
         for i, p in enumerate(chunk):  # left padding, as decoder-only generation needs
             ids[i, longest - len(p):] = torch.tensor(p)
             mask[i, longest - len(p):] = 1
         with torch.no_grad():
-            gen = hf.generate(ids.to(device), attention_mask=mask.to(device), do_sample=False,
-                              max_new_tokens=max(chunk_out), min_new_tokens=max(chunk_out), pad_token_id=pad)
+            gen = self.hf.generate(ids.to(self.device), attention_mask=mask.to(self.device), do_sample=False,
+                                   max_new_tokens=max(chunk_out), min_new_tokens=max(chunk_out), pad_token_id=self.pad)
         return (gen.shape[1] - longest) * len(chunk)
 
-    generate(prompts[:2], [4, 4])  # warm-up
-    _sync()
-    t0 = time.perf_counter()
-    for i in range(0, len(prompts), batch):
-        n_out += generate(prompts[i:i + batch], outputs[i:i + batch])
-    _sync()
-    elapsed = time.perf_counter() - t0
-    useful = sum(outputs)  # tokens asked for; static batches also generate padding past shorter outputs
-    n_in = sum(len(p) for p in prompts)
-    return {"output_tok_s": useful / elapsed, "total_tok_s": (n_in + useful) / elapsed, "elapsed_s": elapsed,
-            "generated_incl_padding": n_out, "batch_size": batch}
+    def run(self) -> float:
+        t0 = time.perf_counter()
+        self.generated_incl_padding = 0
+        for i in range(0, len(self.prompts), self.batch):
+            self.generated_incl_padding += self._generate(self.prompts[i:i + self.batch], self.outputs[i:i + self.batch])
+        _sync()
+        return time.perf_counter() - t0
+
+    def describe(self) -> dict:
+        # static batches also generate padding past shorter outputs; throughput counts the tokens asked for
+        return {"dtype": self.dtype, "batch_size": self.batch, "num_requests": len(self.prompts),
+                "generated_incl_padding": self.generated_incl_padding}
+
+    def close(self) -> None:
+        del self.hf
+        _free_memory()
+
+
+def _figures(times: list[float], prompts, outputs) -> dict:
+    elapsed = statistics.median(times)
+    n_in, n_out = sum(len(p) for p in prompts), sum(outputs)
+    return {"output_tok_s": n_out / elapsed, "total_tok_s": (n_in + n_out) / elapsed, "elapsed_s": elapsed,
+            "elapsed_s_runs": [round(t, 3) for t in times]}
 
 
 def _free_memory() -> None:
@@ -130,10 +157,12 @@ def main() -> None:
     p.add_argument("--hf-num-requests", type=int, default=None,
                    help="Run transformers on only the first N requests (its static batches are slow on long outputs).")
     p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--max-num-batched-tokens", type=int, default=4096)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None, help="Default: the engine's.")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--kv-cache-memory-gib", type=float, default=None)
-    p.add_argument("--dtype", default="auto")
+    p.add_argument("--dtype", default="auto", help="kvloom's dtype; transformers runs in the dtype kvloom resolves.")
+    p.add_argument("--repeat", type=int, default=None,
+                   help="Timed runs per engine, alternated on the CPU; the median counts (default: 3 on CPU, 1 on GPU).")
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--skip-hf", action="store_true")
     p.add_argument("--seed", type=int, default=0)
@@ -143,16 +172,37 @@ def main() -> None:
 
     model, load_format, vocab = model_for_benchmark(args.model, args.shape)
     prompts, outputs = workload(args, vocab)
+    on_gpu = torch.cuda.is_available()
+    repeat = args.repeat or (1 if on_gpu else 3)
     result = {
         "benchmark": "offline_throughput", "model": args.shape or model, "load_format": load_format,
-        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else f"cpu ({torch.get_num_threads()} threads)",
+        "device": torch.cuda.get_device_name() if on_gpu else f"cpu ({torch.get_num_threads()} threads)",
         "num_requests": args.num_requests, "prompt_len": args.prompt_len, "output_len": args.output_len,
-        "kvloom": run_kvloom(args, model, load_format, prompts, outputs),
+        "repeat": repeat,
     }
-    if not args.skip_hf:
-        n_hf = args.hf_num_requests or len(prompts)
-        result["transformers"] = run_hf(args, model, load_format, prompts[:n_hf], outputs[:n_hf])
-        result["transformers"]["num_requests"] = n_hf
+    n_hf = args.hf_num_requests or len(prompts)
+    kv = KvloomRunner(args, model, load_format, prompts, outputs)
+    kv_times, hf_times, hf = [], [], None
+    if args.skip_hf or on_gpu:
+        # On a GPU the two engines do not fit side by side (kvloom's KV cache takes the free memory):
+        # kvloom's runs first, then transformers'.
+        kv_times = [kv.run() for _ in range(repeat)]
+        result["kvloom"] = {**_figures(kv_times, prompts, outputs), **kv.describe()}
+        kv.close()
+        if not args.skip_hf:
+            hf = TransformersRunner(args, model, load_format, result["kvloom"]["dtype"], prompts[:n_hf], outputs[:n_hf])
+            hf_times = [hf.run() for _ in range(repeat)]
+    else:
+        # Both loaded, runs alternated: a slow spell of a shared machine hits both engines alike.
+        hf = TransformersRunner(args, model, load_format, kv.dtype, prompts[:n_hf], outputs[:n_hf])
+        for _ in range(repeat):
+            kv_times.append(kv.run())
+            hf_times.append(hf.run())
+        result["kvloom"] = {**_figures(kv_times, prompts, outputs), **kv.describe()}
+        kv.close()
+    if hf is not None:
+        result["transformers"] = {**_figures(hf_times, prompts[:n_hf], outputs[:n_hf]), **hf.describe()}
+        hf.close()
         result["ratio_output_tok_s"] = result["kvloom"]["output_tok_s"] / result["transformers"]["output_tok_s"]
     print(json.dumps(result, indent=2), flush=True)
 

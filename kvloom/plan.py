@@ -145,7 +145,7 @@ def make_plan(config: EngineConfig, hf_config, model_name: str, *, gpu_memory_gi
             raise ConfigError("a GPU plan needs --gpu-memory GiB (no CUDA device here to ask)")
         gpu_memory_gib = torch.cuda.mem_get_info()[1] / GiB
     device = torch.device("cuda" if on_gpu else "cpu")
-    dtype = resolve_dtype(config.dtype, device)
+    dtype = resolve_dtype(config.dtype, device, hf_config)
     max_len = capacity.resolve_max_model_len(hf_config, config.max_model_len)
     params = count_parameters(hf_config)
     weights = weight_bytes(params, dtype, quantization)

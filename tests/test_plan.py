@@ -70,7 +70,7 @@ def test_cpu_plan_equals_the_engines_capacity(tiny_llama, flags, capsys):
     argv = [f"--{k.replace('_', '-')}={v}" for k, v in flags.items()]
     plan = plan_json(capsys, "--model", str(tiny_llama), "--device", "cpu", *argv)
     assert plan["rows"][0]["kv_cache_line"] == engine.capacity.describe()
-    assert plan["weight_bytes"] == sum(p.numel() * p.element_size() for p in engine.model.parameters())
+    assert plan["weight_bytes"] == checkpoint_bytes(engine.model)
 
 
 @pytest.mark.slow
@@ -82,8 +82,9 @@ def test_smollm2_plan_prints_the_line_the_engine_logs(capsys, caplog):
     logged = [r.getMessage() for r in caplog.records if r.getMessage().startswith("KV cache:")]
     assert logged == [engine.capacity.describe()]
     assert logged[0] in printed.splitlines()
-    assert "KV bytes per token: 46,080" in printed  # 2 x 30 layers x 3 KV heads x 64 x 4 bytes (float32)
-    weights = sum(p.numel() * p.element_size() for p in engine.model.parameters())
+    per_token = 2 * 30 * 3 * 64 * torch.empty(0, dtype=engine.dtype).element_size()  # K and V, 30 layers, 3 x 64
+    assert f"KV bytes per token: {per_token:,}" in printed
+    weights = checkpoint_bytes(engine.model)
     assert f"Weights: {weights / 2**30:.2f} GiB" in printed
 
 
@@ -113,3 +114,16 @@ def _config_file(tmp_path, **changes):
     path = tmp_path / "config.json"
     path.write_text(json.dumps({**SHAPES["llama-2-7b"], **changes}))
     return path
+
+
+def checkpoint_bytes(model) -> int:
+    """The model's weights as the checkpoint has them: parameters, plus the linear layers packed for the
+    CPU (not the packed copy of tied embeddings, which the embedding table already counts)."""
+    from kvloom.core.cpu_linear import PackedLinear
+
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    for name, m in model.named_modules():
+        if isinstance(m, PackedLinear) and not (name == "lm_head" and model.tie_word_embeddings):
+            size = torch.empty(0, dtype=m.packed_weight.dtype).element_size()
+            total += (m.in_features * m.out_features + (m.out_features if m.bias is not None else 0)) * size
+    return total

@@ -24,6 +24,7 @@ class AttentionMetadata:
     max_seq_len: int
     query_lens_cpu: list[int]
     seq_lens_cpu: list[int]
+    backend_data: object = None  # what the attention backend derives from this step once, for all layers
 
     @property
     def num_seqs(self) -> int:
@@ -34,6 +35,11 @@ class AttentionBackend:
     """Plain-PyTorch attention over the paged cache: the CPU path and the reference for the others."""
 
     name = "torch"
+
+    @staticmethod
+    def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
+        """The shape of one layer's K (and V) cache in this backend's layout."""
+        return (num_blocks, block_size, num_kv_heads, head_dim)
 
     def __init__(self) -> None:
         self._workspace: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -78,12 +84,16 @@ class AttentionBackend:
         return out
 
 
-def get_attention_backend(device: torch.device) -> AttentionBackend:
-    """Triton kernels on CUDA, the PyTorch reference elsewhere."""
+def get_attention_backend(device: torch.device):
+    """Triton kernels on CUDA, the head-major CPU backend on the CPU, the PyTorch reference elsewhere."""
     if device.type == "cuda":
         try:
             from kvloom.core.triton_backend import TritonAttentionBackend
         except ImportError:  # Triton missing: the reference still runs on CUDA tensors
             return AttentionBackend()
         return TritonAttentionBackend()
+    if device.type == "cpu":
+        from kvloom.core.cpu_attention import CPUAttentionBackend
+
+        return CPUAttentionBackend()
     return AttentionBackend()

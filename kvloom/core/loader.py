@@ -12,6 +12,7 @@ import torch
 from tqdm.auto import tqdm
 
 from kvloom.core.attention import AttentionBackend
+from kvloom.core.cpu_linear import pack_linear_layers
 from kvloom.core.models.llama import SUPPORTED_ARCHITECTURES, DecoderLM, default_linear
 
 logger = logging.getLogger("kvloom")
@@ -153,8 +154,11 @@ def build_model(
     max_positions: int,
     seed: int = 0,
     linear=default_linear,
+    pack_cpu_weights: bool = True,
 ) -> DecoderLM:
-    """Create the model on ``device`` and fill its weights from ``path`` (or randomly for ``dummy``)."""
+    """Create the model on ``device`` and fill its weights from ``path`` (or randomly for ``dummy``).
+    On the CPU the linear layers are then packed for oneDNN (``kvloom.core.cpu_linear``) unless
+    ``pack_cpu_weights`` is false."""
     with torch.device("meta"):
         model = SUPPORTED_ARCHITECTURES[check_architecture(config)](config, backend, linear)
     model = model.to_empty(device=device).to(dtype)
@@ -168,6 +172,8 @@ def build_model(
         if missing:
             raise ValueError(f"checkpoint {str(path)!r} lacks weights for {missing[:5]}{'...' if len(missing) > 5 else ''}")
     model.init_rope(max_positions)
+    if pack_cpu_weights and device.type == "cpu" and linear is default_linear:
+        pack_linear_layers(model)
     return model.eval()
 
 

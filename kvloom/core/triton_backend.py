@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import torch
 
-from kvloom.core.attention import AttentionMetadata
+from kvloom.core.attention import AttentionBackend, AttentionMetadata
 from kvloom.kernels import triton_attention
 
 
 class TritonAttentionBackend:
     name = "triton"
+    kv_cache_shape = staticmethod(AttentionBackend.kv_cache_shape)  # the kernels' layout is the reference one
 
     def forward(
         self,

@@ -50,6 +50,22 @@ def rotary_embedding(positions, q, k, cos_sin_cache):
     return ref.rotary_embedding(positions, q, k, cos_sin_cache)
 
 
+def rotary_tables(positions, cos_sin_cache, dtype):
+    """One step's rotary inputs, shared by every layer (``apply_rotary`` consumes them)."""
+    if use_triton(positions):
+        return positions, cos_sin_cache
+    return ref.rotary_tables(positions, cos_sin_cache, dtype)
+
+
+def apply_rotary(tables, q, k):
+    """``rotary_embedding`` on ``rotary_tables``' output; on CUDA ``q``/``k`` are rotated in place."""
+    if use_triton(q):
+        from kvloom.kernels import triton_fused
+
+        return triton_fused.rotary_embedding(tables[0], q, k, tables[1])
+    return ref.apply_rotary(tables, q, k)
+
+
 def silu_and_mul(x):
     if use_triton(x):
         from kvloom.kernels import triton_fused

@@ -119,8 +119,9 @@ def rms_norm(
 def rotary_embedding(
     positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Neox-style rotary embedding (rotate halves). ``q``: ``[T, Hq, D]``, ``k``: ``[T, Hkv, D]``;
-    ``cos_sin_cache``: ``[max_positions, D]`` float32 holding ``cos`` of the ``D/2`` frequencies, then ``sin``."""
+    """Neox-style rotary embedding (rotate halves), computed in float32: the oracle for the kernels.
+    ``q``: ``[T, Hq, D]``, ``k``: ``[T, Hkv, D]``; ``cos_sin_cache``: ``[max_positions, D]`` float32
+    holding ``cos`` of the ``D/2`` frequencies, then ``sin``."""
     cs = cos_sin_cache[positions.long()]
     half = cs.shape[-1] // 2
     cos = torch.cat([cs[:, :half], cs[:, :half]], dim=-1)[:, None, :]
@@ -133,6 +134,24 @@ def rotary_embedding(
         return (xf * cos + rotated * sin).to(x.dtype)
 
     return rotate(q), rotate(k)
+
+
+def rotary_tables(positions: torch.Tensor, cos_sin_cache: torch.Tensor, dtype: torch.dtype):
+    """One step's rotary factors, built once for every layer: ``(cos, sin)``, each ``[T, 1, D]`` in
+    ``dtype``, with ``sin``'s first half negated so that ``apply_rotary`` needs no ``cat``/``neg``."""
+    cs = cos_sin_cache[positions.long()]
+    half = cs.shape[-1] // 2
+    cos = cs[:, :half].repeat(1, 2)
+    sin = torch.cat([-cs[:, half:], cs[:, half:]], dim=-1)
+    return cos.to(dtype)[:, None, :], sin.to(dtype)[:, None, :]
+
+
+def apply_rotary(tables, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rotary_embedding`` with ``rotary_tables``' factors, in the tensors' dtype (as transformers
+    computes it): ``x * cos + roll(x, D/2) * sin``. Bit-identical to the oracle in float32."""
+    cos, sin = tables
+    half = q.shape[-1] // 2
+    return (q * cos).add_(q.roll(half, -1).mul_(sin)), (k * cos).add_(k.roll(half, -1).mul_(sin))
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

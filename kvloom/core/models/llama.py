@@ -75,7 +75,7 @@ class Attention(nn.Module):
         self.layer_idx = layer_idx
         self.backend = backend
 
-    def forward(self, positions, h, meta: AttentionMetadata, kv_cache, cos_sin) -> torch.Tensor:
+    def forward(self, rope, h, meta: AttentionMetadata, kv_cache) -> torch.Tensor:
         qkv = self.qkv_proj(h)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(-1, self.num_heads, self.head_dim)
@@ -84,7 +84,7 @@ class Attention(nn.Module):
         if self.qk_norm:
             q = self.q_norm(q)
             k = self.k_norm(k)
-        q, k = ops.rotary_embedding(positions, q, k, cos_sin)
+        q, k = ops.apply_rotary(rope, q, k)
         out = self.backend.forward(q, k, v, kv_cache, meta, self.scale)
         return self.o_proj(out.reshape(-1, self.q_size))
 
@@ -112,13 +112,13 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, positions, h, residual, meta, kv_cache, cos_sin):
+    def forward(self, rope, h, residual, meta, kv_cache):
         if residual is None:
             residual = h
             h = self.input_layernorm(h)
         else:
             h, residual = self.input_layernorm(h, residual)
-        h = self.self_attn(positions, h, meta, kv_cache, cos_sin)
+        h = self.self_attn(rope, h, meta, kv_cache)
         h, residual = self.post_attention_layernorm(h, residual)
         return self.mlp(h), residual
 
@@ -141,8 +141,8 @@ class DecoderLM(nn.Module):
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        if not self.tie_word_embeddings:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        # Tied: the embedding table is the output projection, unless a packed copy is set after loading.
+        self.lm_head = None if self.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         attn = self.layers[0].self_attn
         self.num_kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim
         self.register_buffer("cos_sin", torch.empty(0), persistent=False)
@@ -155,14 +155,16 @@ class DecoderLM(nn.Module):
     def forward(self, input_ids, positions, meta: AttentionMetadata, kv_caches) -> torch.Tensor:
         h = self.embed_tokens(input_ids)
         residual = None
+        rope = ops.rotary_tables(positions, self.cos_sin, h.dtype)  # once per step, for every layer
         for layer, kv in zip(self.layers, kv_caches):
-            h, residual = layer(positions, h, residual, meta, kv, self.cos_sin)
+            h, residual = layer(rope, h, residual, meta, kv)
         h, _ = self.norm(h, residual)
         return h
 
     def compute_logits(self, h: torch.Tensor) -> torch.Tensor:
-        weight = self.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
-        return torch.nn.functional.linear(h, weight).float()
+        if self.lm_head is not None:
+            return self.lm_head(h).float()
+        return torch.nn.functional.linear(h, self.embed_tokens.weight).float()
 
     # ---------------------------------------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:

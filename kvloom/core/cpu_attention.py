@@ -1,0 +1,140 @@
+"""Attention on the CPU: the paged cache laid out head-major, and the per-step index work done once.
+
+The reference backend (``kvloom.core.attention.AttentionBackend``) keeps the GPU kernels' layout,
+``[num_blocks, block_size, num_kv_heads, head_dim]``; gathering a sequence's blocks from it yields
+``[L, Hkv, D]``, which every matmul then has to copy into ``[Hkv, L, D]``. Here a block is
+``[num_kv_heads, block_size, head_dim]``, so one ``index_select`` over ``(block, head)`` rows yields
+``[B, Hkv, L, D]`` already contiguous, and decode attention is two batched matmuls (the query heads
+that share a KV head are that head's rows: no K/V expansion for GQA). The indices (cache rows to
+write, blocks to gather, the padding mask) depend only on the step, so they are built at the first
+layer and reused by the other layers.
+
+Decode scores are computed in the model dtype and soft-maxed in float32, as transformers' eager
+attention does; prefill uses PyTorch's fused CPU attention (``scaled_dot_product_attention``), batched
+over prompts of equal length, and reads a prompt's fresh K/V directly when nothing is cached before it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kvloom.core.attention import AttentionMetadata
+
+
+@dataclass
+class _StepIndex:
+    write_rows: torch.Tensor  # [T * Hkv] rows of the cache viewed as [num_blocks * Hkv * block_size, D]
+    decode_rows: torch.Tensor | None  # [nd * Hkv * nblk] rows of the cache viewed as [num_blocks * Hkv, bs, D]
+    decode_blocks: int
+    decode_bias: torch.Tensor | None  # [nd, 1, 1, nblk * bs] 0 where attended, -inf on padding
+    prefill_groups: list[tuple[list[int], int, int]]  # (sequence indices, q_len, s_len), equal shapes grouped
+    starts: list[int]  # each sequence's first query in the flat batch
+
+
+def _block_rows(block_tables: torch.Tensor, num_blocks: int, num_kv_heads: int) -> torch.Tensor:
+    """Rows ``block * Hkv + head`` of each table's first ``num_blocks`` blocks, ordered ``[seq, head, block]``."""
+    heads = torch.arange(num_kv_heads, device=block_tables.device)
+    rows = block_tables[:, None, :num_blocks].long() * num_kv_heads + heads[None, :, None]
+    return rows.reshape(-1)
+
+
+class CPUAttentionBackend:
+    name = "cpu"
+
+    @staticmethod
+    def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
+        return (num_blocks, num_kv_heads, block_size, head_dim)
+
+    def _index(self, meta: AttentionMetadata, k_cache: torch.Tensor) -> _StepIndex:
+        _, num_kv_heads, bs, _ = k_cache.shape
+        slots = meta.slot_mapping.long()
+        heads = torch.arange(num_kv_heads, device=slots.device)
+        # token at slot s, head h -> row ((s // bs) * Hkv + h) * bs + s % bs
+        write_rows = (((slots // bs) * num_kv_heads)[:, None] + heads[None, :]) * bs + (slots % bs)[:, None]
+        nd = meta.num_decodes
+        decode_rows = decode_bias = None
+        nblk = 0
+        if nd:
+            max_len = max(meta.seq_lens_cpu[:nd])
+            nblk = -(-max_len // bs)
+            decode_rows = _block_rows(meta.block_tables[:nd], nblk, num_kv_heads)
+            pad = torch.arange(nblk * bs, device=slots.device)[None, :] >= meta.seq_lens[:nd, None]
+            decode_bias = torch.zeros(pad.shape, dtype=k_cache.dtype, device=slots.device)
+            decode_bias.masked_fill_(pad, float("-inf"))
+            decode_bias = decode_bias[:, None, None, :]
+        groups: dict[tuple[int, int], list[int]] = {}
+        for i in range(nd, meta.num_seqs):
+            groups.setdefault((meta.query_lens_cpu[i], meta.seq_lens_cpu[i]), []).append(i)
+        starts = [0]
+        for n in meta.query_lens_cpu[:-1]:
+            starts.append(starts[-1] + n)
+        return _StepIndex(write_rows.reshape(-1), decode_rows, nblk, decode_bias,
+                          [(seqs, q_len, s_len) for (q_len, s_len), seqs in groups.items()], starts)
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        k_cache, v_cache = kv_cache
+        index = meta.backend_data
+        if index is None:  # first layer of the step
+            index = meta.backend_data = self._index(meta, k_cache)
+        head_dim = k_cache.shape[-1]
+        k_cache.view(-1, head_dim).index_copy_(0, index.write_rows, k.reshape(-1, head_dim))
+        v_cache.view(-1, head_dim).index_copy_(0, index.write_rows, v.reshape(-1, head_dim))
+        nd = meta.num_decodes
+        if nd == meta.num_seqs:
+            return self._decode(q, k_cache, v_cache, index, scale)
+        out = torch.empty_like(q)
+        if nd:
+            out[:nd] = self._decode(q[:nd], k_cache, v_cache, index, scale)
+        starts = index.starts
+        for seqs, q_len, s_len in index.prefill_groups:
+            qs = torch.stack([q[starts[i]: starts[i] + q_len] for i in seqs]) if len(seqs) > 1 \
+                else q[starts[seqs[0]]: starts[seqs[0]] + q_len][None]  # [n, Q, Hq, D]
+            if q_len == s_len:  # nothing cached before: attend to the fresh K/V
+                ks = torch.stack([k[starts[i]: starts[i] + q_len] for i in seqs])
+                vs = torch.stack([v[starts[i]: starts[i] + q_len] for i in seqs])
+                keys, values, mask = ks.transpose(1, 2), vs.transpose(1, 2), None
+            else:
+                keys, values = self._gather_prefix(k_cache, v_cache, meta.block_tables[seqs], s_len)
+                q_pos = torch.arange(s_len - q_len, s_len, device=q.device)
+                mask = torch.arange(s_len, device=q.device)[None, :] <= q_pos[:, None]
+            o = F.scaled_dot_product_attention(qs.transpose(1, 2), keys, values, attn_mask=mask,
+                                               is_causal=mask is None, scale=scale, enable_gqa=True)
+            o = o.transpose(1, 2)  # [n, Q, Hq, D]
+            for j, i in enumerate(seqs):
+                out[starts[i]: starts[i] + q_len] = o[j]
+        return out
+
+    @staticmethod
+    def _decode(q, k_cache, v_cache, index: _StepIndex, scale: float) -> torch.Tensor:
+        num_blocks, num_kv_heads, bs, head_dim = k_cache.shape
+        batch, num_heads, _ = q.shape
+        length = index.decode_blocks * bs
+        keys = k_cache.view(-1, bs, head_dim).index_select(0, index.decode_rows).view(batch, num_kv_heads, length, head_dim)
+        values = v_cache.view(-1, bs, head_dim).index_select(0, index.decode_rows).view(batch, num_kv_heads, length, head_dim)
+        grouped = q.view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
+        scores = torch.matmul(grouped, keys.transpose(-1, -2))  # [B, Hkv, G, L]
+        scores.mul_(scale).add_(index.decode_bias)
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        return torch.matmul(probs, values).view(batch, num_heads, head_dim)
+
+    @staticmethod
+    def _gather_prefix(k_cache, v_cache, block_tables: torch.Tensor, length: int):
+        """K and V of the first ``length`` cached tokens of each table row: ``[n, Hkv, length, D]``."""
+        _, num_kv_heads, bs, head_dim = k_cache.shape
+        nblk = -(-length // bs)
+        rows = _block_rows(block_tables, nblk, num_kv_heads)
+        n = block_tables.shape[0]
+        keys = k_cache.view(-1, bs, head_dim).index_select(0, rows).view(n, num_kv_heads, nblk * bs, head_dim)
+        values = v_cache.view(-1, bs, head_dim).index_select(0, rows).view(n, num_kv_heads, nblk * bs, head_dim)
+        return keys[:, :, :length], values[:, :, :length]

@@ -1,0 +1,159 @@
+"""The CPU-specific pieces against the plain references: the head-major attention backend, the packed
+linear layers, the per-step rotary tables, the malloc settings and the CPU's default dtype."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvloom.core.attention import AttentionBackend, AttentionMetadata
+from kvloom.core.cpu_attention import CPUAttentionBackend
+from kvloom.core.cpu_linear import PackedLinear, pack_linear_layers, packing_supported
+from kvloom.kernels import reference as ref
+
+BS, HKV, GROUP, D = 4, 2, 3, 16
+
+
+def _step(query_lens, seq_lens, num_blocks=40, seed=0):
+    """Random block tables and metadata for one step (decodes first, as the runner orders them)."""
+    gen = torch.Generator().manual_seed(seed)
+    perm = torch.randperm(num_blocks, generator=gen).tolist()
+    tables, slots, offset = [], [], 0
+    for q_len, s_len in zip(query_lens, seq_lens):
+        n = -(-s_len // BS)
+        blocks, offset = perm[offset: offset + n], offset + n
+        tables.append(blocks)
+        slots += [blocks[p // BS] * BS + p % BS for p in range(s_len - q_len, s_len)]
+    width = max(len(t) for t in tables)
+    qsl = [0]
+    for q in query_lens:
+        qsl.append(qsl[-1] + q)
+    return AttentionMetadata(
+        slot_mapping=torch.tensor(slots), block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables],
+                                                                     dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32), query_start_loc=torch.tensor(qsl, dtype=torch.int32),
+        num_decodes=sum(1 for q in query_lens if q == 1), max_query_len=max(query_lens), max_seq_len=max(seq_lens),
+        query_lens_cpu=list(query_lens), seq_lens_cpu=list(seq_lens),
+    )
+
+
+@pytest.mark.parametrize("query_lens,seq_lens", [
+    ([1, 1, 1], [5, 9, 13]),  # decodes only
+    ([7, 7, 3], [7, 7, 3]),  # fresh prompts, two of equal length (batched together)
+    ([1, 1, 6, 4], [9, 2, 6, 11]),  # decodes, a fresh prompt, a chunk over a cached prefix
+])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_backend_matches_the_reference_layout(query_lens, seq_lens, dtype):
+    """Two layers over the same step: the head-major backend and the reference backend see the same
+    K/V history (written in their own layouts) and must give the same outputs."""
+    num_blocks = 40
+    gen = torch.Generator().manual_seed(1)
+    history = {}  # the K/V both caches hold before the step, keyed by slot
+    cpu, reference = CPUAttentionBackend(), AttentionBackend()
+    caches = {
+        "cpu": [tuple(torch.zeros(cpu.kv_cache_shape(num_blocks, BS, HKV, D), dtype=dtype) for _ in range(2))
+                for _ in range(2)],
+        "ref": [tuple(torch.zeros(reference.kv_cache_shape(num_blocks, BS, HKV, D), dtype=dtype) for _ in range(2))
+                for _ in range(2)],
+    }
+    meta_of = {"cpu": _step(query_lens, seq_lens), "ref": _step(query_lens, seq_lens)}
+    meta = meta_of["ref"]
+    # cached prefix: every position before the step's queries, in both layouts
+    for b, (q_len, s_len) in enumerate(zip(query_lens, seq_lens)):
+        for p in range(s_len - q_len):
+            block = int(meta.block_tables[b, p // BS])
+            history[(block, p % BS)] = [torch.randn(2, HKV, D, generator=gen).to(dtype) for _ in range(2)]
+    for layer in range(2):
+        for (block, off), kvs in history.items():
+            k, v = kvs[layer]
+            for name, (kc, vc) in (("cpu", caches["cpu"][layer]), ("ref", caches["ref"][layer])):
+                if name == "cpu":
+                    kc[block, :, off], vc[block, :, off] = k, v
+                else:
+                    kc[block, off], vc[block, off] = k, v
+    total = sum(query_lens)
+    for layer in range(2):
+        q = torch.randn(total, HKV * GROUP, D, generator=gen).to(dtype)
+        k = torch.randn(total, HKV, D, generator=gen).to(dtype)
+        v = torch.randn(total, HKV, D, generator=gen).to(dtype)
+        got = cpu.forward(q, k, v, caches["cpu"][layer], meta_of["cpu"], D**-0.5)
+        want = reference.forward(q, k, v, caches["ref"][layer], meta_of["ref"], D**-0.5)
+        tol = 1e-5 if dtype == torch.float32 else 3e-2
+        torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+        # the new K/V landed at the same (block, offset) in both layouts
+        torch.testing.assert_close(caches["cpu"][layer][0].transpose(1, 2), caches["ref"][layer][0], atol=0, rtol=0)
+    assert meta_of["cpu"].backend_data is not None  # built once at the first layer, reused by the second
+
+
+@pytest.mark.skipif(not packing_supported(torch.float32), reason="this PyTorch build has no oneDNN packed linear")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 7, 33])
+def test_packed_linear_matches_f_linear(dtype, rows):
+    if not packing_supported(dtype):
+        pytest.skip(f"no oneDNN packed linear for {dtype} here")
+    torch.manual_seed(0)
+    weight, bias = torch.randn(48, 40, dtype=dtype), torch.randn(48, dtype=dtype)
+    x = torch.randn(rows, 40, dtype=dtype)
+    packed = PackedLinear(weight, bias, batch_hint=32)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(packed(x).float(), F.linear(x, weight, bias).float(), atol=tol, rtol=tol)
+    # 3-D inputs and strided views run too
+    x3 = torch.randn(2, rows, 80, dtype=dtype)[..., ::2]
+    torch.testing.assert_close(packed(x3).float(), F.linear(x3, weight, bias).float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.skipif(not packing_supported(torch.float32), reason="this PyTorch build has no oneDNN packed linear")
+def test_packing_replaces_every_linear_and_ties_the_output(tiny_llama):
+    from kvloom.core.loader import build_model, load_hf_config
+
+    config = load_hf_config(tiny_llama)
+    common = dict(load_format="safetensors", device=torch.device("cpu"), dtype=torch.float32,
+                  backend=CPUAttentionBackend(), max_positions=64)
+    plain = build_model(tiny_llama, config, pack_cpu_weights=False, **common)
+    packed = build_model(tiny_llama, config, **common)
+    assert not any(isinstance(m, torch.nn.Linear) for m in packed.modules())
+    linears = sum(isinstance(m, torch.nn.Linear) for m in plain.modules())
+    assert sum(isinstance(m, PackedLinear) for m in packed.modules()) == linears + int(plain.tie_word_embeddings)
+    h = torch.randn(5, config.hidden_size)
+    torch.testing.assert_close(packed.compute_logits(h), plain.compute_logits(h), atol=1e-5, rtol=1e-5)
+    assert pack_linear_layers(packed) == 0  # nothing left to pack
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_tables_match_the_oracle(dtype):
+    torch.manual_seed(0)
+    cache = torch.randn(50, D)
+    positions = torch.randint(0, 50, (9,))
+    q, k = torch.randn(9, 6, D, dtype=dtype), torch.randn(9, 2, D, dtype=dtype)
+    want = ref.rotary_embedding(positions, q, k, cache)
+    got = ref.apply_rotary(ref.rotary_tables(positions, cache, dtype), q, k)
+    for g, w in zip(got, want):
+        if dtype == torch.float32:
+            assert torch.equal(g, w)  # bit-identical: transformers' parity rests on it
+        else:
+            torch.testing.assert_close(g.float(), w.float(), atol=4e-2, rtol=2e-2)
+
+
+def test_malloc_settings_are_applied_once():
+    from kvloom.core import cpu_malloc
+
+    first = cpu_malloc.keep_freed_memory()
+    assert cpu_malloc.keep_freed_memory() == first
+    import platform
+
+    if platform.system() == "Linux" and platform.libc_ver()[0] == "glibc":
+        assert first is True
+
+
+def test_auto_dtype_follows_the_checkpoint_on_cpu(tiny_llama):
+    from kvloom.core.cpu_linear import cpu_has_native_bf16
+    from kvloom.core.engine_core import resolve_dtype
+    from kvloom.core.loader import load_hf_config
+
+    cpu = torch.device("cpu")
+    assert resolve_dtype("auto", cpu, load_hf_config(tiny_llama)) == torch.float32  # a float32 checkpoint
+    native = torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+    assert resolve_dtype("auto", cpu, load_hf_config(tiny_llama, {"dtype": "bfloat16"})) == native
+    assert resolve_dtype("float32", cpu, None) == torch.float32
+    assert resolve_dtype("auto", torch.device("cuda"), None) == torch.bfloat16
