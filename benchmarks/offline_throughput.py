@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import statistics
 import sys
@@ -71,7 +72,7 @@ class KvloomRunner:
             import pstats
 
             profiler.disable()
-            pstats.Stats(profiler, stream=sys.stderr).sort_stats("tottime").print_stats(25)
+            pstats.Stats(profiler, stream=sys.stderr).sort_stats(os.environ.get("PROFILE_SORT", "tottime")).print_stats(40)
         n_out = sum(len(o.token_ids) for o in outs)
         assert n_out == sum(self.outputs), "kvloom produced a different number of tokens than asked for"
         return elapsed
