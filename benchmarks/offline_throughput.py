@@ -161,7 +161,8 @@ def main() -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=None, help="Default: the engine's.")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--kv-cache-memory-gib", type=float, default=None)
-    p.add_argument("--dtype", default="auto", help="kvloom's dtype; transformers runs in the dtype kvloom resolves.")
+    p.add_argument("--dtype", default="auto", help="kvloom's dtype (auto: the engine's choice).")
+    p.add_argument("--hf-dtype", default=None, help="transformers' dtype (default: the dtype kvloom resolved).")
     p.add_argument("--repeat", type=int, default=None,
                    help="Timed runs per engine, alternated on the CPU; the median counts (default: 3 on CPU, 1 on GPU).")
     p.add_argument("--enforce-eager", action="store_true")
@@ -191,11 +192,12 @@ def main() -> None:
         result["kvloom"] = {**_figures(kv_times, prompts, outputs), **kv.describe()}
         kv.close()
         if not args.skip_hf:
-            hf = TransformersRunner(args, model, load_format, result["kvloom"]["dtype"], prompts[:n_hf], outputs[:n_hf])
+            hf = TransformersRunner(args, model, load_format, args.hf_dtype or result["kvloom"]["dtype"],
+                                    prompts[:n_hf], outputs[:n_hf])
             hf_times = [hf.run() for _ in range(repeat)]
     else:
         # Both loaded, runs alternated: a slow spell of a shared machine hits both engines alike.
-        hf = TransformersRunner(args, model, load_format, kv.dtype, prompts[:n_hf], outputs[:n_hf])
+        hf = TransformersRunner(args, model, load_format, args.hf_dtype or kv.dtype, prompts[:n_hf], outputs[:n_hf])
         for _ in range(repeat):
             kv_times.append(kv.run())
             hf_times.append(hf.run())

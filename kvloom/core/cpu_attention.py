@@ -9,9 +9,10 @@ that share a KV head are that head's rows: no K/V expansion for GQA). The indice
 write, blocks to gather, the padding mask) depend only on the step, so they are built at the first
 layer and reused by the other layers.
 
-Decode scores are computed in the model dtype and soft-maxed in float32, as transformers' eager
-attention does; prefill uses PyTorch's fused CPU attention (``scaled_dot_product_attention``), batched
-over prompts of equal length, and reads a prompt's fresh K/V directly when nothing is cached before it.
+In bf16/fp16, attention is batched matmuls (scores in the model dtype, softmax in float32, as
+transformers' eager attention does), faster there than PyTorch's fused CPU kernel; in float32 the
+fused kernel (``scaled_dot_product_attention``) is the faster one and is used. Prompts of equal length
+are batched together, and a prompt's fresh K/V are read directly when nothing is cached before it.
 """
 
 from __future__ import annotations
@@ -103,6 +104,11 @@ class CPUAttentionBackend:
             if q_len == s_len:  # nothing cached before: attend to the fresh K/V
                 ks = torch.stack([k[starts[i]: starts[i] + q_len] for i in seqs])
                 vs = torch.stack([v[starts[i]: starts[i] + q_len] for i in seqs])
+                if q.dtype != torch.float32:
+                    o = self._prefill_grouped(qs, ks, vs, scale)
+                    for j, i in enumerate(seqs):
+                        out[starts[i]: starts[i] + q_len] = o[j]
+                    continue
                 keys, values, mask = ks.transpose(1, 2), vs.transpose(1, 2), None
             else:
                 keys, values = self._gather_prefix(k_cache, v_cache, meta.block_tables[seqs], s_len)
@@ -123,10 +129,34 @@ class CPUAttentionBackend:
         keys = k_cache.view(-1, bs, head_dim).index_select(0, index.decode_rows).view(batch, num_kv_heads, length, head_dim)
         values = v_cache.view(-1, bs, head_dim).index_select(0, index.decode_rows).view(batch, num_kv_heads, length, head_dim)
         grouped = q.view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
+        if q.dtype == torch.float32:
+            # float32 batched matmuls this small run in MKL at a fraction of the fused kernel's speed
+            # (385 us per matmul vs 572 us for the whole fused call, SmolLM2 at batch 32)
+            out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=index.decode_bias, scale=scale)
+            return out.view(batch, num_heads, head_dim)
         scores = torch.matmul(grouped, keys.transpose(-1, -2))  # [B, Hkv, G, L]
         scores.mul_(scale).add_(index.decode_bias)
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
         return torch.matmul(probs, values).view(batch, num_heads, head_dim)
+
+    @staticmethod
+    def _prefill_grouped(q, k, v, scale: float) -> torch.Tensor:
+        """Causal attention of fresh prompts (``q`` ``[n, Q, Hq, D]``, ``k``/``v`` ``[n, Q, Hkv, D]``) as two
+        batched matmuls per KV head, its query heads stacked along the rows. For bf16/fp16, where it
+        beats the fused CPU kernel (1.45x on SmolLM2's shapes); scores in the model dtype, softmax in
+        float32, as in decode."""
+        n, length, num_heads, head_dim = q.shape
+        num_kv_heads = k.shape[2]
+        group = num_heads // num_kv_heads
+        grouped = q.view(n, length, num_kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
+        grouped = grouped.reshape(n, num_kv_heads, group * length, head_dim) * scale
+        scores = torch.matmul(grouped, k.permute(0, 2, 3, 1)).view(n, num_kv_heads, group, length, length)
+        future = torch.ones(length, length, dtype=torch.bool, device=q.device).triu_(1)
+        scores.masked_fill_(future, float("-inf"))
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        out = torch.matmul(probs.view(n, num_kv_heads, group * length, length), v.transpose(1, 2))
+        return out.view(n, num_kv_heads, group, length, head_dim).permute(0, 3, 1, 2, 4).reshape(
+            n, length, num_heads, head_dim)
 
     @staticmethod
     def _gather_prefix(k_cache, v_cache, block_tables: torch.Tensor, length: int):

@@ -111,8 +111,8 @@ def rms_norm(
         x = x + residual
         new_residual = x
     h = x.float()
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    out = weight * h.to(x.dtype)
+    h = h * h.pow(2).mean(-1, keepdim=True).add_(eps).rsqrt_()
+    out = h.to(x.dtype).mul_(weight)  # a fresh tensor in any dtype: scaling it in place is safe
     return (out, new_residual) if residual is not None else out
 
 
@@ -157,4 +157,4 @@ def apply_rotary(tables, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """``silu(x[:, :I]) * x[:, I:]`` for ``x`` of ``[T, 2I]``."""
     half = x.shape[-1] // 2
-    return F.silu(x[..., :half]) * x[..., half:]
+    return F.silu(x[..., :half]).mul_(x[..., half:])
