@@ -165,6 +165,12 @@ def make_plan(config: EngineConfig, hf_config, model_name: str, *, gpu_memory_gi
         rows.append(PlanRow(1, weights, None, None, kv))
         notes.append("CPU: the KV cache is sized by --kv-cache-memory-gib (default "
                      f"{capacity.DEFAULT_CPU_KV_GIB:g} GiB) or --num-kv-blocks, exactly as the engine sizes it")
+        from kvloom.core.cpu_linear import packing_supported
+
+        if getattr(hf_config, "tie_word_embeddings", False) and packing_supported(dtype):
+            table = hf_config.vocab_size * hf_config.hidden_size * torch.empty(0, dtype=dtype).element_size()
+            notes.append(f"CPU: the tied embedding table is also held packed for oneDNN as the output projection "
+                         f"(+{_gib(table)})")
     else:
         tps = valid_tp_sizes(hf_config, tp_sizes)
         if not tps:
