@@ -7,13 +7,14 @@ import json
 
 import httpx
 import pytest
+
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvloom.bench.ab import ServerProcess
 from kvloom.bench.metrics import LATENCIES, PERCENTILES, SLO, RequestResult, summarize
 from kvloom.bench.workloads import Workload
 from kvloom.cli import build_parser, config_flags, config_from_args, main
-from kvloom.core.config import EngineConfig
+from kvloom.core.config import EngineConfig, default_block_size
 
 TINY_TOKENS = "3:320"  # prompt token ids inside the tiny model's vocabulary, clear of its special tokens
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -166,7 +167,7 @@ def test_ab_compares_two_plugin_combinations(tiny_llama, tmp_path, capsys):
     for run in data["runs"]:
         (level,) = run["levels"]
         assert (level["completed"], level["failed"]) == (8, 0)
-        assert run["kv_cache"].startswith("KV cache: 256 blocks x 16 tokens")
+        assert run["kv_cache"].startswith(f"KV cache: 256 blocks x {default_block_size('cpu')} tokens")
     # The same workload went to both servers, and each ran its own plugins.
     assert data["runs"][0]["levels"][0]["prompt_tokens"] == data["runs"][1]["levels"][0]["prompt_tokens"] == 8 * 68
     assert "prefix_cache=prefix_cache" in (tmp_path / "logs" / "server-1.log").read_text()

@@ -32,7 +32,8 @@ class EngineConfig:
                      "else bfloat16 where the CPU has native bf16 (AVX-512 BF16/AMX), else float32).",
                       choices=("auto", "float32", "bfloat16", "float16"))
     device: str = _opt("auto", "Device to run on (auto: cuda if available).", choices=("auto", "cpu", "cuda"))
-    block_size: int = _opt(16, "Tokens per KV-cache block.", choices=(8, 16, 32, 64, 128))
+    block_size: int | None = _opt(None, "Tokens per KV-cache block (default: 16 on CUDA; 32 on CPU, where "
+                                  "larger blocks make the decode gathers cheaper).", choices=(8, 16, 32, 64, 128))
     max_model_len: int | None = _opt(None, "Longest sequence (prompt + output) in tokens (default: the model's).")
     max_num_seqs: int = _opt(128, "Most sequences in one step.")
     max_num_batched_tokens: int = _opt(2048, "Token budget of one step (chunked prefill splits longer prompts).")
@@ -55,7 +56,7 @@ class EngineConfig:
         for f in fields(self):
             choices = f.metadata.get("choices")
             value = getattr(self, f.name)
-            if choices and value not in choices:
+            if choices and value is not None and value not in choices:
                 raise ConfigError(f"{f.name}={value!r} is not one of {list(choices)}")
         positive = ["max_num_seqs", "max_num_batched_tokens"]
         for name in positive:
@@ -93,6 +94,12 @@ class EngineConfig:
 
     def replace(self, **changes: Any) -> "EngineConfig":
         return dataclasses.replace(self, **changes)
+
+
+def default_block_size(device_type: str) -> int:
+    """16 on GPUs (the Triton kernels' tile); 32 on the CPU, where the decode attention gathers whole
+    blocks and 2 KiB rows (16 x 64 x bf16) measured 16% slower end to end than 4 KiB ones."""
+    return 32 if device_type == "cpu" else 16
 
 
 def _split_names(value: str | list[str]) -> list[str]:

@@ -67,7 +67,7 @@ class EngineServer:
         self.core = EngineCore(self.config)
         self.ready = EngineReady(
             model_name=self.model_name, max_model_len=self.core.max_model_len, vocab_size=self.core.vocab_size,
-            num_kv_blocks=self.core.kv.num_blocks, block_size=self.config.block_size,
+            num_kv_blocks=self.core.kv.num_blocks, block_size=self.core.config.block_size,
             eos_token_ids=list(self.core.eos_token_ids), plugins=list(self.config.plugins), pid=os.getpid(),
         )
 
