@@ -1,6 +1,8 @@
-"""Kernel dispatch: Triton kernels for CUDA tensors, the PyTorch references elsewhere.
+"""Kernel dispatch for the model's dense ops: Triton kernels for CUDA tensors, the PyTorch references
+elsewhere. Model code calls these functions only; it never picks an implementation itself.
 
-Model code calls these functions only; it never picks an implementation itself.
+Attention is not dispatched here: the engine picks an attention backend per device
+(``kvloom.core.attention.get_attention_backend``), which owns its KV-cache layout and kernels.
 """
 
 from __future__ import annotations
@@ -72,51 +74,3 @@ def silu_and_mul(x):
 
         return triton_fused.silu_and_mul(x)
     return ref.silu_and_mul(x)
-
-
-def write_kv_cache(k, v, k_cache, v_cache, slot_mapping):
-    """Store ``k``/``v`` ``[T, Hkv, D]`` at ``slot_mapping`` ``[T]``; negative slots are padding and skipped."""
-    if use_triton(k):
-        from kvloom.kernels import triton_attention
-
-        return triton_attention.write_kv_cache(k, v, k_cache, v_cache, slot_mapping)
-    valid = slot_mapping >= 0
-    if not bool(valid.all()):
-        k, v, slot_mapping = k[valid], v[valid], slot_mapping[valid]
-    return ref.write_kv_cache(k, v, k_cache, v_cache, slot_mapping)
-
-
-def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, max_seq_len, scale):
-    """One query per sequence over the paged cache. ``seq_lens`` (device int32 ``[B]``) is authoritative;
-    ``max_seq_len`` is a host hint >= its maximum (fixed values are fine, e.g. for CUDA-graph capture)."""
-    if use_triton(q):
-        from kvloom.kernels import triton_attention
-
-        return triton_attention.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, max_seq_len, scale)
-    # The reference gathers exactly max_seq_len positions, so give it the true maximum.
-    true_max = int(seq_lens.max()) if seq_lens.numel() else 0
-    if true_max == 0:
-        return torch.zeros_like(q)
-    return ref.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, true_max, scale)
-
-
-def paged_prefill_attention(
-    q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, max_query_len, scale,
-    query_lens_cpu=None, seq_lens_cpu=None,
-):
-    """Causal attention for chunks of queries over the paged cache (see ``reference.paged_prefill_attention``).
-
-    ``query_start_loc`` (int32 ``[B+1]``) and ``seq_lens`` (int32 ``[B]``) drive the Triton kernel; the
-    reference path needs python lists, passed as ``query_lens_cpu`` / ``seq_lens_cpu`` or derived here.
-    """
-    if use_triton(q):
-        from kvloom.kernels import triton_attention
-
-        return triton_attention.paged_prefill_attention(
-            q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, max_query_len, scale
-        )
-    if query_lens_cpu is None:
-        query_lens_cpu = (query_start_loc[1:] - query_start_loc[:-1]).tolist()
-    if seq_lens_cpu is None:
-        seq_lens_cpu = seq_lens.tolist()
-    return ref.paged_prefill_attention(q, k_cache, v_cache, block_tables, query_lens_cpu, seq_lens_cpu, scale)

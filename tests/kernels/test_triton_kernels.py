@@ -237,36 +237,6 @@ def test_silu_and_mul(tk, dtype):
 
 
 # --------------------------------------------------------------------------------------------------
-# dispatch on the CPU (reference path, no Triton)
-# --------------------------------------------------------------------------------------------------
-
-
-def test_ops_cpu_paths_accept_engine_arguments():
-    """The CPU path takes the same tensors as the CUDA path: padded slots, a loose max_seq_len, no lists."""
-    k_cache, v_cache, tables = make_paged_cache([12, 5], 8, 2, 16, torch.float32)
-    _, k, v = qkv_views(3, 4, 2, 16, torch.float32)
-    before = k_cache.view(-1, 2, 16).clone()
-    ops.write_kv_cache(k, v, k_cache, v_cache, torch.tensor([4, -1, 9], dtype=torch.int32))
-    flat = k_cache.view(-1, 2, 16)
-    assert torch.equal(flat[4], k[0]) and torch.equal(flat[9], k[2])
-    untouched = [i for i in range(flat.shape[0]) if i not in (4, 9)]
-    assert torch.equal(flat[untouched], before[untouched])
-
-    # A padding row (seq_len 0, block table row of zeros) and a max_seq_len far above the longest sequence.
-    q = torch.randn(3, 4, 16)
-    seq_lens = torch.tensor([12, 0, 5], dtype=torch.int32)
-    padded_tables = torch.stack([tables[0], torch.zeros_like(tables[0]), tables[1]])
-    out = ops.paged_decode_attention(q, k_cache, v_cache, padded_tables, seq_lens, 1000, 0.25)
-    torch.testing.assert_close(out, decode_reference(q, k_cache, v_cache, padded_tables, seq_lens))
-
-    q = torch.randn(9, 4, 16)
-    out = ops.paged_prefill_attention(
-        q, k_cache, v_cache, tables, start_locs([4, 5]), torch.tensor([12, 5], dtype=torch.int32), 5, 0.25
-    )
-    torch.testing.assert_close(out, ref.paged_prefill_attention(q, k_cache, v_cache, tables, [4, 5], [12, 5], 0.25))
-
-
-# --------------------------------------------------------------------------------------------------
 # GPU tests: compiled kernels, Llama-3-8B head shapes, bf16
 # --------------------------------------------------------------------------------------------------
 
@@ -315,11 +285,14 @@ def test_gpu_decode_cuda_graph_replay():
     k_cache, v_cache, tables = make_paged_cache(seq_lens_list, 16, GPU_HKV, GPU_D, torch.bfloat16, "cuda")
     q, _, _ = qkv_views(4, GPU_HQ, GPU_HKV, GPU_D, torch.bfloat16, "cuda")
     seq_lens = torch.tensor(seq_lens_list, dtype=torch.int32, device="cuda")
-    ops.paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, 4096, GPU_D**-0.5)  # compile outside capture
+    from kvloom.kernels import triton_attention
+
+    decode = triton_attention.paged_decode_attention
+    decode(q, k_cache, v_cache, tables, seq_lens, 4096, GPU_D**-0.5)  # compile outside capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = ops.paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, 4096, GPU_D**-0.5)
+        out = decode(q, k_cache, v_cache, tables, seq_lens, 4096, GPU_D**-0.5)
     for new_lens in ([2000, 3000, 50, 4096], [1, 0, 4000, 17]):
         seq_lens.copy_(torch.tensor(new_lens, dtype=torch.int32))
         graph.replay()
