@@ -99,31 +99,28 @@ class CPUAttentionBackend:
             out[:nd] = self._decode(q[:nd], k_cache, v_cache, index, scale)
         starts = index.starts
         for seqs, q_len, s_len in index.prefill_groups:
-            qs = torch.stack([q[starts[i]: starts[i] + q_len] for i in seqs]) if len(seqs) > 1 \
-                else q[starts[seqs[0]]: starts[seqs[0]] + q_len][None]  # [n, Q, Hq, D]
+            qs = torch.stack([q[starts[i]: starts[i] + q_len] for i in seqs])  # [n, Q, Hq, D]
             if q_len == s_len:  # nothing cached before: attend to the fresh K/V
                 ks = torch.stack([k[starts[i]: starts[i] + q_len] for i in seqs])
                 vs = torch.stack([v[starts[i]: starts[i] + q_len] for i in seqs])
                 if q.dtype != torch.float32:
                     o = self._prefill_grouped(qs, ks, vs, scale)
-                    for j, i in enumerate(seqs):
-                        out[starts[i]: starts[i] + q_len] = o[j]
-                    continue
-                keys, values, mask = ks.transpose(1, 2), vs.transpose(1, 2), None
-            else:
+                else:
+                    o = F.scaled_dot_product_attention(qs.transpose(1, 2), ks.transpose(1, 2), vs.transpose(1, 2),
+                                                       is_causal=True, scale=scale, enable_gqa=True).transpose(1, 2)
+            else:  # a chunk after a cached prefix: gather the sequence's whole history
                 keys, values = self._gather_prefix(k_cache, v_cache, meta.block_tables[seqs], s_len)
                 q_pos = torch.arange(s_len - q_len, s_len, device=q.device)
                 mask = torch.arange(s_len, device=q.device)[None, :] <= q_pos[:, None]
-            o = F.scaled_dot_product_attention(qs.transpose(1, 2), keys, values, attn_mask=mask,
-                                               is_causal=mask is None, scale=scale, enable_gqa=True)
-            o = o.transpose(1, 2)  # [n, Q, Hq, D]
+                o = F.scaled_dot_product_attention(qs.transpose(1, 2), keys, values, attn_mask=mask, scale=scale,
+                                                   enable_gqa=True).transpose(1, 2)
             for j, i in enumerate(seqs):
                 out[starts[i]: starts[i] + q_len] = o[j]
         return out
 
     @staticmethod
     def _decode(q, k_cache, v_cache, index: _StepIndex, scale: float) -> torch.Tensor:
-        num_blocks, num_kv_heads, bs, head_dim = k_cache.shape
+        _, num_kv_heads, bs, head_dim = k_cache.shape
         batch, num_heads, _ = q.shape
         length = index.decode_blocks * bs
         keys = k_cache.view(-1, bs, head_dim).index_select(0, index.decode_rows).view(batch, num_kv_heads, length, head_dim)
