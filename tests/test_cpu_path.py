@@ -157,3 +157,15 @@ def test_auto_dtype_follows_the_checkpoint_on_cpu(tiny_llama):
     assert resolve_dtype("auto", cpu, load_hf_config(tiny_llama, {"dtype": "bfloat16"})) == native
     assert resolve_dtype("float32", cpu, None) == torch.float32
     assert resolve_dtype("auto", torch.device("cuda"), None) == torch.bfloat16
+
+
+def test_offline_llm_takes_a_larger_step_budget_than_the_server(tiny_llama):
+    from kvloom import LLM
+    from kvloom.core.config import EngineConfig
+    from kvloom.llm import OFFLINE_MAX_NUM_BATCHED_TOKENS
+
+    assert EngineConfig().max_num_batched_tokens < OFFLINE_MAX_NUM_BATCHED_TOKENS
+    assert LLM(str(tiny_llama)).engine.config.max_num_batched_tokens == OFFLINE_MAX_NUM_BATCHED_TOKENS
+    assert LLM(str(tiny_llama), max_num_batched_tokens=64).engine.config.max_num_batched_tokens == 64
+    assert LLM(config=EngineConfig(model=str(tiny_llama))).engine.config.max_num_batched_tokens == \
+        EngineConfig().max_num_batched_tokens  # an explicit config is taken as given
