@@ -217,7 +217,7 @@ def _read_prompts(args) -> list[str]:
 
 def _generate(args, config: EngineConfig) -> int:
     from kvloom.core.sampling_params import SamplingParams
-    from kvloom.llm import LLM
+    from kvloom.llm import LLM, OFFLINE_MAX_NUM_BATCHED_TOKENS
 
     prompts = _read_prompts(args)
     if not prompts:
@@ -225,6 +225,8 @@ def _generate(args, config: EngineConfig) -> int:
         return 2
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             seed=args.sampling_seed)
+    if not hasattr(args, "max_num_batched_tokens") and "max_num_batched_tokens" not in _read_config_file(args)[0]:
+        config = config.replace(max_num_batched_tokens=OFFLINE_MAX_NUM_BATCHED_TOKENS)  # as LLM() defaults
     llm = LLM(config=config)
     if args.chat:
         outs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params)

@@ -71,6 +71,24 @@ def test_generate_from_a_prompts_file(tiny_llama, tmp_path):
     assert all(r["num_tokens"] == 3 or r["finish_reason"] == "stop" for r in rows)
 
 
+@pytest.mark.parametrize("flags,expect", [([], 4096), (["--max-num-batched-tokens", "64"], 64)])
+def test_generate_takes_the_offline_step_budget_unless_given(tiny_llama, monkeypatch, flags, expect):
+    import kvloom.llm as llm_module
+
+    assert llm_module.OFFLINE_MAX_NUM_BATCHED_TOKENS == 4096
+    seen = []
+
+    class Recording(llm_module.LLM):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            seen.append(self.engine.config.max_num_batched_tokens)
+
+    monkeypatch.setattr(llm_module, "LLM", Recording)
+    assert main(["generate", "--model", str(tiny_llama), "--num-kv-blocks", "32", "--prompt", "Hi",
+                 "--max-tokens", "2", *flags]) == 0
+    assert seen == [expect]
+
+
 def test_chat_in_the_terminal(tiny_llama, monkeypatch, capsys):
     lines = iter(["Hello!", ""])
     monkeypatch.setattr("builtins.input", lambda prompt="": next(lines))
