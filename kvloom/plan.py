@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from kvloom.core import capacity
-from kvloom.core.config import ConfigError, EngineConfig, default_block_size
+from kvloom.core.config import ConfigError, EngineConfig
 from kvloom.text_table import format_table
 
 GiB = capacity.GiB
@@ -145,8 +145,7 @@ def make_plan(config: EngineConfig, hf_config, model_name: str, *, gpu_memory_gi
             raise ConfigError("a GPU plan needs --gpu-memory GiB (no CUDA device here to ask)")
         gpu_memory_gib = torch.cuda.mem_get_info()[1] / GiB
     device = torch.device("cuda" if on_gpu else "cpu")
-    if config.block_size is None:
-        config = config.replace(block_size=default_block_size(device.type))
+    config = config.for_device(device.type)
     dtype = resolve_dtype(config.dtype, device, hf_config)
     max_len = capacity.resolve_max_model_len(hf_config, config.max_model_len)
     params = count_parameters(hf_config)

@@ -126,8 +126,17 @@ def test_rotary_tables_match_the_oracle(dtype):
     cache = torch.randn(50, D)
     positions = torch.randint(0, 50, (9,))
     q, k = torch.randn(9, 6, D, dtype=dtype), torch.randn(9, 2, D, dtype=dtype)
-    want = ref.rotary_embedding(positions, q, k, cache)
+    # transformers' formula, written out: x * cos + rotate_half(x) * sin, in float32
+    half = D // 2
+    cs = cache[positions]
+    cos, sin = cs[:, :half].repeat(1, 2)[:, None], cs[:, half:].repeat(1, 2)[:, None]
+
+    def rotate_half(x):
+        return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+
+    want = [(x.float() * cos + rotate_half(x.float()) * sin).to(dtype) for x in (q, k)]
     got = ref.apply_rotary(ref.rotary_tables(positions, cache, dtype), q, k)
+    assert all(torch.equal(a, b) for a, b in zip(ref.rotary_embedding(positions, q, k, cache), want))  # the oracle
     for g, w in zip(got, want):
         if dtype == torch.float32:
             assert torch.equal(g, w)  # bit-identical: transformers' parity rests on it

@@ -95,6 +95,12 @@ class EngineConfig:
     def replace(self, **changes: Any) -> "EngineConfig":
         return dataclasses.replace(self, **changes)
 
+    def for_device(self, device_type: str) -> "EngineConfig":
+        """This config with its device-dependent defaults (``block_size``) filled in."""
+        if self.block_size is not None:
+            return self
+        return self.replace(block_size=default_block_size(device_type))
+
 
 def default_block_size(device_type: str) -> int:
     """16 on GPUs (the Triton kernels' tile); 32 on the CPU, where the decode attention gathers whole

@@ -10,7 +10,7 @@ import torch
 
 from kvloom.core import capacity
 from kvloom.core.attention import get_attention_backend
-from kvloom.core.config import ConfigError, EngineConfig, default_block_size
+from kvloom.core.config import ConfigError, EngineConfig
 from kvloom.core.cpu_linear import cpu_has_native_bf16
 from kvloom.core.cpu_malloc import keep_freed_memory
 from kvloom.core.kv_cache import KVCacheManager
@@ -36,9 +36,7 @@ class EngineCore:
         config.validate()
         self.plugins = PluginManager.from_config(config)  # an unknown name or a conflict fails before loading
         self.device = resolve_device(config.device)
-        if config.block_size is None:
-            config = config.replace(block_size=default_block_size(self.device.type))
-        self.config = config
+        self.config = config = config.for_device(self.device.type)
         self.model_path = resolve_model(config.model)
         self.hf_config = load_hf_config(self.model_path, config.hf_overrides)
         self.dtype = resolve_dtype(config.dtype, self.device, self.hf_config)

@@ -122,18 +122,8 @@ def rotary_embedding(
     """Neox-style rotary embedding (rotate halves), computed in float32: the oracle for the kernels.
     ``q``: ``[T, Hq, D]``, ``k``: ``[T, Hkv, D]``; ``cos_sin_cache``: ``[max_positions, D]`` float32
     holding ``cos`` of the ``D/2`` frequencies, then ``sin``."""
-    cs = cos_sin_cache[positions.long()]
-    half = cs.shape[-1] // 2
-    cos = torch.cat([cs[:, :half], cs[:, :half]], dim=-1)[:, None, :]
-    sin = torch.cat([cs[:, half:], cs[:, half:]], dim=-1)[:, None, :]
-
-    def rotate(x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        x1, x2 = xf[..., :half], xf[..., half:]
-        rotated = torch.cat([-x2, x1], dim=-1)
-        return (xf * cos + rotated * sin).to(x.dtype)
-
-    return rotate(q), rotate(k)
+    rq, rk = apply_rotary(rotary_tables(positions, cos_sin_cache, torch.float32), q.float(), k.float())
+    return rq.to(q.dtype), rk.to(k.dtype)
 
 
 def rotary_tables(positions: torch.Tensor, cos_sin_cache: torch.Tensor, dtype: torch.dtype):
@@ -147,8 +137,8 @@ def rotary_tables(positions: torch.Tensor, cos_sin_cache: torch.Tensor, dtype: t
 
 
 def apply_rotary(tables, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``rotary_embedding`` with ``rotary_tables``' factors, in the tensors' dtype (as transformers
-    computes it): ``x * cos + roll(x, D/2) * sin``. Bit-identical to the oracle in float32."""
+    """Rotate ``q``/``k`` by ``rotary_tables``' factors, in the tensors' dtype (as transformers computes
+    it): ``x * cos + roll(x, D/2) * sin``, which is ``x * cos + cat(-x2, x1) * sin`` bit for bit."""
     cos, sin = tables
     half = q.shape[-1] // 2
     return (q * cos).add_(q.roll(half, -1).mul_(sin)), (k * cos).add_(k.roll(half, -1).mul_(sin))
