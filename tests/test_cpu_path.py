@@ -42,6 +42,8 @@ def _step(query_lens, seq_lens, num_blocks=40, seed=0):
     ([1, 1, 1], [5, 9, 13]),  # decodes only
     ([7, 7, 3], [7, 7, 3]),  # fresh prompts, two of equal length (batched together)
     ([1, 1, 6, 4], [9, 2, 6, 11]),  # decodes, a fresh prompt, a chunk over a cached prefix
+    ([5, 5], [5, 5]),  # one group of prompts that is the whole batch (its result is the output)
+    ([1, 6, 4, 6], [9, 6, 11, 6]),  # two equal prompts that are not adjacent in the batch
 ])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cpu_backend_matches_the_reference_layout(query_lens, seq_lens, dtype):
@@ -142,6 +144,43 @@ def test_rotary_tables_match_the_oracle(dtype):
             assert torch.equal(g, w)  # bit-identical: transformers' parity rests on it
         else:
             torch.testing.assert_close(g.float(), w.float(), atol=4e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_of_adjacent_q_k_views_is_the_separate_rotation(dtype):
+    """q and k cut from one fused qkv output are rotated as one tensor: the same bits as rotating each."""
+    torch.manual_seed(0)
+    cache, positions = torch.randn(50, D), torch.randint(0, 50, (9,))
+    q, k, _ = torch.randn(9, (6 + 2 + 2) * D, dtype=dtype).split([6 * D, 2 * D, 2 * D], dim=-1)
+    q, k = q.reshape(9, 6, D), k.reshape(9, 2, D)
+    assert ref._adjacent_heads(q, k) and not ref._adjacent_heads(q.contiguous(), k.contiguous())
+    tables = ref.rotary_tables(positions, cache, dtype)
+    joint, separate = ref.apply_rotary(tables, q, k), ref.apply_rotary(tables, q.contiguous(), k.contiguous())
+    assert all(torch.equal(a, b) for a, b in zip(joint, separate))
+
+
+def test_kept_rows_give_the_same_hidden_states(tiny_llama):
+    """``keep`` (the rows a step samples from) skips the last layer's MLP for the other rows only."""
+    from kvloom.core.loader import build_model, load_hf_config
+
+    config = load_hf_config(tiny_llama)
+    backend = CPUAttentionBackend()
+    model = build_model(tiny_llama, config, load_format="safetensors", device=torch.device("cpu"),
+                        dtype=torch.float32, backend=backend, max_positions=64)
+    query_lens = [1, 6, 4]
+    seq_lens = [9, 6, 11]
+    heads = model.num_kv_heads
+    total, rows = sum(query_lens), torch.tensor([0, 6, 10])
+    ids = torch.randint(0, config.vocab_size, (total,), generator=torch.Generator().manual_seed(0))
+    positions = torch.cat([torch.arange(s - q, s) for q, s in zip(query_lens, seq_lens)])
+    outs = []
+    for keep in (None, rows):
+        caches = [tuple(torch.zeros(backend.kv_cache_shape(40, BS, heads, model.head_dim)) for _ in range(2))
+                  for _ in model.layers]
+        with torch.inference_mode():
+            outs.append(model(ids, positions, _step(query_lens, seq_lens), caches, keep=keep))
+    assert outs[1].shape[0] == len(rows)
+    torch.testing.assert_close(outs[1], outs[0][rows], atol=1e-5, rtol=1e-5)
 
 
 def test_malloc_settings_are_applied_once():

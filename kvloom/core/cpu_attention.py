@@ -31,8 +31,15 @@ class _StepIndex:
     decode_rows: torch.Tensor | None  # [nd * Hkv * nblk] rows of the cache viewed as [num_blocks * Hkv, bs, D]
     decode_blocks: int
     decode_bias: torch.Tensor | None  # [nd, 1, 1, nblk * bs] 0 where attended, -inf on padding
-    prefill_groups: list[tuple[list[int], int, int]]  # (sequence indices, q_len, s_len), equal shapes grouped
+    prefill_groups: list[tuple[list[int], int, int, int | None]]  # (sequences, q_len, s_len, first row if
+    # their queries are one contiguous run of the flat batch, else None), equal shapes grouped
     starts: list[int]  # each sequence's first query in the flat batch
+
+
+def _softmax(scores: torch.Tensor) -> torch.Tensor:
+    """Softmax over the last dim, in the scores' dtype. For bf16/fp16 PyTorch's CPU kernel computes in float32
+    and rounds once: the same values as ``softmax(dtype=float32).to(dtype)``, without the float32 copy."""
+    return torch.softmax(scores, dim=-1)
 
 
 def _block_rows(block_tables: torch.Tensor, num_blocks: int, num_kv_heads: int) -> torch.Tensor:
@@ -72,8 +79,11 @@ class CPUAttentionBackend:
         starts = [0]
         for n in meta.query_lens_cpu[:-1]:
             starts.append(starts[-1] + n)
-        return _StepIndex(write_rows.reshape(-1), decode_rows, nblk, decode_bias,
-                          [(seqs, q_len, s_len) for (q_len, s_len), seqs in groups.items()], starts)
+        prefill_groups = []
+        for (q_len, s_len), seqs in groups.items():
+            contiguous = all(starts[i] == starts[seqs[0]] + j * q_len for j, i in enumerate(seqs))
+            prefill_groups.append((seqs, q_len, s_len, starts[seqs[0]] if contiguous else None))
+        return _StepIndex(write_rows.reshape(-1), decode_rows, nblk, decode_bias, prefill_groups, starts)
 
     def forward(
         self,
@@ -94,15 +104,27 @@ class CPUAttentionBackend:
         nd = meta.num_decodes
         if nd == meta.num_seqs:
             return self._decode(q, k_cache, v_cache, index, scale)
-        out = torch.empty_like(q)
+        num_tokens, num_heads, _ = q.shape
+        if nd == 0 and len(index.prefill_groups) == 1 and index.prefill_groups[0][3] == 0:
+            out = None  # one group of prompts covering the whole batch: its result is the output
+        else:
+            out = q.new_empty(num_tokens, num_heads, head_dim)
         if nd:
             out[:nd] = self._decode(q[:nd], k_cache, v_cache, index, scale)
         starts = index.starts
-        for seqs, q_len, s_len in index.prefill_groups:
-            qs = torch.stack([q[starts[i]: starts[i] + q_len] for i in seqs])  # [n, Q, Hq, D]
+        for seqs, q_len, s_len, first in index.prefill_groups:
+            n = len(seqs)
+            if first is not None:  # one run of the flat batch: views, no copies
+                qs = q[first: first + n * q_len].unflatten(0, (n, q_len))  # [n, Q, Hq, D]
+            else:
+                qs = torch.stack([q[starts[i]: starts[i] + q_len] for i in seqs])
             if q_len == s_len:  # nothing cached before: attend to the fresh K/V
-                ks = torch.stack([k[starts[i]: starts[i] + q_len] for i in seqs])
-                vs = torch.stack([v[starts[i]: starts[i] + q_len] for i in seqs])
+                if first is not None:
+                    ks = k[first: first + n * q_len].unflatten(0, (n, q_len))
+                    vs = v[first: first + n * q_len].unflatten(0, (n, q_len))
+                else:
+                    ks = torch.stack([k[starts[i]: starts[i] + q_len] for i in seqs])
+                    vs = torch.stack([v[starts[i]: starts[i] + q_len] for i in seqs])
                 if q.dtype != torch.float32:
                     o = self._prefill_grouped(qs, ks, vs, scale)
                 else:
@@ -114,8 +136,13 @@ class CPUAttentionBackend:
                 mask = torch.arange(s_len, device=q.device)[None, :] <= q_pos[:, None]
                 o = F.scaled_dot_product_attention(qs.transpose(1, 2), keys, values, attn_mask=mask, scale=scale,
                                                    enable_gqa=True).transpose(1, 2)
-            for j, i in enumerate(seqs):
-                out[starts[i]: starts[i] + q_len] = o[j]
+            if out is None:
+                return o.flatten(0, 1)
+            if first is not None:
+                out[first: first + n * q_len] = o.flatten(0, 1)
+            else:
+                for j, i in enumerate(seqs):
+                    out[starts[i]: starts[i] + q_len] = o[j]
         return out
 
     @staticmethod
@@ -133,8 +160,7 @@ class CPUAttentionBackend:
             return out.view(batch, num_heads, head_dim)
         scores = torch.matmul(grouped, keys.transpose(-1, -2))  # [B, Hkv, G, L]
         scores.mul_(scale).add_(index.decode_bias)
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-        return torch.matmul(probs, values).view(batch, num_heads, head_dim)
+        return torch.matmul(_softmax(scores), values).view(batch, num_heads, head_dim)
 
     @staticmethod
     def _prefill_grouped(q, k, v, scale: float) -> torch.Tensor:
@@ -146,12 +172,14 @@ class CPUAttentionBackend:
         num_kv_heads = k.shape[2]
         group = num_heads // num_kv_heads
         grouped = q.view(n, length, num_kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
-        grouped = grouped.reshape(n, num_kv_heads, group * length, head_dim) * scale
-        scores = torch.matmul(grouped, k.permute(0, 2, 3, 1)).view(n, num_kv_heads, group, length, length)
-        future = torch.ones(length, length, dtype=torch.bool, device=q.device).triu_(1)
-        scores.masked_fill_(future, float("-inf"))
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-        out = torch.matmul(probs.view(n, num_kv_heads, group * length, length), v.transpose(1, 2))
+        grouped = grouped.reshape(n * num_kv_heads, group * length, head_dim) * scale
+        keys = k.permute(0, 2, 3, 1).reshape(n * num_kv_heads, head_dim, length)
+        # the causal mask as an additive bias the matmul starts from (-inf above the diagonal), one copy
+        # per query head of the group: 2x cheaper than masking the scores afterwards
+        causal = torch.zeros(length, length, dtype=q.dtype, device=q.device)
+        causal.masked_fill_(torch.ones(length, length, dtype=torch.bool, device=q.device).triu_(1), float("-inf"))
+        scores = torch.baddbmm(causal.repeat(group, 1), grouped, keys)  # [n * Hkv, G * L, L]
+        out = torch.matmul(_softmax(scores).view(n, num_kv_heads, group * length, length), v.transpose(1, 2))
         return out.view(n, num_kv_heads, group, length, head_dim).permute(0, 3, 1, 2, 4).reshape(
             n, length, num_heads, head_dim)
 

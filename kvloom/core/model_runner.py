@@ -103,8 +103,8 @@ class ModelRunner:
             logits, sampling = self._replay(scheduled)
         else:
             ids, pos, meta, rows, sampling = self.prepare(scheduled)
-            hidden = self.model(ids, pos, meta, self.kv_caches)
-            logits = self.model.compute_logits(hidden[rows]) if sampling else None
+            hidden = self.model(ids, pos, meta, self.kv_caches, keep=rows)  # the sampled rows' states
+            logits = self.model.compute_logits(hidden) if sampling else None
         if not sampling:
             self._prev_tokens, self._prev_rows = None, {}
             return StepResult([], None)

@@ -141,7 +141,23 @@ def apply_rotary(tables, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor
     it): ``x * cos + roll(x, D/2) * sin``, which is ``x * cos + cat(-x2, x1) * sin`` bit for bit."""
     cos, sin = tables
     half = q.shape[-1] // 2
+    num_heads = q.shape[1]
+    if _adjacent_heads(q, k):  # cut from one fused projection: rotate both as one tensor, half the ops
+        qk = q.as_strided((q.shape[0], num_heads + k.shape[1], q.shape[2]), q.stride())
+        out = (qk * cos).add_(qk.roll(half, -1).mul_(sin))
+        return out[:, :num_heads], out[:, num_heads:]
     return (q * cos).add_(q.roll(half, -1).mul_(sin)), (k * cos).add_(k.roll(half, -1).mul_(sin))
+
+
+def _adjacent_heads(q: torch.Tensor, k: torch.Tensor) -> bool:
+    """Whether each row of ``k`` directly follows the same row of ``q`` in memory (``[T, H, D]`` views of one
+    ``[T, (Hq + Hkv + ...) * D]`` projection output), so that ``q``'s heads and ``k``'s are one ``[T, Hq + Hkv, D]``
+    view."""
+    head_dim = q.shape[-1]
+    return (q.dtype == k.dtype and q.device == k.device and q.shape[0] == k.shape[0] and q.shape[0] > 0
+            and q.stride() == k.stride() and q.stride(2) == 1 and q.stride(1) == head_dim
+            and k.untyped_storage().data_ptr() == q.untyped_storage().data_ptr()
+            and k.storage_offset() == q.storage_offset() + q.shape[1] * head_dim)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

@@ -112,13 +112,17 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, rope, h, residual, meta, kv_cache):
+    def forward(self, rope, h, residual, meta, kv_cache, keep=None):
         if residual is None:
             residual = h
             h = self.input_layernorm(h)
         else:
             h, residual = self.input_layernorm(h, residual)
         h = self.self_attn(rope, h, meta, kv_cache)
+        if keep is not None:  # only these rows go on (their K/V for every row are cached by now)
+            h, residual = h[keep], residual[keep]
+            if h.shape[0] == 0:
+                return h, residual
         h, residual = self.post_attention_layernorm(h, residual)
         return self.mlp(h), residual
 
@@ -152,12 +156,21 @@ class DecoderLM(nn.Module):
         device = self.embed_tokens.weight.device
         self.cos_sin = rope_cos_sin_cache(self.config, self.head_dim, max_positions).to(device)
 
-    def forward(self, input_ids, positions, meta: AttentionMetadata, kv_caches) -> torch.Tensor:
+    def forward(self, input_ids, positions, meta: AttentionMetadata, kv_caches,
+                keep: torch.Tensor | None = None) -> torch.Tensor:
+        """Final hidden states ``[T, hidden]``; with ``keep`` (row indices), only those rows': the last layer
+        still caches every row's K/V but runs its output projection and MLP on the kept rows alone (a
+        prefill step needs logits for one row per prompt)."""
         h = self.embed_tokens(input_ids)
         residual = None
         rope = ops.rotary_tables(positions, self.cos_sin, h.dtype)  # once per step, for every layer
-        for layer, kv in zip(self.layers, kv_caches):
-            h, residual = layer(rope, h, residual, meta, kv)
+        if keep is not None and keep.shape[0] == input_ids.shape[0]:
+            keep = None  # every row is kept (a decode step): nothing to select
+        last = len(self.layers) - 1
+        for i, (layer, kv) in enumerate(zip(self.layers, kv_caches)):
+            h, residual = layer(rope, h, residual, meta, kv, keep if i == last else None)
+        if h.shape[0] == 0:
+            return h
         h, _ = self.norm(h, residual)
         return h
 
