@@ -100,6 +100,48 @@ def write_kv_cache(
 
 
 # --------------------------------------------------------------------------------------------------
+# Attention over the paged cache: the key loop shared by decode and prefill
+# --------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _attend_tiles(
+    acc, l_i, m_i, q, q_pos,
+    k_cache_ptr, v_cache_ptr, bt_row, head_off, seq_len, qk_scale,
+    lo, hi,
+    stride_cb, stride_cs,
+    CAUSAL_MASK: tl.constexpr, LENGTH_MASK: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+    D_MASK, DOT_PRECISION: tl.constexpr,
+):
+    """Online-softmax accumulation over keys ``[lo, hi)`` of one sequence, for decode and prefill programs
+    alike: ``q`` ``[M, D]`` rows (query heads of a group, or query positions). ``CAUSAL_MASK`` hides keys
+    after each row's ``q_pos`` and past ``seq_len``; ``LENGTH_MASK`` only those past ``seq_len``; without
+    either, every key of ``[lo, hi)`` must be visible to every row."""
+    offs_n = tl.arange(0, BLOCK_N)
+    for n0 in range(lo, hi, BLOCK_N):
+        pos = n0 + offs_n
+        n_mask = pos < seq_len
+        block_ids = tl.load(bt_row + pos // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
+        kv_off = block_ids[:, None] * stride_cb + (pos % BLOCK_SIZE)[:, None] * stride_cs + head_off
+        kv_mask = n_mask[:, None] & D_MASK[None, :]
+        k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0).to(q.dtype)
+        v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0).to(q.dtype)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # log2 units
+        if CAUSAL_MASK:
+            s = tl.where((pos[None, :] <= q_pos[:, None]) & n_mask[None, :], s, float("-inf"))
+        elif LENGTH_MASK:
+            s = tl.where(n_mask[None, :], s, float("-inf"))
+        # Every row sees at least one key of the first tile it visits, so m_new is finite from then on.
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+# --------------------------------------------------------------------------------------------------
 # Decode attention (one query per sequence), optionally split-K
 # --------------------------------------------------------------------------------------------------
 
@@ -129,7 +171,6 @@ def _decode_kernel(
 
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, BLOCK_D)
-    offs_n = tl.arange(0, BLOCK_N)
     heads = kv_head * GROUP + offs_g
     g_mask = offs_g < GROUP
     d_mask = offs_d < HEAD_DIM
@@ -144,25 +185,15 @@ def _decode_kernel(
 
     bt_row = block_tables_ptr + b.to(tl.int64) * stride_bt
     head_off = kv_head * stride_ch + offs_d[None, :]
-    for n0 in range(start, end, BLOCK_N):
-        pos = n0 + offs_n
-        n_mask = pos < end
-        block_ids = tl.load(bt_row + pos // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
-        kv_off = block_ids[:, None] * stride_cb + (pos % BLOCK_SIZE)[:, None] * stride_cs + head_off
-        kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0).to(q.dtype)
-        v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0).to(q.dtype)
-
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_G, BLOCK_N], log2 units
-        s = tl.where(n_mask[None, :], s, float("-inf"))
-        # Every visited tile holds at least one valid key, so m_new is finite.
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
-
+    # Keys [start, end): the split's end is the length mask; every visited tile holds a valid key.
+    acc, l_i, m_i = _attend_tiles(
+        acc, l_i, m_i, q, offs_g,
+        k_cache_ptr, v_cache_ptr, bt_row, head_off, end, qk_scale,
+        start, end,
+        stride_cb, stride_cs,
+        CAUSAL_MASK=False, LENGTH_MASK=True, BLOCK_SIZE=BLOCK_SIZE, BLOCK_N=BLOCK_N, D_MASK=d_mask,
+        DOT_PRECISION=DOT_PRECISION,
+    )
     # Empty ranges (padding rows with seq_len 0, or splits past the end) leave l_i == 0: emit zeros.
     empty = l_i == 0.0
     o = acc / tl.where(empty, 1.0, l_i)[:, None]
@@ -280,38 +311,6 @@ def paged_decode_attention(
 
 
 @triton.jit
-def _prefill_tiles(
-    acc, l_i, m_i, q, q_pos,
-    k_cache_ptr, v_cache_ptr, bt_row, head_off, seq_len, qk_scale,
-    lo, hi,
-    stride_cb, stride_cs,
-    CAUSAL_MASK: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    D_MASK, DOT_PRECISION: tl.constexpr,
-):
-    """Online-softmax accumulation over keys ``[lo, hi)``; the causal / length mask only where needed."""
-    offs_n = tl.arange(0, BLOCK_N)
-    for n0 in range(lo, hi, BLOCK_N):
-        pos = n0 + offs_n
-        n_mask = pos < seq_len
-        block_ids = tl.load(bt_row + pos // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
-        kv_off = block_ids[:, None] * stride_cb + (pos % BLOCK_SIZE)[:, None] * stride_cs + head_off
-        kv_mask = n_mask[:, None] & D_MASK[None, :]
-        k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0).to(q.dtype)
-        v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0).to(q.dtype)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # log2 units
-        if CAUSAL_MASK:
-            s = tl.where((pos[None, :] <= q_pos[:, None]) & n_mask[None, :], s, float("-inf"))
-        # Every row sees at least one key of the first tile it visits, so m_new is finite from then on.
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
-    return acc, l_i, m_i
-
-
-@triton.jit
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr, out_ptr,
     stride_qt, stride_qh,
@@ -355,16 +354,18 @@ def _prefill_kernel(
     # Keys below the block's first query position are visible to all its rows: no mask needed there.
     first_q_pos = context_len + m_block * BLOCK_M
     unmasked_end = (first_q_pos // BLOCK_N) * BLOCK_N
-    acc, l_i, m_i = _prefill_tiles(
+    acc, l_i, m_i = _attend_tiles(
         acc, l_i, m_i, q, q_pos, k_cache_ptr, v_cache_ptr, bt_row, head_off, seq_len, qk_scale,
         0, unmasked_end, stride_cb, stride_cs,
-        False, BLOCK_SIZE, BLOCK_N, d_mask, DOT_PRECISION,
+        CAUSAL_MASK=False, LENGTH_MASK=False, BLOCK_SIZE=BLOCK_SIZE, BLOCK_N=BLOCK_N, D_MASK=d_mask,
+        DOT_PRECISION=DOT_PRECISION,
     )
     masked_end = tl.minimum(first_q_pos + BLOCK_M, seq_len)
-    acc, l_i, m_i = _prefill_tiles(
+    acc, l_i, m_i = _attend_tiles(
         acc, l_i, m_i, q, q_pos, k_cache_ptr, v_cache_ptr, bt_row, head_off, seq_len, qk_scale,
         unmasked_end, masked_end, stride_cb, stride_cs,
-        True, BLOCK_SIZE, BLOCK_N, d_mask, DOT_PRECISION,
+        CAUSAL_MASK=True, LENGTH_MASK=True, BLOCK_SIZE=BLOCK_SIZE, BLOCK_N=BLOCK_N, D_MASK=d_mask,
+        DOT_PRECISION=DOT_PRECISION,
     )
 
     o = acc / l_i[:, None]
