@@ -12,7 +12,10 @@ layer and reused by the other layers.
 In bf16/fp16, attention is batched matmuls (scores in the model dtype, softmax in float32, as
 transformers' eager attention does), faster there than PyTorch's fused CPU kernel; in float32 the
 fused kernel (``scaled_dot_product_attention``) is the faster one and is used. Prompts of equal length
-are batched together, and a prompt's fresh K/V are read directly when nothing is cached before it.
+are batched together (as views when they are adjacent in the batch), and a prompt's fresh K/V are read
+directly when nothing is cached before it. A chunk after a cached prefix goes through the same formula
+as a whole prompt, so in bf16 prefix caching changes outputs only as far as its smaller matmuls round
+differently (1 of 32 greedy sequences in ``benchmarks/prefix_cache_ab.py``, 15 with two formulas).
 """
 
 from __future__ import annotations
@@ -125,13 +128,15 @@ class CPUAttentionBackend:
                 else:
                     ks = torch.stack([k[starts[i]: starts[i] + q_len] for i in seqs])
                     vs = torch.stack([v[starts[i]: starts[i] + q_len] for i in seqs])
-                if q.dtype != torch.float32:
-                    o = self._prefill_grouped(qs, ks, vs, scale)
-                else:
-                    o = F.scaled_dot_product_attention(qs.transpose(1, 2), ks.transpose(1, 2), vs.transpose(1, 2),
-                                                       is_causal=True, scale=scale, enable_gqa=True).transpose(1, 2)
+                keys, values = ks.transpose(1, 2), vs.transpose(1, 2)  # [n, Hkv, Q, D] views
             else:  # a chunk after a cached prefix: gather the sequence's whole history
                 keys, values = self._gather_prefix(k_cache, v_cache, meta.block_tables[seqs], s_len)
+            if q.dtype != torch.float32:
+                o = self._prefill_grouped(qs, keys, values, scale)
+            elif q_len == s_len:
+                o = F.scaled_dot_product_attention(qs.transpose(1, 2), keys, values, is_causal=True, scale=scale,
+                                                   enable_gqa=True).transpose(1, 2)
+            else:
                 q_pos = torch.arange(s_len - q_len, s_len, device=q.device)
                 mask = torch.arange(s_len, device=q.device)[None, :] <= q_pos[:, None]
                 o = F.scaled_dot_product_attention(qs.transpose(1, 2), keys, values, attn_mask=mask, scale=scale,
@@ -163,23 +168,25 @@ class CPUAttentionBackend:
         return torch.matmul(_softmax(scores), values).view(batch, num_heads, head_dim)
 
     @staticmethod
-    def _prefill_grouped(q, k, v, scale: float) -> torch.Tensor:
-        """Causal attention of fresh prompts (``q`` ``[n, Q, Hq, D]``, ``k``/``v`` ``[n, Q, Hkv, D]``) as two
-        batched matmuls per KV head, its query heads stacked along the rows. For bf16/fp16, where it
-        beats the fused CPU kernel (1.45x on SmolLM2's shapes); scores in the model dtype, softmax in
-        float32, as in decode."""
+    def _prefill_grouped(q, keys, values, scale: float) -> torch.Tensor:
+        """Causal attention of prompt chunks, ``q`` ``[n, Q, Hq, D]`` at the last ``Q`` of ``S`` positions, over
+        ``keys``/``values`` ``[n, Hkv, S, D]`` (the fresh K/V, or the gathered history of a chunk after a
+        cached prefix: one formula for both), as two batched matmuls per KV head with its query heads
+        stacked along the rows. For bf16/fp16, where it beats the fused CPU kernel (1.45x on SmolLM2's
+        shapes); scores in the model dtype, softmax in float32, as in decode."""
         n, length, num_heads, head_dim = q.shape
-        num_kv_heads = k.shape[2]
+        num_kv_heads, total = keys.shape[1], keys.shape[2]
         group = num_heads // num_kv_heads
         grouped = q.view(n, length, num_kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
         grouped = grouped.reshape(n * num_kv_heads, group * length, head_dim) * scale
-        keys = k.permute(0, 2, 3, 1).reshape(n * num_kv_heads, head_dim, length)
-        # the causal mask as an additive bias the matmul starts from (-inf above the diagonal), one copy
-        # per query head of the group: 2x cheaper than masking the scores afterwards
-        causal = torch.zeros(length, length, dtype=q.dtype, device=q.device)
-        causal.masked_fill_(torch.ones(length, length, dtype=torch.bool, device=q.device).triu_(1), float("-inf"))
-        scores = torch.baddbmm(causal.repeat(group, 1), grouped, keys)  # [n * Hkv, G * L, L]
-        out = torch.matmul(_softmax(scores).view(n, num_kv_heads, group * length, length), v.transpose(1, 2))
+        keys_t = keys.transpose(-1, -2).reshape(n * num_kv_heads, head_dim, total)
+        # the causal mask as an additive bias the matmul starts from (-inf where a key comes after the
+        # query), one copy per query head of the group: 2x cheaper than masking the scores afterwards
+        causal = torch.zeros(length, total, dtype=q.dtype, device=q.device)
+        future = torch.ones(length, total, dtype=torch.bool, device=q.device).triu_(total - length + 1)
+        causal.masked_fill_(future, float("-inf"))
+        scores = torch.baddbmm(causal.repeat(group, 1), grouped, keys_t)  # [n * Hkv, G * Q, S]
+        out = torch.matmul(_softmax(scores).view(n, num_kv_heads, group * length, total), values)
         return out.view(n, num_kv_heads, group, length, head_dim).permute(0, 3, 1, 2, 4).reshape(
             n, length, num_heads, head_dim)
 
