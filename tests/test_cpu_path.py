@@ -146,6 +146,15 @@ def test_rotary_tables_match_the_oracle(dtype):
             torch.testing.assert_close(g.float(), w.float(), atol=4e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_softmax_in_the_model_dtype_is_float32_softmax_rounded_once(dtype):
+    from kvloom.core.cpu_attention import _softmax
+
+    scores = (torch.randn(4, 3, 40, 70, generator=torch.Generator().manual_seed(0)) * 8).to(dtype)
+    scores[..., -9:] = float("-inf")  # masked keys, as the causal and padding biases make them
+    assert torch.equal(_softmax(scores), torch.softmax(scores, dim=-1, dtype=torch.float32).to(dtype))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rotary_of_adjacent_q_k_views_is_the_separate_rotation(dtype):
     """q and k cut from one fused qkv output are rotated as one tensor: the same bits as rotating each."""
