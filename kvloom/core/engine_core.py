@@ -242,7 +242,7 @@ def resolve_device(name: str) -> torch.device:
 def resolve_dtype(name: str, device: torch.device, hf_config=None) -> torch.dtype:
     """``auto``: bfloat16 on CUDA. On the CPU, a float32 checkpoint stays float32; any other (bf16/fp16
     checkpoints, GGUF files) runs in bfloat16 where the CPU computes it natively (AVX-512 BF16 or
-    AMX: about 1.6x float32's throughput on SmolLM2 here, docs/benchmarks.md), else float32."""
+    AMX: 1.6-1.9x float32's throughput on SmolLM2 here, docs/benchmarks.md), else float32."""
     if name != "auto":
         return _DTYPES[name]
     if device.type == "cuda":

@@ -141,12 +141,15 @@ def apply_rotary(tables, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor
     it): ``x * cos + roll(x, D/2) * sin``, which is ``x * cos + cat(-x2, x1) * sin`` bit for bit."""
     cos, sin = tables
     half = q.shape[-1] // 2
+
+    def rotate(x: torch.Tensor) -> torch.Tensor:
+        return (x * cos).add_(x.roll(half, -1).mul_(sin))
+
     num_heads = q.shape[1]
     if _adjacent_heads(q, k):  # cut from one fused projection: rotate both as one tensor, half the ops
-        qk = q.as_strided((q.shape[0], num_heads + k.shape[1], q.shape[2]), q.stride())
-        out = (qk * cos).add_(qk.roll(half, -1).mul_(sin))
+        out = rotate(q.as_strided((q.shape[0], num_heads + k.shape[1], q.shape[2]), q.stride()))
         return out[:, :num_heads], out[:, num_heads:]
-    return (q * cos).add_(q.roll(half, -1).mul_(sin)), (k * cos).add_(k.roll(half, -1).mul_(sin))
+    return rotate(q), rotate(k)
 
 
 def _adjacent_heads(q: torch.Tensor, k: torch.Tensor) -> bool:
