@@ -15,7 +15,7 @@ import tomllib
 import typing
 from typing import Any
 
-from kvloom.core.config import ConfigError, EngineConfig, _split_names
+from kvloom.core.config import OFFLINE_MAX_NUM_BATCHED_TOKENS, ConfigError, EngineConfig, _split_names
 from kvloom.frontends.config import ServerConfig
 
 
@@ -23,16 +23,20 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def add_config_flags(group, cls, skip: tuple[str, ...] = ()) -> None:
+def add_config_flags(group, cls, skip: tuple[str, ...] = (), shown_defaults: dict[str, Any] | None = None) -> None:
     """One flag per field of the config dataclass ``cls``, with its help text and choices. Defaults are
-    suppressed so a config file's values are only overridden by flags the user actually gave."""
+    suppressed so a config file's values are only overridden by flags the user actually gave;
+    ``shown_defaults`` names the defaults a subcommand uses instead of the field's."""
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         if f.name in skip:
             continue
         hint = hints[f.name]
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-        help_text = f"{f.metadata['help']} (default: {default!r})"
+        default = (shown_defaults or {}).get(f.name, default)
+        help_text = f.metadata["help"]
+        if "(default" not in help_text:  # help that explains its default already must not say it twice
+            help_text += f" (default: {default!r})"
         kw: dict[str, Any] = {"dest": f.name, "default": argparse.SUPPRESS, "help": help_text}
         if f.metadata.get("choices"):
             kw["choices"] = f.metadata["choices"]
@@ -50,12 +54,13 @@ def add_config_flags(group, cls, skip: tuple[str, ...] = ()) -> None:
         group.add_argument(_flag(f.name), **kw)
 
 
-def add_engine_flags(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
+def add_engine_flags(parser: argparse.ArgumentParser, skip: tuple[str, ...] = (),
+                     shown_defaults: dict[str, Any] | None = None) -> None:
     group = parser.add_argument_group("engine options (also accepted as keys in --config FILE.toml)")
     group.add_argument("--config", metavar="FILE.toml", default=argparse.SUPPRESS,
                        help="Read options from a TOML file with the flags' names as keys (e.g. max_num_seqs = 64); "
                             "flags given on the command line win.")
-    add_config_flags(group, EngineConfig, skip)
+    add_config_flags(group, EngineConfig, skip, shown_defaults)
 
 
 def config_flags(config) -> list[str]:
@@ -127,17 +132,23 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--prompt", action="append", default=[], help="A prompt (repeatable).")
     gen.add_argument("--prompts-file", help="A file with one prompt per line, or JSONL with a 'prompt' field.")
     gen.add_argument("--chat", action="store_true", help="Wrap each prompt in the chat template as a user turn.")
-    gen.add_argument("--max-tokens", type=int, default=128)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--max-tokens", type=int, default=128,
+                     help="Most tokens to generate per prompt (default: %(default)s).")
+    gen.add_argument("--temperature", type=float, default=0.0,
+                     help="Sampling temperature; 0 is greedy (default: %(default)s).")
+    gen.add_argument("--top-p", type=float, default=1.0,
+                     help="Nucleus sampling: keep the smallest set of tokens whose probability reaches this "
+                          "(default: %(default)s).")
     gen.add_argument("--sampling-seed", type=int, default=None, help="Seed for sampling (reproducible text).")
     gen.add_argument("--output", help="Write JSONL results here instead of printing them.")
-    add_engine_flags(gen)
+    add_engine_flags(gen, shown_defaults={"max_num_batched_tokens": OFFLINE_MAX_NUM_BATCHED_TOKENS})
 
-    chat = sub.add_parser("chat", help="Chat with the model in the terminal.")
+    chat = sub.add_parser("chat", help="Chat with the model in the terminal (replies stream as they are made).")
     chat.add_argument("--system", help="A system prompt.")
-    chat.add_argument("--max-tokens", type=int, default=512)
-    chat.add_argument("--temperature", type=float, default=0.7)
+    chat.add_argument("--max-tokens", type=int, default=512,
+                      help="Most tokens per reply (default: %(default)s).")
+    chat.add_argument("--temperature", type=float, default=0.7,
+                      help="Sampling temperature; 0 is greedy (default: %(default)s).")
     add_engine_flags(chat)
 
     plugins = sub.add_parser("plugins", help="List every available plugin: kind, origin and options "
@@ -161,8 +172,38 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    return next((dict(a.choices) for a in parser._actions if isinstance(a, argparse._SubParsersAction)), {})
+
+
+def reject_unknown_flags(parser: argparse.ArgumentParser, argv: list[str]) -> None:
+    """Exit with "unrecognized argument: --x" for a flag no parser on the way knows. argparse alone would
+    take ``awq`` in ``engine --quantization awq`` for the subcommand and answer "invalid choice: 'awq'"."""
+    current = parser
+    tokens = iter(argv)
+    for token in tokens:
+        if token == "--":
+            return
+        if token.startswith("--"):
+            name = token.split("=", 1)[0]
+            actions = current._option_string_actions
+            # argparse takes an unambiguous prefix of a flag; so does this check.
+            matches = [actions[name]] if name in actions else list({id(a): a for k, a in actions.items()
+                                                                    if k.startswith(name)}.values())
+            if len(matches) != 1:
+                where = "engine" if current is parser else current.prog
+                current.error(f"unrecognized argument: {name} ({where} has no such flag; "
+                              f"`{where} --help` lists them)")
+            if "=" not in token and matches[0].nargs is None:
+                next(tokens, None)  # the flag's value
+        elif token in _subcommands(current):
+            current = _subcommands(current)[token]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    reject_unknown_flags(parser, argv)
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     from kvloom.plugins.manager import PluginManager
@@ -188,10 +229,12 @@ def main(argv: list[str] | None = None) -> int:
         rows = plugins.listing()
         print(json.dumps(rows, indent=2) if args.json else format_listing(rows))
         return 0
-    if args.command == "generate":
-        return _generate(args, config)
-    if args.command == "chat":
-        return _chat(args, config)
+    if args.command in ("generate", "chat"):
+        try:
+            return _generate(args, config) if args.command == "generate" else _chat(args, config)
+        except (ConfigError, ValueError, OSError) as e:  # e.g. --max-model-len over the model's limit
+            print(f"engine {args.command}: error: {e}", file=sys.stderr)
+            return 2
     from kvloom.core.model_files import resolve_model
     from kvloom.launcher import serve
 
@@ -217,7 +260,7 @@ def _read_prompts(args) -> list[str]:
 
 def _generate(args, config: EngineConfig) -> int:
     from kvloom.core.sampling_params import SamplingParams
-    from kvloom.llm import LLM, OFFLINE_MAX_NUM_BATCHED_TOKENS
+    from kvloom.llm import LLM
 
     prompts = _read_prompts(args)
     if not prompts:
@@ -243,24 +286,34 @@ def _generate(args, config: EngineConfig) -> int:
 
 
 def _chat(args, config: EngineConfig) -> int:
+    import contextlib
+
     from kvloom.core.sampling_params import SamplingParams
     from kvloom.llm import LLM
 
-    llm = LLM(config=config)
-    history = [{"role": "system", "content": args.system}] if args.system else []
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
-    print("kvloom chat: type a message, an empty line or Ctrl-D to quit.")
-    while True:
-        try:
-            line = input("you> ").strip()
-        except EOFError:
-            break
-        if not line:
-            break
-        history.append({"role": "user", "content": line})
-        reply = llm.chat(history, params, use_tqdm=False)[0].text
-        print(f"assistant> {reply}")
-        history.append({"role": "assistant", "content": reply})
+    try:
+        llm = LLM(config=config)
+        history = [{"role": "system", "content": args.system}] if args.system else []
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
+        print("kvloom chat: type a message, an empty line, Ctrl-D or Ctrl-C to quit.")
+        while True:
+            try:
+                line = input("you> ").strip()
+            except EOFError:
+                break
+            if not line:
+                break
+            history.append({"role": "user", "content": line})
+            print("assistant> ", end="", flush=True)
+            reply = ""
+            with contextlib.closing(llm.stream_chat(history, params)) as pieces:
+                for piece in pieces:
+                    print(piece, end="", flush=True)
+                    reply += piece
+            print()
+            history.append({"role": "assistant", "content": reply})
+    except KeyboardInterrupt:  # the stream's own cleanup has aborted its request; quit without a traceback
+        print()
     return 0
 
 

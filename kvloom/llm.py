@@ -6,11 +6,11 @@ from __future__ import annotations
 import itertools
 import time
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 from tqdm.auto import tqdm
 
-from kvloom.core.config import DEFAULT_MODEL, EngineConfig
+from kvloom.core.config import DEFAULT_MODEL, OFFLINE_MAX_NUM_BATCHED_TOKENS, EngineConfig
 from kvloom.core.engine_core import EngineCore
 from kvloom.core.messages import AddRequest, TokenLogprobs
 from kvloom.core.sampling_params import SamplingParams
@@ -65,12 +65,6 @@ class RequestOutput:
         return self.outputs[0].finish_reason
 
 
-# Offline batches want throughput, not inter-token latency: a step budget twice the server's default
-# prefills more prompts per step, so their decodes run in lockstep (vLLM makes the same split).
-# On this project's CPU: 7.6 -> 7.2 s on the offline benchmark (docs/benchmarks.md).
-OFFLINE_MAX_NUM_BATCHED_TOKENS = 4096
-
-
 class LLM:
     """Offline generation over a batch of prompts with continuous batching. Options are
     ``EngineConfig`` fields; ``max_num_batched_tokens`` defaults to 4096 here (2048 when serving)."""
@@ -123,6 +117,32 @@ class LLM:
             ids = apply_chat_template(self._require_tokenizer(), list(conv), add_generation_prompt)
             encoded.append((self.tokenizer.decode(ids), ids))
         return self._run(encoded, sampling_params, use_tqdm, priority)
+
+    def stream_chat(self, messages: list[dict[str, Any]], sampling_params: SamplingParams | None = None
+                    ) -> Iterator[str]:
+        """Answer one conversation, yielding the reply's text as it is generated (``engine chat``).
+        Closing the iterator early (or an interrupt while it runs) aborts the request in the engine."""
+        sp = sampling_params or SamplingParams()
+        if sp.n != 1:
+            raise ValueError(f"stream_chat makes one reply; got n={sp.n}")
+        ids = apply_chat_template(self._require_tokenizer(), list(messages))
+        rid = str(next(self._ids))
+        self.engine.add_request(AddRequest(request_id=rid, prompt_token_ids=ids, sampling=sp, arrival_time=time.time()))
+        text = IncrementalText(self.tokenizer, sp.stop, sp.skip_special_tokens, sp.include_stop_str_in_output)
+        finished = False
+        try:
+            while not finished and text.stopped_by is None:
+                for delta in self.engine.step():
+                    if delta.request_id != rid:
+                        continue
+                    finished = delta.finish_reason is not None
+                    piece = text.add_tokens(delta.new_token_ids, final=finished)
+                    if piece:
+                        yield piece
+        finally:
+            if not finished:  # a stop string, a closed iterator or Ctrl-C: nothing may keep running
+                self.engine.abort_requests([rid])
+            self.engine.flush()
 
     def _require_tokenizer(self):
         if self.tokenizer is None:

@@ -9,6 +9,12 @@ from typing import Any
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 
+# Offline batches want throughput, not inter-token latency: a step budget twice the server's default
+# prefills more prompts per step, so their decodes run in lockstep (vLLM makes the same split).
+# On this project's CPU: 7.6 -> 7.2 s on the offline benchmark (docs/benchmarks.md). Here, not in
+# llm.py, so that `engine generate --help` can show it without importing torch.
+OFFLINE_MAX_NUM_BATCHED_TOKENS = 4096
+
 
 class ConfigError(ValueError):
     """A configuration value is invalid; the message names the value and the allowed range."""

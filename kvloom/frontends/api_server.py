@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import hmac
 import logging
+import os
 import re
 import signal
 import socket
@@ -29,6 +30,7 @@ from kvloom.core.messages import TokenLogprobs
 from kvloom.core.sampling_params import SamplingParams
 from kvloom.frontends import openai_protocol as api
 from kvloom.frontends.config import ServerConfig
+from kvloom.frontends.engine_client import EngineUnavailable
 from kvloom.frontends.frontend_core import (
     FrontendCore,
     PreparedRequest,
@@ -497,7 +499,14 @@ def build_app(engine_address: str, engine_config: EngineConfig, server_config: S
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
-        server.core = await start_frontend_core(engine_address, engine_config, server_config)
+        try:
+            server.core = await start_frontend_core(engine_address, engine_config, server_config)
+        except EngineUnavailable as e:
+            # The engine has logged why (e.g. max_model_len over the model's); a traceback from each
+            # worker would only bury that line. The launcher sees this exit and stops the server.
+            logger.error("%s", e)
+            logging.shutdown()
+            os._exit(3)
         try:
             yield
         finally:
