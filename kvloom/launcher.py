@@ -91,10 +91,11 @@ class Launcher:
         self.signals: list[int] = []
         self.engine_lost = False
 
-    def _spawn(self, module: str, args: list[str], pass_fds: tuple[int, ...] = ()) -> subprocess.Popen:
+    def _spawn(self, module: str, args: list[str], pass_fds: tuple[int, ...] = (),
+               env: dict[str, str] | None = None) -> subprocess.Popen:
         proc = subprocess.Popen(
             [sys.executable, "-m", module, *args, "--log-level", self.log_level],
-            stdin=subprocess.PIPE, pass_fds=pass_fds,
+            stdin=subprocess.PIPE, pass_fds=pass_fds, env=env,
         )
         proc.stdin.write(launch_payload(self.engine_config, self.server_config))
         proc.stdin.close()
@@ -113,9 +114,11 @@ class Launcher:
             address = cfg.engine_address or f"ipc://{private_dir}/engine.sock"
             self.engine = self._spawn("kvloom.core.engine_process", ["--address", address])
             fd = str(sock.fileno())
+            metrics_env = api_worker_env(private_dir)
             for _ in range(cfg.api_workers):
                 self.frontends.append(self._spawn("kvloom.frontends.api_server",
-                                                  ["--engine-address", address, "--fd", fd], (sock.fileno(),)))
+                                                  ["--engine-address", address, "--fd", fd], (sock.fileno(),),
+                                                  metrics_env))
             if cfg.gateway:
                 self.frontends.append(self._spawn("kvloom.frontends.gateway",
                                                   ["--engine-address", address, "--address", cfg.gateway]))
@@ -175,6 +178,16 @@ class Launcher:
             if p is not None and p.poll() is None:
                 _signal(p, signal.SIGKILL)
                 p.wait()
+
+
+def api_worker_env(private_dir: str) -> dict[str, str]:
+    """The API workers' environment: one shared directory for their Prometheus counters, so /metrics
+    from any worker serves the totals of all of them."""
+    from kvloom.frontends.metrics import MULTIPROC_ENV
+
+    metrics_dir = os.path.join(private_dir, "metrics")
+    os.makedirs(metrics_dir, exist_ok=True)
+    return {**os.environ, MULTIPROC_ENV: metrics_dir}
 
 
 def _signal(proc: subprocess.Popen, sig: int) -> None:

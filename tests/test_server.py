@@ -330,7 +330,9 @@ def test_metrics_count_requests(server):
     stats = engine_stats(server)
     assert stats["kvloom_engine_healthy"] == 1
     assert stats["kvloom_kv_cache_total_blocks"] == NUM_BLOCKS
-    with httpx.Client() as http:  # one keep-alive connection: both requests reach the same worker
+    with httpx.Client() as http:
         http.get(server.url + "/health")
         text = http.get(server.url + "/metrics").text
-    assert 'kvloom_http_requests_total{path="/health",status="200"}' in text
+    samples = [s for fam in text_string_to_metric_families(text) for s in fam.samples]
+    assert any(s.name == "kvloom_http_requests_total" and s.labels["path"] == "/health" and s.labels["status"] == "200"
+               and s.labels["model"] == server.model and s.value >= 1 for s in samples)

@@ -23,8 +23,9 @@ from kvloom.core.config import EngineConfig
 SERVING_LINE = re.compile(r"Serving the OpenAI API on (http://[^\s]+?:\d+)")
 KV_LINE = re.compile(r"(KV cache: .*)$", re.MULTILINE)
 STOP_TIMEOUT_S = 60.0
-ENGINE_COUNTERS = {"preemptions": "kvloom_num_preemptions", "prefix_cache_queries": "kvloom_prefix_cache_queries",
-                   "prefix_cache_hits": "kvloom_prefix_cache_hits"}
+ENGINE_COUNTERS = {"preemptions": "kvloom_num_preemptions_total",
+                   "prefix_cache_queries": "kvloom_prefix_cache_queries_total",
+                   "prefix_cache_hits": "kvloom_prefix_cache_hits_total"}
 
 
 def combination_name(plugins: list[str]) -> str:

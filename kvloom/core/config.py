@@ -49,6 +49,8 @@ class EngineConfig:
     num_kv_blocks: int | None = _opt(None, "Exact number of KV blocks (overrides the memory-based size).")
     seed: int = _opt(0, "Seed for dummy weights and for sampling of requests without their own seed.")
     enforce_eager: bool = _opt(False, "Never capture CUDA graphs.")
+    stats_log_interval: float = _opt(10.0, "Seconds between the served engine's stats lines in the log "
+                                     "(throughput, running/waiting, KV use, prefix hit rate); 0 turns them off.")
     async_scheduling: str = _opt("auto", "Schedule the next step while the device runs the current one "
                                  "(auto: on for CUDA, where it hides the host's work).",
                                  choices=("auto", "on", "off"))
@@ -76,6 +78,8 @@ class EngineConfig:
             raise ConfigError(f"kv_cache_memory_gib={self.kv_cache_memory_gib} must be > 0")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ConfigError(f"num_kv_blocks={self.num_kv_blocks} must be >= 1")
+        if self.stats_log_interval < 0:
+            raise ConfigError(f"stats_log_interval={self.stats_log_interval} must be >= 0")
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "EngineConfig":

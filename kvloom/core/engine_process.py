@@ -15,6 +15,7 @@ import msgspec
 import zmq
 
 from kvloom.core.config import EngineConfig
+from kvloom.core.stats_log import EngineStatsLog
 from kvloom.core.messages import (
     AbortRequest,
     AddRequest,
@@ -59,6 +60,7 @@ class EngineServer:
         self.outbox: dict[bytes, list[TokenDelta]] = defaultdict(list)
         self.draining = False  # finish what is running, refuse new requests, then exit
         self.stop_now = False
+        self.stats_log = EngineStatsLog(config.stats_log_interval)
 
     # --- lifecycle ---------------------------------------------------------------------------------
     def load(self) -> None:
@@ -85,9 +87,12 @@ class EngineServer:
             if self.stop_now:
                 break
             if core.has_unfinished():
-                for delta in core.step():
+                deltas = core.step()
+                for delta in deltas:
                     self._route(delta)
+                self.stats_log.record_step(core.last_step_tokens, sum(len(d.new_token_ids) for d in deltas))
             self._flush()
+            self.stats_log.maybe_log(core.stats)
         if core.has_unfinished():
             for delta in core.abort_requests(list(self.owners)):
                 self._route(delta)

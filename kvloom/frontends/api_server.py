@@ -20,6 +20,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable
 import msgspec
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
@@ -29,6 +30,7 @@ from kvloom.core.config import EngineConfig
 from kvloom.core.messages import TokenLogprobs
 from kvloom.core.sampling_params import SamplingParams
 from kvloom.frontends import openai_protocol as api
+from kvloom.frontends.access_log import AccessLog, track_tokens
 from kvloom.frontends.config import ServerConfig
 from kvloom.frontends.engine_client import EngineUnavailable
 from kvloom.frontends.frontend_core import (
@@ -40,6 +42,7 @@ from kvloom.frontends.frontend_core import (
     start_frontend_core,
 )
 from kvloom.frontends.metrics import FrontendMetrics
+from kvloom.frontends.text import token_bytes
 
 logger = logging.getLogger("kvloom.api")
 
@@ -185,6 +188,7 @@ class OpenAIServer:
         self.core: FrontendCore | None = None
         self.metrics = FrontendMetrics()
         self._token_text: dict[int, str] = {}
+        self._token_bytes: dict[int, bytes] = {}
 
     @property
     def model_name(self) -> str:
@@ -263,6 +267,12 @@ class OpenAIServer:
             text = self._token_text[token_id] = self.core.tokenizer.decode([token_id], skip_special_tokens=False)
         return text
 
+    def token_bytes(self, token_id: int) -> bytes:
+        raw = self._token_bytes.get(token_id)
+        if raw is None:
+            raw = self._token_bytes[token_id] = token_bytes(self.core.tokenizer, token_id)
+        return raw
+
     def _start(self, prepared: list[PreparedRequest]) -> AsyncIterator[tuple[int, TextDelta]]:
         self.core.check_available(len(prepared))
         for p in prepared:
@@ -271,7 +281,10 @@ class OpenAIServer:
 
     async def _respond(self, request: Request, prepared: list[PreparedRequest], stream: bool, rid: str,
                        collect: Callable, events: Callable) -> Any:
-        merged = self._start(prepared)
+        # n choices of one prompt share its token list: the log counts each prompt once, as usage does.
+        prompts = {id(p.prompt_token_ids): p.prompt_token_ids for p in prepared}
+        prompt_tokens = sum(len(ids) for ids in prompts.values())
+        merged = track_tokens(request.scope, prompt_tokens, self._start(prepared))
         headers = {"x-request-id": rid}
         if not stream:
             try:
@@ -411,8 +424,7 @@ class OpenAIServer:
 
     def _chat_logprobs(self, lps: list[TokenLogprobs]) -> api.ChatLogprobs:
         def entry(token_id: int, logprob: float) -> tuple[str, float, list[int]]:
-            text = self.token_text(token_id)
-            return text, logprob, list(text.encode())
+            return self.token_text(token_id), logprob, list(self.token_bytes(token_id))
 
         return api.ChatLogprobs([
             api.TokenLogprobOut(*entry(lp.token_id, lp.logprob),
@@ -507,6 +519,7 @@ def build_app(engine_address: str, engine_config: EngineConfig, server_config: S
             logger.error("%s", e)
             logging.shutdown()
             os._exit(3)
+        server.metrics.set_model(server.core.ready.model_name)
         try:
             yield
         finally:
@@ -516,7 +529,8 @@ def build_app(engine_address: str, engine_config: EngineConfig, server_config: S
         return error_response(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}")
 
     app = Starlette(routes=server.routes(), lifespan=lifespan,
-                    exception_handlers={404: http_error, 405: http_error})
+                    exception_handlers={404: http_error, 405: http_error},
+                    middleware=[Middleware(AccessLog, enabled=server_config.log_requests)])
     app.state.server = server
     return app
 

@@ -23,6 +23,8 @@ class ServerConfig:
     api_key: str | None = _opt(None, "Require 'Authorization: Bearer KEY' on /v1 routes (put it in the "
                                "config file to keep it out of the process list).")
     served_model_name: str | None = _opt(None, "The model name clients use (default: --model as given).")
+    log_requests: bool = _opt(True, "Log one line per HTTP request (method, path, status, tokens, TTFT, "
+                              "duration; never the prompt or the key).")
     gateway: str | None = _opt(None, "Also serve the ZMQ gateway for non-HTTP services at this address, "
                                "e.g. ipc:///tmp/kvloom.sock or tcp://127.0.0.1:5557.")
     engine_address: str | None = _opt(None, "ZeroMQ address of the engine process (default: ipc:// in a "

@@ -1,63 +1,130 @@
-"""Prometheus metrics of one frontend process: its requests and tokens, plus the engine's gauges (KV
-blocks, queue lengths) fetched from the engine at scrape time."""
+"""Prometheus metrics of the HTTP frontends: requests, tokens, latencies (TTFT, TPOT, ITL, end to end)
+and finish reasons, summed over every API worker (prometheus_client's multiprocess mode, which the
+launcher turns on), plus the engine's own counters and gauges fetched from the engine at scrape time
+and served once. Every series carries a ``model`` label."""
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any, AsyncIterator
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-# EngineStats field -> (metric name, help)
+# prometheus_client reads this variable itself; the launcher sets it for its API workers so their
+# counters land in one shared directory (it is plumbing between our processes, not a user setting).
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
+
+# EngineStats field -> (metric name, help); the engine's totals since it started.
+ENGINE_COUNTERS = {
+    "num_preemptions": ("kvloom_num_preemptions", "Preemptions since the engine started."),
+    "prefix_cache_queries": ("kvloom_prefix_cache_queries", "Prompt tokens looked up in the prefix cache."),
+    "prefix_cache_hits": ("kvloom_prefix_cache_hits", "Prompt tokens served from the prefix cache."),
+}
 ENGINE_GAUGES = {
     "num_running": ("kvloom_num_requests_running", "Requests the engine is running."),
     "num_waiting": ("kvloom_num_requests_waiting", "Requests waiting for the engine."),
     "num_free_blocks": ("kvloom_kv_cache_free_blocks", "Free KV-cache blocks."),
     "num_total_blocks": ("kvloom_kv_cache_total_blocks", "All KV-cache blocks."),
     "kv_usage": ("kvloom_kv_cache_usage_ratio", "Fraction of KV-cache blocks in use."),
-    "num_preemptions": ("kvloom_num_preemptions", "Preemptions since the engine started."),
-    "prefix_cache_queries": ("kvloom_prefix_cache_queries", "Prefix-cache lookups (tokens)."),
-    "prefix_cache_hits": ("kvloom_prefix_cache_hits", "Prefix-cache hits (tokens)."),
 }
+LATENCY_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+TOKEN_GAP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1, 2.5, 5)
+
+
+class _EngineCollector:
+    """The engine's stats of one scrape as Prometheus families (counters end in ``_total``)."""
+
+    def __init__(self, model: str, healthy: bool, stats: dict[str, Any] | None) -> None:
+        self.model, self.healthy, self.stats = model, healthy, stats or {}
+
+    def collect(self):
+        health = GaugeMetricFamily("kvloom_engine_healthy", "1 while the engine process is up.", labels=["model"])
+        health.add_metric([self.model], 1 if self.healthy else 0)
+        yield health
+        for field, (name, help) in ENGINE_COUNTERS.items():
+            family = CounterMetricFamily(name, help, labels=["model"])
+            family.add_metric([self.model], self.stats.get(field, 0))
+            yield family
+        for field, (name, help) in ENGINE_GAUGES.items():
+            family = GaugeMetricFamily(name, help, labels=["model"])
+            family.add_metric([self.model], self.stats.get(field, 0))
+            yield family
 
 
 class FrontendMetrics:
     def __init__(self) -> None:
+        self.multiprocess = bool(os.environ.get(MULTIPROC_ENV))
         r = self.registry = CollectorRegistry()
-        self.requests = Counter("kvloom_http_requests", "HTTP requests by path and status.", ["path", "status"],
-                                registry=r)
-        self.prompt_tokens = Counter("kvloom_prompt_tokens", "Prompt tokens sent to the engine.", registry=r)
-        self.generation_tokens = Counter("kvloom_generation_tokens", "Tokens generated.", registry=r)
-        self.ttft = Histogram("kvloom_time_to_first_token_seconds", "Time to the first generated token.",
-                              buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60), registry=r)
-        self.latency = Histogram("kvloom_request_latency_seconds", "Time from arrival to the last token.",
-                                 buckets=(0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300), registry=r)
-        self.engine_healthy = Gauge("kvloom_engine_healthy", "1 while the engine process is up.", registry=r)
-        self.engine = {field: Gauge(name, help, registry=r) for field, (name, help) in ENGINE_GAUGES.items()}
+        self.model = ""
+        self.requests = Counter("kvloom_http_requests", "HTTP requests by path and status.",
+                                ["path", "status", "model"], registry=r)
+        self._prompt_tokens = Counter("kvloom_prompt_tokens", "Prompt tokens sent to the engine.", ["model"],
+                                      registry=r)
+        self._generation_tokens = Counter("kvloom_generation_tokens", "Tokens generated.", ["model"], registry=r)
+        self._finished = Counter("kvloom_request_success", "Completions finished, by finish reason.",
+                                 ["finished_reason", "model"], registry=r)
+        self._ttft = Histogram("kvloom_time_to_first_token_seconds", "Time to the first generated token.", ["model"],
+                               buckets=TTFT_BUCKETS, registry=r)
+        self._tpot = Histogram("kvloom_time_per_output_token_seconds", "Per completion: time after the first "
+                               "token divided by the tokens after it.", ["model"], buckets=TOKEN_GAP_BUCKETS,
+                               registry=r)
+        self._itl = Histogram("kvloom_inter_token_latency_seconds", "Time between successive output tokens.",
+                              ["model"], buckets=TOKEN_GAP_BUCKETS, registry=r)
+        self._latency = Histogram("kvloom_request_latency_seconds", "Time from arrival to the last token.",
+                                  ["model"], buckets=LATENCY_BUCKETS, registry=r)
+
+    def set_model(self, model: str) -> None:
+        """Name the served model (known once the engine is ready); every series is labelled with it."""
+        self.model = model
+        self.prompt_tokens = self._prompt_tokens.labels(model)
+        self.generation_tokens = self._generation_tokens.labels(model)
+        self.ttft = self._ttft.labels(model)
+        self.tpot = self._tpot.labels(model)
+        self.itl = self._itl.labels(model)
+        self.latency = self._latency.labels(model)
 
     def count_request(self, path: str, status: int) -> None:
-        self.requests.labels(path, str(status)).inc()
+        self.requests.labels(path, str(status), self.model).inc()
 
     async def observe(self, deltas: AsyncIterator[Any]) -> AsyncIterator[Any]:
-        """Pass a completion's TextDeltas through, recording TTFT, latency and token counts."""
+        """Pass a completion's TextDeltas through, recording its latencies, tokens and finish reason."""
         start = time.monotonic()
         counted = 0
-        first = False
+        first_at = last_at = None
         try:
             async for delta in deltas:
-                if not first and delta.num_output_tokens:
-                    first = True
-                    self.ttft.observe(time.monotonic() - start)
-                self.generation_tokens.inc(delta.num_output_tokens - counted)
-                counted = delta.num_output_tokens
+                now = time.monotonic()
+                new = delta.num_output_tokens - counted
+                if new > 0:
+                    if first_at is None:
+                        first_at = now
+                        self.ttft.observe(now - start)
+                    else:
+                        for _ in range(new):  # tokens that arrive together share the wait
+                            self.itl.observe((now - last_at) / new)
+                    last_at = now
+                    self.generation_tokens.inc(new)
+                    counted = delta.num_output_tokens
                 if delta.finish_reason is not None:
-                    self.latency.observe(time.monotonic() - start)
+                    self.latency.observe(now - start)
+                    if first_at is not None and counted > 1:
+                        self.tpot.observe((now - first_at) / (counted - 1))
+                    self._finished.labels(delta.finish_reason, self.model).inc()
                 yield delta
         finally:
             await deltas.aclose()
 
     def render(self, healthy: bool, stats: dict[str, Any] | None) -> tuple[bytes, str]:
-        self.engine_healthy.set(1 if healthy else 0)
-        for field, gauge in self.engine.items():
-            gauge.set((stats or {}).get(field, 0))
-        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+        if self.multiprocess:
+            from prometheus_client import multiprocess
+
+            frontends = CollectorRegistry()
+            multiprocess.MultiProcessCollector(frontends)
+        else:
+            frontends = self.registry
+        engine = CollectorRegistry()
+        engine.register(_EngineCollector(self.model, healthy, stats))
+        return generate_latest(frontends) + generate_latest(engine), CONTENT_TYPE_LATEST

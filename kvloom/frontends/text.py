@@ -101,3 +101,37 @@ class IncrementalText:
         new = self.text[self.emitted : visible]
         self.emitted = visible
         return new
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level BPE alphabet: the printable character that stands for each byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+_BYTE_LEVEL = _byte_level_alphabet()
+
+
+def _uses_byte_level(tokenizer) -> bool:
+    decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
+    return decoder is not None and "ByteLevel" in repr(decoder)
+
+
+def token_bytes(tokenizer, token_id: int) -> bytes:
+    """The bytes one token stands for. Decoding a token alone that holds part of a UTF-8 character
+    gives U+FFFD; its vocabulary entry still says which bytes it is (byte-level BPE maps each byte to
+    one character, SentencePiece's byte fallback spells them ``<0xE2>``)."""
+    piece = tokenizer.convert_ids_to_tokens(int(token_id))
+    if isinstance(piece, str) and token_id not in tokenizer.all_special_ids:
+        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            return bytes([int(piece[3:5], 16)])
+        if _uses_byte_level(tokenizer) and all(c in _BYTE_LEVEL for c in piece):
+            return bytes(_BYTE_LEVEL[c] for c in piece)
+    return tokenizer.decode([int(token_id)], skip_special_tokens=False).encode()
