@@ -1,10 +1,12 @@
 """What a vLLM user relies on around the API, on the real server (``engine`` subprocess, two HTTP
 workers, tiny random model): /metrics totals across workers with vLLM's kinds of series, one access
-log line per request, the engine's periodic stats line, and logprob ``bytes`` that are the token's."""
+log line per request, the engine's periodic stats line, logprob ``bytes`` that are the token's, and
+every request field kvloom does not implement refused by name (never silently ignored)."""
 
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import time
 
 import httpx
@@ -33,6 +35,13 @@ def server(tiny_llama, tmp_path_factory):
 @pytest.fixture
 def client(server):
     return openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=60)
+
+
+CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+
+
+def post(server, path: str, body: dict) -> httpx.Response:
+    return httpx.post(server.url + path, headers=server.headers, content=json.dumps(body).encode(), timeout=60)
 
 
 def scrape(server) -> list:
@@ -152,3 +161,56 @@ def test_chat_logprob_bytes_are_the_tokens_bytes(server, client, tiny_llama):
             partial += 1
             assert bytes(e.bytes) != "\ufffd".encode()
     assert checked > 100 and partial > 0  # the sample did include tokens that are part of a character
+
+
+# --- fields kvloom does not implement: refused by name --------------------------------------------
+REFUSED = [
+    ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format", "structured outputs"),
+    ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}},
+     "response_format", "structured outputs"),
+    ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "tool calling"),
+    ("/v1/chat/completions", {"tool_choice": "auto"}, "tool_choice", "tool calling"),
+    ("/v1/chat/completions", {"guided_json": {"type": "object"}}, "guided_json", "structured outputs"),
+    ("/v1/chat/completions", {"guided_choice": ["a", "b"]}, "guided_choice", "structured outputs"),
+    ("/v1/chat/completions", {"guided_regex": "[0-9]+"}, "guided_regex", "structured outputs"),
+    ("/v1/chat/completions", {"structured_outputs": {"choice": ["a"]}}, "structured_outputs", "structured outputs"),
+    ("/v1/chat/completions", {"logit_bias": {"5": 10}}, "logit_bias", "sampler"),
+    ("/v1/chat/completions", {"functions": [{"name": "f"}]}, "functions", "tool calling"),
+    ("/v1/chat/completions", {"frobnicate": 1}, "frobnicate", "unknown field"),
+    ("/v1/chat/completions", {"stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}},
+     "stream_options.continuous_usage_stats", "not supported"),
+    ("/v1/chat/completions", {"messages": [{"role": "assistant", "content": None, "tool_calls": [{"id": "1"}]}]},
+     "messages[0].tool_calls", "tool calling"),
+    ("/v1/completions", {"echo": True}, "echo", "prompt logprobs"),
+    ("/v1/completions", {"suffix": "}"}, "suffix", "fill-in-the-middle"),
+    ("/v1/completions", {"prompt_logprobs": 1}, "prompt_logprobs", "prompt logprobs"),
+    ("/v1/completions", {"best_of": 3}, "best_of", "best_of"),
+    ("/v1/completions", {"guided_grammar": "root ::= 'a'"}, "guided_grammar", "structured outputs"),
+    ("/v1/completions", {"use_beam_search": True}, "use_beam_search", "beam search"),
+]
+
+
+@pytest.mark.parametrize("path,fields,param,words", REFUSED)
+def test_unimplemented_fields_are_refused_by_name(server, path, fields, param, words):
+    body = {**CHAT, **fields} if "chat" in path else {"prompt": "hi", "max_tokens": 2, **fields}
+    r = post(server, path, body)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and param.split(".")[-1].split("[")[0] in error["message"]
+    assert words in error["message"], error
+
+
+@pytest.mark.parametrize("path,fields", [
+    ("/v1/chat/completions", {"response_format": {"type": "text"}, "tool_choice": "none", "logit_bias": {},
+                              "parallel_tool_calls": True, "metadata": {"k": "v"}, "store": False}),
+    ("/v1/completions", {"echo": False, "suffix": None, "best_of": 1, "logit_bias": None}),
+])
+def test_the_values_meaning_off_are_accepted(server, path, fields):
+    body = {**CHAT, **fields} if "chat" in path else {"prompt": "hi", "max_tokens": 2, **fields}
+    assert post(server, path, body).status_code == 200
+
+
+def test_the_openai_client_gets_a_typed_error_for_json_mode(client):
+    with pytest.raises(openai.BadRequestError, match="response_format"):
+        client.chat.completions.create(model=SERVED, messages=CHAT["messages"], max_tokens=2,
+                                       response_format={"type": "json_object"})

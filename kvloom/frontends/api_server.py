@@ -42,6 +42,7 @@ from kvloom.frontends.frontend_core import (
     start_frontend_core,
 )
 from kvloom.frontends.metrics import FrontendMetrics
+from kvloom.frontends.request_fields import CHAT_RULES, COMPLETION_RULES, check_fields
 from kvloom.frontends.text import token_bytes
 
 logger = logging.getLogger("kvloom.api")
@@ -121,23 +122,6 @@ SSE_DONE = "data: [DONE]\n\n"
 def _decode_error_param(message: str) -> str | None:
     match = _PARAM_AT.search(message) or _MISSING.search(message)
     return match.group(1) if match else None
-
-
-def _check_unsupported(req: api._GenerationRequest) -> None:
-    """Refuse, by name, parameters this server accepts in the schema but does not implement."""
-    if req.logit_bias:
-        raise RequestError(400, "logit_bias is not supported", "logit_bias")
-    if req.best_of is not None and req.best_of != req.n:
-        raise RequestError(400, f"best_of={req.best_of} is not supported (only best_of == n)", "best_of")
-    if isinstance(req, api.CompletionRequest):
-        for name in ("echo", "suffix"):
-            if getattr(req, name):
-                raise RequestError(400, f"{name} is not supported", name)
-    if isinstance(req, api.ChatCompletionRequest):
-        if req.tools:
-            raise RequestError(400, "tools are not supported", "tools")
-        if req.response_format and req.response_format.get("type", "text") != "text":
-            raise RequestError(400, "only response_format type 'text' is supported", "response_format")
 
 
 def _sampling(req: api._GenerationRequest, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
@@ -254,7 +238,8 @@ class OpenAIServer:
         if req.model is not None and req.model != self.model_name:
             raise RequestError(404, f"The model `{req.model}` does not exist; this server serves "
                                f"`{self.model_name}`.", "model")
-        _check_unsupported(req)
+        rules = CHAT_RULES if typ is api.ChatCompletionRequest else COMPLETION_RULES
+        check_fields(msgspec.json.decode(await request.body()), typ, rules)
         return req
 
     def _request_id(self, request: Request, prefix: str) -> str:

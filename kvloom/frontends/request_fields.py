@@ -1,0 +1,121 @@
+"""Which request fields the HTTP API takes. Every field of OpenAI's and vLLM's completion and chat
+request schemas is either implemented (a field of the request Struct) or refused here by name with a
+reason; a field neither schema has is refused as unknown. Nothing is silently ignored: a client that
+asks for JSON output or a tool call must not get free text that looks like success."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from kvloom.frontends.frontend_core import RequestError
+
+_SAMPLER = "it needs the engine's new sampler (token masks); it is not supported yet"
+_STRUCTURED = "structured outputs are not supported yet (they come with the engine's new sampler)"
+_TOOLS = "tool calling is not supported yet"
+_PROMPT_LOGPROBS = "prompt logprobs are not supported yet (the engine returns logprobs of generated tokens only)"
+
+
+def _off(value: Any) -> bool:
+    """The value a client sends when it does not want the feature."""
+    return value is None or value is False or value == [] or value == {} or value == ""
+
+
+# field -> (reason, accepted(value, body)): a value that `accepted` allows is what kvloom does anyway.
+Rule = tuple[str, Callable[[Any, dict], bool]]
+_COMMON: dict[str, Rule] = {
+    "logit_bias": (_SAMPLER, lambda v, b: _off(v)),
+    "best_of": ("best_of other than n is not supported", lambda v, b: v is None or v == b.get("n", 1)),
+    "use_beam_search": ("beam search is not supported", lambda v, b: _off(v)),
+    "length_penalty": ("length_penalty is for beam search, which is not supported", lambda v, b: v in (None, 1, 1.0)),
+    "response_format": (_STRUCTURED, lambda v, b: _off(v) or v == {"type": "text"}),
+    "guided_json": (_STRUCTURED, lambda v, b: _off(v)),
+    "guided_regex": (_STRUCTURED, lambda v, b: _off(v)),
+    "guided_choice": (_STRUCTURED, lambda v, b: _off(v)),
+    "guided_grammar": (_STRUCTURED, lambda v, b: _off(v)),
+    "guided_decoding_backend": (_STRUCTURED, lambda v, b: _off(v)),
+    "guided_whitespace_pattern": (_STRUCTURED, lambda v, b: _off(v)),
+    "structural_tag": (_STRUCTURED, lambda v, b: _off(v)),
+    "structured_outputs": (_STRUCTURED, lambda v, b: _off(v)),
+    "allowed_token_ids": (_SAMPLER, lambda v, b: _off(v)),
+    "bad_words": (_SAMPLER, lambda v, b: _off(v)),
+    "logits_processors": ("custom logits processors are not supported", lambda v, b: _off(v)),
+    "prompt_logprobs": (_PROMPT_LOGPROBS, lambda v, b: v is None),
+    "truncate_prompt_tokens": ("prompt truncation is not supported; send a shorter prompt", lambda v, b: v is None),
+    "spaces_between_special_tokens": ("only spaces_between_special_tokens=true is supported",
+                                      lambda v, b: v in (None, True)),
+    "return_tokens_as_token_ids": ("returning tokens as 'token_id:N' is not supported", lambda v, b: _off(v)),
+    "return_token_ids": ("returning token ids in the response is not supported", lambda v, b: _off(v)),
+    "cache_salt": ("per-request prefix-cache salts are not supported", lambda v, b: _off(v)),
+    "kv_transfer_params": ("KV transfer between engines is not supported", lambda v, b: _off(v)),
+    "vllm_xargs": ("vllm_xargs (custom sampling extensions) are not supported", lambda v, b: _off(v)),
+    "request_id": ("send the id as the X-Request-Id header instead", lambda v, b: _off(v)),
+    "service_tier": ("service tiers are not supported", lambda v, b: v in (None, "auto", "default")),
+    "store": ("storing completions is not supported", lambda v, b: _off(v)),
+    "prompt_embeds": ("prompt embeddings are not supported; send text or token ids", lambda v, b: _off(v)),
+    "mm_processor_kwargs": ("multimodal inputs are not supported", lambda v, b: _off(v)),
+}
+# Identifiers and hints with no effect on the output: taken and not acted on, as OpenAI's docs allow.
+_HINTS = {"user", "metadata", "safety_identifier", "prompt_cache_key"}
+
+COMPLETION_RULES: dict[str, Rule] = {
+    **_COMMON,
+    "echo": (_PROMPT_LOGPROBS + "; echo returns the prompt with them", lambda v, b: _off(v)),
+    "suffix": ("suffix (fill-in-the-middle) is not supported: the served models have no infill template",
+               lambda v, b: v is None),
+    "add_special_tokens": ("completions always add the tokenizer's special tokens (add_special_tokens=true)",
+                           lambda v, b: v in (None, True)),
+}
+CHAT_RULES: dict[str, Rule] = {
+    **_COMMON,
+    "tools": (_TOOLS, lambda v, b: _off(v)),
+    "tool_choice": (_TOOLS, lambda v, b: v in (None, "none")),
+    "parallel_tool_calls": (_TOOLS, lambda v, b: v is None or isinstance(v, bool)),  # means nothing without tools
+    "functions": (_TOOLS, lambda v, b: _off(v)),
+    "function_call": (_TOOLS, lambda v, b: v in (None, "none")),
+    "echo": ("echoing the last message is not supported", lambda v, b: _off(v)),
+    "add_special_tokens": ("the chat template places the special tokens (add_special_tokens=false)",
+                           lambda v, b: v in (None, False)),
+    "documents": ("documents for retrieval-augmented templates are not supported", lambda v, b: _off(v)),
+    "audio": ("audio output is not supported", lambda v, b: _off(v)),
+    "modalities": ("only text output is supported", lambda v, b: _off(v) or v == ["text"]),
+    "prediction": ("predicted outputs are not supported", lambda v, b: _off(v)),
+    "reasoning_effort": ("reasoning effort is not supported", lambda v, b: v is None),
+    "include_reasoning": ("reasoning output is not supported", lambda v, b: v in (None, False)),
+    "verbosity": ("verbosity is not supported", lambda v, b: v is None),
+    "web_search_options": ("web search is not supported", lambda v, b: _off(v)),
+}
+MESSAGE_FIELDS = {"role", "content", "name"}
+MESSAGE_RULES = {"tool_calls": _TOOLS, "tool_call_id": _TOOLS, "function_call": _TOOLS, "audio": "audio is not "
+                 "supported", "refusal": None, "reasoning_content": None}
+STREAM_OPTION_RULES = {"continuous_usage_stats": "usage in every chunk is not supported; include_usage "
+                       "gives it once at the end"}
+
+
+def check_fields(body: Any, struct: type, rules: dict[str, Rule]) -> None:
+    """Raise a 400 RequestError naming the first field of ``body`` (the request's JSON object) that
+    kvloom does not implement, or that neither OpenAI nor vLLM defines."""
+    if not isinstance(body, dict):
+        return  # the typed decode has refused it already
+    known = set(struct.__struct_fields__)
+    for name, value in body.items():
+        rule = rules.get(name)
+        if rule is not None:
+            reason, accepted = rule
+            if not accepted(value, body):
+                raise RequestError(400, f"'{name}' is not supported: {reason}", name)
+        elif name not in known and name not in _HINTS:
+            raise RequestError(400, f"unknown field '{name}': not a field of OpenAI's or vLLM's request "
+                               "(see docs/compat.md for what kvloom takes)", name)
+    options = body.get("stream_options")
+    for name, value in (options.items() if isinstance(options, dict) else ()):
+        if name in STREAM_OPTION_RULES and not _off(value):
+            raise RequestError(400, f"'stream_options.{name}' is not supported: {STREAM_OPTION_RULES[name]}",
+                               f"stream_options.{name}")
+        if name not in STREAM_OPTION_RULES and name != "include_usage":
+            raise RequestError(400, f"unknown field 'stream_options.{name}'", f"stream_options.{name}")
+    for i, message in enumerate(body.get("messages") or ()):
+        for name, value in (message.items() if isinstance(message, dict) else ()):
+            if name in MESSAGE_FIELDS or (name in MESSAGE_RULES and _off(value)):
+                continue
+            reason = MESSAGE_RULES.get(name) or "not a message field kvloom takes"
+            raise RequestError(400, f"'messages[{i}].{name}' is not supported: {reason}", f"messages[{i}].{name}")
