@@ -17,6 +17,7 @@ from typing import Any
 
 from kvloom.core.config import OFFLINE_MAX_NUM_BATCHED_TOKENS, ConfigError, EngineConfig, _split_names
 from kvloom.frontends.config import ServerConfig
+from kvloom.vllm_flags import add_vllm_flags, apply_vllm_flags
 
 
 def _flag(name: str) -> str:
@@ -126,6 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     add_engine_flags(parser)
     add_server_flags(parser)
+    add_vllm_flags(parser)
     sub = parser.add_subparsers(dest="command", metavar="{generate,chat,plugins,bench,plan}")
 
     gen = sub.add_parser("generate", help="Generate offline for prompts given as flags or in a file.")
@@ -209,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     from kvloom.plugins.manager import PluginManager
 
     try:
-        config = config_from_args(args)
+        config = apply_vllm_flags(args, config_from_args(args))
         server = server_config_from_args(args) if args.command is None else None
         plugins = PluginManager.from_config(config)  # unknown plugins and conflicts fail before a model loads
     except (ConfigError, ValueError, TypeError, OSError) as e:
@@ -240,10 +242,19 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         resolve_model(config.model)  # a wrong path fails here, not in three processes at once
+        check_chat_template(server)
         return serve(config, server, args.log_level)
-    except OSError as e:
+    except (OSError, ValueError) as e:
         print(f"engine: error: {e}", file=sys.stderr)
         return 2
+
+
+def check_chat_template(server: ServerConfig) -> None:
+    """A --chat-template that is neither a file nor a template fails before any process starts."""
+    if server.chat_template is not None:
+        from kvloom.frontends.text import load_chat_template
+
+        load_chat_template(server.chat_template)
 
 
 def _read_prompts(args) -> list[str]:

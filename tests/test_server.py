@@ -156,7 +156,7 @@ BAD_REQUESTS = [
     ("completions", {"prompt": "hi", "top_p": 0}, 400, ["top_p", "0.0"], "top_p"),
     ("completions", {"prompt": "hi", "n": 0}, 400, ["'n'", ">= 1"], "n"),
     ("completions", {"prompt": "hi", "max_tokens": 0}, 400, ["max_tokens", ">= 1"], "max_tokens"),
-    ("completions", {"prompt": "hi", "logprobs": 9}, 400, ["logprobs", "<= 5"], "logprobs"),
+    ("completions", {"prompt": "hi", "logprobs": 21}, 400, ["logprobs", "<= 20"], "logprobs"),
     ("completions", {"prompt": "hi", "presence_penalty": -3}, 400, ["presence_penalty", "-2.0"],
      "presence_penalty"),
     ("completions", {"prompt": [1, 2, 99999]}, 400, ["99999", "384"], "prompt"),

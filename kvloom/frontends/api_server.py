@@ -43,7 +43,9 @@ from kvloom.frontends.frontend_core import (
 )
 from kvloom.frontends.metrics import FrontendMetrics
 from kvloom.frontends.request_fields import CHAT_RULES, COMPLETION_RULES, check_fields
-from kvloom.frontends.text import token_bytes
+from kvloom.frontends.chat_render import render_chat
+from kvloom.frontends.text import load_chat_template, token_bytes
+from kvloom.frontends.tokenize_routes import routes as tokenize_routes
 
 logger = logging.getLogger("kvloom.api")
 
@@ -173,6 +175,8 @@ class OpenAIServer:
         self.metrics = FrontendMetrics()
         self._token_text: dict[int, str] = {}
         self._token_bytes: dict[int, bytes] = {}
+        # --chat-template: read once here; the launcher has checked it already
+        self.chat_template = load_chat_template(config.chat_template) if config.chat_template else None
 
     @property
     def model_name(self) -> str:
@@ -188,6 +192,7 @@ class OpenAIServer:
             Route("/version", self._endpoint(self.version, public=True), methods=["GET"]),
             Route("/metrics", self._endpoint(self.metrics_endpoint, public=True), methods=["GET"]),
             Route("/reset_prefix_cache", self._endpoint(self.reset_prefix_cache), methods=["POST"]),
+            *tokenize_routes(self),
         ]
 
     # --- plumbing ----------------------------------------------------------------------------------
@@ -358,7 +363,10 @@ class OpenAIServer:
     # --- /v1/chat/completions ----------------------------------------------------------------------
     async def chat_completions(self, request: Request):
         req: api.ChatCompletionRequest = await self._parse_generation(request, api.ChatCompletionRequest)
-        ids = self.core.encode_chat(_chat_messages(req.messages))
+        ids = render_chat(self.core.tokenizer, _chat_messages(req.messages), chat_template=req.chat_template,
+                          default_template=self.chat_template, add_generation_prompt=req.add_generation_prompt,
+                          continue_final_message=req.continue_final_message,
+                          chat_template_kwargs=req.chat_template_kwargs)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         sp = _sampling(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None)

@@ -23,6 +23,8 @@ class ServerConfig:
     api_key: str | None = _opt(None, "Require 'Authorization: Bearer KEY' on /v1 routes (put it in the "
                                "config file to keep it out of the process list).")
     served_model_name: str | None = _opt(None, "The model name clients use (default: --model as given).")
+    chat_template: str | None = _opt(None, "A Jinja chat template (a file, or the template itself) used instead "
+                                     "of the model's; a request's own chat_template wins.")
     log_requests: bool = _opt(True, "Log one line per HTTP request (method, path, status, tokens, TTFT, "
                               "duration; never the prompt or the key).")
     gateway: str | None = _opt(None, "Also serve the ZMQ gateway for non-HTTP services at this address, "

@@ -12,6 +12,7 @@ from msgspec import Meta, Struct
 Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
 Int64 = Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)]
 MAX_STOP_STRINGS = 16
+MAX_LOGPROBS = 20  # the sampler's limit (SamplingParams.logprobs), vLLM's default max_logprobs
 
 
 class StreamOptions(Struct, kw_only=True):
@@ -50,7 +51,7 @@ class _GenerationRequest(Struct, kw_only=True):
 class CompletionRequest(_GenerationRequest, kw_only=True):
     prompt: str | list[Any]  # text, token ids, or a batch of either
     max_tokens: Annotated[int, Meta(ge=1)] | None = 16
-    logprobs: Annotated[int, Meta(ge=0, le=5)] | None = None
+    logprobs: Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)] | None = None  # OpenAI's 5 is vLLM's 20 here
     echo: bool = False
     suffix: str | None = None
 
@@ -71,9 +72,14 @@ class ChatCompletionRequest(_GenerationRequest, kw_only=True):
     max_tokens: Annotated[int, Meta(ge=1)] | None = None
     max_completion_tokens: Annotated[int, Meta(ge=1)] | None = None
     logprobs: bool = False
-    top_logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
+    top_logprobs: Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)] | None = None
     tools: list[Any] | None = None
     response_format: dict[str, Any] | None = None
+    # vLLM's chat-template extensions
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
 
 
 # --- responses -------------------------------------------------------------------------------------

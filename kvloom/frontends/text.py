@@ -135,3 +135,13 @@ def token_bytes(tokenizer, token_id: int) -> bytes:
         if _uses_byte_level(tokenizer) and all(c in _BYTE_LEVEL for c in piece):
             return bytes(_BYTE_LEVEL[c] for c in piece)
     return tokenizer.decode([int(token_id)], skip_special_tokens=False).encode()
+
+
+def load_chat_template(value: str) -> str:
+    """``--chat-template``: a file holding a Jinja chat template, or the template itself (as vLLM takes it)."""
+    path = Path(value).expanduser()
+    if path.is_file():
+        return path.read_text()
+    if "{{" in value or "{%" in value:
+        return value
+    raise ValueError(f"chat_template={value!r} is neither a file nor a Jinja template")

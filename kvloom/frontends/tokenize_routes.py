@@ -1,0 +1,103 @@
+"""vLLM's /tokenize and /detokenize: text or a chat (through the same template path as
+/v1/chat/completions) to token ids, and token ids back to text, in vLLM's request and response shapes."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+from msgspec import Struct
+from starlette.requests import Request
+
+from kvloom.frontends import openai_protocol as api
+from kvloom.frontends.chat_render import render_chat
+from kvloom.frontends.frontend_core import RequestError
+from kvloom.frontends.request_fields import CHAT_RULES, check_fields
+
+if TYPE_CHECKING:
+    from kvloom.frontends.api_server import OpenAIServer
+
+
+class TokenizeRequest(Struct, kw_only=True):
+    """Either ``prompt`` (text) or ``messages`` (a chat, rendered by the chat template)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[api.ChatMessageIn] | None = None
+    add_special_tokens: bool | None = None  # default: true for a prompt; a chat's template places them
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool = False
+
+
+class TokenizeResponse(Struct):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(Struct, kw_only=True):
+    tokens: list[int]
+    model: str | None = None
+
+
+class DetokenizeResponse(Struct):
+    prompt: str
+
+
+_TOKENIZE_RULES = {"tools": CHAT_RULES["tools"], "mm_processor_kwargs": CHAT_RULES["mm_processor_kwargs"]}
+
+
+async def _parse(server: "OpenAIServer", request: Request, typ: type):
+    req = await server._parse(request, typ)
+    check_fields(msgspec.json.decode(await request.body()), typ, _TOKENIZE_RULES)
+    if req.model is not None and req.model != server.model_name:
+        raise RequestError(404, f"The model `{req.model}` does not exist; this server serves "
+                           f"`{server.model_name}`.", "model")
+    return req
+
+
+async def tokenize(server: "OpenAIServer", request: Request) -> TokenizeResponse:
+    req: TokenizeRequest = await _parse(server, request, TokenizeRequest)
+    tokenizer = server.core.tokenizer
+    if (req.prompt is None) == (req.messages is None):
+        raise RequestError(400, "give either 'prompt' (text) or 'messages' (a chat)", "prompt")
+    if req.prompt is not None:
+        add_special = True if req.add_special_tokens is None else req.add_special_tokens
+        ids = tokenizer.encode(req.prompt, add_special_tokens=add_special)
+    else:
+        if req.add_special_tokens:
+            raise RequestError(400, "add_special_tokens=true is not supported with messages: the chat template "
+                               "places the special tokens", "add_special_tokens")
+        from kvloom.frontends.api_server import _chat_messages
+
+        ids = render_chat(tokenizer, _chat_messages(req.messages), chat_template=req.chat_template,
+                          default_template=server.chat_template, add_generation_prompt=req.add_generation_prompt,
+                          continue_final_message=req.continue_final_message,
+                          chat_template_kwargs=req.chat_template_kwargs)
+    strs = tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
+    return TokenizeResponse(len(ids), server.core.max_model_len, list(ids), strs)
+
+
+async def detokenize(server: "OpenAIServer", request: Request) -> DetokenizeResponse:
+    req: DetokenizeRequest = await _parse(server, request, DetokenizeRequest)
+    ids = server.core.check_token_ids(req.tokens, "tokens")
+    return DetokenizeResponse(server.core.tokenizer.decode(ids, skip_special_tokens=False))
+
+
+def routes(server: "OpenAIServer") -> list:
+    from starlette.routing import Route
+
+    from kvloom.frontends.api_server import json_response
+
+    async def tokenize_endpoint(request: Request):
+        return json_response(await tokenize(server, request))
+
+    async def detokenize_endpoint(request: Request):
+        return json_response(await detokenize(server, request))
+
+    return [Route("/tokenize", server._endpoint(tokenize_endpoint), methods=["POST"]),
+            Route("/detokenize", server._endpoint(detokenize_endpoint), methods=["POST"])]
