@@ -25,6 +25,8 @@ def add_vllm_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--disable-uvicorn-access-log", dest="log_requests", action="store_false",
                        default=argparse.SUPPRESS, help="The same as --no-log-requests (kvloom's access log "
                        "is the only one).")
+    group.add_argument("--api-server-count", dest="api_workers", type=int, metavar="N", default=argparse.SUPPRESS,
+                       help="The same as --api-workers.")
     group.add_argument("--disable-log-stats", dest="stats_log_interval", action="store_const", const=0.0,
                        default=argparse.SUPPRESS, help="The same as --stats-log-interval 0.")
 

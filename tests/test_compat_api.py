@@ -37,6 +37,7 @@ def test_a_vllm_launch_line_parses_to_kvloom_options(tmp_path):
     assert (server.served_model_name, server.port, server.api_key, server.chat_template) == (SERVED, 8123, API_KEY,
                                                                                              "t.jinja")
     assert server.log_requests is False and engine.stats_log_interval == 0
+    assert server_config_from_args(build_parser().parse_args(["--api-server-count", "3"])).api_workers == 3
     # --enable-prefix-caching next to --plugins prefix_cache does not load it twice; --no- removes it.
     args = build_parser().parse_args(["--plugins", "prefix_cache", "--enable-prefix-caching"])
     assert apply_vllm_flags(args, config_from_args(args)).plugins == ["prefix_cache"]
