@@ -31,6 +31,7 @@ from kvloom.core.messages import TokenLogprobs
 from kvloom.core.sampling_params import SamplingParams
 from kvloom.frontends import openai_protocol as api
 from kvloom.frontends.access_log import AccessLog, track_tokens
+from kvloom.frontends.chat_render import render_chat
 from kvloom.frontends.config import ServerConfig
 from kvloom.frontends.engine_client import EngineUnavailable
 from kvloom.frontends.frontend_core import (
@@ -43,7 +44,6 @@ from kvloom.frontends.frontend_core import (
 )
 from kvloom.frontends.metrics import FrontendMetrics
 from kvloom.frontends.request_fields import CHAT_RULES, COMPLETION_RULES, check_fields
-from kvloom.frontends.chat_render import render_chat
 from kvloom.frontends.text import load_chat_template, token_bytes
 from kvloom.frontends.tokenize_routes import routes as tokenize_routes
 
