@@ -110,15 +110,30 @@ class EngineServer:
             return
         while True:
             try:
-                ident, data = self.socket.recv_multipart(zmq.NOBLOCK)
+                frames = self.socket.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
+            if len(frames) != 2:  # [identity, message] is the whole protocol; anything else is not ours
+                logger.warning("Dropped a message of %d frames from %r (expected one frame)", len(frames) - 1,
+                               frames[0])
+                continue
+            ident, data = frames
             try:
                 msg = decode_frontend_message(data)
-            except (msgspec.DecodeError, msgspec.ValidationError) as e:
-                logger.warning("Dropped a malformed message from frontend %r: %s", ident, e)
+            except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as e:
+                self._reject_malformed(ident, data, e)
                 continue
             self._handle(ident, msg)
+
+    def _reject_malformed(self, ident: bytes, data: bytes, error: Exception) -> None:
+        """A message that fails validation is dropped; if it was an AddRequest its sender is told, so the
+        request ends (and frees its admission slot) instead of waiting for outputs that never come."""
+        request_id = _add_request_id(data)
+        if request_id is None:
+            logger.warning("Dropped a malformed message from frontend %r: %s", ident, error)
+            return
+        logger.warning("Rejected request %r from frontend %r: %s", request_id, ident, error)
+        self.outbox[ident].append(_error_delta(request_id, f"invalid request: {error}", "rejected"))
 
     def _handle(self, ident: bytes, msg) -> None:
         if isinstance(msg, AddRequest):
@@ -205,6 +220,17 @@ class EngineServer:
             logger.warning("Frontend %s is gone; aborted its %d request(s)", name, len(orphans))
         else:
             logger.info("Frontend %s is gone", name)
+
+
+def _add_request_id(data: bytes) -> str | None:
+    """The ``request_id`` of a message that looks like an AddRequest but failed validation."""
+    try:
+        raw = msgspec.msgpack.decode(data)
+    except (msgspec.DecodeError, RecursionError):
+        return None
+    if isinstance(raw, dict) and raw.get("type") == "AddRequest" and isinstance(raw.get("request_id"), str):
+        return raw["request_id"]
+    return None
 
 
 def _error_delta(request_id: str, message: str, kind: str) -> TokenDelta:

@@ -15,7 +15,7 @@ import msgspec
 
 from kvloom.core.config import EngineConfig
 from kvloom.core.messages import EngineReady, TokenLogprobs
-from kvloom.core.sampling_params import SamplingParams
+from kvloom.core.sampling_params import SamplingParams, check_priority
 from kvloom.frontends.config import ServerConfig
 from kvloom.frontends.engine_client import AsyncEngineClient, EngineUnavailable
 from kvloom.frontends.text import IncrementalText, apply_chat_template, load_tokenizer
@@ -93,6 +93,10 @@ class FrontendCore:
                 max_tokens_param: str = "max_tokens", prompt_param: str = "prompt") -> PreparedRequest:
         """Check the request against the context and the admission limit; raises RequestError."""
         self.check_available()
+        try:
+            check_priority(priority)
+        except ValueError as e:
+            raise RequestError(400, str(e), "priority") from None
         n = len(prompt_token_ids)
         limit = self.max_model_len
         if n == 0:

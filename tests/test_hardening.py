@@ -1,0 +1,143 @@
+"""One client must never take the service down: each test here replays a defect of issue 13 against the
+real server (or the engine process's loop over a real socket) and checks the answer a user would see,
+then that the server still serves."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import httpx
+import msgspec
+import pytest
+import zmq
+
+from kvloom.core import messages as m
+from kvloom.core.config import EngineConfig
+from kvloom.core.engine_process import EngineServer as EngineLoop
+from kvloom.core.sampling_params import SamplingParams
+from tests.server_utils import EngineServer
+
+NUM_BLOCKS = 256
+GREEDY = {"temperature": 0.0, "max_tokens": 4, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("hardening")
+    gateway = f"ipc://{tmp}/gw.sock"
+    srv = EngineServer(["--model", str(tiny_llama), "--num-kv-blocks", str(NUM_BLOCKS), "--gateway", gateway], tmp)
+    srv.gateway = gateway
+    try:
+        yield srv.wait_ready()
+    finally:
+        srv.stop()
+
+
+@pytest.fixture
+def engine(tiny_llama, tmp_path):
+    """The engine process's loop in a thread, on an ipc:// socket the test can write raw messages to."""
+    address = f"ipc://{tmp_path}/e.sock"
+    loop = EngineLoop(EngineConfig(model=str(tiny_llama), num_kv_blocks=64), address, model_name="tiny")
+    loop.load()
+    thread = threading.Thread(target=loop.run, daemon=True)
+    thread.start()
+    loop.address = address
+    yield loop
+    loop.request_shutdown(drain=False)
+    loop.request_shutdown(drain=False)
+    thread.join(10)
+    assert not thread.is_alive(), "the engine loop did not stop"
+    if not loop.socket.closed:
+        loop.close("test over")
+
+
+def raw_frontend(engine) -> zmq.Socket:
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVTIMEO, 10_000)
+    sock.connect(engine.address)
+    sock.send(m.encode(m.RegisterFrontend(frontend_id="raw")))
+    assert isinstance(m.decode_engine_message(sock.recv()), m.EngineReady)
+    return sock
+
+
+def finished_delta(sock: zmq.Socket, request_id: str) -> m.TokenDelta:
+    while True:
+        msg = m.decode_engine_message(sock.recv())
+        for d in getattr(msg, "outputs", []):
+            if d.request_id == request_id and d.finish_reason is not None:
+                return d
+
+
+def generates(engine_sock: zmq.Socket, request_id: str = "ok") -> list[int]:
+    engine_sock.send(m.encode(m.AddRequest(request_id=request_id, prompt_token_ids=[5, 6, 7],
+                                           sampling=SamplingParams(max_tokens=3, temperature=0.0,
+                                                                   ignore_eos=True))))
+    tokens = []
+    while True:
+        msg = m.decode_engine_message(engine_sock.recv())
+        for d in msg.outputs:
+            if d.request_id == request_id:
+                tokens += d.new_token_ids
+                if d.finish_reason is not None:
+                    assert d.finish_reason == "length"
+                    return tokens
+
+
+def post(server, path: str, body, **kw) -> httpx.Response:
+    return httpx.post(server.url + path, json=body, timeout=30, **kw)
+
+
+def completes(server) -> None:
+    r = post(server, "/v1/completions", {"prompt": "hi", **GREEDY})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 4
+    assert httpx.get(server.url + "/health", timeout=10).status_code == 200
+
+
+# --- defect 1: every integer field is bounded, in the frontend and again in the engine -------------
+@pytest.mark.parametrize("field,value,bound", [
+    ("top_k", 9223372036854775808, "2147483647"),
+    ("top_k", 10**30, "2147483647"),
+    ("min_tokens", 2**64, "2147483647"),
+    ("max_tokens", 2**63, "2147483647"),
+    ("priority", 2**63, "2147483647"),
+    ("priority", -(2**70), "-2147483648"),
+    ("seed", 2**64, "9223372036854775807"),
+    ("n", 2**64, "128"),
+    ("logprobs", 2**64, "5"),
+    ("stop_token_ids", [2**64], "2147483647"),
+])
+def test_out_of_range_integers_get_400_naming_field_and_bound(server, field, value, bound):
+    body = {"prompt": "hi", "max_tokens": 4, field: value}
+    r = post(server, "/v1/completions", body)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == field and bound in error["message"], error
+    completes(server)
+
+
+def test_the_issue_body_is_refused_and_the_engine_lives(server):
+    r = post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 4, "top_k": 9223372036854775808})
+    assert r.status_code == 400
+    assert r.json()["error"]["param"] == "top_k" and "2147483647" in r.json()["error"]["message"]
+    completes(server)
+
+
+@pytest.mark.parametrize("sampling,priority,needle", [
+    ({"top_k": 2**63}, 0, "top_k="),
+    ({"min_tokens": 2**40, "max_tokens": 2**41}, 0, "2147483647"),
+    ({"stop_token_ids": [2**40]}, 0, "stop_token_ids"),
+    ({"stop_token_ids": [100_000]}, 0, "stop token id 100000"),
+    ({}, 2**62, "priority="),
+])
+def test_engine_rejects_out_of_range_add_request_on_arrival(engine, sampling, priority, needle):
+    # Bypass every frontend: the raw message a buggy or hostile client could send.
+    sock = raw_frontend(engine)
+    sock.send(msgspec.msgpack.encode({"type": "AddRequest", "request_id": "bad", "prompt_token_ids": [5, 6],
+                                      "sampling": sampling, "priority": priority}))
+    rejected = finished_delta(sock, "bad")
+    assert (rejected.finish_reason, rejected.error_kind) == ("error", "rejected")
+    assert needle in rejected.error
+    assert len(generates(sock)) == 3  # the step loop is alive and serves the next request
