@@ -141,3 +141,31 @@ def test_engine_rejects_out_of_range_add_request_on_arrival(engine, sampling, pr
     assert (rejected.finish_reason, rejected.error_kind) == ("error", "rejected")
     assert needle in rejected.error
     assert len(generates(sock)) == 3  # the step loop is alive and serves the next request
+
+
+# --- defect 2: a message of unexpected frames is refused; the gateway and the HTTP server stay up ---
+def gateway_socket(server, kind: int = zmq.DEALER) -> zmq.Socket:
+    sock = zmq.Context.instance().socket(kind)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVTIMEO, 10_000)
+    sock.connect(server.gateway)
+    return sock
+
+
+def test_gateway_refuses_unexpected_frame_counts_and_stays_up(server):
+    req = gateway_socket(server, zmq.REQ)  # REQ adds an empty delimiter frame: [identity, b"", message]
+    req.send(m.encode(m.Ping()))
+    refused = m.decode_gateway_reply(req.recv())
+    assert isinstance(refused, m.RequestFailed) and refused.status == 400 and "one frame" in refused.message
+    req.close()
+
+    dealer = gateway_socket(server)
+    dealer.send_multipart([m.encode(m.Ping()), b"extra"])
+    refused = m.decode_gateway_reply(dealer.recv())
+    assert isinstance(refused, m.RequestFailed) and "got 2" in refused.message
+    dealer.send(m.encode(m.Ping()))
+    pong = m.decode_gateway_reply(dealer.recv())
+    assert isinstance(pong, m.Pong) and pong.healthy
+    dealer.close()
+    completes(server)
+    assert server.proc.poll() is None

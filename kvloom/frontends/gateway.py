@@ -56,7 +56,7 @@ class Gateway:
                 receiving = asyncio.ensure_future(self.socket.recv_multipart())
                 await asyncio.wait({receiving, stopping}, return_when=asyncio.FIRST_COMPLETED)
                 if receiving.done():
-                    self._handle(*receiving.result())
+                    self._receive(receiving.result())
                 else:
                     receiving.cancel()
                     await asyncio.gather(receiving, return_exceptions=True)
@@ -81,6 +81,20 @@ class Gateway:
             task.cancel()
 
     # --- requests ----------------------------------------------------------------------------------
+    def _receive(self, frames: list[bytes]) -> None:
+        """[identity, message] is the protocol; any other frame count is refused without touching the rest."""
+        if len(frames) == 2:
+            self._handle(*frames)
+            return
+        ident = frames[0]
+        logger.warning("Refused a message of %d frames from client %r (expected one frame)", len(frames) - 1, ident)
+        refusal = encode(RequestFailed(request_id="", status=400, message=(
+            f"expected each message as one frame, got {len(frames) - 1}: connect with a DEALER socket and send "
+            "one msgpack message per frame (docs/protocol.md)")))
+        # A REQ socket's envelope is [identity, b"", message]: answer in it, or the REQ client waits forever.
+        envelope = [ident, b""] if len(frames) >= 3 and frames[1] == b"" else [ident]
+        self._send(ident, [*envelope, refusal])
+
     def _handle(self, ident: bytes, data: bytes) -> None:
         try:
             msg = decode_gateway_request(data)
@@ -149,8 +163,11 @@ class Gateway:
             self.cancelled.discard(key)
 
     def _reply(self, ident: bytes, msg) -> None:
+        self._send(ident, [ident, encode(msg)])
+
+    def _send(self, ident: bytes, frames: list[bytes]) -> None:
         try:
-            self.socket.send_multipart([ident, encode(msg)], zmq.NOBLOCK)
+            self.socket.send_multipart(frames, zmq.NOBLOCK)
         except zmq.ZMQError as e:
             if e.errno not in (zmq.EHOSTUNREACH, zmq.EAGAIN):
                 raise
