@@ -169,3 +169,54 @@ def test_gateway_refuses_unexpected_frame_counts_and_stays_up(server):
     dealer.close()
     completes(server)
     assert server.proc.poll() is None
+
+
+# --- defect 3: booleans are not token ids; a request the engine drops still ends --------------------
+@pytest.mark.parametrize("prompt", [[[True]], [True], [[1, False]], [[1], [True]]])
+def test_boolean_token_ids_are_400_not_a_hang(server, prompt):
+    r = post(server, "/v1/completions", {"prompt": prompt, "max_tokens": 1})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "prompt"
+    completes(server)
+
+
+def test_gateway_refuses_boolean_token_ids(server):
+    sock = gateway_socket(server)
+    sock.send(msgspec.msgpack.encode({"type": "Generate", "request_id": "b", "prompt_token_ids": [True]}))
+    refused = m.decode_gateway_reply(sock.recv())
+    assert isinstance(refused, m.RequestFailed) and refused.status == 400
+    sock.close()
+
+
+def test_a_request_the_engine_cannot_decode_ends_with_an_error(engine):
+    sock = raw_frontend(engine)
+    # Booleans where token ids belong: the engine's typed decoder refuses the whole message.
+    sock.send(msgspec.msgpack.encode({"type": "AddRequest", "request_id": "bool", "prompt_token_ids": [True],
+                                      "sampling": {}}))
+    rejected = finished_delta(sock, "bool")
+    assert (rejected.finish_reason, rejected.error_kind) == ("error", "rejected")
+    assert "invalid request" in rejected.error
+    assert len(generates(sock)) == 3
+
+
+def test_frontend_slot_is_freed_when_the_engine_rejects(engine):
+    from kvloom.frontends.engine_client import AsyncEngineClient
+
+    async def main():
+        client = AsyncEngineClient(engine.address)
+        await client.start(timeout=10)
+        # Sent as the frontend would if its own checks were missing: ends, with an error, quickly.
+        bad = SamplingParams()
+        bad.top_k = 2**62  # attribute assignment skips validation
+        deltas = await asyncio.wait_for(_collect(client.generate("x", [5, 6], bad)), 10)
+        in_flight = client.num_in_flight
+        await client.close()
+        return deltas, in_flight
+
+    deltas, in_flight = asyncio.run(main())
+    assert deltas[-1].finish_reason == "error" and deltas[-1].error_kind == "rejected"
+    assert in_flight == 0
+
+
+async def _collect(gen):
+    return [d async for d in gen]

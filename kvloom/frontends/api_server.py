@@ -469,12 +469,16 @@ def _split_prompts(prompt: str | list[Any]) -> list[str | list[int]]:
         return [prompt]
     if prompt and all(isinstance(p, str) for p in prompt):
         return list(prompt)
-    if prompt and all(isinstance(p, int) and not isinstance(p, bool) for p in prompt):
+    if prompt and all(_is_token_id(p) for p in prompt):
         return [prompt]
-    if prompt and all(isinstance(p, list) and p and all(isinstance(t, int) for t in p) for p in prompt):
+    if prompt and all(isinstance(p, list) and p and all(_is_token_id(t) for t in p) for p in prompt):
         return list(prompt)
     raise RequestError(400, "prompt must be a string, a list of strings, a list of token ids or a list of lists "
                        "of token ids, and not empty", "prompt")
+
+
+def _is_token_id(value: Any) -> bool:
+    return type(value) is int  # not bool: JSON true is not token 1
 
 
 def _chat_messages(messages: list[api.ChatMessageIn]) -> list[dict[str, Any]]:

@@ -83,7 +83,8 @@ class FrontendCore:
 
     def check_token_ids(self, ids: list[int], param: str = "prompt") -> list[int]:
         vocab = self.ready.vocab_size
-        bad = next((t for t in ids if not isinstance(t, int) or not 0 <= t < vocab), None)
+        # bool is an int subclass in Python, but true is not a token id (and the engine's decoder refuses it).
+        bad = next((t for t in ids if type(t) is not int or not 0 <= t < vocab), None)
         if bad is not None:
             raise RequestError(400, f"token id {bad!r} is out of range [0, {vocab})", param)
         return ids
