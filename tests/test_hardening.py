@@ -220,3 +220,60 @@ def test_frontend_slot_is_freed_when_the_engine_rejects(engine):
 
 async def _collect(gen):
     return [d async for d in gen]
+
+
+# --- defect 4: a 4xx where the client is at fault, never a 500 ---------------------------------------
+def http_500s(server) -> float:
+    text = httpx.get(server.url + "/metrics", timeout=10).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("kvloom_http_requests_total{") and 'status="500"' in line)
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/v1/completions", b'{"prompt":' + b"[" * 1000 + b"]" * 1000 + b"}"),
+    ("/v1/chat/completions", b'{"messages":[{"role":"user","content":"hi"}],"response_format":'
+     + b'{"a":' * 1000 + b"1" + b"}" * 1000 + b"}"),
+    ("/v1/completions", b'{"prompt":"hi","x":' + b"[" * 100_000 + b"]" * 100_000 + b"}"),
+])
+def test_deeply_nested_json_is_400(server, path, body):
+    before = http_500s(server)
+    r = httpx.post(server.url + path, content=body, headers={"content-type": "application/json"}, timeout=30)
+    assert r.status_code == 400, r.text
+    assert "64 levels" in r.json()["error"]["message"]
+    assert http_500s(server) == before
+    completes(server)
+
+
+@pytest.mark.parametrize("path,extra", [
+    ("/v1/completions", {"prompt": [[2**64 + 5]]}),
+    ("/v1/completions", {"prompt": [2**70]}),
+    ("/v1/completions", {"prompt": "hi", "priority": 10**40}),
+    ("/v1/completions", {"prompt": "hi", "best_of": 10**40}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 10**40}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": -(10**40),
+                              "logprobs": True}),
+])
+def test_integers_beyond_64_bits_are_400(server, path, extra):
+    r = post(server, path, {"max_tokens": 2, **extra})
+    assert r.status_code == 400, r.text
+    completes(server)
+
+
+def test_chat_min_tokens_above_the_implied_max_tokens_is_400(server):
+    r = post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "min_tokens": 100_000})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == "min_tokens" and "100000" in error["message"]
+
+
+def test_client_gone_mid_body_is_not_a_server_error(server):
+    import socket
+
+    before = http_500s(server)
+    for _ in range(3):
+        with socket.create_connection(("127.0.0.1", server.port)) as s:
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: 1000\r\n\r\n{\"prompt\": \"hel")
+    completes(server)
+    assert http_500s(server) == before
+    assert "Unhandled error" not in server.log()

@@ -19,7 +19,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable
 import msgspec
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
 
@@ -29,6 +29,7 @@ from kvloom.core.messages import TokenLogprobs
 from kvloom.core.sampling_params import SamplingParams
 from kvloom.frontends import openai_protocol as api
 from kvloom.frontends.config import ServerConfig
+from kvloom.frontends.limits import check_json_depth
 from kvloom.frontends.frontend_core import (
     FrontendCore,
     PreparedRequest,
@@ -38,6 +39,7 @@ from kvloom.frontends.frontend_core import (
     start_frontend_core,
 )
 from kvloom.frontends.metrics import FrontendMetrics
+from kvloom.frontends.uvicorn_server import DRAIN_GRACE_S, DrainingServer
 
 logger = logging.getLogger("kvloom.api")
 
@@ -74,12 +76,13 @@ async def cancel_on_disconnect(receive, awaitable: Awaitable[Any]) -> Any:
         await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
         if work.done():
             return work.result()
-        work.cancel()
-        await asyncio.gather(work, return_exceptions=True)
         raise ClientGone()
     finally:
-        watcher.cancel()
-        await asyncio.gather(watcher, return_exceptions=True)
+        # Also when this task itself is cancelled: ``work`` must be over before its iterators are closed,
+        # or closing them fails with "asynchronous generator is already running".
+        for task in (work, watcher):
+            task.cancel()
+        await asyncio.gather(work, watcher, return_exceptions=True)
 
 
 class EventStream:
@@ -232,7 +235,11 @@ class OpenAIServer:
             raise RequestError(401, "invalid or missing API key: send 'Authorization: Bearer KEY'")
 
     async def _parse(self, request: Request, typ: type):
-        body = await request.body()
+        try:
+            body = await request.body()
+        except ClientDisconnect:  # gone mid-body: nothing to answer, and not a server error
+            raise ClientGone() from None
+        check_json_depth(body)
         try:
             return msgspec.json.decode(body, type=typ)
         except msgspec.ValidationError as e:
@@ -528,8 +535,8 @@ def run_server(engine_address: str, engine_config: EngineConfig, server_config: 
         loop = "asyncio"
     config = uvicorn.Config(app, host=server_config.host, port=server_config.port, loop=loop, lifespan="on",
                             log_level=log_level, access_log=False,
-                            timeout_graceful_shutdown=int(server_config.drain_timeout))
-    server = uvicorn.Server(config)
+                            timeout_graceful_shutdown=int(server_config.drain_timeout) + DRAIN_GRACE_S)
+    server = DrainingServer(config, app.state.server, server_config.drain_timeout)
     # uvicorn re-raises the signal that stopped it once it has drained; by then there is nothing left
     # to do, so exit normally instead of dying from it.
     for sig in (signal.SIGTERM, signal.SIGINT):

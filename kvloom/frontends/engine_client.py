@@ -46,6 +46,7 @@ class AsyncEngineClient:
         self.dead_reason: str | None = None
         self.last_stats: EngineStats | None = None
         self._queues: dict[str, asyncio.Queue[TokenDelta]] = {}
+        self._ended: set[str] = set()  # ended here (end_all) while the engine may still run them
         self._calls: dict[int, asyncio.Future] = {}
         self._call_ids = itertools.count()
         self._ready_event = asyncio.Event()
@@ -104,7 +105,9 @@ class AsyncEngineClient:
                 yield delta
         finally:
             self._queues.pop(request_id, None)
-            if not finished and self.dead_reason is None:
+            ended_here = request_id in self._ended
+            self._ended.discard(request_id)
+            if (not finished or ended_here) and self.dead_reason is None:
                 self._send(AbortRequest(request_ids=[request_id]))
 
     async def utility(self, method: str, *args: Any, timeout: float = 10.0) -> Any:
@@ -164,6 +167,13 @@ class AsyncEngineClient:
             if event["event"] == zmq.EVENT_DISCONNECTED:
                 self._fail("the engine process went away (connection lost)")
                 return
+
+    def end_all(self, reason: str) -> None:
+        """End every in-flight request now with ``reason`` (the engine is told to abort each)."""
+        for rid, queue in self._queues.items():
+            self._ended.add(rid)
+            queue.put_nowait(TokenDelta(request_id=rid, new_token_ids=[], finish_reason="error", error=reason,
+                                        error_kind="unavailable"))
 
     def _fail(self, reason: str) -> None:
         """The engine is gone: end every in-flight request and utility call with ``reason``."""

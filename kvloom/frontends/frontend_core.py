@@ -18,20 +18,11 @@ from kvloom.core.messages import EngineReady, TokenLogprobs
 from kvloom.core.sampling_params import SamplingParams, check_priority
 from kvloom.frontends.config import ServerConfig
 from kvloom.frontends.engine_client import AsyncEngineClient, EngineUnavailable
+from kvloom.frontends.errors import RequestError
+from kvloom.frontends.limits import PromptLengthBound
 from kvloom.frontends.text import IncrementalText, apply_chat_template, load_tokenizer
 
 logger = logging.getLogger("kvloom.frontend")
-
-
-class RequestError(Exception):
-    """A request that fails; ``status`` follows HTTP (400 bad input, 404 unknown model, 408 timeout,
-    429 too many in flight, 503 engine unavailable) and ``param`` names the offending field."""
-
-    def __init__(self, status: int, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.param = param
 
 
 @dataclass
@@ -66,6 +57,7 @@ class FrontendCore:
         self.max_pending_requests = max_pending_requests
         self.request_timeout = request_timeout
         self._ids = itertools.count()
+        self.draining = False
 
     @property
     def max_model_len(self) -> int:
@@ -103,10 +95,14 @@ class FrontendCore:
         if n == 0:
             raise RequestError(400, "the prompt is empty: at least one token is needed", prompt_param)
         max_tokens = sampling.max_tokens
+        min_tokens = sampling.min_tokens
         if max_tokens is None:
             if n >= limit:
                 raise RequestError(400, f"This model's maximum context length is {limit} tokens, and the prompt "
                                    f"has {n} tokens, which leaves no room for a completion.", prompt_param)
+            if min_tokens > limit - n:
+                raise RequestError(400, f"min_tokens={min_tokens} is more than the {limit - n} tokens the "
+                                   f"context leaves for the completion ({limit} - {n} prompt tokens)", "min_tokens")
             sampling = msgspec.structs.replace(sampling, max_tokens=limit - n)
         elif n + max_tokens > limit:
             raise RequestError(400, f"This model's maximum context length is {limit} tokens. However, you "
@@ -118,7 +114,19 @@ class FrontendCore:
                                "stop_token_ids")
         return PreparedRequest(prompt_token_ids, sampling, priority)
 
+    def start_draining(self) -> None:
+        """Refuse new requests (503) from now on; those in flight continue."""
+        self.draining = True
+
+    def end_all(self, reason: str) -> None:
+        """End every request in flight now with ``reason`` (503); the engine aborts them."""
+        if self.client.num_in_flight:
+            logger.warning("Ending %d request(s): %s", self.client.num_in_flight, reason)
+        self.client.end_all(reason)
+
     def check_available(self, new_requests: int = 1) -> None:
+        if self.draining:
+            raise RequestError(503, "the server is shutting down")
         if not self.client.healthy:
             raise RequestError(503, f"the engine is unavailable: {self.client.dead_reason or 'not ready'}")
         if self.client.num_in_flight + new_requests > self.max_pending_requests:
