@@ -26,7 +26,8 @@ GREEDY = {"temperature": 0.0, "max_tokens": 4, "ignore_eos": True}
 def server(tiny_llama, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("hardening")
     gateway = f"ipc://{tmp}/gw.sock"
-    srv = EngineServer(["--model", str(tiny_llama), "--num-kv-blocks", str(NUM_BLOCKS), "--gateway", gateway], tmp)
+    srv = EngineServer(["--model", str(tiny_llama), "--num-kv-blocks", str(NUM_BLOCKS), "--gateway", gateway,
+                        "--max-request-body-mb", "1"], tmp)
     srv.gateway = gateway
     try:
         yield srv.wait_ready()
@@ -277,3 +278,117 @@ def test_client_gone_mid_body_is_not_a_server_error(server):
     completes(server)
     assert http_500s(server) == before
     assert "Unhandled error" not in server.log()
+
+
+# --- defect 5: a body limit, prompts that cannot fit refused unread, tokenizing off the event loop -----
+def test_body_over_the_limit_is_413(server):
+    big = {"prompt": "a" * (2**20 + 10), "max_tokens": 1}
+    r = post(server, "/v1/completions", big)
+    assert r.status_code == 413 and "max_request_body_mb=1" in r.json()["error"]["message"]
+
+    def chunks():  # no content-length: counted as it arrives
+        yield b'{"prompt": "'
+        for _ in range(20):
+            yield b"a" * 100_000
+        yield b'"}'
+
+    r = httpx.post(server.url + "/v1/completions", content=chunks(), timeout=30,
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 413
+    completes(server)
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/v1/completions", {"prompt": "a" * 900_000, "max_tokens": 1}),
+    ("/v1/completions", {"prompt": ["hi", "é" * 400_000], "max_tokens": 1}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "b" * 900_000}], "max_tokens": 1}),
+])
+def test_prompt_that_cannot_fit_is_refused_before_tokenizing(server, path, body):
+    r = post(server, path, body)
+    assert r.status_code == 400, r.text
+    message = r.json()["error"]["message"]
+    assert "needs at least" in message and "maximum context length is 512" in message
+
+
+def test_gateway_message_over_the_limit_is_413_and_long_prompt_400(server):
+    sock = gateway_socket(server)
+    sock.send(m.encode(m.Generate(request_id="big", prompt="x" * (3 * 2**20))))
+    refused = m.decode_gateway_reply(sock.recv())
+    assert isinstance(refused, m.RequestFailed) and refused.status == 413
+    sock.send(m.encode(m.Generate(request_id="long", prompt="x" * 900_000)))
+    refused = m.decode_gateway_reply(sock.recv())
+    assert isinstance(refused, m.RequestFailed) and refused.status == 400 and "needs at least" in refused.message
+    sock.send(m.encode(m.Ping()))
+    assert m.decode_gateway_reply(sock.recv()).healthy
+    sock.close()
+
+
+def _random_texts(tokenizer, seed: int, count: int) -> list[str]:
+    import random
+
+    rng = random.Random(seed)
+    vocab = list(tokenizer.get_vocab())
+    longest = sorted(vocab, key=len)[-5:]
+    texts = []
+    for i in range(count):
+        if i % 3 == 0:  # any code points, control bytes included
+            raw = "".join(chr(rng.randrange(0, 0x110000)) for _ in range(rng.randrange(1, 60)))
+            texts.append(raw.encode("utf-8", "ignore").decode())
+        else:  # runs of real tokens, the longest ones too: where the bound is tight
+            pool = longest if i % 3 == 1 else vocab
+            texts.append("".join(tokenizer.convert_tokens_to_string([rng.choice(pool)])
+                                 for _ in range(rng.randrange(1, 40))))
+    return texts
+
+
+@pytest.mark.parametrize("which", ["tiny", "smollm2"])
+def test_prompt_length_bound_never_exceeds_the_real_token_count(which, tiny_llama):
+    from kvloom.frontends.limits import PromptLengthBound
+    from kvloom.frontends.text import load_tokenizer
+
+    tokenizer = load_tokenizer(str(tiny_llama) if which == "tiny" else "SmolLM2-135M-Instruct")
+    bound = PromptLengthBound(tokenizer)
+    assert bound.max_token_bytes is not None  # the rule applies to these tokenizers (else it proves nothing)
+    tight = 0
+    for text in _random_texts(tokenizer, seed=7, count=1500):
+        real = len(tokenizer.encode(text, add_special_tokens=False))
+        assert bound.min_tokens(text) <= real, text
+        tight += bound.min_tokens(text) == real
+    assert tight > 0  # and it is not vacuous: some texts hit it exactly
+
+
+def test_tokenizing_runs_off_the_event_loop():
+    import time
+
+    from kvloom.core.messages import EngineReady
+    from kvloom.frontends.frontend_core import FrontendCore
+
+    class SlowTokenizer:
+        def encode(self, text, add_special_tokens=True):
+            time.sleep(1.0)  # a 10 MB prompt, as far as the event loop is concerned
+            return [1] * len(text)
+
+    class Client:
+        healthy, dead_reason, num_in_flight = True, None, 0
+
+    ready = EngineReady(model_name="m", max_model_len=100, vocab_size=10, num_kv_blocks=1, block_size=16,
+                        eos_token_ids=[])
+    core = FrontendCore(Client(), SlowTokenizer(), ready, max_pending_requests=1)
+
+    async def main():
+        ticks = 0
+
+        async def ticker():
+            nonlocal ticks
+            while True:
+                await asyncio.sleep(0.05)
+                ticks += 1
+
+        task = asyncio.create_task(ticker())
+        ids = await core.tokenize_text("abc")
+        task.cancel()
+        return ids, ticks
+
+    ids, ticks = asyncio.run(main())
+    assert ids == [1, 1, 1]
+    assert ticks >= 5  # the loop kept serving while the tokenizer ran

@@ -29,7 +29,7 @@ from kvloom.core.messages import TokenLogprobs
 from kvloom.core.sampling_params import SamplingParams
 from kvloom.frontends import openai_protocol as api
 from kvloom.frontends.config import ServerConfig
-from kvloom.frontends.limits import check_json_depth
+from kvloom.frontends.limits import check_json_depth, read_body
 from kvloom.frontends.frontend_core import (
     FrontendCore,
     PreparedRequest,
@@ -44,7 +44,8 @@ from kvloom.frontends.uvicorn_server import DRAIN_GRACE_S, DrainingServer
 logger = logging.getLogger("kvloom.api")
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-               408: "timeout_error", 429: "rate_limit_error", 503: "service_unavailable"}
+               408: "timeout_error", 413: "invalid_request_error", 429: "rate_limit_error",
+               503: "service_unavailable"}
 _PARAM_AT = re.compile(r" - at `\$\.?([^`]*)`")
 _MISSING = re.compile(r"missing required field `([^`]+)`")
 
@@ -236,7 +237,8 @@ class OpenAIServer:
 
     async def _parse(self, request: Request, typ: type):
         try:
-            body = await request.body()
+            body = await read_body(request.stream(), request.headers.get("content-length"),
+                                   self.config.max_request_body_bytes, None)
         except ClientDisconnect:  # gone mid-body: nothing to answer, and not a server error
             raise ClientGone() from None
         check_json_depth(body)
@@ -307,7 +309,7 @@ class OpenAIServer:
     # --- /v1/completions ---------------------------------------------------------------------------
     async def completions(self, request: Request):
         req: api.CompletionRequest = await self._parse_generation(request, api.CompletionRequest)
-        prompts = [self.core.check_token_ids(p) if isinstance(p, list) else self.core.encode_text(p)
+        prompts = [self.core.check_token_ids(p) if isinstance(p, list) else await self.core.tokenize_text(p)
                    for p in _split_prompts(req.prompt)]
         sp = _sampling(req, req.max_tokens, req.logprobs)
         prepared = [self.core.prepare(ids, _choice_sampling(sp, i), priority=req.priority)
@@ -365,7 +367,7 @@ class OpenAIServer:
     # --- /v1/chat/completions ----------------------------------------------------------------------
     async def chat_completions(self, request: Request):
         req: api.ChatCompletionRequest = await self._parse_generation(request, api.ChatCompletionRequest)
-        ids = self.core.encode_chat(_chat_messages(req.messages))
+        ids = await self.core.tokenize_chat(_chat_messages(req.messages))
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         sp = _sampling(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None)

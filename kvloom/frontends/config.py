@@ -32,6 +32,8 @@ class ServerConfig:
     request_timeout: float | None = _opt(None, "Seconds a request may run before it is stopped (408).")
     drain_timeout: float = _opt(60.0, "Seconds SIGTERM waits for in-flight requests before stopping them.")
     engine_start_timeout: float = _opt(900.0, "Seconds frontends wait for the engine to load the model.")
+    max_request_body_mb: float = _opt(16.0, "Largest HTTP request body (and gateway message) in MiB; larger "
+                                      "ones are refused with 413 before they are parsed.")
 
     def validate(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -39,7 +41,7 @@ class ServerConfig:
         for name in ("api_workers", "max_pending_requests"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}={getattr(self, name)} must be >= 1")
-        for name in ("request_timeout", "drain_timeout", "engine_start_timeout"):
+        for name in ("request_timeout", "drain_timeout", "engine_start_timeout", "max_request_body_mb"):
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ConfigError(f"{name}={value} must be > 0")
@@ -47,6 +49,10 @@ class ServerConfig:
             value = getattr(self, name)
             if value is not None and not value.startswith(("ipc://", "tcp://")):
                 raise ConfigError(f"{name}={value!r} must start with ipc:// or tcp://")
+
+    @property
+    def max_request_body_bytes(self) -> int:
+        return int(self.max_request_body_mb * 2**20)
 
     @property
     def is_loopback(self) -> bool:

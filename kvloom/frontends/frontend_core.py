@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+from concurrent.futures import ThreadPoolExecutor
 import logging
 import time
 from dataclasses import dataclass
@@ -20,7 +21,13 @@ from kvloom.frontends.config import ServerConfig
 from kvloom.frontends.engine_client import AsyncEngineClient, EngineUnavailable
 from kvloom.frontends.errors import RequestError
 from kvloom.frontends.limits import PromptLengthBound
-from kvloom.frontends.text import IncrementalText, apply_chat_template, load_tokenizer
+from kvloom.frontends.text import (
+    IncrementalText,
+    apply_chat_template,
+    encode_rendered_chat,
+    load_tokenizer,
+    render_chat_template,
+)
 
 logger = logging.getLogger("kvloom.frontend")
 
@@ -48,6 +55,9 @@ class TextDelta:
     num_output_tokens: int = 0  # tokens generated so far (usage counts these, text or not)
 
 
+TOKENIZER_THREADS = 2
+
+
 class FrontendCore:
     def __init__(self, client: AsyncEngineClient, tokenizer, ready: EngineReady, *, max_pending_requests: int,
                  request_timeout: float | None = None) -> None:
@@ -58,6 +68,9 @@ class FrontendCore:
         self.request_timeout = request_timeout
         self._ids = itertools.count()
         self.draining = False
+        self.prompt_bound = PromptLengthBound(tokenizer)
+        # Tokenizing a long prompt takes seconds: never on the event loop, which serves every other client.
+        self._tokenizer_pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="tokenize")
 
     @property
     def max_model_len(self) -> int:
@@ -72,6 +85,21 @@ class FrontendCore:
             return apply_chat_template(self.tokenizer, messages)
         except Exception as e:  # noqa: BLE001 - jinja errors from the model's template are the user's input
             raise RequestError(400, f"the chat template could not render these messages: {e}", "messages") from e
+
+    async def tokenize_text(self, text: str, param: str = "prompt") -> list[int]:
+        """``encode_text`` off the event loop, after refusing a text that provably cannot fit the context."""
+        self.prompt_bound.check(text, self.max_model_len, param)
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, self.encode_text, text)
+
+    async def tokenize_chat(self, messages: list[dict[str, Any]], param: str = "messages") -> list[int]:
+        """``encode_chat`` off the event loop; the rendered chat is checked like a text prompt first."""
+        loop = asyncio.get_running_loop()
+        try:
+            text = await loop.run_in_executor(self._tokenizer_pool, render_chat_template, self.tokenizer, messages)
+        except Exception as e:  # noqa: BLE001 - jinja errors from the model's template are the user's input
+            raise RequestError(400, f"the chat template could not render these messages: {e}", param) from e
+        self.prompt_bound.check(text, self.max_model_len, param)
+        return await loop.run_in_executor(self._tokenizer_pool, encode_rendered_chat, self.tokenizer, text)
 
     def check_token_ids(self, ids: list[int], param: str = "prompt") -> list[int]:
         vocab = self.ready.vocab_size

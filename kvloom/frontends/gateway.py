@@ -26,7 +26,7 @@ from kvloom.core.messages import (
     encode,
 )
 from kvloom.frontends.config import ServerConfig
-from kvloom.frontends.frontend_core import FrontendCore, PreparedRequest, RequestError, start_frontend_core
+from kvloom.frontends.frontend_core import FrontendCore, RequestError, start_frontend_core
 
 logger = logging.getLogger("kvloom.gateway")
 
@@ -34,9 +34,10 @@ SEND_QUEUE_LIMIT = 100_000  # replies queued for one client that does not read b
 
 
 class Gateway:
-    def __init__(self, core: FrontendCore, address: str) -> None:
+    def __init__(self, core: FrontendCore, address: str, max_message_bytes: int = 16 * 2**20) -> None:
         self.core = core
         self.address = address
+        self.max_message_bytes = max_message_bytes
         self.ctx = zmq.asyncio.Context()
         self.socket = self.ctx.socket(zmq.ROUTER)
         self.socket.setsockopt(zmq.ROUTER_MANDATORY, 1)  # replies to a vanished client raise
@@ -96,9 +97,14 @@ class Gateway:
         self._send(ident, [*envelope, refusal])
 
     def _handle(self, ident: bytes, data: bytes) -> None:
+        if len(data) > self.max_message_bytes:
+            self._reply(ident, RequestFailed(request_id="", status=413, message=(
+                f"the message has {len(data)} bytes, over the limit of max_request_body_mb="
+                f"{self.max_message_bytes / 2**20:g}")))
+            return
         try:
             msg = decode_gateway_request(data)
-        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as e:
             self._reply(ident, RequestFailed(request_id="", message=f"malformed message: {e}", status=400))
             return
         if isinstance(msg, Generate):
@@ -120,13 +126,12 @@ class Gateway:
                 raise RequestError(503, "the gateway is shutting down")
             if key in self.tasks:
                 raise RequestError(400, f"request id {msg.request_id!r} is already in flight", "request_id")
-            prepared = self.core.prepare(self._prompt_ids(msg), msg.sampling, priority=msg.priority)
         except RequestError as e:
             self._reply(ident, RequestFailed(request_id=msg.request_id, message=e.message, status=e.status))
             return
-        self.tasks[key] = asyncio.create_task(self._stream(ident, msg.request_id, prepared))
+        self.tasks[key] = asyncio.create_task(self._stream(ident, msg))
 
-    def _prompt_ids(self, msg: Generate) -> list[int]:
+    async def _prompt_ids(self, msg: Generate) -> list[int]:
         given = [name for name in ("prompt", "messages", "prompt_token_ids") if getattr(msg, name) is not None]
         if len(given) != 1:
             raise RequestError(400, f"give exactly one of prompt, messages, prompt_token_ids (got {given or 'none'})")
@@ -134,14 +139,17 @@ class Gateway:
             raise RequestError(400, f"n={msg.sampling.n}: the gateway streams one completion per request; "
                                "send n requests", "n")
         if msg.prompt is not None:
-            return self.core.encode_text(msg.prompt)
+            return await self.core.tokenize_text(msg.prompt)
         if msg.messages is not None:
-            return self.core.encode_chat([{"role": m.role, "content": m.content} for m in msg.messages])
+            return await self.core.tokenize_chat([{"role": m.role, "content": m.content} for m in msg.messages])
         return self.core.check_token_ids(msg.prompt_token_ids, "prompt_token_ids")
 
-    async def _stream(self, ident: bytes, request_id: str, prepared: PreparedRequest) -> None:
+    async def _stream(self, ident: bytes, msg: Generate) -> None:
+        request_id = msg.request_id
         key = (ident, request_id)
         try:
+            # Tokenized here, in the request's own task, so a long prompt never holds up the receive loop.
+            prepared = self.core.prepare(await self._prompt_ids(msg), msg.sampling, priority=msg.priority)
             async for d in self.core.generate(prepared):
                 usage = None
                 if d.finish_reason is not None:
@@ -184,7 +192,7 @@ async def run_gateway(engine_address: str, address: str, engine: EngineConfig, s
         loop.add_signal_handler(sig, stop.set)
     core = await start_frontend_core(engine_address, engine, server)
     try:
-        gateway = Gateway(core, address)
+        gateway = Gateway(core, address, server.max_request_body_bytes)
         logger.info("ZMQ gateway listening on %s", address)
         await gateway.serve(stop, server.drain_timeout)
     finally:

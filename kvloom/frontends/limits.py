@@ -61,24 +61,28 @@ async def read_body(chunks: AsyncIterator[bytes], declared_length: str | None, m
 class PromptLengthBound:
     """The fewest tokens a text can encode to, from its UTF-8 length alone, where that is provable.
 
-    The rule: if a tokenizer is lossless (every byte of the text ends up in some token: byte-level BPE
-    with the full byte alphabet, or BPE with byte fallback) and its normalizer can only grow the text,
-    then each token covers at most ``max_token_bytes`` bytes of the text (its longest vocabulary entry or
-    added token), so a text of B bytes needs at least ceil(B / max_token_bytes) tokens, special tokens
-    not counted. For any other tokenizer (``max_token_bytes`` is None) no length is refused unseen: an
-    unknown-word token can stand for any number of characters.
+    The rule: in a BPE tokenizer that is byte-level (without an unknown token) or has byte fallback,
+    whose normalizer can only lengthen the text and whose added tokens swallow no spaces, every byte of
+    the text lands in exactly one token or is dropped (a byte the vocabulary lacks), and no token covers
+    more than ``max_token_bytes`` bytes (its longest vocabulary entry or added token). So a text of B
+    bytes, D of them droppable, needs at least ceil((B - D) / max_token_bytes) tokens, before any
+    special tokens are added. For any other tokenizer (``max_token_bytes`` is None) nothing is refused
+    unseen: an unknown-word token can stand for any number of characters.
     """
 
     def __init__(self, tokenizer) -> None:
-        self.max_token_bytes = _max_token_bytes(tokenizer)
+        self.max_token_bytes: int | None = None
+        self.dropped_bytes: list[bytes] = []  # byte values no token holds (byte-level BPE drops them)
+        found = _max_token_bytes(tokenizer)
+        if found is not None:
+            self.max_token_bytes, self.dropped_bytes = found
 
     def min_tokens(self, text: str) -> int:
         if self.max_token_bytes is None:
             return 0
-        n = len(text)
-        if n * 4 < self.max_token_bytes:  # a UTF-8 character is at most 4 bytes: nothing to refuse
-            return 0
-        return -(-len(text.encode("utf-8", "surrogatepass")) // self.max_token_bytes)
+        data = text.encode("utf-8", "surrogatepass")
+        counted = len(data) - sum(data.count(b) for b in self.dropped_bytes)
+        return -(-counted // self.max_token_bytes)
 
     def check(self, text: str, max_model_len: int, param: str) -> None:
         """Raise RequestError(400) when ``text`` cannot leave room for one completion token."""
@@ -102,11 +106,15 @@ def _max_token_bytes(tokenizer) -> int | None:
     if model.get("type") != "BPE" or not _normalizer_only_grows(spec.get("normalizer")):
         return None
     vocab: dict[str, int] = model.get("vocab") or {}
+    added_tokens = spec.get("added_tokens") or []
+    if any(t.get("lstrip") or t.get("rstrip") for t in added_tokens):  # these swallow any run of spaces
+        return None
+    dropped: list[bytes] = []
     if _uses_byte_level(spec.get("pre_tokenizer")):
-        from tokenizers.pre_tokenizers import ByteLevel
-
-        if not set(ByteLevel.alphabet()) <= set(vocab):  # a missing byte would be dropped, not counted
+        if model.get("unk_token") is not None:  # an unknown byte would become one token of any length
             return None
+        # A byte with no token of its own is dropped without an unknown token: it is not counted.
+        dropped = [bytes([b]) for b, c in _byte_level_chars().items() if c not in vocab]
         longest = max((len(t) for t in vocab), default=1)  # one character per byte in byte-level vocabularies
     elif model.get("byte_fallback"):
         if any(f"<0x{b:02X}>" not in vocab for b in range(256)):
@@ -114,8 +122,22 @@ def _max_token_bytes(tokenizer) -> int | None:
         longest = max((len(t.encode()) for t in vocab), default=1)
     else:
         return None
-    added = [len(t.get("content", "").encode()) for t in spec.get("added_tokens") or []]
-    return max([longest, *added, 1])
+    added = [len(t.get("content", "").encode()) for t in added_tokens]
+    return max([longest, *added, 1]), dropped
+
+
+def _byte_level_chars() -> dict[int, str]:
+    """GPT-2's byte-to-character table that byte-level BPE vocabularies are written in."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    table, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            table[b] = chr(b)
+        else:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return table
+
 
 
 def _normalizer_only_grows(normalizer) -> bool:

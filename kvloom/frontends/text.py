@@ -42,6 +42,18 @@ def load_tokenizer(model: str, tokenizer: str | None = None):
     return AutoTokenizer.from_pretrained(str(path))
 
 
+def render_chat_template(tokenizer, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+    """The chat as the text the model reads; ``encode_rendered_chat`` of it equals apply_chat_template."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("this model's tokenizer has no chat template; send a plain completion prompt instead")
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
+
+
+def encode_rendered_chat(tokenizer, text: str) -> list[int]:
+    # The template writes the special tokens itself, as apply_chat_template(tokenize=True) assumes.
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
 def apply_chat_template(tokenizer, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                         **kwargs: Any) -> list[int]:
     if not getattr(tokenizer, "chat_template", None):
