@@ -77,3 +77,63 @@ def test_sigterm_with_an_expiring_drain_ends_every_request_cleanly(tiny_llama, t
     finally:
         server.stop()
     wait_gone(children)
+
+
+def free_blocks(server: EngineServer) -> tuple[float, float]:
+    text = httpx.get(server.url + "/metrics", timeout=10).text
+    values = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines()
+              if line.startswith("kvloom_kv_cache_")}
+    return values.get("kvloom_kv_cache_free_blocks", -1), values.get("kvloom_kv_cache_total_blocks", -2)
+
+
+def wait_for(predicate, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.2)
+    raise AssertionError(f"not within {timeout}s: {what}")
+
+
+def test_sigstop_of_the_engine_is_noticed_and_sigcont_recovers(tiny_llama, tmp_path):
+    from kvloom.client import Client
+
+    gateway = f"ipc://{tmp_path}/gw.sock"
+    server = start_server(tiny_llama, tmp_path, f'engine_heartbeat_timeout = 2.0\ngateway = "{gateway}"\n')
+    engine = server.child_running("kvloom.core.engine_process")
+    try:
+        with httpx.Client(timeout=60) as http, ThreadPoolExecutor(2) as pool:
+            started = threading.Semaphore(0)
+            stream = pool.submit(stream_events, server, http, LONG, started)
+            assert started.acquire(timeout=30)
+            waiting = pool.submit(http.post, server.url + "/v1/completions", json=LONG)
+            time.sleep(0.3)
+            os.kill(engine, signal.SIGSTOP)
+            t0 = time.monotonic()
+            events = stream.result(timeout=30)
+            answer = waiting.result(timeout=30)
+            noticed = time.monotonic() - t0
+            # In-flight requests end with an error naming the heartbeat, within the timeout and a beat.
+            assert noticed < 8, f"the hung engine went unnoticed for {noticed:.1f}s"
+            assert events[-1] == "[DONE]"
+            error = json.loads(events[-2])["error"]
+            assert error["code"] == 503 and "engine_heartbeat_timeout=2s" in error["message"]
+            assert answer.status_code == 503 and "engine_heartbeat_timeout" in answer.text
+            health = http.get(server.url + "/health")
+            assert health.status_code == 503 and "hung" in health.json()["error"]["message"]
+            refused = http.post(server.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+            assert refused.status_code == 503
+            with Client(gateway, timeout=10) as gw:  # the gateway's own watchdog, on its own clock
+                pong = wait_for(lambda: (lambda p: p if not p.healthy else None)(gw.ping()), 6, "gateway Pong unhealthy")
+                assert "engine_heartbeat_timeout" in pong.message
+
+            os.kill(engine, signal.SIGCONT)
+            wait_for(lambda: http.get(server.url + "/health").status_code == 200, 15, "/health 200 after SIGCONT")
+            ok = http.post(server.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 3, "ignore_eos": True})
+            assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3
+            # The requests ended while it was stopped were aborted in the engine: every block is free.
+            wait_for(lambda: (lambda f, t: f == t)(*free_blocks(server)), 15, "every KV block free")
+    finally:
+        os.kill(engine, signal.SIGCONT)
+        server.stop()

@@ -8,6 +8,7 @@ import logging
 import os
 import signal
 import sys
+import time
 import traceback
 from collections import defaultdict
 
@@ -20,6 +21,7 @@ from kvloom.core.messages import (
     AddRequest,
     EngineError,
     EngineReady,
+    Heartbeat,
     RegisterFrontend,
     Shutdown,
     StepOutputs,
@@ -41,8 +43,11 @@ class EngineServer:
     """Owns the ROUTER socket and the loop: drain the inbox (blocking only when idle), step, send one
     ``StepOutputs`` per frontend that has news."""
 
-    def __init__(self, config: EngineConfig, address: str, model_name: str | None = None) -> None:
+    def __init__(self, config: EngineConfig, address: str, model_name: str | None = None,
+                 heartbeat_interval: float | None = None) -> None:
         self.config = config
+        self.heartbeat_interval = heartbeat_interval
+        self._next_beat = 0.0
         self.model_name = model_name or config.model
         self.ctx = zmq.Context()
         self.socket = self.ctx.socket(zmq.ROUTER)
@@ -88,10 +93,20 @@ class EngineServer:
                 for delta in core.step():
                     self._route(delta)
             self._flush()
+            self._beat()
         if core.has_unfinished():
             for delta in core.abort_requests(list(self.owners)):
                 self._route(delta)
             self._flush()
+
+    def _beat(self) -> None:
+        # Sent from the loop itself, between steps: a loop stuck in one step (or stopped) stops beating.
+        if self.heartbeat_interval is None or time.monotonic() < self._next_beat:
+            return
+        self._next_beat = time.monotonic() + self.heartbeat_interval
+        beat = Heartbeat(num_unfinished=len(self.owners))
+        for ident in list(self.frontends):
+            self._send(ident, beat)
 
     def close(self, message: str) -> None:
         """Tell every frontend the engine is gone (its in-flight requests are over), then close."""
@@ -237,9 +252,10 @@ def _error_delta(request_id: str, message: str, kind: str) -> TokenDelta:
     return TokenDelta(request_id=request_id, new_token_ids=[], finish_reason="error", error=message, error_kind=kind)
 
 
-def serve_engine(config: EngineConfig, address: str, model_name: str | None = None) -> int:
+def serve_engine(config: EngineConfig, address: str, model_name: str | None = None,
+                 heartbeat_interval: float | None = None) -> int:
     """Bind, load the model, run until drained or told to stop. Returns the process exit code."""
-    server = EngineServer(config, address, model_name)
+    server = EngineServer(config, address, model_name, heartbeat_interval)
 
     def on_signal(signum, frame):  # first signal drains, a second one stops now
         server.request_shutdown(drain=not server.draining)
@@ -273,7 +289,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kvloom-engine")
     parser.add_argument("--address", required=True)
     args, engine, server = start_child(parser, argv)
-    return serve_engine(engine, args.address, server.served_model_name)
+    return serve_engine(engine, args.address, server.served_model_name, server.engine_heartbeat_interval)
 
 
 if __name__ == "__main__":

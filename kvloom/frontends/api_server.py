@@ -440,7 +440,7 @@ class OpenAIServer:
     async def health(self, request: Request):
         client = self.core.client
         if not client.healthy:
-            raise RequestError(503, f"the engine is unavailable: {client.dead_reason}")
+            raise RequestError(503, f"the engine is unavailable: {client.unavailable_reason}")
         return json_response({"status": "ok"})
 
     async def version(self, request: Request):

@@ -32,6 +32,10 @@ class ServerConfig:
     request_timeout: float | None = _opt(None, "Seconds a request may run before it is stopped (408).")
     drain_timeout: float = _opt(60.0, "Seconds SIGTERM waits for in-flight requests before stopping them.")
     engine_start_timeout: float = _opt(900.0, "Seconds frontends wait for the engine to load the model.")
+    engine_heartbeat_timeout: float | None = _opt(30.0, "Seconds frontends wait for a sign of life from the "
+                                                  "engine before treating it as hung: /health 503, in-flight "
+                                                  "requests end with an error, new ones get 503, until it "
+                                                  "beats again.")
     max_request_body_mb: float = _opt(16.0, "Largest HTTP request body (and gateway message) in MiB; larger "
                                       "ones are refused with 413 before they are parsed.")
 
@@ -41,7 +45,8 @@ class ServerConfig:
         for name in ("api_workers", "max_pending_requests"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}={getattr(self, name)} must be >= 1")
-        for name in ("request_timeout", "drain_timeout", "engine_start_timeout", "max_request_body_mb"):
+        for name in ("request_timeout", "drain_timeout", "engine_start_timeout", "max_request_body_mb",
+                     "engine_heartbeat_timeout"):
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ConfigError(f"{name}={value} must be > 0")
@@ -49,6 +54,11 @@ class ServerConfig:
             value = getattr(self, name)
             if value is not None and not value.startswith(("ipc://", "tcp://")):
                 raise ConfigError(f"{name}={value!r} must start with ipc:// or tcp://")
+
+    @property
+    def engine_heartbeat_interval(self) -> float | None:
+        """How often the engine beats: often enough that one late beat is no alarm."""
+        return None if self.engine_heartbeat_timeout is None else self.engine_heartbeat_timeout / 4
 
     @property
     def max_request_body_bytes(self) -> int:

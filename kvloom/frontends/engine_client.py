@@ -9,6 +9,7 @@ import itertools
 import logging
 import os
 import secrets
+import time
 from typing import Any, AsyncIterator
 
 import zmq
@@ -21,6 +22,7 @@ from kvloom.core.messages import (
     EngineError,
     EngineReady,
     EngineStats,
+    Heartbeat,
     RegisterFrontend,
     StepOutputs,
     TokenDelta,
@@ -39,8 +41,11 @@ class EngineUnavailable(RuntimeError):
 
 
 class AsyncEngineClient:
-    def __init__(self, address: str, frontend_id: str | None = None) -> None:
+    def __init__(self, address: str, frontend_id: str | None = None, heartbeat_timeout: float | None = None) -> None:
         self.address = address
+        self.heartbeat_timeout = heartbeat_timeout
+        self.hung_reason: str | None = None  # set while the engine is silent past heartbeat_timeout
+        self._last_heard = time.monotonic()
         self.frontend_id = frontend_id or f"fe{os.getpid()}-{secrets.token_hex(3)}"
         self.ready: EngineReady | None = None
         self.dead_reason: str | None = None
@@ -61,12 +66,21 @@ class AsyncEngineClient:
 
     @property
     def healthy(self) -> bool:
-        return self.ready is not None and self.dead_reason is None
+        return self.ready is not None and self.dead_reason is None and self.hung_reason is None
+
+    @property
+    def unavailable_reason(self) -> str | None:
+        """Why requests are refused now (engine gone or hung), or None when the engine is healthy."""
+        if self.ready is None and self.dead_reason is None:
+            return "the engine is not ready"
+        return self.dead_reason or self.hung_reason
 
     async def start(self, timeout: float) -> EngineReady:
         """Connect, register and wait for ``EngineReady`` (the engine may still be loading the model)."""
         self._sock.connect(self.address)
         self._tasks = [asyncio.create_task(self._read()), asyncio.create_task(self._watch_connection())]
+        if self.heartbeat_timeout is not None:
+            self._tasks.append(asyncio.create_task(self._watch_heartbeat(self.heartbeat_timeout)))
         self._send(RegisterFrontend(frontend_id=self.frontend_id, pid=os.getpid()))
         try:
             await asyncio.wait_for(self._ready_event.wait(), timeout)
@@ -90,7 +104,7 @@ class AsyncEngineClient:
         """The deltas of one request, ending with the one that has ``finish_reason``. Leaving the loop
         early (or being cancelled) aborts the request in the engine, which frees its KV blocks."""
         if not self.healthy:
-            raise EngineUnavailable(self.dead_reason or "the engine is not ready")
+            raise EngineUnavailable(self.unavailable_reason)
         if request_id in self._queues:
             raise ValueError(f"request id {request_id!r} is already in flight")
         queue: asyncio.Queue[TokenDelta] = asyncio.Queue()
@@ -113,7 +127,7 @@ class AsyncEngineClient:
     async def utility(self, method: str, *args: Any, timeout: float = 10.0) -> Any:
         """Call an allow-listed EngineCore method (``stats``, ``reset_prefix_cache``) in the engine."""
         if not self.healthy:
-            raise EngineUnavailable(self.dead_reason or "the engine is not ready")
+            raise EngineUnavailable(self.unavailable_reason)
         call_id = next(self._call_ids)
         future = asyncio.get_running_loop().create_future()
         self._calls[call_id] = future
@@ -139,6 +153,9 @@ class AsyncEngineClient:
         try:
             while True:
                 msg = decode_engine_message(await self._sock.recv())
+                self._heard()
+                if isinstance(msg, Heartbeat):
+                    continue
                 if isinstance(msg, StepOutputs):
                     if msg.stats is not None:
                         self.last_stats = msg.stats
@@ -167,6 +184,28 @@ class AsyncEngineClient:
             if event["event"] == zmq.EVENT_DISCONNECTED:
                 self._fail("the engine process went away (connection lost)")
                 return
+
+    def _heard(self) -> None:
+        self._last_heard = time.monotonic()
+        if self.hung_reason is not None:
+            logger.warning("The engine answers again; serving requests")
+            self.hung_reason = None
+
+    async def _watch_heartbeat(self, timeout: float) -> None:
+        """A silent engine past ``timeout`` is hung: end its requests now and refuse new ones (503)
+        until it is heard from again (SIGCONT, a long stall that ended)."""
+        while True:
+            await asyncio.sleep(timeout / 8)
+            silent = time.monotonic() - self._last_heard
+            if self.ready is None or self.dead_reason is not None or self.hung_reason is not None or silent <= timeout:
+                continue
+            self.hung_reason = (f"the engine has not answered for {silent:.1f}s (engine_heartbeat_timeout="
+                                f"{timeout:g}s): it is hung or overloaded")
+            logger.error("Engine unavailable: %s", self.hung_reason)
+            self.end_all(self.hung_reason)  # their aborts are delivered if it wakes up: KV blocks come back
+            for future in self._calls.values():
+                if not future.done():
+                    future.set_exception(EngineUnavailable(self.hung_reason))
 
     def end_all(self, reason: str) -> None:
         """End every in-flight request now with ``reason`` (the engine is told to abort each)."""

@@ -156,7 +156,7 @@ class FrontendCore:
         if self.draining:
             raise RequestError(503, "the server is shutting down")
         if not self.client.healthy:
-            raise RequestError(503, f"the engine is unavailable: {self.client.dead_reason or 'not ready'}")
+            raise RequestError(503, f"the engine is unavailable: {self.client.unavailable_reason}")
         if self.client.num_in_flight + new_requests > self.max_pending_requests:
             raise RequestError(429, f"too many requests in flight ({self.client.num_in_flight} of at most "
                                f"{self.max_pending_requests}); retry later")
@@ -251,7 +251,7 @@ async def merge_streams(streams: list[AsyncIterator[Any]]) -> AsyncIterator[tupl
 
 async def start_frontend_core(engine_address: str, engine: EngineConfig, server: ServerConfig) -> FrontendCore:
     """Connect to the engine while the tokenizer loads; returns once the engine is ready."""
-    client = AsyncEngineClient(engine_address)
+    client = AsyncEngineClient(engine_address, heartbeat_timeout=server.engine_heartbeat_timeout)
     connecting = asyncio.create_task(client.start(server.engine_start_timeout))
     try:
         tokenizer = await asyncio.to_thread(load_tokenizer, engine.model, engine.tokenizer)

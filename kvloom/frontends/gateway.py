@@ -117,7 +117,7 @@ class Gateway:
         elif isinstance(msg, Ping):
             client = self.core.client
             self._reply(ident, Pong(healthy=client.healthy, model=self.core.ready.model_name,
-                                    max_model_len=self.core.max_model_len, message=client.dead_reason))
+                                    max_model_len=self.core.max_model_len, message=client.unavailable_reason))
 
     def _generate(self, ident: bytes, msg: Generate) -> None:
         key = (ident, msg.request_id)
