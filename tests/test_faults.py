@@ -137,3 +137,33 @@ def test_sigstop_of_the_engine_is_noticed_and_sigcont_recovers(tiny_llama, tmp_p
     finally:
         os.kill(engine, signal.SIGCONT)
         server.stop()
+
+
+def test_max_pending_requests_is_exact_under_300_simultaneous_requests(tiny_llama, tmp_path):
+    import asyncio
+
+    server = start_server(tiny_llama, tmp_path, "max_pending_requests = 50\nengine_heartbeat_timeout = 300.0\n")
+    engine = server.child_running("kvloom.core.engine_process")
+    body = {"prompt": "hi", "max_tokens": 2, "ignore_eos": True}
+
+    async def burst():
+        limits = httpx.Limits(max_connections=400, max_keepalive_connections=400)
+        async with httpx.AsyncClient(timeout=120, limits=limits) as http:
+            tasks = [asyncio.create_task(http.post(server.url + "/v1/completions", json=body)) for _ in range(300)]
+            # The engine is stopped: admitted requests wait, refused ones are answered at once.
+            deadline = time.monotonic() + 60
+            while sum(t.done() for t in tasks) < 250 and time.monotonic() < deadline:
+                await asyncio.sleep(0.1)
+            await asyncio.sleep(1.0)  # anything admitted beyond the cap would show up as more 429s... or fewer
+            early = [t.result().status_code for t in tasks if t.done()]
+            os.kill(engine, signal.SIGCONT)
+            return early, [r.status_code for r in await asyncio.gather(*tasks)]
+
+    try:
+        os.kill(engine, signal.SIGSTOP)
+        early, final = asyncio.run(burst())
+    finally:
+        os.kill(engine, signal.SIGCONT)
+        server.stop()
+    assert early.count(429) == 250 and len(early) == 250, sorted(set(early))
+    assert final.count(200) == 50 and final.count(429) == 250

@@ -89,8 +89,10 @@ async def cancel_on_disconnect(receive, awaitable: Awaitable[Any]) -> Any:
 class EventStream:
     """A server-sent-events response that stops (and aborts its requests) when the client goes away."""
 
-    def __init__(self, events: AsyncIterator[str], headers: dict[str, str]) -> None:
+    def __init__(self, events: AsyncIterator[str], headers: dict[str, str],
+                 on_close: Callable[[], None] | None = None) -> None:
         self.events = events
+        self.on_close = on_close
         self.headers = [(k.lower().encode(), v.encode()) for k, v in headers.items()]
 
     async def __call__(self, scope, receive, send) -> None:
@@ -108,6 +110,8 @@ class EventStream:
             pass
         finally:
             await self.events.aclose()
+            if self.on_close is not None:
+                self.on_close()
 
 
 def sse(body: Any) -> str:
@@ -271,13 +275,13 @@ class OpenAIServer:
         return text
 
     def _start(self, prepared: list[PreparedRequest]) -> AsyncIterator[tuple[int, TextDelta]]:
-        self.core.check_available(len(prepared))
         for p in prepared:
             self.metrics.prompt_tokens.inc(len(p.prompt_token_ids))
         return merge_streams([self.metrics.observe(self.core.generate(p)) for p in prepared])
 
     async def _respond(self, request: Request, prepared: list[PreparedRequest], stream: bool, rid: str,
                        collect: Callable, events: Callable) -> Any:
+        admission = self.core.admit(len(prepared))  # held until the response ends
         merged = self._start(prepared)
         headers = {"x-request-id": rid}
         if not stream:
@@ -285,14 +289,16 @@ class OpenAIServer:
                 body = await cancel_on_disconnect(request.receive, collect(merged))
             finally:
                 await merged.aclose()
+                admission.release()
             return json_response(body, headers=headers)
         try:
             # Wait for the first output before answering, so a rejected request still gets its status.
             first = await cancel_on_disconnect(request.receive, anext(merged))
         except BaseException:
             await merged.aclose()
+            admission.release()
             raise
-        return EventStream(events(_prepend(first, merged)), headers)
+        return EventStream(events(_prepend(first, merged)), headers, on_close=admission.release)
 
     async def _stream_end(self, events: AsyncIterator[str], usage_chunk: Callable[[], Any] | None):
         """Wrap an event stream: an engine failure mid-stream becomes an error event; ends with [DONE]."""

@@ -68,6 +68,7 @@ class FrontendCore:
         self.request_timeout = request_timeout
         self._ids = itertools.count()
         self.draining = False
+        self.num_admitted = 0  # slots held by admitted requests until their responses end
         self.prompt_bound = PromptLengthBound(tokenizer)
         # Tokenizing a long prompt takes seconds: never on the event loop, which serves every other client.
         self._tokenizer_pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="tokenize")
@@ -157,9 +158,16 @@ class FrontendCore:
             raise RequestError(503, "the server is shutting down")
         if not self.client.healthy:
             raise RequestError(503, f"the engine is unavailable: {self.client.unavailable_reason}")
-        if self.client.num_in_flight + new_requests > self.max_pending_requests:
-            raise RequestError(429, f"too many requests in flight ({self.client.num_in_flight} of at most "
-                               f"{self.max_pending_requests}); retry later")
+        if self.num_admitted + new_requests > self.max_pending_requests:
+            raise RequestError(429, f"too many requests in flight ({self.num_admitted} of at most "
+                               f"max_pending_requests={self.max_pending_requests}); retry later")
+
+    def admit(self, count: int) -> "Admission":
+        """Take ``count`` in-flight slots, or raise 429/503. The check and the taking happen with no await
+        between them, so concurrent requests can never admit more than ``max_pending_requests``."""
+        self.check_available(count)
+        self.num_admitted += count
+        return Admission(self, count)
 
     # --- generation --------------------------------------------------------------------------------
     def next_request_id(self) -> str:
@@ -207,6 +215,18 @@ class FrontendCore:
             raise RequestError(408, f"the request did not finish within request_timeout={self.request_timeout:g}s")
         except EngineUnavailable as e:
             raise RequestError(503, f"the engine is unavailable: {e}") from e
+
+
+class Admission:
+    """Slots taken by ``FrontendCore.admit``; ``release`` (idempotent) gives them back."""
+
+    def __init__(self, core: FrontendCore, count: int) -> None:
+        self.core = core
+        self.count = count
+
+    def release(self) -> None:
+        self.core.num_admitted -= self.count
+        self.count = 0
 
 
 async def merge_streams(streams: list[AsyncIterator[Any]]) -> AsyncIterator[tuple[int, Any]]:

@@ -26,7 +26,7 @@ from kvloom.core.messages import (
     encode,
 )
 from kvloom.frontends.config import ServerConfig
-from kvloom.frontends.frontend_core import FrontendCore, RequestError, start_frontend_core
+from kvloom.frontends.frontend_core import FrontendCore, PreparedRequest, RequestError, start_frontend_core
 
 logger = logging.getLogger("kvloom.gateway")
 
@@ -150,14 +150,11 @@ class Gateway:
         try:
             # Tokenized here, in the request's own task, so a long prompt never holds up the receive loop.
             prepared = self.core.prepare(await self._prompt_ids(msg), msg.sampling, priority=msg.priority)
-            async for d in self.core.generate(prepared):
-                usage = None
-                if d.finish_reason is not None:
-                    usage = Usage(prompt_tokens=d.num_prompt_tokens, completion_tokens=d.num_output_tokens,
-                                  cached_tokens=d.num_cached_tokens)
-                self._reply(ident, TextChunk(request_id=request_id, text=d.text, token_ids=d.token_ids,
-                                             logprobs=d.logprobs, finish_reason=d.finish_reason,
-                                             stop_reason=d.stop_reason, usage=usage))
+            admission = self.core.admit(1)
+            try:
+                await self._send_chunks(ident, request_id, prepared)
+            finally:
+                admission.release()
         except RequestError as e:
             self._reply(ident, RequestFailed(request_id=request_id, message=e.message, status=e.status))
         except asyncio.CancelledError:
@@ -169,6 +166,16 @@ class Gateway:
         finally:
             self.tasks.pop(key, None)
             self.cancelled.discard(key)
+
+    async def _send_chunks(self, ident: bytes, request_id: str, prepared: PreparedRequest) -> None:
+        async for d in self.core.generate(prepared):
+            usage = None
+            if d.finish_reason is not None:
+                usage = Usage(prompt_tokens=d.num_prompt_tokens, completion_tokens=d.num_output_tokens,
+                              cached_tokens=d.num_cached_tokens)
+            self._reply(ident, TextChunk(request_id=request_id, text=d.text, token_ids=d.token_ids,
+                                         logprobs=d.logprobs, finish_reason=d.finish_reason,
+                                         stop_reason=d.stop_reason, usage=usage))
 
     def _reply(self, ident: bytes, msg) -> None:
         self._send(ident, [ident, encode(msg)])
