@@ -392,3 +392,49 @@ def test_tokenizing_runs_off_the_event_loop():
     ids, ticks = asyncio.run(main())
     assert ids == [1, 1, 1]
     assert ticks >= 5  # the loop kept serving while the tokenizer ran
+
+
+# --- defect 8: over TCP only the launch's own frontends may drive the engine; exposed binds warn -----
+def test_engine_over_tcp_ignores_unauthenticated_peers(tiny_llama, tmp_path):
+    from tests.server_utils import free_port
+
+    engine_address = f"tcp://127.0.0.1:{free_port()}"
+    srv = EngineServer(["--model", str(tiny_llama), "--num-kv-blocks", "64", "--engine-address", engine_address],
+                       tmp_path).wait_ready()
+    try:
+        intruder = zmq.Context.instance().socket(zmq.DEALER)
+        intruder.setsockopt(zmq.LINGER, 0)
+        intruder.setsockopt(zmq.RCVTIMEO, 3000)
+        intruder.connect(engine_address)
+        # No registration at all: Shutdown, Utility and AddRequest are all ignored.
+        intruder.send(m.encode(m.Shutdown(drain=False)))
+        intruder.send(m.encode(m.Utility(call_id=1, method="stats")))
+        intruder.send(m.encode(m.AddRequest(request_id="x", prompt_token_ids=[5], sampling=SamplingParams())))
+        with pytest.raises(zmq.Again):
+            intruder.recv()
+        # A wrong secret is refused by name, and still nothing it sends is obeyed.
+        intruder.send(m.encode(m.RegisterFrontend(frontend_id="intruder", secret="guess")))
+        refused = m.decode_engine_message(intruder.recv())
+        assert isinstance(refused, m.EngineError) and "authentication failed" in refused.message
+        intruder.send(m.encode(m.Shutdown(drain=False)))
+        intruder.close()
+        import time
+
+        time.sleep(1.0)
+        completes(srv)
+        assert srv.proc.poll() is None
+        assert "Ignored Shutdown" in srv.log() and "wrong or missing secret" in srv.log()
+    finally:
+        srv.stop()
+
+
+def test_binds_beyond_loopback_are_warned_about():
+    from kvloom.frontends.config import ServerConfig
+    from kvloom.launcher import exposed_binds
+
+    assert exposed_binds(ServerConfig(engine_address="tcp://127.0.0.1:5555", gateway="ipc:///tmp/g.sock")) == []
+    warnings = exposed_binds(ServerConfig(host="0.0.0.0", engine_address="tcp://0.0.0.0:5555",
+                                          gateway="tcp://*:5557"))
+    assert len(warnings) == 3
+    assert "0.0.0.0" in warnings[0] and "engine_address=tcp://0.0.0.0:5555" in warnings[1]
+    assert "gateway=tcp://*:5557" in warnings[2]

@@ -4,6 +4,7 @@ over one ZeroMQ ROUTER socket (``ipc://`` by default). It never sees text."""
 from __future__ import annotations
 
 import argparse
+import hmac
 import logging
 import os
 import signal
@@ -44,8 +45,10 @@ class EngineServer:
     ``StepOutputs`` per frontend that has news."""
 
     def __init__(self, config: EngineConfig, address: str, model_name: str | None = None,
-                 heartbeat_interval: float | None = None) -> None:
+                 heartbeat_interval: float | None = None, secret: str | None = None) -> None:
         self.config = config
+        self.secret = secret  # when set, only frontends that registered with it are heard
+        self._refused: set[bytes] = set()
         self.heartbeat_interval = heartbeat_interval
         self._next_beat = 0.0
         self.model_name = model_name or config.model
@@ -151,6 +154,14 @@ class EngineServer:
         self.outbox[ident].append(_error_delta(request_id, f"invalid request: {error}", "rejected"))
 
     def _handle(self, ident: bytes, msg) -> None:
+        if isinstance(msg, RegisterFrontend):
+            self._register(ident, msg)
+            return
+        if self.secret is not None and ident not in self.frontends:
+            if ident not in self._refused and len(self._refused) < 1000:  # log each stranger once
+                self._refused.add(ident)
+                logger.warning("Ignored %s from %r: not a registered frontend", type(msg).__name__, ident)
+            return
         if isinstance(msg, AddRequest):
             self._add(ident, msg)
         elif isinstance(msg, AbortRequest):
@@ -158,13 +169,19 @@ class EngineServer:
                 self._route(delta)
         elif isinstance(msg, Utility):
             self._send(ident, self._utility(msg))
-        elif isinstance(msg, RegisterFrontend):
-            self.frontends[ident] = msg.frontend_id
-            logger.info("Frontend %s (pid %d) connected", msg.frontend_id, msg.pid)
-            if self.ready is not None:  # None only while reporting a failed start to everyone waiting
-                self._send(ident, self.ready)
         elif isinstance(msg, Shutdown):
             self.request_shutdown(msg.drain)
+
+    def _register(self, ident: bytes, msg: RegisterFrontend) -> None:
+        if self.secret is not None and not hmac.compare_digest(msg.secret.encode(), self.secret.encode()):
+            logger.warning("Refused frontend %r (pid %d): wrong or missing secret", msg.frontend_id, msg.pid)
+            self._send(ident, EngineError(message="authentication failed: this engine only serves the frontends "
+                                                  "of the launch that started it"))
+            return
+        self.frontends[ident] = msg.frontend_id
+        logger.info("Frontend %s (pid %d) connected", msg.frontend_id, msg.pid)
+        if self.ready is not None:  # None only while reporting a failed start to everyone waiting
+            self._send(ident, self.ready)
 
     def _add(self, ident: bytes, msg: AddRequest) -> None:
         from kvloom.core.engine_core import RequestRejected
@@ -253,9 +270,9 @@ def _error_delta(request_id: str, message: str, kind: str) -> TokenDelta:
 
 
 def serve_engine(config: EngineConfig, address: str, model_name: str | None = None,
-                 heartbeat_interval: float | None = None) -> int:
+                 heartbeat_interval: float | None = None, secret: str | None = None) -> int:
     """Bind, load the model, run until drained or told to stop. Returns the process exit code."""
-    server = EngineServer(config, address, model_name, heartbeat_interval)
+    server = EngineServer(config, address, model_name, heartbeat_interval, secret)
 
     def on_signal(signum, frame):  # first signal drains, a second one stops now
         server.request_shutdown(drain=not server.draining)
@@ -289,7 +306,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kvloom-engine")
     parser.add_argument("--address", required=True)
     args, engine, server = start_child(parser, argv)
-    return serve_engine(engine, args.address, server.served_model_name, server.engine_heartbeat_interval)
+    return serve_engine(engine, args.address, server.served_model_name, server.engine_heartbeat_interval,
+                        args.engine_secret)
 
 
 if __name__ == "__main__":

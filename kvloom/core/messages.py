@@ -26,6 +26,7 @@ class RegisterFrontend(_Msg):
 
     frontend_id: str
     pid: int = 0
+    secret: str = ""  # the launch's shared secret; an engine started with one ignores frontends without it
 
 
 class AddRequest(_Msg):

@@ -511,12 +511,13 @@ def _chat_messages(messages: list[api.ChatMessageIn]) -> list[dict[str, Any]]:
 
 
 # --- process ---------------------------------------------------------------------------------------
-def build_app(engine_address: str, engine_config: EngineConfig, server_config: ServerConfig) -> Starlette:
+def build_app(engine_address: str, engine_config: EngineConfig, server_config: ServerConfig,
+              engine_secret: str | None = None) -> Starlette:
     server = OpenAIServer(server_config)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
-        server.core = await start_frontend_core(engine_address, engine_config, server_config)
+        server.core = await start_frontend_core(engine_address, engine_config, server_config, engine_secret)
         try:
             yield
         finally:
@@ -532,10 +533,10 @@ def build_app(engine_address: str, engine_config: EngineConfig, server_config: S
 
 
 def run_server(engine_address: str, engine_config: EngineConfig, server_config: ServerConfig,
-               sock: socket.socket | None = None, log_level: str = "info") -> int:
+               sock: socket.socket | None = None, log_level: str = "info", engine_secret: str | None = None) -> int:
     import uvicorn
 
-    app = build_app(engine_address, engine_config, server_config)
+    app = build_app(engine_address, engine_config, server_config, engine_secret)
     try:
         import uvloop  # noqa: F401
         loop = "uvloop"
@@ -562,7 +563,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fd", type=int, help="An inherited, bound socket to listen on.")
     args, engine, server = start_child(parser, argv)
     sock = socket.socket(fileno=args.fd) if args.fd is not None else None
-    return run_server(args.engine_address, engine, server, sock, args.log_level)
+    return run_server(args.engine_address, engine, server, sock, args.log_level, args.engine_secret)
 
 
 if __name__ == "__main__":

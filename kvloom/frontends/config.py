@@ -13,6 +13,17 @@ from kvloom.core.config import ConfigError, _opt
 LOOPBACK = "127.0.0.1"
 
 
+def zmq_address_is_loopback(address: str) -> bool:
+    """ipc:// is local; tcp://HOST:PORT is loopback for 127.x, ::1 and localhost (``*`` is every interface)."""
+    if not address.startswith("tcp://"):
+        return True
+    host = address[len("tcp://"):].rsplit(":", 1)[0].strip("[]")
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
 @dataclass
 class ServerConfig:
     """How the frontends serve. Field docs are the CLI help."""

@@ -41,8 +41,10 @@ class EngineUnavailable(RuntimeError):
 
 
 class AsyncEngineClient:
-    def __init__(self, address: str, frontend_id: str | None = None, heartbeat_timeout: float | None = None) -> None:
+    def __init__(self, address: str, frontend_id: str | None = None, heartbeat_timeout: float | None = None,
+                 secret: str | None = None) -> None:
         self.address = address
+        self.secret = secret
         self.heartbeat_timeout = heartbeat_timeout
         self.hung_reason: str | None = None  # set while the engine is silent past heartbeat_timeout
         self._last_heard = time.monotonic()
@@ -81,7 +83,7 @@ class AsyncEngineClient:
         self._tasks = [asyncio.create_task(self._read()), asyncio.create_task(self._watch_connection())]
         if self.heartbeat_timeout is not None:
             self._tasks.append(asyncio.create_task(self._watch_heartbeat(self.heartbeat_timeout)))
-        self._send(RegisterFrontend(frontend_id=self.frontend_id, pid=os.getpid()))
+        self._send(RegisterFrontend(frontend_id=self.frontend_id, pid=os.getpid(), secret=self.secret or ""))
         try:
             await asyncio.wait_for(self._ready_event.wait(), timeout)
         except asyncio.TimeoutError:

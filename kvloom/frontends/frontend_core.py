@@ -269,9 +269,11 @@ async def merge_streams(streams: list[AsyncIterator[Any]]) -> AsyncIterator[tupl
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def start_frontend_core(engine_address: str, engine: EngineConfig, server: ServerConfig) -> FrontendCore:
-    """Connect to the engine while the tokenizer loads; returns once the engine is ready."""
-    client = AsyncEngineClient(engine_address, heartbeat_timeout=server.engine_heartbeat_timeout)
+async def start_frontend_core(engine_address: str, engine: EngineConfig, server: ServerConfig,
+                              secret: str | None = None) -> FrontendCore:
+    """Connect to the engine while the tokenizer loads; returns once the engine is ready. ``secret`` is
+    the launch's engine secret (see launcher.Launcher)."""
+    client = AsyncEngineClient(engine_address, heartbeat_timeout=server.engine_heartbeat_timeout, secret=secret)
     connecting = asyncio.create_task(client.start(server.engine_start_timeout))
     try:
         tokenizer = await asyncio.to_thread(load_tokenizer, engine.model, engine.tokenizer)

@@ -192,12 +192,13 @@ class Gateway:
                     task.cancel()
 
 
-async def run_gateway(engine_address: str, address: str, engine: EngineConfig, server: ServerConfig) -> int:
+async def run_gateway(engine_address: str, address: str, engine: EngineConfig, server: ServerConfig,
+                      engine_secret: str | None = None) -> int:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    core = await start_frontend_core(engine_address, engine, server)
+    core = await start_frontend_core(engine_address, engine, server, engine_secret)
     try:
         gateway = Gateway(core, address, server.max_request_body_bytes)
         logger.info("ZMQ gateway listening on %s", address)
@@ -215,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--engine-address", required=True)
     parser.add_argument("--address", required=True, help="Where clients connect, e.g. ipc:///tmp/kvloom.sock.")
     args, engine, server = start_child(parser, argv)
-    main_coro = run_gateway(args.engine_address, args.address, engine, server)
+    main_coro = run_gateway(args.engine_address, args.address, engine, server, args.engine_secret)
     try:
         import uvloop
     except ImportError:
