@@ -438,3 +438,35 @@ def test_binds_beyond_loopback_are_warned_about():
     assert len(warnings) == 3
     assert "0.0.0.0" in warnings[0] and "engine_address=tcp://0.0.0.0:5555" in warnings[1]
     assert "gateway=tcp://*:5557" in warnings[2]
+
+
+# --- defect 9: half-sent requests are not held open; uvicorn's limits are flags ----------------------
+def test_half_sent_requests_are_closed_after_the_header_and_body_timeouts(tiny_llama, tmp_path):
+    import socket
+    import time
+
+    srv = EngineServer(["--model", str(tiny_llama), "--num-kv-blocks", "64", "--http-header-timeout", "1",
+                        "--http-body-timeout", "1", "--http-limit-concurrency", "500"], tmp_path).wait_ready()
+    socks = []
+    try:
+        for i in range(150):  # slowloris: a request head that never ends
+            s = socket.create_connection(("127.0.0.1", srv.port))
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n" if i % 3 else b"")
+            socks.append(s)
+        body_pending = socket.create_connection(("127.0.0.1", srv.port))
+        body_pending.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                             b"Content-Length: 100\r\n\r\n{\"prompt\"")
+        t0 = time.monotonic()
+        for s in socks:
+            s.settimeout(15)
+            assert s.recv(1024) == b""  # closed by the server
+        assert time.monotonic() - t0 < 15
+        body_pending.settimeout(15)
+        answer = body_pending.recv(4096)
+        assert answer.startswith(b"HTTP/1.1 408") and b"http_body_timeout=1s" in answer
+        body_pending.close()
+        completes(srv)
+    finally:
+        for s in socks:
+            s.close()
+        srv.stop()

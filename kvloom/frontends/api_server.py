@@ -39,7 +39,7 @@ from kvloom.frontends.frontend_core import (
     start_frontend_core,
 )
 from kvloom.frontends.metrics import FrontendMetrics
-from kvloom.frontends.uvicorn_server import DRAIN_GRACE_S, DrainingServer
+from kvloom.frontends.uvicorn_server import DRAIN_GRACE_S, DrainingServer, header_timeout_protocol
 
 logger = logging.getLogger("kvloom.api")
 
@@ -242,7 +242,7 @@ class OpenAIServer:
     async def _parse(self, request: Request, typ: type):
         try:
             body = await read_body(request.stream(), request.headers.get("content-length"),
-                                   self.config.max_request_body_bytes, None)
+                                   self.config.max_request_body_bytes, self.config.http_body_timeout)
         except ClientDisconnect:  # gone mid-body: nothing to answer, and not a server error
             raise ClientGone() from None
         check_json_depth(body)
@@ -544,7 +544,10 @@ def run_server(engine_address: str, engine_config: EngineConfig, server_config: 
         loop = "asyncio"
     config = uvicorn.Config(app, host=server_config.host, port=server_config.port, loop=loop, lifespan="on",
                             log_level=log_level, access_log=False,
-                            timeout_graceful_shutdown=int(server_config.drain_timeout) + DRAIN_GRACE_S)
+                            timeout_graceful_shutdown=int(server_config.drain_timeout) + DRAIN_GRACE_S,
+                            http=header_timeout_protocol(server_config.http_header_timeout),
+                            timeout_keep_alive=server_config.http_keep_alive_timeout,
+                            limit_concurrency=server_config.http_limit_concurrency)
     server = DrainingServer(config, app.state.server, server_config.drain_timeout)
     # uvicorn re-raises the signal that stopped it once it has drained; by then there is nothing left
     # to do, so exit normally instead of dying from it.

@@ -47,6 +47,13 @@ class ServerConfig:
                                                   "engine before treating it as hung: /health 503, in-flight "
                                                   "requests end with an error, new ones get 503, until it "
                                                   "beats again.")
+    http_header_timeout: float = _opt(10.0, "Seconds an HTTP client has to send a request's line and headers; "
+                                      "slower connections are closed.")
+    http_body_timeout: float = _opt(60.0, "Seconds an HTTP client has to send a request's body once its "
+                                    "headers are in (408 beyond).")
+    http_keep_alive_timeout: float = _opt(5.0, "Seconds an idle keep-alive HTTP connection stays open.")
+    http_limit_concurrency: int | None = _opt(4096, "Most HTTP connections and requests one API worker holds "
+                                              "at once; beyond it new requests get 503 (none: no limit).")
     max_request_body_mb: float = _opt(16.0, "Largest HTTP request body (and gateway message) in MiB; larger "
                                       "ones are refused with 413 before they are parsed.")
 
@@ -57,7 +64,8 @@ class ServerConfig:
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}={getattr(self, name)} must be >= 1")
         for name in ("request_timeout", "drain_timeout", "engine_start_timeout", "max_request_body_mb",
-                     "engine_heartbeat_timeout"):
+                     "engine_heartbeat_timeout", "http_header_timeout", "http_body_timeout",
+                     "http_keep_alive_timeout", "http_limit_concurrency"):
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ConfigError(f"{name}={value} must be > 0")
