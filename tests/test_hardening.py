@@ -470,3 +470,65 @@ def test_half_sent_requests_are_closed_after_the_header_and_body_timeouts(tiny_l
         for s in socks:
             s.close()
         srv.stop()
+
+
+# --- defect 10: config errors name the key, and every check runs before anything starts --------------
+@pytest.mark.parametrize("toml,needle", [
+    ('port = "abc"\n', "port='abc' must be an integer"),
+    ("api_workers = 1.5\n", "api_workers=1.5 must be an integer"),
+    ('max_num_seqs = "many"\n', "max_num_seqs='many' must be an integer"),
+    ("drain_timeout = true\n", "drain_timeout=True must be a number"),
+    ('gateway = "tcp://127.0.0.1:notaport"\n', "gateway='tcp://127.0.0.1:notaport' must be ipc://PATH or tcp://"),
+])
+def test_config_file_type_errors_name_the_key(tmp_path, capsys, toml, needle):
+    from kvloom.cli import main
+
+    config = tmp_path / "serve.toml"
+    config.write_text(toml)
+    assert main(["--config", str(config)]) == 2
+    assert needle in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags,needle", [
+    (["--gateway", "tcp://127.0.0.1:notaport"], "gateway='tcp://127.0.0.1:notaport'"),
+    (["--gateway", "tcp://127.0.0.1:70000"], "the port must be in [1, 65535]"),
+    (["--gateway", "ipc:///no/such/folder/gw.sock"], "the folder /no/such/folder does not exist"),
+    (["--engine-address", "udp://127.0.0.1:5"], "engine_address='udp://127.0.0.1:5' must be"),
+])
+def test_invalid_addresses_fail_before_any_process_starts(tiny_llama, capsys, flags, needle):
+    from kvloom.cli import main
+
+    # With a real model: main() would start the engine if the address got past validation.
+    assert main(["--model", str(tiny_llama), *flags]) == 2
+    assert needle in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags,needle", [
+    (["--port", "abc"], "argument --port: invalid int value: 'abc'"),
+    (["--api-workers", "1.5"], "argument --api-workers: invalid int value: '1.5'"),
+])
+def test_cli_type_errors_name_the_flag(capsys, flags, needle):
+    from kvloom.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(flags)
+    assert exit_.value.code == 2 and needle in capsys.readouterr().err
+
+
+def test_a_gateway_address_in_use_fails_before_the_model_loads(tiny_llama, tmp_path):
+    from tests.server_utils import free_port
+
+    taken = zmq.Context.instance().socket(zmq.ROUTER)
+    port = free_port()
+    taken.bind(f"tcp://127.0.0.1:{port}")
+    try:
+        # The gateway binds before it waits for the engine, so this fails as soon as it starts.
+        srv = EngineServer(["--model", str(tiny_llama), "--gateway", f"tcp://127.0.0.1:{port}"], tmp_path)
+        try:
+            assert srv.proc.wait(timeout=120) == 1
+        finally:
+            srv.stop()
+        assert f"cannot bind the gateway to tcp://127.0.0.1:{port}: Address already in use" in srv.log()
+        assert "Traceback" not in srv.log()
+    finally:
+        taken.close(linger=0)

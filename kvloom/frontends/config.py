@@ -5,12 +5,69 @@ from __future__ import annotations
 
 import dataclasses
 import ipaddress
+import os
+import re
+import types
+import typing
 from dataclasses import dataclass, fields
 from typing import Any
 
 from kvloom.core.config import ConfigError, _opt
 
 LOOPBACK = "127.0.0.1"
+
+
+def check_field_types(config) -> None:
+    """Raise ConfigError naming the first field of the dataclass ``config`` whose value has the wrong
+    type (a config file's ``port = "abc"`` or ``api_workers = 1.5``), before any range check runs."""
+    hints = typing.get_type_hints(type(config))
+    for f in fields(config):
+        value = getattr(config, f.name)
+        hint = hints[f.name]
+        allowed = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
+        if not any(_has_type(value, t) for t in allowed):
+            names = " or ".join(_TYPE_NAMES.get(typing.get_origin(t) or t, str(t)) for t in allowed)
+            raise ConfigError(f"{f.name}={value!r} must be {names}")
+
+
+_TYPE_NAMES = {int: "an integer", float: "a number", str: "a string", bool: "true or false", list: "a list",
+               dict: "a table", type(None): "unset"}
+
+
+def _has_type(value: Any, t: Any) -> bool:
+    if t is type(None):
+        return value is None
+    if t in (int, float) and isinstance(value, bool):  # TOML true is not 1
+        return False
+    if t is float:
+        return isinstance(value, (int, float))
+    return isinstance(value, typing.get_origin(t) or t)
+
+
+_TCP_ADDRESS = re.compile(r"tcp://(\*|\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):(\*|[0-9]{1,5})")
+
+
+def check_zmq_address(name: str, address: str) -> None:
+    """Raise ConfigError unless ``address`` is a bindable ipc://PATH or tcp://HOST:PORT (checked
+    before any process starts, so a typo never costs a model load)."""
+    if address.startswith("ipc://"):
+        path = address[len("ipc://"):]
+        if not path:
+            raise ConfigError(f"{name}={address!r}: give a socket path, e.g. ipc:///tmp/kvloom.sock")
+        if len(path.encode()) > 107:  # sockaddr_un.sun_path
+            raise ConfigError(f"{name}={address!r}: the path has {len(path.encode())} bytes, over the 107 an "
+                              "ipc:// socket path may have")
+        folder = os.path.dirname(os.path.abspath(path))
+        if not os.path.isdir(folder):
+            raise ConfigError(f"{name}={address!r}: the folder {folder} does not exist")
+        return
+    match = _TCP_ADDRESS.fullmatch(address)
+    if address.startswith("tcp://") and match is not None:
+        port = match.group(2)
+        if port == "*" or 1 <= int(port) <= 65535:
+            return
+        raise ConfigError(f"{name}={address!r}: the port must be in [1, 65535] (or *)")
+    raise ConfigError(f"{name}={address!r} must be ipc://PATH or tcp://HOST:PORT")
 
 
 def zmq_address_is_loopback(address: str) -> bool:
@@ -58,6 +115,7 @@ class ServerConfig:
                                       "ones are refused with 413 before they are parsed.")
 
     def validate(self) -> None:
+        check_field_types(self)
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"port={self.port} must be in [0, 65535]")
         for name in ("api_workers", "max_pending_requests"):
@@ -71,8 +129,10 @@ class ServerConfig:
                 raise ConfigError(f"{name}={value} must be > 0")
         for name in ("gateway", "engine_address"):
             value = getattr(self, name)
-            if value is not None and not value.startswith(("ipc://", "tcp://")):
-                raise ConfigError(f"{name}={value!r} must start with ipc:// or tcp://")
+            if value is not None:
+                check_zmq_address(name, value)
+        if self.gateway is not None and self.gateway == self.engine_address:
+            raise ConfigError(f"gateway and engine_address are both {self.gateway!r}: give them different addresses")
 
     @property
     def engine_heartbeat_interval(self) -> float | None:

@@ -34,7 +34,7 @@ SEND_QUEUE_LIMIT = 100_000  # replies queued for one client that does not read b
 
 
 class Gateway:
-    def __init__(self, core: FrontendCore, address: str, max_message_bytes: int = 16 * 2**20) -> None:
+    def __init__(self, core: FrontendCore | None, address: str, max_message_bytes: int = 16 * 2**20) -> None:
         self.core = core
         self.address = address
         self.max_message_bytes = max_message_bytes
@@ -43,7 +43,12 @@ class Gateway:
         self.socket.setsockopt(zmq.ROUTER_MANDATORY, 1)  # replies to a vanished client raise
         self.socket.setsockopt(zmq.LINGER, 2000)  # deliver the last chunks of a drained request on exit
         self.socket.setsockopt(zmq.SNDHWM, SEND_QUEUE_LIMIT)
-        self.socket.bind(address)
+        try:
+            self.socket.bind(address)
+        except zmq.ZMQError as e:
+            self.socket.close(linger=0)
+            self.ctx.term()
+            raise OSError(f"cannot bind the gateway to {address}: {e}") from None
         # (client identity, the client's request id) -> the task streaming it
         self.tasks: dict[tuple[bytes, str], asyncio.Task] = {}
         self.cancelled: set[tuple[bytes, str]] = set()
@@ -198,9 +203,10 @@ async def run_gateway(engine_address: str, address: str, engine: EngineConfig, s
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    core = await start_frontend_core(engine_address, engine, server, engine_secret)
+    # Bind before waiting for the engine: an address that cannot be bound fails now, not after the model loads.
+    gateway = Gateway(None, address, server.max_request_body_bytes)
+    core = gateway.core = await start_frontend_core(engine_address, engine, server, engine_secret)
     try:
-        gateway = Gateway(core, address, server.max_request_body_bytes)
         logger.info("ZMQ gateway listening on %s", address)
         await gateway.serve(stop, server.drain_timeout)
     finally:
@@ -220,8 +226,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         import uvloop
     except ImportError:
-        return asyncio.run(main_coro)
-    return uvloop.run(main_coro)
+        uvloop = asyncio
+    try:
+        return uvloop.run(main_coro)
+    except OSError as e:
+        logger.error("%s", e)
+        return 1
 
 
 if __name__ == "__main__":
