@@ -167,3 +167,73 @@ def test_max_pending_requests_is_exact_under_300_simultaneous_requests(tiny_llam
         server.stop()
     assert early.count(429) == 250 and len(early) == 250, sorted(set(early))
     assert final.count(200) == 50 and final.count(429) == 250
+
+
+def test_kill_9_of_the_engine_ends_requests_and_the_server_keeps_answering_503(tiny_llama, tmp_path):
+    from kvloom.client import Client
+
+    gateway = f"ipc://{tmp_path}/gw.sock"
+    server = start_server(tiny_llama, tmp_path, f'gateway = "{gateway}"\n')
+    children = server.descendants()
+    engine = server.child_running("kvloom.core.engine_process")
+    try:
+        with httpx.Client(timeout=60) as http, ThreadPoolExecutor(1) as pool:
+            started = threading.Semaphore(0)
+            stream = pool.submit(stream_events, server, http, LONG, started)
+            assert started.acquire(timeout=30)
+            os.kill(engine, signal.SIGKILL)
+            events = stream.result(timeout=15)
+            assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["code"] == 503
+            wait_for(lambda: http.get(server.url + "/health").status_code == 503, 10, "/health 503")
+            assert http.post(server.url + "/v1/completions", json={"prompt": "hi"}).status_code == 503
+            with Client(gateway, timeout=10) as gw:
+                assert not gw.ping().healthy
+        assert server.proc.poll() is None  # still up, answering 503, until a supervisor restarts it
+        server.proc.send_signal(signal.SIGTERM)
+        assert server.proc.wait(timeout=60) == 1  # non-zero: the engine was lost
+    finally:
+        server.stop()
+    wait_gone(children)
+
+
+def _frontend_pid(server: EngineServer, module: str) -> int:
+    return server.child_running(module)
+
+
+def test_kill_9_of_an_api_worker_stops_the_server_with_its_requests_drained(tiny_llama, tmp_path):
+    from kvloom.client import Client
+
+    gateway = f"ipc://{tmp_path}/gw.sock"
+    server = start_server(tiny_llama, tmp_path, f'gateway = "{gateway}"\ndrain_timeout = 30.0\n')
+    children = server.descendants()
+    try:
+        with Client(gateway, timeout=60) as gw:
+            chunks = gw.stream("Once upon a time", max_tokens=100, ignore_eos=True)
+            assert next(chunks).finish_reason is None
+            os.kill(_frontend_pid(server, "kvloom.frontends.api_server"), signal.SIGKILL)
+            rest = list(chunks)  # the gateway drains: the request finishes as asked
+        assert rest[-1].finish_reason == "length" and rest[-1].usage.completion_tokens == 100
+        assert server.proc.wait(timeout=60) == 1
+        assert "A frontend process exited" in server.log()
+    finally:
+        server.stop()
+    wait_gone(children)
+
+
+def test_kill_9_of_the_gateway_stops_the_server_with_http_requests_drained(tiny_llama, tmp_path):
+    gateway = f"ipc://{tmp_path}/gw.sock"
+    server = start_server(tiny_llama, tmp_path, f'gateway = "{gateway}"\ndrain_timeout = 30.0\n')
+    children = server.descendants()
+    try:
+        with httpx.Client(timeout=60) as http, ThreadPoolExecutor(1) as pool:
+            started = threading.Semaphore(0)
+            stream = pool.submit(stream_events, server, http, {**LONG, "max_tokens": 150}, started)
+            assert started.acquire(timeout=30)
+            os.kill(_frontend_pid(server, "kvloom.frontends.gateway"), signal.SIGKILL)
+            events = stream.result(timeout=60)
+        assert events[-1] == "[DONE]"
+        assert json.loads(events[-2])["choices"][0]["finish_reason"] == "length"
+        assert server.proc.wait(timeout=60) == 1
+    finally:
+        server.stop()
+    wait_gone(children)
