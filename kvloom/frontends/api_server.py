@@ -29,7 +29,6 @@ from kvloom.core.messages import TokenLogprobs
 from kvloom.core.sampling_params import SamplingParams
 from kvloom.frontends import openai_protocol as api
 from kvloom.frontends.config import ServerConfig
-from kvloom.frontends.limits import check_json_depth, read_body
 from kvloom.frontends.frontend_core import (
     FrontendCore,
     PreparedRequest,
@@ -38,8 +37,8 @@ from kvloom.frontends.frontend_core import (
     merge_streams,
     start_frontend_core,
 )
+from kvloom.frontends.limits import check_json_depth, read_body
 from kvloom.frontends.metrics import FrontendMetrics
-from kvloom.frontends.uvicorn_server import DRAIN_GRACE_S, DrainingServer, header_timeout_protocol
 
 logger = logging.getLogger("kvloom.api")
 
@@ -535,6 +534,8 @@ def build_app(engine_address: str, engine_config: EngineConfig, server_config: S
 def run_server(engine_address: str, engine_config: EngineConfig, server_config: ServerConfig,
                sock: socket.socket | None = None, log_level: str = "info", engine_secret: str | None = None) -> int:
     import uvicorn
+
+    from kvloom.frontends.uvicorn_server import DRAIN_GRACE_S, DrainingServer, header_timeout_protocol
 
     app = build_app(engine_address, engine_config, server_config, engine_secret)
     try:

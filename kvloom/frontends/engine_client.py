@@ -199,7 +199,10 @@ class AsyncEngineClient:
         while True:
             await asyncio.sleep(timeout / 8)
             silent = time.monotonic() - self._last_heard
-            if self.ready is None or self.dead_reason is not None or self.hung_reason is not None or silent <= timeout:
+            if self.ready is None or self.dead_reason is not None or self.hung_reason is not None:
+                continue
+            # Unread messages mean this process was the slow one, not the engine: read them first.
+            if silent <= timeout or self._sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
                 continue
             self.hung_reason = (f"the engine has not answered for {silent:.1f}s (engine_heartbeat_timeout="
                                 f"{timeout:g}s): it is hung or overloaded")
