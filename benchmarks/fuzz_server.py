@@ -1,9 +1,9 @@
-"""Fuzz a running kvloom server: seeded random bodies for /v1/completions and /v1/chat/completions and
+"""Fuzz a kvloom server (started here, with the gateway): seeded random bodies for /v1/completions and /v1/chat/completions and
 random msgpack messages for the ZMQ gateway, mostly malformed, some valid. Every answer must be 2xx/4xx
 within a bound (no 5xx, no hang); the server must not lose a process; afterwards its greedy output must
-be unchanged and every KV block free. tests/test_fuzz.py runs 2,000 bodies of it; by hand:
+be unchanged and every KV block free. tests/test_fuzz.py runs 2,000 messages of it; by hand, 20,000:
 
-    python benchmarks/fuzz_server.py --tiny-model /tmp/kvloom-tiny --bodies 20000 --gateway-messages 5000
+    python benchmarks/fuzz_server.py --tiny-model /tmp/kvloom-tiny --bodies 16000 --gateway-messages 4000
 
 (``--tiny-model DIR`` builds the test suite's tiny random Llama there once; ``--model PATH`` serves any
 other model.) It prints the totals per status as JSON.
@@ -341,8 +341,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", help="Model to serve.")
     parser.add_argument("--tiny-model", metavar="DIR", help="Build (once) and serve the tests' tiny random Llama.")
-    parser.add_argument("--bodies", type=int, default=20_000)
-    parser.add_argument("--gateway-messages", type=int, default=5_000)
+    parser.add_argument("--bodies", type=int, default=16_000)
+    parser.add_argument("--gateway-messages", type=int, default=4_000)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--concurrency", type=int, default=16)
     args = parser.parse_args(argv)
