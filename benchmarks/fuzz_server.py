@@ -1,7 +1,8 @@
-"""Fuzz a kvloom server (started here, with the gateway): seeded random bodies for /v1/completions and /v1/chat/completions and
-random msgpack messages for the ZMQ gateway, mostly malformed, some valid. Every answer must be 2xx/4xx
-within a bound (no 5xx, no hang); the server must not lose a process; afterwards its greedy output must
-be unchanged and every KV block free. tests/test_fuzz.py runs 2,000 messages of it; by hand, 20,000:
+"""Fuzz a kvloom server (started here, with the gateway): seeded random bodies for /v1/completions and
+/v1/chat/completions and random msgpack messages for the ZMQ gateway, mostly malformed, some valid.
+Every answer must be 2xx/4xx within a bound (no 5xx, no hang); the server must not lose a process;
+afterwards its greedy output must be unchanged and every KV block free. tests/test_fuzz.py runs 2,000
+messages of it; by hand, 20,000:
 
     python benchmarks/fuzz_server.py --tiny-model /tmp/kvloom-tiny --bodies 16000 --gateway-messages 4000
 
