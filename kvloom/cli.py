@@ -16,7 +16,7 @@ import typing
 from typing import Any
 
 from kvloom.core.config import OFFLINE_MAX_NUM_BATCHED_TOKENS, ConfigError, EngineConfig, _split_names
-from kvloom.frontends.config import ServerConfig
+from kvloom.frontends.config import ServerConfig, check_field_types
 from kvloom.vllm_flags import add_vllm_flags, apply_vllm_flags
 
 
@@ -107,6 +107,7 @@ def _given(args: argparse.Namespace, cls) -> dict[str, Any]:
 def config_from_args(args: argparse.Namespace) -> EngineConfig:
     engine_keys, _ = _read_config_file(args)
     config = EngineConfig.from_dict(engine_keys).replace(**_given(args, EngineConfig))
+    check_field_types(config)  # a wrong type names its key, not a failed comparison
     config.validate()
     return config
 

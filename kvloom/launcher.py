@@ -8,6 +8,7 @@ import dataclasses
 import json
 import logging
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -18,7 +19,7 @@ import time
 from typing import Any
 
 from kvloom.core.config import EngineConfig
-from kvloom.frontends.config import ServerConfig
+from kvloom.frontends.config import ServerConfig, zmq_address_is_loopback
 
 logger = logging.getLogger("kvloom")
 
@@ -56,11 +57,29 @@ def start_child(parser: argparse.ArgumentParser, argv: list[str] | None
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     bind_to_parent()
     payload = read_launch_payload()
+    args.engine_secret = payload.get("engine_secret")
     return args, EngineConfig(**payload["engine"]), ServerConfig(**payload.get("server", {}))
 
 
-def launch_payload(engine: EngineConfig, server: ServerConfig) -> bytes:
-    return json.dumps({"engine": dataclasses.asdict(engine), "server": dataclasses.asdict(server)}).encode()
+def launch_payload(engine: EngineConfig, server: ServerConfig, engine_secret: str | None = None) -> bytes:
+    payload = {"engine": dataclasses.asdict(engine), "server": dataclasses.asdict(server)}
+    if engine_secret is not None:
+        payload["engine_secret"] = engine_secret
+    return json.dumps(payload).encode()
+
+
+def exposed_binds(server: ServerConfig) -> list[str]:
+    """A warning for each socket this launch binds beyond loopback (HTTP, engine, gateway)."""
+    warnings = []
+    if not server.is_loopback:
+        warnings.append(f"Listening on {server.host}: the API is reachable from the network"
+                        + ("" if server.api_key else " without an API key"))
+    for name, what in (("engine_address", "the engine (frontends authenticate with a per-launch secret)"),
+                       ("gateway", "the ZMQ gateway (it has no API key)")):
+        address = getattr(server, name)
+        if address is not None and not zmq_address_is_loopback(address):
+            warnings.append(f"{name}={address} binds beyond loopback: {what} is reachable from the network")
+    return warnings
 
 
 def bind_http_socket(host: str, port: int) -> socket.socket:
@@ -90,6 +109,9 @@ class Launcher:
         self.frontends: list[subprocess.Popen] = []
         self.signals: list[int] = []
         self.engine_lost = False
+        # Frontends prove they belong to this launch with it, so no other local process can drive the
+        # engine over TCP; it travels on the children's stdin, never in argv.
+        self.engine_secret = secrets.token_hex(32)
 
     def _spawn(self, module: str, args: list[str], pass_fds: tuple[int, ...] = (),
                env: dict[str, str] | None = None) -> subprocess.Popen:
@@ -97,15 +119,14 @@ class Launcher:
             [sys.executable, "-m", module, *args, "--log-level", self.log_level],
             stdin=subprocess.PIPE, pass_fds=pass_fds, env=env,
         )
-        proc.stdin.write(launch_payload(self.engine_config, self.server_config))
+        proc.stdin.write(launch_payload(self.engine_config, self.server_config, self.engine_secret))
         proc.stdin.close()
         return proc
 
     def run(self) -> int:
         cfg = self.server_config
-        if not cfg.is_loopback:
-            logger.warning("Listening on %s: the API is reachable from the network%s", cfg.host,
-                           "" if cfg.api_key else " without an API key")
+        for warning in exposed_binds(cfg):
+            logger.warning(warning)
         sock = bind_http_socket(cfg.host, cfg.port)
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             signal.signal(sig, lambda signum, frame: self.signals.append(signum))

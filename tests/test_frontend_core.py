@@ -51,6 +51,7 @@ class FakeClient:
         self.num_in_flight = in_flight
         self.healthy = healthy
         self.dead_reason = None if healthy else "the engine process went away"
+        self.unavailable_reason = self.dead_reason
 
 
     async def generate(self, request_id, prompt_token_ids, sampling, priority=0, arrival_time=0.0):
@@ -82,9 +83,17 @@ def test_prepare_checks_the_context_with_numbers():
 
 
 def test_admission_limit_and_dead_engine():
+    full = core()
+    slots = full.admit(4)
     with pytest.raises(RequestError) as e:
-        core(in_flight=4).prepare([1], SamplingParams())
-    assert e.value.status == 429 and "at most 4" in e.value.message
+        full.prepare([1], SamplingParams())
+    assert e.value.status == 429 and "at most max_pending_requests=4" in e.value.message
+    with pytest.raises(RequestError):
+        full.admit(1)
+    slots.release()
+    slots.release()  # idempotent: slots come back once
+    assert full.num_admitted == 0
+    full.admit(4).release()
     with pytest.raises(RequestError) as e:
         core(healthy=False).prepare([1], SamplingParams())
     assert e.value.status == 503 and "went away" in e.value.message

@@ -19,6 +19,7 @@ from kvloom.core.messages import AddRequest, EngineStats, TokenDelta
 from kvloom.core.model_files import resolve_model
 from kvloom.core.model_runner import ModelRunner
 from kvloom.core.request import Request, RequestStatus
+from kvloom.core.sampling_params import check_priority
 from kvloom.core.scheduler import Scheduler
 from kvloom.plugins.manager import PluginManager
 
@@ -135,6 +136,13 @@ class EngineCore:
         bad = next((t for t in prompt if not 0 <= t < self.vocab_size), None)
         if bad is not None:
             raise RequestRejected(f"prompt token id {bad} is out of range [0, {self.vocab_size})")
+        bad = next((t for t in msg.sampling.stop_token_ids if t >= self.vocab_size), None)
+        if bad is not None:
+            raise RequestRejected(f"stop token id {bad} is out of range [0, {self.vocab_size})")
+        try:
+            check_priority(msg.priority)
+        except ValueError as e:
+            raise RequestRejected(str(e)) from None
         if msg.request_id in self.scheduler.requests:
             raise RequestRejected(f"request id {msg.request_id!r} is already in use")
         limit = self.max_model_len

@@ -4,10 +4,12 @@ over one ZeroMQ ROUTER socket (``ipc://`` by default). It never sees text."""
 from __future__ import annotations
 
 import argparse
+import hmac
 import logging
 import os
 import signal
 import sys
+import time
 import traceback
 from collections import defaultdict
 
@@ -21,6 +23,7 @@ from kvloom.core.messages import (
     AddRequest,
     EngineError,
     EngineReady,
+    Heartbeat,
     RegisterFrontend,
     Shutdown,
     StepOutputs,
@@ -42,8 +45,13 @@ class EngineServer:
     """Owns the ROUTER socket and the loop: drain the inbox (blocking only when idle), step, send one
     ``StepOutputs`` per frontend that has news."""
 
-    def __init__(self, config: EngineConfig, address: str, model_name: str | None = None) -> None:
+    def __init__(self, config: EngineConfig, address: str, model_name: str | None = None,
+                 heartbeat_interval: float | None = None, secret: str | None = None) -> None:
         self.config = config
+        self.secret = secret  # when set, only frontends that registered with it are heard
+        self._refused: set[bytes] = set()
+        self.heartbeat_interval = heartbeat_interval
+        self._next_beat = 0.0
         self.model_name = model_name or config.model
         self.ctx = zmq.Context()
         self.socket = self.ctx.socket(zmq.ROUTER)
@@ -93,10 +101,20 @@ class EngineServer:
                 self.stats_log.record_step(core.last_step_tokens, sum(len(d.new_token_ids) for d in deltas))
             self._flush()
             self.stats_log.maybe_log(core.stats)
+            self._beat()
         if core.has_unfinished():
             for delta in core.abort_requests(list(self.owners)):
                 self._route(delta)
             self._flush()
+
+    def _beat(self) -> None:
+        # Sent from the loop itself, between steps: a loop stuck in one step (or stopped) stops beating.
+        if self.heartbeat_interval is None or time.monotonic() < self._next_beat:
+            return
+        self._next_beat = time.monotonic() + self.heartbeat_interval
+        beat = Heartbeat(num_unfinished=len(self.owners))
+        for ident in list(self.frontends):
+            self._send(ident, beat)
 
     def close(self, message: str) -> None:
         """Tell every frontend the engine is gone (its in-flight requests are over), then close."""
@@ -115,17 +133,40 @@ class EngineServer:
             return
         while True:
             try:
-                ident, data = self.socket.recv_multipart(zmq.NOBLOCK)
+                frames = self.socket.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
+            if len(frames) != 2:  # [identity, message] is the whole protocol; anything else is not ours
+                logger.warning("Dropped a message of %d frames from %r (expected one frame)", len(frames) - 1,
+                               frames[0])
+                continue
+            ident, data = frames
             try:
                 msg = decode_frontend_message(data)
-            except (msgspec.DecodeError, msgspec.ValidationError) as e:
-                logger.warning("Dropped a malformed message from frontend %r: %s", ident, e)
+            except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as e:
+                self._reject_malformed(ident, data, e)
                 continue
             self._handle(ident, msg)
 
+    def _reject_malformed(self, ident: bytes, data: bytes, error: Exception) -> None:
+        """A message that fails validation is dropped; if it was an AddRequest its sender is told, so the
+        request ends (and frees its admission slot) instead of waiting for outputs that never come."""
+        request_id = _add_request_id(data)
+        if request_id is None:
+            logger.warning("Dropped a malformed message from frontend %r: %s", ident, error)
+            return
+        logger.warning("Rejected request %r from frontend %r: %s", request_id, ident, error)
+        self.outbox[ident].append(_error_delta(request_id, f"invalid request: {error}", "rejected"))
+
     def _handle(self, ident: bytes, msg) -> None:
+        if isinstance(msg, RegisterFrontend):
+            self._register(ident, msg)
+            return
+        if self.secret is not None and ident not in self.frontends:
+            if ident not in self._refused and len(self._refused) < 1000:  # log each stranger once
+                self._refused.add(ident)
+                logger.warning("Ignored %s from %r: not a registered frontend", type(msg).__name__, ident)
+            return
         if isinstance(msg, AddRequest):
             self._add(ident, msg)
         elif isinstance(msg, AbortRequest):
@@ -133,13 +174,19 @@ class EngineServer:
                 self._route(delta)
         elif isinstance(msg, Utility):
             self._send(ident, self._utility(msg))
-        elif isinstance(msg, RegisterFrontend):
-            self.frontends[ident] = msg.frontend_id
-            logger.info("Frontend %s (pid %d) connected", msg.frontend_id, msg.pid)
-            if self.ready is not None:  # None only while reporting a failed start to everyone waiting
-                self._send(ident, self.ready)
         elif isinstance(msg, Shutdown):
             self.request_shutdown(msg.drain)
+
+    def _register(self, ident: bytes, msg: RegisterFrontend) -> None:
+        if self.secret is not None and not hmac.compare_digest(msg.secret.encode(), self.secret.encode()):
+            logger.warning("Refused frontend %r (pid %d): wrong or missing secret", msg.frontend_id, msg.pid)
+            self._send(ident, EngineError(message="authentication failed: this engine only serves the frontends "
+                                                  "of the launch that started it"))
+            return
+        self.frontends[ident] = msg.frontend_id
+        logger.info("Frontend %s (pid %d) connected", msg.frontend_id, msg.pid)
+        if self.ready is not None:  # None only while reporting a failed start to everyone waiting
+            self._send(ident, self.ready)
 
     def _add(self, ident: bytes, msg: AddRequest) -> None:
         from kvloom.core.engine_core import RequestRejected
@@ -212,13 +259,25 @@ class EngineServer:
             logger.info("Frontend %s is gone", name)
 
 
+def _add_request_id(data: bytes) -> str | None:
+    """The ``request_id`` of a message that looks like an AddRequest but failed validation."""
+    try:
+        raw = msgspec.msgpack.decode(data)
+    except (msgspec.DecodeError, RecursionError):
+        return None
+    if isinstance(raw, dict) and raw.get("type") == "AddRequest" and isinstance(raw.get("request_id"), str):
+        return raw["request_id"]
+    return None
+
+
 def _error_delta(request_id: str, message: str, kind: str) -> TokenDelta:
     return TokenDelta(request_id=request_id, new_token_ids=[], finish_reason="error", error=message, error_kind=kind)
 
 
-def serve_engine(config: EngineConfig, address: str, model_name: str | None = None) -> int:
+def serve_engine(config: EngineConfig, address: str, model_name: str | None = None,
+                 heartbeat_interval: float | None = None, secret: str | None = None) -> int:
     """Bind, load the model, run until drained or told to stop. Returns the process exit code."""
-    server = EngineServer(config, address, model_name)
+    server = EngineServer(config, address, model_name, heartbeat_interval, secret)
 
     def on_signal(signum, frame):  # first signal drains, a second one stops now
         server.request_shutdown(drain=not server.draining)
@@ -252,7 +311,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kvloom-engine")
     parser.add_argument("--address", required=True)
     args, engine, server = start_child(parser, argv)
-    return serve_engine(engine, args.address, server.served_model_name)
+    return serve_engine(engine, args.address, server.served_model_name, server.engine_heartbeat_interval,
+                        args.engine_secret)
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ class RegisterFrontend(_Msg):
 
     frontend_id: str
     pid: int = 0
+    secret: str = ""  # the launch's shared secret; an engine started with one ignores frontends without it
 
 
 class AddRequest(_Msg):
@@ -141,8 +142,15 @@ class EngineReady(_Msg):
     pid: int = 0
 
 
+class Heartbeat(_Msg):
+    """The engine's loop is alive: sent to every frontend at least every heartbeat interval, busy or
+    idle, so a frontend can tell a hung engine (alive but not stepping) from a quiet one."""
+
+    num_unfinished: int = 0
+
+
 FrontendMessage = Union[RegisterFrontend, AddRequest, AbortRequest, Utility, Shutdown]
-EngineMessage = Union[StepOutputs, UtilityResult, EngineError, EngineReady]
+EngineMessage = Union[StepOutputs, UtilityResult, EngineError, EngineReady, Heartbeat]
 
 
 # service -> ZMQ gateway (text in) -----------------------------------------------------------------

@@ -4,6 +4,11 @@ from __future__ import annotations
 
 import msgspec
 
+# Every integer a request carries has an upper bound, so no value can overflow a tensor in the engine
+# (torch.tensor of a Python int beyond int64 raises inside the step loop).
+MAX_INT32 = 2**31 - 1
+PRIORITY_RANGE = (-(2**31), MAX_INT32)
+
 
 class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     """How to pick each next token and when to stop. ``temperature=0`` is greedy (exact, deterministic).
@@ -49,17 +54,17 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
         _in_range("temperature", self.temperature, 0.0, 100.0)
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p={self.top_p!r} must be in (0, 1]")
-        if self.top_k < -1:
-            raise ValueError(f"top_k={self.top_k!r} must be -1 or 0 (disabled) or a positive integer")
+        if not -1 <= self.top_k <= MAX_INT32:
+            raise ValueError(f"top_k={self.top_k!r} must be -1 or 0 (disabled) or an integer in [1, {MAX_INT32}]")
         _in_range("min_p", self.min_p, 0.0, 1.0)
         if not 0.0 < self.repetition_penalty <= 10.0:
             raise ValueError(f"repetition_penalty={self.repetition_penalty!r} must be in (0, 10]")
         _in_range("presence_penalty", self.presence_penalty, -2.0, 2.0)
         _in_range("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
-        if self.max_tokens is not None and self.max_tokens < 1:
-            raise ValueError(f"max_tokens={self.max_tokens!r} must be >= 1")
-        if self.min_tokens < 0:
-            raise ValueError(f"min_tokens={self.min_tokens!r} must be >= 0")
+        if self.max_tokens is not None and not 1 <= self.max_tokens <= MAX_INT32:
+            raise ValueError(f"max_tokens={self.max_tokens!r} must be >= 1 and <= {MAX_INT32}")
+        if not 0 <= self.min_tokens <= MAX_INT32:
+            raise ValueError(f"min_tokens={self.min_tokens!r} must be in [0, {MAX_INT32}]")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens={self.min_tokens} must be <= max_tokens={self.max_tokens}")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
@@ -68,8 +73,16 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
             raise ValueError(f"seed={self.seed!r} must fit in a signed 64-bit integer")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must not be empty")
-        if any(t < 0 for t in self.stop_token_ids):
-            raise ValueError(f"stop_token_ids={self.stop_token_ids!r} must be non-negative token ids")
+        bad = next((t for t in self.stop_token_ids if not 0 <= t <= MAX_INT32), None)
+        if bad is not None:
+            raise ValueError(f"stop_token_ids={bad!r} must be token ids in [0, {MAX_INT32}]")
+
+
+def check_priority(priority: int) -> None:
+    """Raise ValueError unless ``priority`` (a request's scheduling priority) is in PRIORITY_RANGE."""
+    lo, hi = PRIORITY_RANGE
+    if isinstance(priority, bool) or not isinstance(priority, int) or not lo <= priority <= hi:
+        raise ValueError(f"priority={priority!r} must be an integer in [{lo}, {hi}]")
 
 
 def _in_range(name: str, value: float, lo: float, hi: float) -> None:

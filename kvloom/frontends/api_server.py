@@ -21,7 +21,7 @@ import msgspec
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
 
@@ -31,7 +31,6 @@ from kvloom.core.messages import TokenLogprobs
 from kvloom.core.sampling_params import SamplingParams
 from kvloom.frontends import openai_protocol as api
 from kvloom.frontends.access_log import AccessLog, track_tokens
-from kvloom.frontends.chat_render import render_chat
 from kvloom.frontends.config import ServerConfig
 from kvloom.frontends.engine_client import EngineUnavailable
 from kvloom.frontends.frontend_core import (
@@ -42,6 +41,7 @@ from kvloom.frontends.frontend_core import (
     merge_streams,
     start_frontend_core,
 )
+from kvloom.frontends.limits import check_json_depth, read_body
 from kvloom.frontends.metrics import FrontendMetrics
 from kvloom.frontends.request_fields import CHAT_RULES, COMPLETION_RULES, check_fields
 from kvloom.frontends.text import load_chat_template, token_bytes
@@ -50,7 +50,8 @@ from kvloom.frontends.tokenize_routes import routes as tokenize_routes
 logger = logging.getLogger("kvloom.api")
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-               408: "timeout_error", 429: "rate_limit_error", 503: "service_unavailable"}
+               408: "timeout_error", 413: "invalid_request_error", 429: "rate_limit_error",
+               503: "service_unavailable"}
 _PARAM_AT = re.compile(r" - at `\$\.?([^`]*)`")
 _MISSING = re.compile(r"missing required field `([^`]+)`")
 
@@ -82,19 +83,22 @@ async def cancel_on_disconnect(receive, awaitable: Awaitable[Any]) -> Any:
         await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
         if work.done():
             return work.result()
-        work.cancel()
-        await asyncio.gather(work, return_exceptions=True)
         raise ClientGone()
     finally:
-        watcher.cancel()
-        await asyncio.gather(watcher, return_exceptions=True)
+        # Also when this task itself is cancelled: ``work`` must be over before its iterators are closed,
+        # or closing them fails with "asynchronous generator is already running".
+        for task in (work, watcher):
+            task.cancel()
+        await asyncio.gather(work, watcher, return_exceptions=True)
 
 
 class EventStream:
     """A server-sent-events response that stops (and aborts its requests) when the client goes away."""
 
-    def __init__(self, events: AsyncIterator[str], headers: dict[str, str]) -> None:
+    def __init__(self, events: AsyncIterator[str], headers: dict[str, str],
+                 on_close: Callable[[], None] | None = None) -> None:
         self.events = events
+        self.on_close = on_close
         self.headers = [(k.lower().encode(), v.encode()) for k, v in headers.items()]
 
     async def __call__(self, scope, receive, send) -> None:
@@ -112,6 +116,8 @@ class EventStream:
             pass
         finally:
             await self.events.aclose()
+            if self.on_close is not None:
+                self.on_close()
 
 
 def sse(body: Any) -> str:
@@ -226,10 +232,16 @@ class OpenAIServer:
         if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
             raise RequestError(401, "invalid or missing API key: send 'Authorization: Bearer KEY'")
 
-    async def _parse(self, request: Request, typ: type):
-        body = await request.body()
+    async def _parse(self, request: Request, typ: type, rules: dict | None = None):
+        """The body decoded as ``typ``; with ``rules``, its fields checked by ``check_fields`` too."""
         try:
-            return msgspec.json.decode(body, type=typ)
+            body = await read_body(request.stream(), request.headers.get("content-length"),
+                                   self.config.max_request_body_bytes, self.config.http_body_timeout)
+        except ClientDisconnect:  # gone mid-body: nothing to answer, and not a server error
+            raise ClientGone() from None
+        check_json_depth(body)
+        try:
+            req = msgspec.json.decode(body, type=typ)
         except msgspec.ValidationError as e:
             param = _decode_error_param(str(e))
             message = str(e).split(" - at ")[0]
@@ -237,15 +249,20 @@ class OpenAIServer:
                                else message, param) from None
         except msgspec.DecodeError as e:
             raise RequestError(400, f"the request body is not valid JSON: {e}") from None
+        if rules is not None:
+            check_fields(msgspec.json.decode(body), typ, rules)
+        return req
 
     async def _parse_generation(self, request: Request, typ: type):
-        req = await self._parse(request, typ)
-        if req.model is not None and req.model != self.model_name:
-            raise RequestError(404, f"The model `{req.model}` does not exist; this server serves "
-                               f"`{self.model_name}`.", "model")
         rules = CHAT_RULES if typ is api.ChatCompletionRequest else COMPLETION_RULES
-        check_fields(msgspec.json.decode(await request.body()), typ, rules)
+        req = await self._parse(request, typ, rules)
+        self.check_model(req.model)
         return req
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise RequestError(404, f"The model `{model}` does not exist; this server serves "
+                               f"`{self.model_name}`.", "model")
 
     def _request_id(self, request: Request, prefix: str) -> str:
         # Echoed back only: the engine gets ids this frontend makes, so a reused id cannot mix outputs.
@@ -264,13 +281,13 @@ class OpenAIServer:
         return raw
 
     def _start(self, prepared: list[PreparedRequest]) -> AsyncIterator[tuple[int, TextDelta]]:
-        self.core.check_available(len(prepared))
         for p in prepared:
             self.metrics.prompt_tokens.inc(len(p.prompt_token_ids))
         return merge_streams([self.metrics.observe(self.core.generate(p)) for p in prepared])
 
     async def _respond(self, request: Request, prepared: list[PreparedRequest], stream: bool, rid: str,
                        collect: Callable, events: Callable) -> Any:
+        admission = self.core.admit(len(prepared))  # held until the response ends
         # n choices of one prompt share its token list: the log counts each prompt once, as usage does.
         prompts = {id(p.prompt_token_ids): p.prompt_token_ids for p in prepared}
         prompt_tokens = sum(len(ids) for ids in prompts.values())
@@ -281,14 +298,16 @@ class OpenAIServer:
                 body = await cancel_on_disconnect(request.receive, collect(merged))
             finally:
                 await merged.aclose()
+                admission.release()
             return json_response(body, headers=headers)
         try:
             # Wait for the first output before answering, so a rejected request still gets its status.
             first = await cancel_on_disconnect(request.receive, anext(merged))
         except BaseException:
             await merged.aclose()
+            admission.release()
             raise
-        return EventStream(events(_prepend(first, merged)), headers)
+        return EventStream(events(_prepend(first, merged)), headers, on_close=admission.release)
 
     async def _stream_end(self, events: AsyncIterator[str], usage_chunk: Callable[[], Any] | None):
         """Wrap an event stream: an engine failure mid-stream becomes an error event; ends with [DONE]."""
@@ -305,7 +324,7 @@ class OpenAIServer:
     # --- /v1/completions ---------------------------------------------------------------------------
     async def completions(self, request: Request):
         req: api.CompletionRequest = await self._parse_generation(request, api.CompletionRequest)
-        prompts = [self.core.check_token_ids(p) if isinstance(p, list) else self.core.encode_text(p)
+        prompts = [self.core.check_token_ids(p) if isinstance(p, list) else await self.core.tokenize_text(p)
                    for p in _split_prompts(req.prompt)]
         sp = _sampling(req, req.max_tokens, req.logprobs)
         prepared = [self.core.prepare(ids, _choice_sampling(sp, i), priority=req.priority)
@@ -363,10 +382,8 @@ class OpenAIServer:
     # --- /v1/chat/completions ----------------------------------------------------------------------
     async def chat_completions(self, request: Request):
         req: api.ChatCompletionRequest = await self._parse_generation(request, api.ChatCompletionRequest)
-        ids = render_chat(self.core.tokenizer, _chat_messages(req.messages), chat_template=req.chat_template,
-                          default_template=self.chat_template, add_generation_prompt=req.add_generation_prompt,
-                          continue_final_message=req.continue_final_message,
-                          chat_template_kwargs=req.chat_template_kwargs)
+        ids = await self.core.tokenize_chat(_chat_messages(req.messages),
+                                            **chat_template_options(req, self.chat_template))
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         sp = _sampling(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
@@ -438,7 +455,7 @@ class OpenAIServer:
     async def health(self, request: Request):
         client = self.core.client
         if not client.healthy:
-            raise RequestError(503, f"the engine is unavailable: {client.dead_reason}")
+            raise RequestError(503, f"the engine is unavailable: {client.unavailable_reason}")
         return json_response({"status": "ok"})
 
     async def version(self, request: Request):
@@ -476,12 +493,23 @@ def _split_prompts(prompt: str | list[Any]) -> list[str | list[int]]:
         return [prompt]
     if prompt and all(isinstance(p, str) for p in prompt):
         return list(prompt)
-    if prompt and all(isinstance(p, int) and not isinstance(p, bool) for p in prompt):
+    if prompt and all(_is_token_id(p) for p in prompt):
         return [prompt]
-    if prompt and all(isinstance(p, list) and p and all(isinstance(t, int) for t in p) for p in prompt):
+    if prompt and all(isinstance(p, list) and p and all(_is_token_id(t) for t in p) for p in prompt):
         return list(prompt)
     raise RequestError(400, "prompt must be a string, a list of strings, a list of token ids or a list of lists "
                        "of token ids, and not empty", "prompt")
+
+
+def _is_token_id(value: Any) -> bool:
+    return type(value) is int  # not bool: JSON true is not token 1
+
+
+def chat_template_options(req, default_template: str | None) -> dict[str, Any]:
+    """A chat or /tokenize request's template options, as ``render_chat_template`` takes them."""
+    return dict(chat_template=req.chat_template, default_template=default_template,
+                add_generation_prompt=req.add_generation_prompt, continue_final_message=req.continue_final_message,
+                chat_template_kwargs=req.chat_template_kwargs)
 
 
 def _chat_messages(messages: list[api.ChatMessageIn]) -> list[dict[str, Any]]:
@@ -499,13 +527,14 @@ def _chat_messages(messages: list[api.ChatMessageIn]) -> list[dict[str, Any]]:
 
 
 # --- process ---------------------------------------------------------------------------------------
-def build_app(engine_address: str, engine_config: EngineConfig, server_config: ServerConfig) -> Starlette:
+def build_app(engine_address: str, engine_config: EngineConfig, server_config: ServerConfig,
+              engine_secret: str | None = None) -> Starlette:
     server = OpenAIServer(server_config)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
         try:
-            server.core = await start_frontend_core(engine_address, engine_config, server_config)
+            server.core = await start_frontend_core(engine_address, engine_config, server_config, engine_secret)
         except EngineUnavailable as e:
             # The engine has logged why (e.g. max_model_len over the model's); a traceback from each
             # worker would only bury that line. The launcher sees this exit and stops the server.
@@ -529,10 +558,12 @@ def build_app(engine_address: str, engine_config: EngineConfig, server_config: S
 
 
 def run_server(engine_address: str, engine_config: EngineConfig, server_config: ServerConfig,
-               sock: socket.socket | None = None, log_level: str = "info") -> int:
+               sock: socket.socket | None = None, log_level: str = "info", engine_secret: str | None = None) -> int:
     import uvicorn
 
-    app = build_app(engine_address, engine_config, server_config)
+    from kvloom.frontends.uvicorn_server import DRAIN_GRACE_S, DrainingServer, header_timeout_protocol
+
+    app = build_app(engine_address, engine_config, server_config, engine_secret)
     try:
         import uvloop  # noqa: F401
         loop = "uvloop"
@@ -540,8 +571,11 @@ def run_server(engine_address: str, engine_config: EngineConfig, server_config: 
         loop = "asyncio"
     config = uvicorn.Config(app, host=server_config.host, port=server_config.port, loop=loop, lifespan="on",
                             log_level=log_level, access_log=False,
-                            timeout_graceful_shutdown=int(server_config.drain_timeout))
-    server = uvicorn.Server(config)
+                            timeout_graceful_shutdown=int(server_config.drain_timeout) + DRAIN_GRACE_S,
+                            http=header_timeout_protocol(server_config.http_header_timeout),
+                            timeout_keep_alive=server_config.http_keep_alive_timeout,
+                            limit_concurrency=server_config.http_limit_concurrency)
+    server = DrainingServer(config, app.state.server, server_config.drain_timeout)
     # uvicorn re-raises the signal that stopped it once it has drained; by then there is nothing left
     # to do, so exit normally instead of dying from it.
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -559,7 +593,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fd", type=int, help="An inherited, bound socket to listen on.")
     args, engine, server = start_child(parser, argv)
     sock = socket.socket(fileno=args.fd) if args.fd is not None else None
-    return run_server(args.engine_address, engine, server, sock, args.log_level)
+    return run_server(args.engine_address, engine, server, sock, args.log_level, args.engine_secret)
 
 
 if __name__ == "__main__":

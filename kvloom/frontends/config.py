@@ -5,12 +5,80 @@ from __future__ import annotations
 
 import dataclasses
 import ipaddress
+import os
+import re
+import types
+import typing
 from dataclasses import dataclass, fields
 from typing import Any
 
 from kvloom.core.config import ConfigError, _opt
 
 LOOPBACK = "127.0.0.1"
+
+
+def check_field_types(config) -> None:
+    """Raise ConfigError naming the first field of the dataclass ``config`` whose value has the wrong
+    type (a config file's ``port = "abc"`` or ``api_workers = 1.5``), before any range check runs."""
+    hints = typing.get_type_hints(type(config))
+    for f in fields(config):
+        value = getattr(config, f.name)
+        hint = hints[f.name]
+        allowed = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
+        if not any(_has_type(value, t) for t in allowed):
+            names = " or ".join(_TYPE_NAMES.get(typing.get_origin(t) or t, str(t)) for t in allowed)
+            raise ConfigError(f"{f.name}={value!r} must be {names}")
+
+
+_TYPE_NAMES = {int: "an integer", float: "a number", str: "a string", bool: "true or false", list: "a list",
+               dict: "a table", type(None): "unset"}
+
+
+def _has_type(value: Any, t: Any) -> bool:
+    if t is type(None):
+        return value is None
+    if t in (int, float) and isinstance(value, bool):  # TOML true is not 1
+        return False
+    if t is float:
+        return isinstance(value, (int, float))
+    return isinstance(value, typing.get_origin(t) or t)
+
+
+_TCP_ADDRESS = re.compile(r"tcp://(\*|\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):(\*|[0-9]{1,5})")
+
+
+def check_zmq_address(name: str, address: str) -> None:
+    """Raise ConfigError unless ``address`` is a bindable ipc://PATH or tcp://HOST:PORT (checked
+    before any process starts, so a typo never costs a model load)."""
+    if address.startswith("ipc://"):
+        path = address[len("ipc://"):]
+        if not path:
+            raise ConfigError(f"{name}={address!r}: give a socket path, e.g. ipc:///tmp/kvloom.sock")
+        if len(path.encode()) > 107:  # sockaddr_un.sun_path
+            raise ConfigError(f"{name}={address!r}: the path has {len(path.encode())} bytes, over the 107 an "
+                              "ipc:// socket path may have")
+        folder = os.path.dirname(os.path.abspath(path))
+        if not os.path.isdir(folder):
+            raise ConfigError(f"{name}={address!r}: the folder {folder} does not exist")
+        return
+    match = _TCP_ADDRESS.fullmatch(address)
+    if address.startswith("tcp://") and match is not None:
+        port = match.group(2)
+        if port == "*" or 1 <= int(port) <= 65535:
+            return
+        raise ConfigError(f"{name}={address!r}: the port must be in [1, 65535] (or *)")
+    raise ConfigError(f"{name}={address!r} must be ipc://PATH or tcp://HOST:PORT")
+
+
+def zmq_address_is_loopback(address: str) -> bool:
+    """ipc:// is local; tcp://HOST:PORT is loopback for 127.x, ::1 and localhost (``*`` is every interface)."""
+    if not address.startswith("tcp://"):
+        return True
+    host = address[len("tcp://"):].rsplit(":", 1)[0].strip("[]")
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
 
 
 @dataclass
@@ -36,21 +104,48 @@ class ServerConfig:
     request_timeout: float | None = _opt(None, "Seconds a request may run before it is stopped (408).")
     drain_timeout: float = _opt(60.0, "Seconds SIGTERM waits for in-flight requests before stopping them.")
     engine_start_timeout: float = _opt(900.0, "Seconds frontends wait for the engine to load the model.")
+    engine_heartbeat_timeout: float | None = _opt(30.0, "Seconds frontends wait for a sign of life from the "
+                                                  "engine before treating it as hung: /health 503, in-flight "
+                                                  "requests end with an error, new ones get 503, until it "
+                                                  "beats again.")
+    http_header_timeout: float = _opt(10.0, "Seconds an HTTP client has to send a request's line and headers; "
+                                      "slower connections are closed.")
+    http_body_timeout: float = _opt(60.0, "Seconds an HTTP client has to send a request's body once its "
+                                    "headers are in (408 beyond).")
+    http_keep_alive_timeout: float = _opt(5.0, "Seconds an idle keep-alive HTTP connection stays open.")
+    http_limit_concurrency: int | None = _opt(4096, "Most HTTP connections and requests one API worker holds "
+                                              "at once; beyond it new requests get 503 (none: no limit).")
+    max_request_body_mb: float = _opt(16.0, "Largest HTTP request body (and gateway message) in MiB; larger "
+                                      "ones are refused with 413 before they are parsed.")
 
     def validate(self) -> None:
+        check_field_types(self)
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"port={self.port} must be in [0, 65535]")
         for name in ("api_workers", "max_pending_requests"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}={getattr(self, name)} must be >= 1")
-        for name in ("request_timeout", "drain_timeout", "engine_start_timeout"):
+        for name in ("request_timeout", "drain_timeout", "engine_start_timeout", "max_request_body_mb",
+                     "engine_heartbeat_timeout", "http_header_timeout", "http_body_timeout",
+                     "http_keep_alive_timeout", "http_limit_concurrency"):
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ConfigError(f"{name}={value} must be > 0")
         for name in ("gateway", "engine_address"):
             value = getattr(self, name)
-            if value is not None and not value.startswith(("ipc://", "tcp://")):
-                raise ConfigError(f"{name}={value!r} must start with ipc:// or tcp://")
+            if value is not None:
+                check_zmq_address(name, value)
+        if self.gateway is not None and self.gateway == self.engine_address:
+            raise ConfigError(f"gateway and engine_address are both {self.gateway!r}: give them different addresses")
+
+    @property
+    def engine_heartbeat_interval(self) -> float | None:
+        """How often the engine beats: often enough that one late beat is no alarm."""
+        return None if self.engine_heartbeat_timeout is None else self.engine_heartbeat_timeout / 4
+
+    @property
+    def max_request_body_bytes(self) -> int:
+        return int(self.max_request_body_mb * 2**20)
 
     @property
     def is_loopback(self) -> bool:

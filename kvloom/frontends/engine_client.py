@@ -9,6 +9,7 @@ import itertools
 import logging
 import os
 import secrets
+import time
 from typing import Any, AsyncIterator
 
 import zmq
@@ -21,6 +22,7 @@ from kvloom.core.messages import (
     EngineError,
     EngineReady,
     EngineStats,
+    Heartbeat,
     RegisterFrontend,
     StepOutputs,
     TokenDelta,
@@ -39,13 +41,19 @@ class EngineUnavailable(RuntimeError):
 
 
 class AsyncEngineClient:
-    def __init__(self, address: str, frontend_id: str | None = None) -> None:
+    def __init__(self, address: str, frontend_id: str | None = None, heartbeat_timeout: float | None = None,
+                 secret: str | None = None) -> None:
         self.address = address
+        self.secret = secret
+        self.heartbeat_timeout = heartbeat_timeout
+        self.hung_reason: str | None = None  # set while the engine is silent past heartbeat_timeout
+        self._last_heard = time.monotonic()
         self.frontend_id = frontend_id or f"fe{os.getpid()}-{secrets.token_hex(3)}"
         self.ready: EngineReady | None = None
         self.dead_reason: str | None = None
         self.last_stats: EngineStats | None = None
         self._queues: dict[str, asyncio.Queue[TokenDelta]] = {}
+        self._ended: set[str] = set()  # ended here (end_all) while the engine may still run them
         self._calls: dict[int, asyncio.Future] = {}
         self._call_ids = itertools.count()
         self._ready_event = asyncio.Event()
@@ -60,13 +68,22 @@ class AsyncEngineClient:
 
     @property
     def healthy(self) -> bool:
-        return self.ready is not None and self.dead_reason is None
+        return self.ready is not None and self.dead_reason is None and self.hung_reason is None
+
+    @property
+    def unavailable_reason(self) -> str | None:
+        """Why requests are refused now (engine gone or hung), or None when the engine is healthy."""
+        if self.ready is None and self.dead_reason is None:
+            return "the engine is not ready"
+        return self.dead_reason or self.hung_reason
 
     async def start(self, timeout: float) -> EngineReady:
         """Connect, register and wait for ``EngineReady`` (the engine may still be loading the model)."""
         self._sock.connect(self.address)
         self._tasks = [asyncio.create_task(self._read()), asyncio.create_task(self._watch_connection())]
-        self._send(RegisterFrontend(frontend_id=self.frontend_id, pid=os.getpid()))
+        if self.heartbeat_timeout is not None:
+            self._tasks.append(asyncio.create_task(self._watch_heartbeat(self.heartbeat_timeout)))
+        self._send(RegisterFrontend(frontend_id=self.frontend_id, pid=os.getpid(), secret=self.secret or ""))
         try:
             await asyncio.wait_for(self._ready_event.wait(), timeout)
         except asyncio.TimeoutError:
@@ -89,7 +106,7 @@ class AsyncEngineClient:
         """The deltas of one request, ending with the one that has ``finish_reason``. Leaving the loop
         early (or being cancelled) aborts the request in the engine, which frees its KV blocks."""
         if not self.healthy:
-            raise EngineUnavailable(self.dead_reason or "the engine is not ready")
+            raise EngineUnavailable(self.unavailable_reason)
         if request_id in self._queues:
             raise ValueError(f"request id {request_id!r} is already in flight")
         queue: asyncio.Queue[TokenDelta] = asyncio.Queue()
@@ -104,13 +121,15 @@ class AsyncEngineClient:
                 yield delta
         finally:
             self._queues.pop(request_id, None)
-            if not finished and self.dead_reason is None:
+            ended_here = request_id in self._ended
+            self._ended.discard(request_id)
+            if (not finished or ended_here) and self.dead_reason is None:
                 self._send(AbortRequest(request_ids=[request_id]))
 
     async def utility(self, method: str, *args: Any, timeout: float = 10.0) -> Any:
         """Call an allow-listed EngineCore method (``stats``, ``reset_prefix_cache``) in the engine."""
         if not self.healthy:
-            raise EngineUnavailable(self.dead_reason or "the engine is not ready")
+            raise EngineUnavailable(self.unavailable_reason)
         call_id = next(self._call_ids)
         future = asyncio.get_running_loop().create_future()
         self._calls[call_id] = future
@@ -136,6 +155,9 @@ class AsyncEngineClient:
         try:
             while True:
                 msg = decode_engine_message(await self._sock.recv())
+                self._heard()
+                if isinstance(msg, Heartbeat):
+                    continue
                 if isinstance(msg, StepOutputs):
                     if msg.stats is not None:
                         self.last_stats = msg.stats
@@ -164,6 +186,38 @@ class AsyncEngineClient:
             if event["event"] == zmq.EVENT_DISCONNECTED:
                 self._fail("the engine process went away (connection lost)")
                 return
+
+    def _heard(self) -> None:
+        self._last_heard = time.monotonic()
+        if self.hung_reason is not None:
+            logger.warning("The engine answers again; serving requests")
+            self.hung_reason = None
+
+    async def _watch_heartbeat(self, timeout: float) -> None:
+        """A silent engine past ``timeout`` is hung: end its requests now and refuse new ones (503)
+        until it is heard from again (SIGCONT, a long stall that ended)."""
+        while True:
+            await asyncio.sleep(timeout / 8)
+            silent = time.monotonic() - self._last_heard
+            if self.ready is None or self.dead_reason is not None or self.hung_reason is not None:
+                continue
+            # Unread messages mean this process was the slow one, not the engine: read them first.
+            if silent <= timeout or self._sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                continue
+            self.hung_reason = (f"the engine has not answered for {silent:.1f}s (engine_heartbeat_timeout="
+                                f"{timeout:g}s): it is hung or overloaded")
+            logger.error("Engine unavailable: %s", self.hung_reason)
+            self.end_all(self.hung_reason)  # their aborts are delivered if it wakes up: KV blocks come back
+            for future in self._calls.values():
+                if not future.done():
+                    future.set_exception(EngineUnavailable(self.hung_reason))
+
+    def end_all(self, reason: str) -> None:
+        """End every in-flight request now with ``reason`` (the engine is told to abort each)."""
+        for rid, queue in self._queues.items():
+            self._ended.add(rid)
+            queue.put_nowait(TokenDelta(request_id=rid, new_token_ids=[], finish_reason="error", error=reason,
+                                        error_kind="unavailable"))
 
     def _fail(self, reason: str) -> None:
         """The engine is gone: end every in-flight request and utility call with ``reason``."""

@@ -5,7 +5,9 @@ detokenization and stop strings)."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
+from concurrent.futures import ThreadPoolExecutor
 import logging
 import time
 from dataclasses import dataclass
@@ -15,23 +17,20 @@ import msgspec
 
 from kvloom.core.config import EngineConfig
 from kvloom.core.messages import EngineReady, TokenLogprobs
-from kvloom.core.sampling_params import SamplingParams
+from kvloom.core.sampling_params import SamplingParams, check_priority
 from kvloom.frontends.config import ServerConfig
 from kvloom.frontends.engine_client import AsyncEngineClient, EngineUnavailable
-from kvloom.frontends.text import IncrementalText, apply_chat_template, load_tokenizer
+from kvloom.frontends.errors import RequestError
+from kvloom.frontends.limits import PromptLengthBound
+from kvloom.frontends.text import (
+    ChatTemplateError,
+    IncrementalText,
+    encode_rendered_chat,
+    load_tokenizer,
+    render_chat_template,
+)
 
 logger = logging.getLogger("kvloom.frontend")
-
-
-class RequestError(Exception):
-    """A request that fails; ``status`` follows HTTP (400 bad input, 404 unknown model, 408 timeout,
-    429 too many in flight, 503 engine unavailable) and ``param`` names the offending field."""
-
-    def __init__(self, status: int, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.param = param
 
 
 @dataclass
@@ -57,6 +56,9 @@ class TextDelta:
     num_output_tokens: int = 0  # tokens generated so far (usage counts these, text or not)
 
 
+TOKENIZER_THREADS = 2
+
+
 class FrontendCore:
     def __init__(self, client: AsyncEngineClient, tokenizer, ready: EngineReady, *, max_pending_requests: int,
                  request_timeout: float | None = None) -> None:
@@ -66,6 +68,11 @@ class FrontendCore:
         self.max_pending_requests = max_pending_requests
         self.request_timeout = request_timeout
         self._ids = itertools.count()
+        self.draining = False
+        self.num_admitted = 0  # slots held by admitted requests until their responses end
+        self.prompt_bound = PromptLengthBound(tokenizer)
+        # Tokenizing a long prompt takes seconds: never on the event loop, which serves every other client.
+        self._tokenizer_pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="tokenize")
 
     @property
     def max_model_len(self) -> int:
@@ -75,15 +82,27 @@ class FrontendCore:
     def encode_text(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=True)
 
-    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+    async def tokenize_text(self, text: str, param: str = "prompt") -> list[int]:
+        """``encode_text`` off the event loop, after refusing a text that provably cannot fit the context."""
+        self.prompt_bound.check(text, self.max_model_len, param)
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, self.encode_text, text)
+
+    async def tokenize_chat(self, messages: list[dict[str, Any]], param: str = "messages", **options: Any) -> list[int]:
+        """The chat's prompt tokens, rendered and encoded off the event loop; the rendered chat is
+        checked like a text prompt first. ``options`` are ``render_chat_template``'s."""
+        loop = asyncio.get_running_loop()
+        render = functools.partial(render_chat_template, self.tokenizer, messages, **options)
         try:
-            return apply_chat_template(self.tokenizer, messages)
-        except Exception as e:  # noqa: BLE001 - jinja errors from the model's template are the user's input
-            raise RequestError(400, f"the chat template could not render these messages: {e}", "messages") from e
+            text = await loop.run_in_executor(self._tokenizer_pool, render)
+        except ChatTemplateError as e:
+            raise RequestError(400, str(e), param if e.param == "messages" else e.param) from e
+        self.prompt_bound.check(text, self.max_model_len, param)
+        return await loop.run_in_executor(self._tokenizer_pool, encode_rendered_chat, self.tokenizer, text)
 
     def check_token_ids(self, ids: list[int], param: str = "prompt") -> list[int]:
         vocab = self.ready.vocab_size
-        bad = next((t for t in ids if not isinstance(t, int) or not 0 <= t < vocab), None)
+        # bool is an int subclass in Python, but true is not a token id (and the engine's decoder refuses it).
+        bad = next((t for t in ids if type(t) is not int or not 0 <= t < vocab), None)
         if bad is not None:
             raise RequestError(400, f"token id {bad!r} is out of range [0, {vocab})", param)
         return ids
@@ -93,15 +112,23 @@ class FrontendCore:
                 max_tokens_param: str = "max_tokens", prompt_param: str = "prompt") -> PreparedRequest:
         """Check the request against the context and the admission limit; raises RequestError."""
         self.check_available()
+        try:
+            check_priority(priority)
+        except ValueError as e:
+            raise RequestError(400, str(e), "priority") from None
         n = len(prompt_token_ids)
         limit = self.max_model_len
         if n == 0:
             raise RequestError(400, "the prompt is empty: at least one token is needed", prompt_param)
         max_tokens = sampling.max_tokens
+        min_tokens = sampling.min_tokens
         if max_tokens is None:
             if n >= limit:
                 raise RequestError(400, f"This model's maximum context length is {limit} tokens, and the prompt "
                                    f"has {n} tokens, which leaves no room for a completion.", prompt_param)
+            if min_tokens > limit - n:
+                raise RequestError(400, f"min_tokens={min_tokens} is more than the {limit - n} tokens the "
+                                   f"context leaves for the completion ({limit} - {n} prompt tokens)", "min_tokens")
             sampling = msgspec.structs.replace(sampling, max_tokens=limit - n)
         elif n + max_tokens > limit:
             raise RequestError(400, f"This model's maximum context length is {limit} tokens. However, you "
@@ -113,12 +140,31 @@ class FrontendCore:
                                "stop_token_ids")
         return PreparedRequest(prompt_token_ids, sampling, priority)
 
+    def start_draining(self) -> None:
+        """Refuse new requests (503) from now on; those in flight continue."""
+        self.draining = True
+
+    def end_all(self, reason: str) -> None:
+        """End every request in flight now with ``reason`` (503); the engine aborts them."""
+        if self.client.num_in_flight:
+            logger.warning("Ending %d request(s): %s", self.client.num_in_flight, reason)
+        self.client.end_all(reason)
+
     def check_available(self, new_requests: int = 1) -> None:
+        if self.draining:
+            raise RequestError(503, "the server is shutting down")
         if not self.client.healthy:
-            raise RequestError(503, f"the engine is unavailable: {self.client.dead_reason or 'not ready'}")
-        if self.client.num_in_flight + new_requests > self.max_pending_requests:
-            raise RequestError(429, f"too many requests in flight ({self.client.num_in_flight} of at most "
-                               f"{self.max_pending_requests}); retry later")
+            raise RequestError(503, f"the engine is unavailable: {self.client.unavailable_reason}")
+        if self.num_admitted + new_requests > self.max_pending_requests:
+            raise RequestError(429, f"too many requests in flight ({self.num_admitted} of at most "
+                               f"max_pending_requests={self.max_pending_requests}); retry later")
+
+    def admit(self, count: int) -> "Admission":
+        """Take ``count`` in-flight slots, or raise 429/503. The check and the taking happen with no await
+        between them, so concurrent requests can never admit more than ``max_pending_requests``."""
+        self.check_available(count)
+        self.num_admitted += count
+        return Admission(self, count)
 
     # --- generation --------------------------------------------------------------------------------
     def next_request_id(self) -> str:
@@ -168,6 +214,18 @@ class FrontendCore:
             raise RequestError(503, f"the engine is unavailable: {e}") from e
 
 
+class Admission:
+    """Slots taken by ``FrontendCore.admit``; ``release`` (idempotent) gives them back."""
+
+    def __init__(self, core: FrontendCore, count: int) -> None:
+        self.core = core
+        self.count = count
+
+    def release(self) -> None:
+        self.core.num_admitted -= self.count
+        self.count = 0
+
+
 async def merge_streams(streams: list[AsyncIterator[Any]]) -> AsyncIterator[tuple[int, Any]]:
     """Interleave several async iterators as ``(index, item)`` in arrival order. An error in one ends
     all; closing the merged iterator closes every source (so each aborts its engine request)."""
@@ -208,9 +266,11 @@ async def merge_streams(streams: list[AsyncIterator[Any]]) -> AsyncIterator[tupl
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def start_frontend_core(engine_address: str, engine: EngineConfig, server: ServerConfig) -> FrontendCore:
-    """Connect to the engine while the tokenizer loads; returns once the engine is ready."""
-    client = AsyncEngineClient(engine_address)
+async def start_frontend_core(engine_address: str, engine: EngineConfig, server: ServerConfig,
+                              secret: str | None = None) -> FrontendCore:
+    """Connect to the engine while the tokenizer loads; returns once the engine is ready. ``secret`` is
+    the launch's engine secret (see launcher.Launcher)."""
+    client = AsyncEngineClient(engine_address, heartbeat_timeout=server.engine_heartbeat_timeout, secret=secret)
     connecting = asyncio.create_task(client.start(server.engine_start_timeout))
     try:
         tokenizer = await asyncio.to_thread(load_tokenizer, engine.model, engine.tokenizer)

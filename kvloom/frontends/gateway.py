@@ -34,15 +34,21 @@ SEND_QUEUE_LIMIT = 100_000  # replies queued for one client that does not read b
 
 
 class Gateway:
-    def __init__(self, core: FrontendCore, address: str) -> None:
+    def __init__(self, core: FrontendCore | None, address: str, max_message_bytes: int = 16 * 2**20) -> None:
         self.core = core
         self.address = address
+        self.max_message_bytes = max_message_bytes
         self.ctx = zmq.asyncio.Context()
         self.socket = self.ctx.socket(zmq.ROUTER)
         self.socket.setsockopt(zmq.ROUTER_MANDATORY, 1)  # replies to a vanished client raise
         self.socket.setsockopt(zmq.LINGER, 2000)  # deliver the last chunks of a drained request on exit
         self.socket.setsockopt(zmq.SNDHWM, SEND_QUEUE_LIMIT)
-        self.socket.bind(address)
+        try:
+            self.socket.bind(address)
+        except zmq.ZMQError as e:
+            self.socket.close(linger=0)
+            self.ctx.term()
+            raise OSError(f"cannot bind the gateway to {address}: {e}") from None
         # (client identity, the client's request id) -> the task streaming it
         self.tasks: dict[tuple[bytes, str], asyncio.Task] = {}
         self.cancelled: set[tuple[bytes, str]] = set()
@@ -56,7 +62,7 @@ class Gateway:
                 receiving = asyncio.ensure_future(self.socket.recv_multipart())
                 await asyncio.wait({receiving, stopping}, return_when=asyncio.FIRST_COMPLETED)
                 if receiving.done():
-                    self._handle(*receiving.result())
+                    self._receive(receiving.result())
                 else:
                     receiving.cancel()
                     await asyncio.gather(receiving, return_exceptions=True)
@@ -81,10 +87,29 @@ class Gateway:
             task.cancel()
 
     # --- requests ----------------------------------------------------------------------------------
+    def _receive(self, frames: list[bytes]) -> None:
+        """[identity, message] is the protocol; any other frame count is refused without touching the rest."""
+        if len(frames) == 2:
+            self._handle(*frames)
+            return
+        ident = frames[0]
+        logger.warning("Refused a message of %d frames from client %r (expected one frame)", len(frames) - 1, ident)
+        refusal = encode(RequestFailed(request_id="", status=400, message=(
+            f"expected each message as one frame, got {len(frames) - 1}: connect with a DEALER socket and send "
+            "one msgpack message per frame (docs/protocol.md)")))
+        # A REQ socket's envelope is [identity, b"", message]: answer in it, or the REQ client waits forever.
+        envelope = [ident, b""] if len(frames) >= 3 and frames[1] == b"" else [ident]
+        self._send(ident, [*envelope, refusal])
+
     def _handle(self, ident: bytes, data: bytes) -> None:
+        if len(data) > self.max_message_bytes:
+            self._reply(ident, RequestFailed(request_id="", status=413, message=(
+                f"the message has {len(data)} bytes, over the limit of max_request_body_mb="
+                f"{self.max_message_bytes / 2**20:g}")))
+            return
         try:
             msg = decode_gateway_request(data)
-        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as e:
             self._reply(ident, RequestFailed(request_id="", message=f"malformed message: {e}", status=400))
             return
         if isinstance(msg, Generate):
@@ -97,7 +122,7 @@ class Gateway:
         elif isinstance(msg, Ping):
             client = self.core.client
             self._reply(ident, Pong(healthy=client.healthy, model=self.core.ready.model_name,
-                                    max_model_len=self.core.max_model_len, message=client.dead_reason))
+                                    max_model_len=self.core.max_model_len, message=client.unavailable_reason))
 
     def _generate(self, ident: bytes, msg: Generate) -> None:
         key = (ident, msg.request_id)
@@ -106,13 +131,12 @@ class Gateway:
                 raise RequestError(503, "the gateway is shutting down")
             if key in self.tasks:
                 raise RequestError(400, f"request id {msg.request_id!r} is already in flight", "request_id")
-            prepared = self.core.prepare(self._prompt_ids(msg), msg.sampling, priority=msg.priority)
         except RequestError as e:
             self._reply(ident, RequestFailed(request_id=msg.request_id, message=e.message, status=e.status))
             return
-        self.tasks[key] = asyncio.create_task(self._stream(ident, msg.request_id, prepared))
+        self.tasks[key] = asyncio.create_task(self._stream(ident, msg))
 
-    def _prompt_ids(self, msg: Generate) -> list[int]:
+    async def _prompt_ids(self, msg: Generate) -> list[int]:
         given = [name for name in ("prompt", "messages", "prompt_token_ids") if getattr(msg, name) is not None]
         if len(given) != 1:
             raise RequestError(400, f"give exactly one of prompt, messages, prompt_token_ids (got {given or 'none'})")
@@ -120,22 +144,22 @@ class Gateway:
             raise RequestError(400, f"n={msg.sampling.n}: the gateway streams one completion per request; "
                                "send n requests", "n")
         if msg.prompt is not None:
-            return self.core.encode_text(msg.prompt)
+            return await self.core.tokenize_text(msg.prompt)
         if msg.messages is not None:
-            return self.core.encode_chat([{"role": m.role, "content": m.content} for m in msg.messages])
+            return await self.core.tokenize_chat([{"role": m.role, "content": m.content} for m in msg.messages])
         return self.core.check_token_ids(msg.prompt_token_ids, "prompt_token_ids")
 
-    async def _stream(self, ident: bytes, request_id: str, prepared: PreparedRequest) -> None:
+    async def _stream(self, ident: bytes, msg: Generate) -> None:
+        request_id = msg.request_id
         key = (ident, request_id)
         try:
-            async for d in self.core.generate(prepared):
-                usage = None
-                if d.finish_reason is not None:
-                    usage = Usage(prompt_tokens=d.num_prompt_tokens, completion_tokens=d.num_output_tokens,
-                                  cached_tokens=d.num_cached_tokens)
-                self._reply(ident, TextChunk(request_id=request_id, text=d.text, token_ids=d.token_ids,
-                                             logprobs=d.logprobs, finish_reason=d.finish_reason,
-                                             stop_reason=d.stop_reason, usage=usage))
+            # Tokenized here, in the request's own task, so a long prompt never holds up the receive loop.
+            prepared = self.core.prepare(await self._prompt_ids(msg), msg.sampling, priority=msg.priority)
+            admission = self.core.admit(1)
+            try:
+                await self._send_chunks(ident, request_id, prepared)
+            finally:
+                admission.release()
         except RequestError as e:
             self._reply(ident, RequestFailed(request_id=request_id, message=e.message, status=e.status))
         except asyncio.CancelledError:
@@ -148,9 +172,22 @@ class Gateway:
             self.tasks.pop(key, None)
             self.cancelled.discard(key)
 
+    async def _send_chunks(self, ident: bytes, request_id: str, prepared: PreparedRequest) -> None:
+        async for d in self.core.generate(prepared):
+            usage = None
+            if d.finish_reason is not None:
+                usage = Usage(prompt_tokens=d.num_prompt_tokens, completion_tokens=d.num_output_tokens,
+                              cached_tokens=d.num_cached_tokens)
+            self._reply(ident, TextChunk(request_id=request_id, text=d.text, token_ids=d.token_ids,
+                                         logprobs=d.logprobs, finish_reason=d.finish_reason,
+                                         stop_reason=d.stop_reason, usage=usage))
+
     def _reply(self, ident: bytes, msg) -> None:
+        self._send(ident, [ident, encode(msg)])
+
+    def _send(self, ident: bytes, frames: list[bytes]) -> None:
         try:
-            self.socket.send_multipart([ident, encode(msg)], zmq.NOBLOCK)
+            self.socket.send_multipart(frames, zmq.NOBLOCK)
         except zmq.ZMQError as e:
             if e.errno not in (zmq.EHOSTUNREACH, zmq.EAGAIN):
                 raise
@@ -160,14 +197,16 @@ class Gateway:
                     task.cancel()
 
 
-async def run_gateway(engine_address: str, address: str, engine: EngineConfig, server: ServerConfig) -> int:
+async def run_gateway(engine_address: str, address: str, engine: EngineConfig, server: ServerConfig,
+                      engine_secret: str | None = None) -> int:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    core = await start_frontend_core(engine_address, engine, server)
+    # Bind before waiting for the engine: an address that cannot be bound fails now, not after the model loads.
+    gateway = Gateway(None, address, server.max_request_body_bytes)
+    core = gateway.core = await start_frontend_core(engine_address, engine, server, engine_secret)
     try:
-        gateway = Gateway(core, address)
         logger.info("ZMQ gateway listening on %s", address)
         await gateway.serve(stop, server.drain_timeout)
     finally:
@@ -183,12 +222,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--engine-address", required=True)
     parser.add_argument("--address", required=True, help="Where clients connect, e.g. ipc:///tmp/kvloom.sock.")
     args, engine, server = start_child(parser, argv)
-    main_coro = run_gateway(args.engine_address, args.address, engine, server)
+    main_coro = run_gateway(args.engine_address, args.address, engine, server, args.engine_secret)
     try:
         import uvloop
     except ImportError:
-        return asyncio.run(main_coro)
-    return uvloop.run(main_coro)
+        uvloop = asyncio
+    try:
+        return uvloop.run(main_coro)
+    except OSError as e:
+        logger.error("%s", e)
+        return 1
 
 
 if __name__ == "__main__":

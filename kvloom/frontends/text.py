@@ -42,14 +42,62 @@ def load_tokenizer(model: str, tokenizer: str | None = None):
     return AutoTokenizer.from_pretrained(str(path))
 
 
+class ChatTemplateError(ValueError):
+    """A chat the template cannot render; ``param`` names the request field at fault."""
+
+    def __init__(self, message: str, param: str = "messages") -> None:
+        super().__init__(message)
+        self.param = param
+
+
+# Keys of chat_template_kwargs that would override what the request's own fields decide.
+_RESERVED_KWARGS = {"messages", "add_generation_prompt", "continue_final_message", "chat_template", "tokenize"}
+
+
+def render_chat_template(tokenizer, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True,
+                         chat_template: str | None = None, default_template: str | None = None,
+                         continue_final_message: bool = False,
+                         chat_template_kwargs: dict[str, Any] | None = None) -> str:
+    """The chat as the text the model reads, with vLLM's template options: a per-request
+    ``chat_template`` (else the server's ``default_template``, else the model's), ``chat_template_kwargs``,
+    ``add_generation_prompt`` and ``continue_final_message``. ``encode_rendered_chat`` of it equals
+    ``apply_chat_template(tokenize=True)``."""
+    if add_generation_prompt and continue_final_message:
+        raise ChatTemplateError("continue_final_message=true continues the last message, so it needs "
+                                "add_generation_prompt=false", "continue_final_message")
+    if continue_final_message and (not messages or messages[-1]["role"] != "assistant"):
+        raise ChatTemplateError("continue_final_message=true needs an assistant message last", "continue_final_message")
+    kwargs = dict(chat_template_kwargs or {})
+    clash = sorted(_RESERVED_KWARGS & set(kwargs))
+    if clash:
+        raise ChatTemplateError(f"chat_template_kwargs may not set {clash}: they are request fields",
+                                "chat_template_kwargs")
+    template = chat_template or default_template
+    if template is None and not getattr(tokenizer, "chat_template", None):
+        raise ChatTemplateError("this model's tokenizer has no chat template: send one as chat_template "
+                                "(or start the server with --chat-template FILE), or use a plain completion prompt")
+    if template is not None:
+        kwargs["chat_template"] = template
+    if continue_final_message:
+        kwargs["continue_final_message"] = True
+    try:
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False,
+                                             **kwargs)
+    except Exception as e:  # noqa: BLE001 - jinja errors from a template are the user's input
+        raise ChatTemplateError(f"the chat template could not render these messages: {e}",
+                                "chat_template" if chat_template else "messages") from e
+
+
+def encode_rendered_chat(tokenizer, text: str) -> list[int]:
+    # The template writes the special tokens itself, as apply_chat_template(tokenize=True) assumes.
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
 def apply_chat_template(tokenizer, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                        **kwargs: Any) -> list[int]:
-    if not getattr(tokenizer, "chat_template", None):
-        raise ValueError("this model's tokenizer has no chat template; send a plain completion prompt instead")
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True, **kwargs)
-    if isinstance(ids, dict) or hasattr(ids, "keys"):  # transformers 5 returns a BatchEncoding
-        ids = ids["input_ids"]
-    return list(ids)
+                        **options: Any) -> list[int]:
+    """The chat's prompt tokens (``render_chat_template`` then ``encode_rendered_chat``)."""
+    text = render_chat_template(tokenizer, messages, add_generation_prompt=add_generation_prompt, **options)
+    return encode_rendered_chat(tokenizer, text)
 
 
 class IncrementalText:

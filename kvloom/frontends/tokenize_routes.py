@@ -5,14 +5,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-import msgspec
 from msgspec import Struct
 from starlette.requests import Request
 
 from kvloom.frontends import openai_protocol as api
-from kvloom.frontends.chat_render import render_chat
 from kvloom.frontends.frontend_core import RequestError
-from kvloom.frontends.request_fields import CHAT_RULES, check_fields
+from kvloom.frontends.request_fields import CHAT_RULES
 
 if TYPE_CHECKING:
     from kvloom.frontends.api_server import OpenAIServer
@@ -52,11 +50,8 @@ _TOKENIZE_RULES = {"tools": CHAT_RULES["tools"], "mm_processor_kwargs": CHAT_RUL
 
 
 async def _parse(server: "OpenAIServer", request: Request, typ: type):
-    req = await server._parse(request, typ)
-    check_fields(msgspec.json.decode(await request.body()), typ, _TOKENIZE_RULES)
-    if req.model is not None and req.model != server.model_name:
-        raise RequestError(404, f"The model `{req.model}` does not exist; this server serves "
-                           f"`{server.model_name}`.", "model")
+    req = await server._parse(request, typ, _TOKENIZE_RULES)
+    server.check_model(req.model)
     return req
 
 
@@ -72,12 +67,10 @@ async def tokenize(server: "OpenAIServer", request: Request) -> TokenizeResponse
         if req.add_special_tokens:
             raise RequestError(400, "add_special_tokens=true is not supported with messages: the chat template "
                                "places the special tokens", "add_special_tokens")
-        from kvloom.frontends.api_server import _chat_messages
+        from kvloom.frontends.api_server import _chat_messages, chat_template_options
 
-        ids = render_chat(tokenizer, _chat_messages(req.messages), chat_template=req.chat_template,
-                          default_template=server.chat_template, add_generation_prompt=req.add_generation_prompt,
-                          continue_final_message=req.continue_final_message,
-                          chat_template_kwargs=req.chat_template_kwargs)
+        ids = await server.core.tokenize_chat(_chat_messages(req.messages),
+                                              **chat_template_options(req, server.chat_template))
     strs = tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
     return TokenizeResponse(len(ids), server.core.max_model_len, list(ids), strs)
 
