@@ -216,7 +216,9 @@ async def fuzz_http(url: str, model: str, bodies: int, seed: int, result: FuzzRe
     queue: asyncio.Queue = asyncio.Queue()
     for item in requests:
         queue.put_nowait(item)
-    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    # Idle connections expire here before the server's keep-alive timeout closes them, so no request is
+    # sent on a connection the server is closing at that moment (a race of HTTP keep-alive, not a fault).
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency, keepalive_expiry=1.0)
     async with httpx.AsyncClient(timeout=timeout, limits=limits) as http:
         async def worker():
             while not queue.empty():

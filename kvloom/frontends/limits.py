@@ -28,8 +28,10 @@ def check_json_depth(body: bytes, limit: int = MAX_JSON_DEPTH) -> None:
         reduced = _INNERMOST.sub(b"", brackets)
         if not reduced:
             return
-        if reduced == brackets:  # unbalanced: not JSON; the decoder says so without recursing further
-            return
+        if reduced == brackets:
+            # Brackets that never close are not JSON, and the decoder would still recurse into every
+            # one of them before it finds out: refuse them here.
+            raise RequestError(400, "the request body is not valid JSON: its brackets do not balance")
         brackets = reduced
     raise RequestError(400, f"the request body nests arrays/objects more than {limit} levels deep")
 
