@@ -321,15 +321,10 @@ def greedy_probe(url: str, model: str, headers: dict[str, str] | None = None) ->
     return out
 
 
-def kv_blocks(url: str) -> tuple[float, float]:
-    text = httpx.get(url + "/metrics", timeout=10).text
-    values = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines()
-              if line.startswith("kvloom_kv_cache_")}
-    return values["kvloom_kv_cache_free_blocks"], values["kvloom_kv_cache_total_blocks"]
-
-
 def wait_all_blocks_free(url: str, timeout: float = 30.0) -> bool:
     deadline = time.monotonic() + timeout
+    from tests.server_utils import kv_blocks
+
     while time.monotonic() < deadline:
         free, total = kv_blocks(url)
         if free == total:

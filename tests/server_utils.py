@@ -160,3 +160,17 @@ def _ip(addr_hex: str, width: int) -> str:
     # /proc/net prints each 32-bit word in host (little-endian) order.
     raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
     return socket.inet_ntop(socket.AF_INET if width == 4 else socket.AF_INET6, raw)
+
+
+def metric_samples(url: str) -> dict[str, float]:
+    """A server's /metrics as {sample name: value}; labels are dropped (a test server serves one model)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(url + "/metrics", timeout=10).text
+    return {s.name: s.value for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+
+def kv_blocks(url: str) -> tuple[float, float]:
+    """(free, total) KV blocks of the server's engine."""
+    values = metric_samples(url)
+    return values["kvloom_kv_cache_free_blocks"], values["kvloom_kv_cache_total_blocks"]

@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 
-from tests.server_utils import EngineServer, alive, free_port
+from tests.server_utils import EngineServer, alive, free_port, kv_blocks
 
 
 def start_server(model, tmp_path, extra: str = "", workers: int = 1) -> EngineServer:
@@ -79,13 +79,6 @@ def test_sigterm_with_an_expiring_drain_ends_every_request_cleanly(tiny_llama, t
     wait_gone(children)
 
 
-def free_blocks(server: EngineServer) -> tuple[float, float]:
-    text = httpx.get(server.url + "/metrics", timeout=10).text
-    values = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines()
-              if line.startswith("kvloom_kv_cache_")}
-    return values.get("kvloom_kv_cache_free_blocks", -1), values.get("kvloom_kv_cache_total_blocks", -2)
-
-
 def wait_for(predicate, timeout: float, what: str):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -133,7 +126,7 @@ def test_sigstop_of_the_engine_is_noticed_and_sigcont_recovers(tiny_llama, tmp_p
             ok = http.post(server.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 3, "ignore_eos": True})
             assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3
             # The requests ended while it was stopped were aborted in the engine: every block is free.
-            wait_for(lambda: (lambda f, t: f == t)(*free_blocks(server)), 15, "every KV block free")
+            wait_for(lambda: (lambda f, t: f == t)(*kv_blocks(server.url)), 15, "every KV block free")
     finally:
         os.kill(engine, signal.SIGCONT)
         server.stop()

@@ -13,7 +13,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvloom.client import AsyncClient, Client, GatewayError
-from tests.server_utils import EngineServer, listening_sockets
+from tests.server_utils import EngineServer, listening_sockets, metric_samples
 
 API_KEY = "test-key"
 NUM_BLOCKS = 512
@@ -51,8 +51,7 @@ def model(server):
 
 
 def engine_stats(server) -> dict[str, float]:
-    text = httpx.get(server.url + "/metrics", timeout=10).text
-    return {s.name: s.value for fam in text_string_to_metric_families(text) for s in fam.samples}
+    return metric_samples(server.url)
 
 
 def sampled(**extra):
