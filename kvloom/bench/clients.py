@@ -9,7 +9,6 @@ import asyncio
 import json
 import math
 import multiprocessing as mp
-import os
 import queue
 import random
 import time
@@ -20,6 +19,7 @@ from typing import Any, Callable
 import httpx
 
 from kvloom.bench.metrics import RequestResult
+from kvloom.core.cpu_threads import available_cores
 
 STREAMS_PER_CLIENT = 64  # streams one client process times faithfully (the default split)
 MAX_CLIENT_PROCESSES = 256
@@ -28,14 +28,6 @@ READY_TIMEOUT_S = 120.0  # a spawned client imports httpx and numpy: seconds on 
 START_DELAY_S = 0.05  # the shared start time lies this far after the last client is ready
 
 Bodies = list[tuple[dict[str, Any], "int | None"]]
-
-
-def available_cores() -> int:
-    """The cores this process may run on (its affinity mask, not the machine's count)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
 
 
 def level_streams(level: dict[str, Any], num_requests: int) -> int:
