@@ -1,6 +1,6 @@
 """CPU threads: the engine runs as many torch threads as the cores it may use (its affinity mask) or
-``--threads``, refuses more threads than cores, and waits passively at OpenMP barriers (set before
-torch loads OpenMP), so another process on one of its cores costs that core, not a collapse."""
+``--threads``, refuses more threads than cores, and bounds how long OpenMP threads spin at a barrier
+(set before torch loads OpenMP), so another process on one of its cores costs that core, not a collapse."""
 
 from __future__ import annotations
 
@@ -29,6 +29,7 @@ import torch
 from kvloom import SamplingParams
 out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)[0].outputs[0].token_ids
 print(json.dumps({"threads": torch.get_num_threads(), "wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+                  "spin_count": os.environ.get("GOMP_SPINCOUNT"),
                   "tokens": len(out)}))
 """
 
@@ -48,13 +49,14 @@ def probe(model, cores: str, threads: str, env_extra: dict | None = None) -> dic
 def test_threads_follow_the_cores_this_process_may_use(tiny_llama):
     # One core in the affinity mask: one thread, whatever the machine has.
     one = probe(tiny_llama, "0", "auto")
-    assert (one["threads"], one["wait_policy"], one["tokens"]) == (1, "PASSIVE", 3)
+    assert (one["threads"], one["spin_count"], one["wait_policy"], one["tokens"]) == (1, "20000", None, 3)
     # --threads below the cores is taken as given; above them it is refused by name.
     assert probe(tiny_llama, "all", "1")["threads"] == 1
     too_many = probe(tiny_llama, "0", "2")
     assert "threads=2" in too_many["error"] and "1 cores" in too_many["error"]
     # A wait policy the user set for OpenMP itself is kept.
-    assert probe(tiny_llama, "0", "auto", {"OMP_WAIT_POLICY": "ACTIVE"})["wait_policy"] == "ACTIVE"
+    user = probe(tiny_llama, "0", "auto", {"OMP_WAIT_POLICY": "ACTIVE"})
+    assert (user["wait_policy"], user["spin_count"]) == ("ACTIVE", None)
 
 
 def test_threads_is_a_config_key_and_a_flag(tiny_llama, tmp_path):
@@ -66,6 +68,6 @@ def test_threads_is_a_config_key_and_a_flag(tiny_llama, tmp_path):
     server = EngineServer(["--model", str(tiny_llama), "--num-kv-blocks", "64", "--threads", "1"], tmp_path)
     try:
         server.wait_ready()
-        assert "CPU: 1 thread (" in server.log() and "OpenMP wait policy PASSIVE" in server.log()
+        assert "CPU: 1 thread (" in server.log() and "OpenMP spin count 20000" in server.log()
     finally:
         server.stop()

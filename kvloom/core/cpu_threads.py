@@ -1,15 +1,19 @@
 """How many CPU threads the engine runs, and how they wait for one another.
 
 PyTorch's CPU build runs its parallel loops and oneDNN's matmuls on one GNU OpenMP team. By default
-a thread that finishes its share spins for a while (GOMP's spin count, about 300,000 polls) before it
+a thread that finishes its share spins about 300,000 polls (milliseconds) at the barrier before it
 sleeps. On a machine where another process holds one of our cores, the thread that shares that core
 is preempted in the middle of its share; the others spin on their cores waiting for it, so the
-kernel finds no idle core to move the preempted thread to, and every parallel region waits for the
-other process's time slice (milliseconds, against regions of tens of microseconds). Waiting
-passively (``OMP_WAIT_POLICY=PASSIVE``: sleep at once) leaves a waiting thread's core idle, so the
-scheduler can run the preempted thread there. Threads are not bound to cores, for the same reason.
-OpenMP reads these settings once, when the library loads: they must be in the environment before
-torch is imported, which the engine process and ``kvloom.LLM`` do through ``prepare_openmp``.
+kernel finds no idle core to move the preempted thread to, and every parallel region waits out the
+other process's time slice (milliseconds, against regions of tens of microseconds): the 4-8x
+collapse. Waiting passively (sleep at once) frees the core but pays a wake-up at every region, which
+an earlier session measured as much slower on a quiet machine. The engine bounds the spin instead
+(``GOMP_SPINCOUNT``, a tenth of a millisecond or so): back-to-back regions of a step still find their
+threads awake, and a thread waiting for a preempted one sleeps soon enough for the kernel to move
+that one onto its core. Threads are not bound to cores, for the same reason. OpenMP reads these
+settings once, when the library loads: they must be in the environment before torch is imported,
+which the engine process and ``kvloom.LLM`` do through ``prepare_openmp``; a process that imported
+torch first keeps OpenMP's defaults (``benchmarks/cpu_contention.py`` compares the settings).
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from kvloom.core.config import ConfigError
 logger = logging.getLogger("kvloom")
 
 # OpenMP settings of the engine process; a value the user set for OpenMP itself is kept.
-OPENMP_ENVIRONMENT = {"OMP_WAIT_POLICY": "PASSIVE"}
+OPENMP_ENVIRONMENT = {"GOMP_SPINCOUNT": "20000"}
 OPENMP_VARIABLES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME")  # any of these: the user chose
 
 
@@ -57,6 +61,7 @@ def configure_threads(threads: int | None) -> int:
                           f"(its affinity mask)")
     n = threads or cores
     torch.set_num_threads(n)
-    logger.info("CPU: %d thread%s (%d core%s available), OpenMP wait policy %s", n, "s" * (n != 1), cores,
-                "s" * (cores != 1), os.environ.get("OMP_WAIT_POLICY", "default"))
+    logger.info("CPU: %d thread%s (%d core%s available), OpenMP spin count %s, wait policy %s", n, "s" * (n != 1),
+                cores, "s" * (cores != 1), os.environ.get("GOMP_SPINCOUNT", "default"),
+                os.environ.get("OMP_WAIT_POLICY", "default"))
     return n
