@@ -111,7 +111,8 @@ def main() -> None:
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--kv-cache-gib", type=int, default=1, help="KV cache of each server (vLLM takes whole GiB).")
     p.add_argument("--busy-core", type=int, help="Keep this core busy with a spinning process during the loads.")
-    p.add_argument("--start-timeout", type=float, default=600.0)
+    p.add_argument("--start-timeout", type=float, default=1200.0,
+                   help="Seconds for a server to start (vLLM compiles its model on a first start: minutes).")
     p.add_argument("--engines", default="vllm,kvloom", help="Which servers to run (the first is each ratio's base).")
     p.add_argument("--vllm-arg", action="append", default=[], help="An extra flag for vLLM's server (repeat).")
     p.add_argument("--kvloom-arg", action="append", default=[], help="An extra flag for kvloom's server (repeat).")

@@ -184,7 +184,7 @@ def _client_main(spec, endpoint: str, bodies: Bodies, share: ClientShare, shared
         counter = RequestCounter(total, share.quota, shared_counter)
         ready.put(share.index)
         if not start["event"].wait(READY_TIMEOUT_S * 2):
-            return
+            raise RuntimeError("the other client processes were not ready in time")
         records, load = asyncio.run(drive(spec, endpoint, bodies, share, counter, start["t0"].value))
         results.put(json.dumps({"index": share.index, "load": asdict(load),
                                 "requests": [asdict(r) for r in records]}))
