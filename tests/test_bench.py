@@ -4,6 +4,9 @@ loopback only): every reported figure is present and agrees with the server's ow
 from __future__ import annotations
 
 import json
+import math
+
+import numpy as np
 
 import httpx
 import pytest
@@ -11,6 +14,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvloom.bench.ab import ServerProcess
+from kvloom.bench.clients import ClientLoad, RequestCounter, client_count, split_level
+from kvloom.bench.report import sweep_table
+from kvloom.bench.serve import client_report
 from kvloom.bench.metrics import LATENCIES, PERCENTILES, SLO, RequestResult, summarize
 from kvloom.bench.workloads import Workload
 from kvloom.cli import build_parser, config_flags, config_from_args, main
@@ -22,7 +28,7 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 @pytest.fixture(scope="module")
 def server(tiny_llama, tmp_path_factory):
-    srv = ServerProcess(["--model", str(tiny_llama), "--num-kv-blocks", "512"],
+    srv = ServerProcess(["--model", str(tiny_llama), "--num-kv-blocks", "512", "--api-workers", "1"],
                         tmp_path_factory.mktemp("bench-server") / "server.log")
     try:
         srv.wait_ready(240)
@@ -35,6 +41,13 @@ def token_counters(url: str) -> tuple[float, float]:
     text = httpx.get(url + "/metrics", timeout=10).text
     samples = {s.name: s.value for fam in text_string_to_metric_families(text) for s in fam.samples}
     return samples["kvloom_prompt_tokens_total"], samples["kvloom_generation_tokens_total"]
+
+
+def completions_served(url: str) -> float:
+    """Successful /v1/completions requests the server counted (its one API worker's /metrics)."""
+    text = httpx.get(url + "/metrics", timeout=10).text
+    return sum(s.value for fam in text_string_to_metric_families(text) for s in fam.samples
+               if s.name == "kvloom_http_requests_total" and s.labels == {"path": "/v1/completions", "status": "200"})
 
 
 def run_bench(argv, tmp_path, capsys) -> tuple[int, dict, str]:
@@ -89,6 +102,73 @@ def test_serve_sweep_figures_match_the_server(server, tmp_path, capsys):
     for figure in ("TTFT ms", "TPOT ms", "ITL ms", "E2E ms", "goodput 0.00 req/s"):
         assert figure in printed
     assert (tmp_path / "bench.png").read_bytes()[:8] == PNG_MAGIC
+
+
+def test_two_client_processes_merge_into_one_report(server, tmp_path, capsys):
+    """The level's requests are split over two spawned client processes; the merged report counts what the
+    server counted, and its percentiles are those of all requests together."""
+    before = (*token_counters(server.url), completions_served(server.url))
+    rc, data, printed = run_bench(["serve", "--base-url", server.url, "--random-token-range", TINY_TOKENS,
+                                   "--input-len", "8:24", "--output-len", "4:10", "--num-requests", "14",
+                                   "--concurrency", "4", "--client-processes", "2", "--warmup-requests", "0",
+                                   "--save-requests", "--slo-ttft-ms", "60000"], tmp_path, capsys)
+    assert rc == 0, printed
+    after = (*token_counters(server.url), completions_served(server.url))
+    (level,) = data["levels"]
+    assert (level["completed"], level["failed"], level["incomplete"]) == (14, 0, 0)
+    check_figures(level)
+    # Two processes each sent part of the level, and together exactly --num-requests.
+    assert level["client_processes"] == 2 and [c["streams"] for c in level["clients"]] == [2, 2]
+    records = level["requests"]
+    assert len(records) == sum(c["requests"] for c in level["clients"]) == 14
+    assert {r["client"] for r in records} == {0, 1}
+    for c in level["clients"]:
+        assert 0 < c["cpu_s"] and 0 < c["wall_s"] and c["busy"] == pytest.approx(c["cpu_s"] / c["wall_s"], abs=1e-3)
+    # The merged counts are the server's own.
+    assert after[2] - before[2] == level["completed"] == 14
+    assert after[0] - before[0] == level["prompt_tokens"]
+    assert after[1] - before[1] == level["output_tokens"] == data["expected_output_tokens"]
+    # Percentiles over the union of both processes' records (not an average of per-process figures).
+    done = [RequestResult(**r) for r in records]
+    union = {"ttft_ms": [r.ttft for r in done], "e2e_ms": [r.e2e for r in done], "tpot_ms": [r.tpot for r in done],
+             "itl_ms": [gap for r in done for gap in r.itls]}
+    for key, values in union.items():
+        p50, p95, p99 = np.percentile(np.asarray(values) * 1000, [50, 95, 99])
+        assert (level[key]["p50"], level[key]["p95"], level[key]["p99"]) == pytest.approx((p50, p95, p99)), key
+    assert level["duration_s"] == pytest.approx(max(r.start + r.e2e for r in done))
+    recomputed = summarize(done, level["duration_s"], SLO(ttft_ms=60000))
+    for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms", "goodput", "output_tokens", "prompt_tokens"):
+        assert recomputed[key] == pytest.approx(level[key]), key
+    assert "load generator: 2 client process(es), CPU busy" in printed
+
+
+def test_levels_split_so_totals_hold():
+    # Closed loop: streams add up; open loop: Poisson rates add up (R/N each), and so do the caps.
+    assert [s.concurrency for s in split_level({"concurrency": 7}, 3, 100, seed=0)] == [3, 2, 2]
+    rate = split_level({"request_rate": 9.0, "max_concurrency": 5}, 2, 100, seed=0)
+    assert sum(s.request_rate for s in rate) == 9.0 and [s.max_concurrency for s in rate] == [3, 2]
+    assert len({s.seed for s in rate}) == 2  # independent arrival streams
+    burst = split_level({"request_rate": math.inf, "max_concurrency": None}, 3, 10, seed=0)
+    assert [s.quota for s in burst] == [4, 3, 3]  # all at once: split by count
+    # One process per 64 streams, capped by the cores and by the level's streams; an explicit count holds.
+    assert client_count({"concurrency": 1}, 32, None) == 1
+    assert client_count({"concurrency": 8}, 32, 4) == 4 and client_count({"concurrency": 2}, 32, 4) == 2
+    assert client_count({"concurrency": 64 * 512}, 10**5, None) == len(__import__("os").sched_getaffinity(0))
+    counter = RequestCounter(5)
+    assert [counter.take() for _ in range(7)] == [0, 1, 2, 3, 4, None, None]
+
+
+def test_a_saturated_client_is_never_shown_without_a_warning():
+    level = {"level": {"concurrency": 256}, "completed": 1, "failed": 0, "request_throughput": 1.0,
+             "output_throughput": 1.0, "goodput": None,
+             **{f"{m}_ms": {"p50": 1.0, "p99": 1.0} for m in LATENCIES}}
+    calm = {**level, **client_report([ClientLoad(0, 128, 10, cpu_s=3.0, wall_s=10.0)] * 2)}
+    hot = {**level, **client_report([ClientLoad(0, 128, 10, 3.0, 10.0), ClientLoad(1, 128, 10, 9.7, 10.0)])}
+    assert not calm["client_saturated"] and hot["client_saturated"] and hot["client_busy_max"] == 0.97
+    assert "WARNING" not in sweep_table([calm])
+    table = sweep_table([calm, hot])
+    assert "97% !" in table and "WARNING: a load-generator process was saturated" in table
+    assert "concurrency 256" in table.split("WARNING")[1]
 
 
 def test_goodput_counts_requests_within_every_slo():
@@ -160,13 +240,14 @@ def test_ab_compares_two_plugin_combinations(tiny_llama, tmp_path, capsys):
     rc, data, printed = run_bench(
         ["ab", "--plugins", "", "--plugins", "prefix_cache", "--model", str(tiny_llama), "--num-kv-blocks", "256",
          "--workload", "shared-prefix", "--prefix-len", "64", "--input-len", "4", "--output-len", "4",
-         "--random-token-range", TINY_TOKENS, "--num-requests", "8", "--concurrency", "4",
+         "--random-token-range", TINY_TOKENS, "--num-requests", "8", "--concurrency", "4", "--client-processes", "2",
          "--log-dir", str(tmp_path / "logs")], tmp_path, capsys)
     assert rc == 0, printed
     assert data["combinations"] == ["none", "prefix_cache"]
     for run in data["runs"]:
         (level,) = run["levels"]
         assert (level["completed"], level["failed"]) == (8, 0)
+        assert level["client_processes"] == 2  # the same split load generator as bench serve
         assert run["kv_cache"].startswith(f"KV cache: 256 blocks x {default_block_size('cpu')} tokens")
     # The same workload went to both servers, and each ran its own plugins.
     assert data["runs"][0]["levels"][0]["prompt_tokens"] == data["runs"][1]["levels"][0]["prompt_tokens"] == 8 * 68

@@ -34,6 +34,11 @@ def add_load_flags(parser: argparse.ArgumentParser) -> None:
                       help="Seconds per level; requests still running then are cut off and counted apart.")
     load.add_argument("--request-timeout", type=float, default=600.0, help="Seconds one request may take.")
     load.add_argument("--warmup-requests", type=int, default=1, help="Requests sent before the first level, not counted.")
+    load.add_argument("--client-processes", type=int, metavar="N",
+                      help="Load-generator processes per level; the level's streams, rate and cap are split over "
+                           "them and their requests merged (default: one per 64 streams, at most the available "
+                           "cores). A client busy for most of a core times itself, not the server: the report "
+                           "warns when one was.")
 
     work = parser.add_argument_group("workload")
     work.add_argument("--workload", choices=("random", "shared-prefix", "jsonl"), default="random",
@@ -62,6 +67,9 @@ def add_load_flags(parser: argparse.ArgumentParser) -> None:
     report.add_argument("--slo-e2e-ms", type=float, help="... and end-to-end latency at most this.")
     report.add_argument("--output-json", metavar="PATH",
                         help="Write every figure as JSON here, and the plot as a PNG beside it.")
+    report.add_argument("--save-requests", action="store_true",
+                        help="Keep every request's record (start, chunk arrival times, tokens, client process) in "
+                             "the JSON, to recompute any figure.")
     report.add_argument("--no-progress", action="store_true", help="No progress bar.")
 
 
@@ -107,7 +115,8 @@ def load_from_args(args: argparse.Namespace, **target) -> tuple[LoadSpec, Worklo
         num_requests=args.num_requests, concurrency=args.concurrency or [], request_rate=args.request_rate or [],
         max_concurrency=args.max_concurrency, max_duration_s=args.max_duration, request_timeout_s=args.request_timeout,
         warmup_requests=args.warmup_requests, ignore_eos=args.ignore_eos, sampling={"temperature": args.temperature},
-        slo=SLO(args.slo_ttft_ms, args.slo_tpot_ms, args.slo_e2e_ms), progress=not args.no_progress, **target,
+        slo=SLO(args.slo_ttft_ms, args.slo_tpot_ms, args.slo_e2e_ms), client_processes=args.client_processes,
+        save_requests=args.save_requests, progress=not args.no_progress, **target,
     )
     spec.validate()
     token_range = parse_range(args.random_token_range, "--random-token-range")

@@ -26,6 +26,7 @@ class RequestResult:
     chunk_times: list[float] = field(default_factory=list)
     e2e: float | None = None
     start: float = 0.0  # seconds after the level started
+    client: int = 0  # the client process that sent it
 
     @property
     def ttft(self) -> float | None:

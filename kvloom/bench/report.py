@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from kvloom.bench.clients import SATURATED_BUSY
 from kvloom.bench.metrics import LATENCIES, PERCENTILES
 from kvloom.bench.serve import level_name
 from kvloom.text_table import format_table
@@ -43,21 +44,48 @@ def level_detail(summary: dict[str, Any]) -> str:
         head += f"\n  goodput {s['goodput']:.2f} req/s ({slo})"
     for err in s["errors"]:
         head += f"\n  error: {err}"
+    if "clients" in s:
+        head += "\n  " + client_line(s)
     rows = [[LABELS[m] + " ms", *(_num(s[f"{m}_ms"][k], 2) for k in ("mean", *(f"p{p}" for p in PERCENTILES)))]
             for m in LATENCIES]
     table = format_table(["", "mean", *(f"p{p}" for p in PERCENTILES)], rows)
     return head + "\n" + "\n".join("  " + line for line in table.splitlines())
 
 
+def client_line(s: dict[str, Any]) -> str:
+    """The load generator's own load at one level, with the warning when a client process was saturated."""
+    busy = ", ".join(f"{c['busy']:.0%}" for c in s["clients"])
+    line = f"load generator: {s['client_processes']} client process(es), CPU busy {busy} of a core"
+    if s["client_saturated"]:
+        line += ("\n  WARNING: a client process was saturated (> {:.0%} of a core): the latencies at {} are partly "
+                 "the load generator's own; rerun with more --client-processes").format(
+                     SATURATED_BUSY, level_name(s["level"]))
+    return line
+
+
 def sweep_table(levels: list[dict[str, Any]]) -> str:
-    """One row per level."""
+    """One row per level; a level timed by a saturated client process is marked and warned about."""
     header = ["level", "done", "failed", "req/s", "out tok/s", "TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99",
-              "ITL p50", "ITL p99", "E2E p50", "E2E p99", "goodput"]
+              "ITL p50", "ITL p99", "E2E p50", "E2E p99", "goodput", "clients", "client busy"]
     rows = [[level_name(s["level"]), s["completed"], s["failed"], _num(s["request_throughput"], 2),
              _num(s["output_throughput"]), _num(s["ttft_ms"]["p50"]), _num(s["ttft_ms"]["p99"]),
              _num(s["tpot_ms"]["p50"]), _num(s["tpot_ms"]["p99"]), _num(s["itl_ms"]["p50"]), _num(s["itl_ms"]["p99"]),
-             _num(s["e2e_ms"]["p50"]), _num(s["e2e_ms"]["p99"]), _num(s["goodput"], 2)] for s in levels]
-    return format_table(header, rows) + "\n(latencies in ms; goodput in req/s meeting every SLO given)"
+             _num(s["e2e_ms"]["p50"]), _num(s["e2e_ms"]["p99"]), _num(s["goodput"], 2), s.get("client_processes", "-"),
+             _busy(s)] for s in levels]
+    text = format_table(header, rows) + ("\n(latencies in ms; goodput in req/s meeting every SLO given; client busy: "
+                                         "the busiest load-generator process's CPU time / wall time)")
+    saturated = [level_name(s["level"]) for s in levels if s.get("client_saturated")]
+    if saturated:
+        text += (f"\nWARNING: a load-generator process was saturated (> {SATURATED_BUSY:.0%} of a core, marked !) at "
+                 f"{', '.join(saturated)}: its TTFT/ITL/TPOT are partly the client's own; rerun with more "
+                 "--client-processes.")
+    return text
+
+
+def _busy(s: dict[str, Any]) -> str:
+    if "client_busy_max" not in s:
+        return "-"
+    return f"{s['client_busy_max']:.0%}" + (" !" if s["client_saturated"] else "")
 
 
 def engine_stats_line(stats: dict[str, float]) -> str:
@@ -81,7 +109,12 @@ def comparison_table(runs: list[dict[str, Any]], level_index: int = 0) -> str:
         for v in values[1:]:
             row += [_num(v, 2), _ratio(v, values[0])]
         rows.append(row)
-    return f"{level_name(levels[0]['level'])}\n" + format_table(header, rows)
+    text = f"{level_name(levels[0]['level'])}\n" + format_table(header, rows)
+    for name, s in zip(names, levels):
+        if s.get("client_saturated"):
+            text += (f"\nWARNING: {name}: a load-generator process was saturated (busiest {s['client_busy_max']:.0%} of "
+                     "a core): its latencies are partly the client's own; rerun with more --client-processes.")
+    return text
 
 
 def _ratio(value: float | None, base: float | None) -> str:

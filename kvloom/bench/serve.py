@@ -6,9 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import math
 import os
-import random
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -16,6 +14,8 @@ from typing import Any
 import httpx
 from tqdm.auto import tqdm
 
+from kvloom.bench.clients import (MAX_CLIENT_PROCESSES, SATURATED_BUSY, ClientLoad, RequestCounter, client_count,
+                                  drive, run_level_in_processes, split_level)
 from kvloom.bench.metrics import SLO, RequestResult, summarize
 from kvloom.bench.workloads import BenchRequest, Workload
 
@@ -40,6 +40,8 @@ class LoadSpec:
     ignore_eos: bool = True
     sampling: dict[str, Any] = field(default_factory=lambda: {"temperature": 0.0})
     slo: SLO = field(default_factory=SLO)
+    client_processes: int | None = None  # per level; default: one per 64 streams, at most the available cores
+    save_requests: bool = False  # keep every request's record (chunk times included) in the result
     progress: bool = True
 
     def validate(self) -> None:
@@ -59,6 +61,8 @@ class LoadSpec:
             raise ValueError(f"--request-rate {self.request_rate}: every level must be > 0 (inf: all at once)")
         if self.max_concurrency is not None and self.max_concurrency < 1:
             raise ValueError(f"--max-concurrency={self.max_concurrency} must be >= 1")
+        if self.client_processes is not None and not 1 <= self.client_processes <= MAX_CLIENT_PROCESSES:
+            raise ValueError(f"--client-processes={self.client_processes} must be in [1, {MAX_CLIENT_PROCESSES}]")
         if not 0 <= self.warmup_requests <= 100:
             raise ValueError(f"--warmup-requests={self.warmup_requests} must be in [0, 100]")
 
@@ -145,52 +149,27 @@ async def timed_request(client: httpx.AsyncClient, spec: LoadSpec, endpoint: str
 
 
 async def run_level(spec: LoadSpec, endpoint: str, bodies: list[tuple[dict[str, Any], int | None]],
-                    level: dict[str, Any], seed: int = 0) -> tuple[list[RequestResult], float]:
-    """Send the request ``bodies`` (each with its prompt length, if known) at ``level``; returns the
-    results of the requests sent and the level's wall time."""
-    limit = level.get("concurrency") or level.get("max_concurrency") or len(bodies)
-    rate = level.get("request_rate")
-    gate = asyncio.Semaphore(limit)
-    rng = random.Random(seed)
-    results: list[RequestResult] = []
-    t0 = time.perf_counter()
-    deadline = t0 + spec.max_duration_s
+                    level: dict[str, Any], seed: int = 0) -> tuple[list[RequestResult], float, list[ClientLoad]]:
+    """Send the request ``bodies`` (each with its prompt length, if known) at ``level``, split over the
+    level's client processes (one runs here, in this event loop); returns the results of the requests
+    sent, the level's wall time and each client's CPU load."""
+    n = client_count(level, len(bodies), spec.client_processes)
+    shares = split_level(level, n, len(bodies), seed)
     bar = tqdm(total=len(bodies), desc=level_name(level), unit="req", disable=not spec.progress, leave=False)
+    if n == 1:
+        counter = RequestCounter(len(bodies), shares[0].quota)
+        results, load = await drive(spec, endpoint, bodies, shares[0], counter, time.monotonic(),
+                                    on_done=lambda: bar.update(1))
+        loads = [load]
+    else:
+        def progress(started: int) -> None:
+            bar.update(min(started, len(bodies)) - bar.n)
 
-    async def one(client: httpx.AsyncClient, body: dict[str, Any], prompt_len: int | None) -> None:
-        async with gate:
-            if time.perf_counter() >= deadline:
-                return
-            result = RequestResult(start=time.perf_counter() - t0)
-            results.append(result)
-            try:
-                await timed_request(client, spec, endpoint, body, result, prompt_len)
-            except asyncio.CancelledError:
-                result.incomplete = True
-                raise
-            finally:
-                bar.update(1)
-
-    limits = httpx.Limits(max_connections=limit, max_keepalive_connections=limit)
-    async with httpx.AsyncClient(limits=limits, timeout=spec.request_timeout_s) as client:
-        tasks = []
-        next_arrival = t0
-        for body, prompt_len in bodies:
-            if rate is not None and math.isfinite(rate):
-                next_arrival += rng.expovariate(rate)  # Poisson arrivals
-                await asyncio.sleep(max(0.0, min(next_arrival, deadline) - time.perf_counter()))
-            if time.perf_counter() >= deadline:
-                break
-            tasks.append(asyncio.create_task(one(client, body, prompt_len)))
-        if tasks:
-            _, pending = await asyncio.wait(tasks, timeout=max(0.0, deadline - time.perf_counter()))
-            for task in pending:
-                task.cancel()
-            await asyncio.gather(*pending, return_exceptions=True)
+        results, loads = await asyncio.to_thread(run_level_in_processes, spec, endpoint, bodies, shares, progress)
     bar.close()
     ends = [r.start + r.e2e for r in results if r.e2e is not None]
-    duration = max(ends) if ends and not any(r.incomplete for r in results) else time.perf_counter() - t0
-    return results, duration
+    duration = max(ends) if ends and not any(r.incomplete for r in results) else max(c.wall_s for c in loads)
+    return results, duration, loads
 
 
 async def _first_model(spec: LoadSpec) -> str:
@@ -226,10 +205,13 @@ async def run_sweep_async(spec: LoadSpec, workload: Workload, on_level=None) -> 
                        request_bodies(spec, workload.endpoint, model, warm.requests(spec.warmup_requests)))
     levels = []
     for i, level in enumerate(spec.levels()):
-        results, duration = await run_level(spec, workload.endpoint, bodies, level, seed=workload.seed + i)
+        results, duration, loads = await run_level(spec, workload.endpoint, bodies, level, seed=workload.seed + i)
         summary = {"level": level, **summarize(results, duration, spec.slo),
                    # this (client) host's 1-minute load average after the level: a busy shared CPU shows here
-                   "host_load_average": round(os.getloadavg()[0], 2)}
+                   "host_load_average": round(os.getloadavg()[0], 2),
+                   **client_report(loads)}
+        if spec.save_requests:
+            summary["requests"] = [asdict(r) for r in results]
         levels.append(summary)
         if on_level is not None:
             on_level(summary)
@@ -237,6 +219,13 @@ async def run_sweep_async(spec: LoadSpec, workload: Workload, on_level=None) -> 
     return {"target": spec.root, "model": model, "workload": workload.describe(), "load": config,
             "expected_output_tokens": sum(r.output_len for r in requests) if spec.ignore_eos else None,
             "levels": levels}
+
+
+def client_report(loads: list[ClientLoad]) -> dict[str, Any]:
+    """How busy the load generator was: a client process busy for most of a core times its own work."""
+    return {"client_processes": len(loads), "clients": [c.as_dict() for c in loads],
+            "client_busy_max": round(max(c.busy for c in loads), 3),
+            "client_saturated": any(c.busy > SATURATED_BUSY for c in loads)}
 
 
 def run_sweep(spec: LoadSpec, workload: Workload, on_level=None) -> dict[str, Any]:

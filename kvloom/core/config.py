@@ -47,6 +47,8 @@ class EngineConfig:
     kv_cache_memory_gib: float | None = _opt(None, "KV-cache size in GiB (default on CPU: 1 GiB; on GPU: "
                                              "whatever gpu_memory_utilization leaves).")
     num_kv_blocks: int | None = _opt(None, "Exact number of KV blocks (overrides the memory-based size).")
+    threads: int | None = _opt(None, "CPU threads of the engine's matmuls and attention (default: the cores this "
+                               "process may run on, from its affinity mask).")
     seed: int = _opt(0, "Seed for dummy weights and for sampling of requests without their own seed.")
     enforce_eager: bool = _opt(False, "Never capture CUDA graphs.")
     stats_log_interval: float = _opt(10.0, "Seconds between the served engine's stats lines in the log "
@@ -76,6 +78,8 @@ class EngineConfig:
             raise ConfigError(f"gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]")
         if self.kv_cache_memory_gib is not None and self.kv_cache_memory_gib <= 0:
             raise ConfigError(f"kv_cache_memory_gib={self.kv_cache_memory_gib} must be > 0")
+        if self.threads is not None and self.threads < 1:
+            raise ConfigError(f"threads={self.threads} must be >= 1")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ConfigError(f"num_kv_blocks={self.num_kv_blocks} must be >= 1")
         if self.stats_log_interval < 0:

@@ -13,6 +13,7 @@ from kvloom.core.attention import get_attention_backend
 from kvloom.core.config import ConfigError, EngineConfig
 from kvloom.core.cpu_linear import cpu_has_native_bf16
 from kvloom.core.cpu_malloc import keep_freed_memory
+from kvloom.core.cpu_threads import configure_threads
 from kvloom.core.kv_cache import KVCacheManager
 from kvloom.core.loader import build_model, load_hf_config
 from kvloom.core.messages import AddRequest, EngineStats, TokenDelta
@@ -47,6 +48,7 @@ class EngineCore:
 
         if self.device.type == "cpu":
             keep_freed_memory()
+            configure_threads(config.threads)
         t0 = time.perf_counter()
         self.attention_backend = get_attention_backend(self.device)
         self.model = build_model(

@@ -72,6 +72,9 @@ class EngineServer:
 
     # --- lifecycle ---------------------------------------------------------------------------------
     def load(self) -> None:
+        from kvloom.core.cpu_threads import prepare_openmp
+
+        prepare_openmp()  # before torch loads OpenMP, which reads its settings then
         from kvloom.core.engine_core import EngineCore  # torch and the model code load here only
 
         self.core = EngineCore(self.config)
