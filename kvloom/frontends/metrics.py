@@ -18,6 +18,9 @@ ENGINE_GAUGES = {
     "num_preemptions": ("kvloom_num_preemptions", "Preemptions since the engine started."),
     "prefix_cache_queries": ("kvloom_prefix_cache_queries", "Prefix-cache lookups (tokens)."),
     "prefix_cache_hits": ("kvloom_prefix_cache_hits", "Prefix-cache hits (tokens)."),
+    "spec_decode_num_drafts": ("kvloom_spec_decode_num_draft_tokens", "Draft tokens verified (speculative decoding)."),
+    "spec_decode_num_accepted": ("kvloom_spec_decode_num_accepted_tokens", "Draft tokens the target accepted."),
+    "spec_decode_num_steps": ("kvloom_spec_decode_num_verify_steps", "Request-steps that verified drafts."),
 }
 
 
@@ -34,6 +37,10 @@ class FrontendMetrics:
                                  buckets=(0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300), registry=r)
         self.engine_healthy = Gauge("kvloom_engine_healthy", "1 while the engine process is up.", registry=r)
         self.engine = {field: Gauge(name, help, registry=r) for field, (name, help) in ENGINE_GAUGES.items()}
+        self.spec_acceptance = Gauge("kvloom_spec_decode_acceptance_rate",
+                                     "Accepted / verified draft tokens since the engine started.", registry=r)
+        self.spec_length = Gauge("kvloom_spec_decode_mean_acceptance_length",
+                                 "Tokens per verifying request-step (accepted drafts + 1).", registry=r)
 
     def count_request(self, path: str, status: int) -> None:
         self.requests.labels(path, str(status)).inc()
@@ -58,6 +65,11 @@ class FrontendMetrics:
 
     def render(self, healthy: bool, stats: dict[str, Any] | None) -> tuple[bytes, str]:
         self.engine_healthy.set(1 if healthy else 0)
+        stats = stats or {}
         for field, gauge in self.engine.items():
-            gauge.set((stats or {}).get(field, 0))
+            gauge.set(stats.get(field, 0))
+        drafts, accepted = stats.get("spec_decode_num_drafts", 0), stats.get("spec_decode_num_accepted", 0)
+        steps = stats.get("spec_decode_num_steps", 0)
+        self.spec_acceptance.set(accepted / drafts if drafts else 0.0)
+        self.spec_length.set(1.0 + accepted / steps if steps else 0.0)
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
