@@ -94,6 +94,7 @@ def main() -> None:
     p.add_argument("--passage-chars", type=int, default=700)
     p.add_argument("--prompt-len", type=int, default=128, help="Prompt tokens with --shape (random ids).")
     p.add_argument("--dtype", default="auto")
+    p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--output", default=None, help="Also write the JSON here.")
     args = p.parse_args()
@@ -105,10 +106,13 @@ def main() -> None:
 
     model, load_format, vocab = model_for_benchmark(args.model, args.shape)
     common = dict(load_format=load_format, dtype=args.dtype, enforce_eager=args.enforce_eager,
-                  max_num_seqs=max(8, args.batch), max_model_len=2048)
+                  max_num_seqs=max(8, args.batch), max_model_len=args.max_model_len)
     spec_options = {"spec_decode": {"num_speculative_tokens": args.num_speculative_tokens,
                                     "adaptive": args.proposer == "ngram"}}
-    plain = LLM(model, **common)
+    # One engine for both runs (the same weights and KV cache): the baseline runs with its speculator
+    # switched off, which is exactly the engine without the plugin.
+    spec = LLM(model, plugins=["spec_decode"], plugin_options=spec_options, **common)
+    speculator = spec.engine.speculator
     if args.shape:
         rng = random.Random(0)
         prompts = [[rng.randrange(10, vocab - 10) for _ in range(args.prompt_len)] for _ in range(args.batch)]
@@ -117,17 +121,17 @@ def main() -> None:
                  + passage(args.passage_chars)}]
         from kvloom.frontends.text import apply_chat_template
 
-        ids = apply_chat_template(plain.tokenizer, chat, True)
+        ids = apply_chat_template(spec.tokenizer, chat, True)
         prompts = [ids] * args.batch
-    run(plain, [prompts[0]], 8)  # warm-up
-    base = run(plain, prompts, args.max_tokens)
-    del plain
-    spec = LLM(model, plugins=["spec_decode"], plugin_options=spec_options, **common)
+    spec.engine.speculator = None
+    run(spec, [prompts[0]], 8)  # warm-up
+    base = run(spec, prompts, args.max_tokens)
+    spec.engine.speculator = speculator
     run(spec, [prompts[0]], 8)
     result = {
         "benchmark": "spec_decode", "model": args.shape or model,
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-        "dtype": str(spec.engine.dtype), "batch": args.batch, "max_tokens": args.max_tokens,
+        "dtype": str(spec.engine.dtype).removeprefix("torch."), "batch": args.batch, "max_tokens": args.max_tokens,
         "prompt_tokens": len(prompts[0]), "proposer": args.proposer, "k": args.num_speculative_tokens,
         "baseline": {k: v for k, v in base.items() if k != "token_ids"}, "runs": [],
     }
