@@ -32,6 +32,8 @@ class RequestMetrics:
     arrival_time: float
     first_token_time: float | None = None
     finish_time: float | None = None
+    num_draft_tokens: int = 0  # speculative decoding: drafts verified, over every completion
+    num_accepted_tokens: int = 0  # of which accepted
 
     @property
     def ttft(self) -> float | None:
@@ -206,6 +208,8 @@ class LLM:
                         comp.finish_reason = finish
                         comp.stop_reason = stop_string if stop_string is not None else delta.stop_token_id
                         out.num_cached_tokens = delta.num_cached_tokens
+                        out.metrics.num_draft_tokens += delta.num_draft_tokens
+                        out.metrics.num_accepted_tokens += delta.num_accepted_tokens
                         del states[delta.request_id]
                         if all(c.finish_reason for c in out.outputs):
                             out.metrics.finish_time = now

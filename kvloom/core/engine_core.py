@@ -1,5 +1,6 @@
-"""EngineCore: owns the model, the KV cache and the step loop (schedule -> run -> sample -> emit).
-It speaks token ids only; frontends own text."""
+"""EngineCore: owns the model, the KV cache and the step loop (propose -> schedule -> run -> update ->
+emit). It speaks token ids only; frontends own text. Wire structs are built here, from the plain
+values the scheduler and the runner exchange."""
 
 from __future__ import annotations
 
@@ -16,7 +17,9 @@ from kvloom.core.cpu_malloc import keep_freed_memory
 from kvloom.core.cpu_threads import configure_threads
 from kvloom.core.kv_cache import KVCacheManager
 from kvloom.core.loader import build_model, load_hf_config
-from kvloom.core.messages import AddRequest, EngineStats, TokenDelta
+from kvloom.core.engine.speculation import Speculator
+from kvloom.core.engine.step import RunnerOutput, SchedulerOutput
+from kvloom.core.messages import AddRequest, EngineStats, TokenDelta, TokenLogprobs, TopLogprob
 from kvloom.core.model_files import resolve_model
 from kvloom.core.model_runner import ModelRunner
 from kvloom.core.request import Request, RequestStatus
@@ -75,6 +78,8 @@ class EngineCore:
             self.kv, self.plugins.make_scheduler_policy(config), max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=self.max_model_len,
         )
+        proposer = self.plugins.make_spec_proposer(self.hf_config, config)
+        self.speculator = Speculator(proposer, self.max_model_len) if proposer is not None else None
         logger.info("Plugins: %s", ", ".join(f"{kind}={name}" for kind, name in self.plugins.enabled.items()))
         # --- end of plugins ---
         self.runner = ModelRunner(self.model, kv_caches, config.block_size, self.device, config.seed)
@@ -179,49 +184,54 @@ class EngineCore:
 
     # --- the loop body -----------------------------------------------------------------------------
     def step(self) -> list[TokenDelta]:
-        """Schedule, run and sample one step. With async scheduling the step is launched and the
-        previous one's tokens are returned, so the host's work overlaps the device's."""
+        """Propose drafts, schedule, run, update, emit. With async scheduling the step is launched and
+        the previous one's tokens are returned, so the host's work overlaps the device's."""
         deltas = [] if self._can_overlap() else self.flush()
+        if self.speculator is not None:
+            self.speculator.propose(self.scheduler.running, self.scheduler.decoding())
         plan = self.scheduler.schedule()
         self.last_step_tokens = plan.num_tokens
-        launched = None
-        if plan:
-            launched = (plan, self.runner.launch(plan))
+        launched = self.runner.execute(plan) if plan else None
+        if launched is not None:
             self.scheduler.advance(plan)
         deltas += self.flush()
         if launched is not None:
             if self.async_scheduling:
-                self._in_flight = launched
+                self._in_flight = (plan, launched)
             else:
-                deltas += self._resolve(*launched)
+                deltas += self._update(plan, launched.fetch())
         return deltas
 
     def flush(self) -> list[TokenDelta]:
         """Wait for the step still in flight (async scheduling) and return its tokens."""
         if self._in_flight is None:
             return []
-        deltas = self._resolve(*self._in_flight)
+        plan, launched = self._in_flight
         self._in_flight = None
-        return deltas
+        return self._update(plan, launched.fetch())
 
     def _can_overlap(self) -> bool:
-        """Penalties need every earlier token on the host, so such requests wait for each step."""
+        """Penalties need every earlier token on the host, and so does a proposer: such steps wait for
+        the previous one (a step whose batch is too large to speculate overlaps as usual)."""
         if not self.async_scheduling:
             return False
-        return not any(r.sampling.uses_penalties for r in self.scheduler.running)
+        running = self.scheduler.running
+        if self.speculator is not None and self.speculator.active(len(running)):
+            return False
+        return not any(r.sampling.uses_penalties for r in running)
 
-    def _resolve(self, plan, launched) -> list[TokenDelta]:
-        sampled, logprobs = launched.fetch()
+    def _update(self, plan: SchedulerOutput, out: RunnerOutput) -> list[TokenDelta]:
         deltas = []
-        for u in self.scheduler.resolve(plan, sampled):
+        for u in self.scheduler.resolve(plan, out):
             req = u.request
-            lps = logprobs.get(req.request_id)
+            lps = out.logprobs.get(req.request_id)
             deltas.append(TokenDelta(
                 request_id=req.request_id, new_token_ids=u.new_token_ids,
                 finish_reason=u.finished.value if u.finished else None,
                 stop_token_id=req.stop_token_id if u.finished is RequestStatus.FINISHED_STOPPED else None,
-                logprobs=lps[: len(u.new_token_ids)] if lps else None,
+                logprobs=_wire_logprobs(u.new_token_ids, lps) if lps is not None else None,
                 num_prompt_tokens=req.num_prompt_tokens, num_cached_tokens=req.num_cached_tokens,
+                num_draft_tokens=req.num_draft_tokens, num_accepted_tokens=req.num_accepted_tokens,
             ))
         return deltas
 
@@ -232,7 +242,8 @@ class EngineCore:
             num_free_blocks=self.kv.num_free_blocks(), num_total_blocks=self.kv.num_blocks,
             kv_usage=self.kv.usage(), num_preemptions=sched.num_preemptions,
             prefix_cache_queries=sched.prefix_cache_queries, prefix_cache_hits=sched.prefix_cache_hits,
-            step_tokens=self.last_step_tokens,
+            step_tokens=self.last_step_tokens, spec_decode_num_drafts=sched.num_draft_tokens,
+            spec_decode_num_accepted=sched.num_accepted_tokens, spec_decode_num_steps=sched.num_spec_steps,
         )
 
     def reset_prefix_cache(self) -> bool:
@@ -261,6 +272,11 @@ def resolve_dtype(name: str, device: torch.device, hf_config=None) -> torch.dtyp
     if checkpoint in (torch.float32, "float32"):
         return torch.float32
     return torch.bfloat16 if device.type == "cpu" and cpu_has_native_bf16() else torch.float32
+
+
+def _wire_logprobs(tokens: list[int], lps) -> list[TokenLogprobs]:
+    return [TokenLogprobs(t, lp, [TopLogprob(i, v) for i, v in zip(ids, vals)])
+            for t, lp, ids, vals in zip(tokens, lps.logprobs, lps.top_ids, lps.top_logprobs)]
 
 
 def _eos_ids(hf_config) -> tuple[int, ...]:

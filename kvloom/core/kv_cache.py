@@ -126,6 +126,14 @@ class KVCacheManager:
             if end_block > start_block:
                 self.prefix_cache.cache_blocks(request, start_block, end_block)
 
+    def trim(self, request: Request, num_tokens: int) -> None:
+        """Give back the blocks past the first ``num_tokens`` tokens (after rejected draft tokens). They
+        hold no accepted token, so they were never offered to the prefix cache."""
+        keep = self.blocks_for(num_tokens)
+        if len(request.block_ids) > keep:
+            self.allocator.free(list(reversed(request.block_ids[keep:])))
+            del request.block_ids[keep:]
+
     def free(self, request: Request) -> None:
         # Later blocks are the least likely to be shared again: free them first so they are reused first.
         self.allocator.free(list(reversed(request.block_ids)))

@@ -91,6 +91,8 @@ class TokenDelta(_Msg):
     num_cached_tokens: int = 0
     error: str | None = None
     error_kind: str | None = None
+    num_draft_tokens: int = 0  # speculative decoding: drafts verified for this request so far
+    num_accepted_tokens: int = 0  # of which the target model accepted
 
 
 class EngineStats(msgspec.Struct, omit_defaults=True, kw_only=True):
@@ -103,6 +105,19 @@ class EngineStats(msgspec.Struct, omit_defaults=True, kw_only=True):
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     step_tokens: int = 0
+    spec_decode_num_drafts: int = 0  # draft tokens verified since the engine started
+    spec_decode_num_accepted: int = 0  # of which accepted
+    spec_decode_num_steps: int = 0  # request-steps that verified at least one draft
+
+    @property
+    def spec_decode_acceptance_rate(self) -> float:
+        """Accepted / verified draft tokens (0 before any)."""
+        return self.spec_decode_num_accepted / self.spec_decode_num_drafts if self.spec_decode_num_drafts else 0.0
+
+    @property
+    def spec_decode_mean_acceptance_length(self) -> float:
+        """Tokens a request gains per verifying step: accepted drafts plus the target's own token."""
+        return 1.0 + self.spec_decode_num_accepted / self.spec_decode_num_steps if self.spec_decode_num_steps else 0.0
 
     @property
     def prefix_cache_hit_rate(self) -> float:

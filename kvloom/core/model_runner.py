@@ -1,4 +1,5 @@
-"""Turns a scheduler plan into flat tensors, runs the model over the paged KV cache, and samples.
+"""Turns a ``SchedulerOutput`` into flat tensors, runs the model over the paged KV cache, samples and
+verifies drafts, and returns a ``RunnerOutput``: values in, values out, no live request objects.
 On CUDA, pure-decode steps replay CUDA graphs captured for a ladder of batch sizes."""
 
 from __future__ import annotations
@@ -9,10 +10,8 @@ import time
 import torch
 
 from kvloom.core.attention import AttentionMetadata
-from kvloom.core.messages import TokenLogprobs
-from kvloom.core.request import PLACEHOLDER
+from kvloom.core.engine.step import RunnerOutput, ScheduledSeq, SchedulerOutput
 from kvloom.core.sampler import SampleResult, Sampler
-from kvloom.core.scheduler import ScheduledRequest, SchedulerPlan
 
 logger = logging.getLogger("kvloom")
 
@@ -42,7 +41,7 @@ class ModelRunner:
         self._prev_rows: dict[str, int] = {}
 
     # --- inputs --------------------------------------------------------------------------------
-    def _host_inputs(self, order: list[ScheduledRequest]):
+    def _host_inputs(self, order: list[ScheduledSeq]):
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -52,19 +51,18 @@ class ModelRunner:
         query_lens: list[int] = []
         logits_rows: list[int] = []
         for s in order:
-            req = s.request
-            start, end = req.num_computed_tokens, req.num_computed_tokens + s.num_new_tokens
-            input_ids.extend(req.all_token_ids[start:end])
+            n = len(s.token_ids)
+            start, end = s.start_pos, s.start_pos + n
+            input_ids.extend(s.token_ids)
             positions.extend(range(start, end))
-            blocks = req.block_ids
+            blocks = s.block_ids
             slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, end))
-            query_start.append(query_start[-1] + s.num_new_tokens)
+            query_start.append(query_start[-1] + n)
             seq_lens.append(end)
-            query_lens.append(s.num_new_tokens)
-            if s.samples:
-                logits_rows.append(query_start[-1] - 1)
-        max_blocks = max(len(s.request.block_ids) for s in order)
-        table = [s.request.block_ids + [0] * (max_blocks - len(s.request.block_ids)) for s in order]
+            query_lens.append(n)
+            logits_rows.extend(range(query_start[-1] - s.num_sample_rows, query_start[-1]))
+        max_blocks = max(len(s.block_ids) for s in order)
+        table = [s.block_ids + [0] * (max_blocks - len(s.block_ids)) for s in order]
         return input_ids, positions, slots, query_start, seq_lens, query_lens, logits_rows, table
 
     def _to_device(self, data, dtype) -> torch.Tensor:
@@ -73,9 +71,9 @@ class ModelRunner:
             t = t.pin_memory()
         return t.to(self.device, non_blocking=True)
 
-    def prepare(self, scheduled: list[ScheduledRequest]):
+    def prepare(self, seqs: list[ScheduledSeq]):
         """Flat inputs for one step; sequences with a single query (decodes) come first."""
-        order = sorted(scheduled, key=lambda s: s.num_new_tokens != 1)
+        order = sorted(seqs, key=lambda s: s.num_new_tokens != 1)
         ids, pos, slots, qsl, seq_lens, query_lens, rows, table = self._host_inputs(order)
         meta = AttentionMetadata(
             slot_mapping=self._to_device(slots, torch.int64),
@@ -90,47 +88,49 @@ class ModelRunner:
         )
         sampling = [s for s in order if s.samples]
         ids_dev = self._to_device([max(t, 0) for t in ids], torch.int64)
-        self._fill_placeholders(ids, order, ids_dev)
+        self._fill_placeholders(order, ids_dev)
         return ids_dev, self._to_device(pos, torch.int64), meta, self._to_device(rows, torch.int64), sampling
 
     # --- execution -----------------------------------------------------------------------------
     @torch.inference_mode()
-    def launch(self, plan: SchedulerPlan) -> "StepResult":
-        """Queue one step on the device and return at once; ``fetch()`` on the result waits for it."""
-        scheduled = plan.scheduled
-        batch = len(scheduled)
-        if self.graphs and batch <= self._max_graph_batch and all(s.num_new_tokens == 1 for s in scheduled):
-            logits, sampling = self._replay(scheduled)
+    def execute(self, plan: SchedulerOutput) -> "LaunchedStep":
+        """Queue one step on the device and return at once; ``fetch()`` on the result waits for it and
+        gives the ``RunnerOutput``."""
+        self.sampler.remove(plan.finished_request_ids)
+        seqs = plan.seqs
+        batch = len(seqs)
+        if self.graphs and batch <= self._max_graph_batch and all(s.num_new_tokens == 1 for s in seqs):
+            logits, sampling = self._replay(seqs)
         else:
-            ids, pos, meta, rows, sampling = self.prepare(scheduled)
+            ids, pos, meta, rows, sampling = self.prepare(seqs)
             hidden = self.model(ids, pos, meta, self.kv_caches, keep=rows)  # the sampled rows' states
             logits = self.model.compute_logits(hidden) if sampling else None
         if not sampling:
             self._prev_tokens, self._prev_rows = None, {}
-            return StepResult([], None)
-        requests = [s.request for s in sampling]
-        result = self.sampler.sample(logits, requests)
+            return LaunchedStep(None)
+        result = self.sampler.sample(logits, sampling)
         result.start_copy()
         self._prev_tokens = result.tokens
-        self._prev_rows = {r.request_id: i for i, r in enumerate(requests)}
-        return StepResult(requests, result)
+        self._prev_rows = {}
+        row = 0
+        for s in sampling:
+            self._prev_rows[s.request_id] = row + s.num_sample_rows - 1
+            row += s.num_sample_rows
+        return LaunchedStep(result)
 
-    def _fill_placeholders(self, ids_host: list[int], order: list[ScheduledRequest], ids_dev: torch.Tensor) -> None:
-        """Replace placeholder inputs with the previous step's sampled tokens, on the device."""
+    def _fill_placeholders(self, order: list[ScheduledSeq], ids_dev: torch.Tensor) -> None:
+        """Replace placeholder inputs with the previous step's sampled tokens, on the device. Only a
+        request's newest known token can be one (async steps verify no drafts)."""
         dst, src = [], []
         offset = 0
         for s in order:
-            req = s.request
-            start = req.num_computed_tokens
-            # Only a request's newest two tokens can still be placeholders.
-            for j in range(max(0, s.num_new_tokens - 2), s.num_new_tokens):
-                if ids_host[offset + j] == PLACEHOLDER:
-                    row = self._prev_rows.get(req.request_id)
-                    if row is None or self._prev_tokens is None:
-                        raise RuntimeError(f"request {req.request_id!r} has an unresolved token at position "
-                                           f"{start + j} that the previous step did not sample")
-                    dst.append(offset + j)
-                    src.append(row)
+            if s.num_placeholders:
+                row = self._prev_rows.get(s.request_id)
+                if row is None or self._prev_tokens is None or s.num_placeholders > 1:
+                    raise RuntimeError(f"request {s.request_id!r} has {s.num_placeholders} unresolved tokens "
+                                       "that the previous step did not sample")
+                dst.append(offset + s.num_new_tokens - len(s.draft_token_ids) - 1)
+                src.append(row)
             offset += s.num_new_tokens
         if dst:
             dst_t = self._to_device(dst, torch.int64)
@@ -182,36 +182,33 @@ class ModelRunner:
             max_seq_len=self._max_model_len, query_lens_cpu=[1] * b, seq_lens_cpu=[self._max_model_len] * b,
         )
 
-    def _replay(self, scheduled: list[ScheduledRequest]):
-        batch = len(scheduled)
+    def _replay(self, seqs: list[ScheduledSeq]):
+        batch = len(seqs)
         b = next(size for size in sorted(self.graphs) if size >= batch)
-        ids, pos, slots, _, seq_lens, _, _, table = self._host_inputs(scheduled)
+        ids, pos, slots, _, seq_lens, _, _, table = self._host_inputs(seqs)
         pad = b - batch
         s = self._static
         s["ids"][:b].copy_(self._to_device([max(t, 0) for t in ids] + [0] * pad, torch.int64), non_blocking=True)
-        self._fill_placeholders(ids, scheduled, s["ids"])
+        self._fill_placeholders(seqs, s["ids"])
         s["pos"][:b].copy_(self._to_device(pos + [0] * pad, torch.int64), non_blocking=True)
         s["slots"][:b].copy_(self._to_device(slots + [-1] * pad, torch.int64), non_blocking=True)
         s["seq_lens"][:b].copy_(self._to_device(seq_lens + [0] * pad, torch.int32), non_blocking=True)
         width = len(table[0])
         s["table"][:batch, :width].copy_(self._to_device(table, torch.int32), non_blocking=True)
         self.graphs[b].replay()
-        rows = [i for i, sc in enumerate(scheduled) if sc.samples]
+        rows = [i for i, sc in enumerate(seqs) if sc.samples]
         logits = self._logits[b][:batch] if len(rows) == batch else self._logits[b][rows]
-        return logits, [scheduled[i] for i in rows]
+        return logits, [seqs[i] for i in rows]
 
 
-class StepResult:
-    """A launched step: ``fetch()`` waits for its tokens and maps them to request ids."""
+class LaunchedStep:
+    """A launched step: ``fetch()`` waits for its tokens and returns them as a ``RunnerOutput``."""
 
-    def __init__(self, requests, sample: SampleResult | None) -> None:
-        self.requests = requests
+    def __init__(self, sample: SampleResult | None) -> None:
         self.sample = sample
 
-    def fetch(self) -> tuple[dict[str, list[int]], dict[str, list[TokenLogprobs]]]:
+    def fetch(self) -> RunnerOutput:
         if self.sample is None:
-            return {}, {}
-        tokens, logprobs = self.sample.fetch()
-        sampled = {r.request_id: [t] for r, t in zip(self.requests, tokens)}
-        lps = {r.request_id: [lp] for r, lp in zip(self.requests, logprobs) if lp is not None}
-        return sampled, lps
+            return RunnerOutput()
+        sampled, logprobs = self.sample.fetch()
+        return RunnerOutput(sampled, logprobs)

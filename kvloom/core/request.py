@@ -12,7 +12,8 @@ from kvloom.core.sampling_params import SamplingParams
 _arrival_counter = itertools.count()
 
 # Stands for a sampled token that is still on the GPU (async scheduling); the model runner feeds the
-# real id from the device, and the scheduler writes it in once the step's results arrive.
+# real id from the device, and the scheduler writes it in once the step's results arrive. A request
+# counts its placeholders (``num_unresolved``): they are always its newest tokens.
 PLACEHOLDER = -1
 
 
@@ -33,7 +34,11 @@ class RequestStatus(enum.Enum):
 class Request:
     """A request inside the engine. Progress is one number, ``num_computed_tokens``: how many of
     ``all_token_ids`` have their KV in the cache. Prefill, chunked prefill, prefix-cache hits,
-    recompute after preemption and speculative tokens are all just different values of it."""
+    recompute after preemption and speculative tokens are all just different values of it.
+
+    Draft tokens of speculative decoding live apart, in ``spec_token_ids``, until the target model
+    verifies them: stop checks, penalties, logprobs and prefix-cache hashes only ever see
+    ``all_token_ids``, which holds the prompt and accepted tokens."""
 
     def __init__(
         self,
@@ -66,7 +71,13 @@ class Request:
         self.block_ids: list[int] = []
         self.block_hashes: list = []  # chained hashes of full blocks, filled in by the prefix cache
         self.stop_token_id: int | None = None
-        self.generator = None  # per-request torch.Generator for seeded sampling (set by the runner)
+        self.spec_token_ids: list[int] = []  # draft tokens proposed for the next step, not yet verified
+        self.num_unresolved = 0  # newest tokens that are placeholders (sampled on the device, in flight)
+        self.num_draft_tokens = 0  # drafts verified so far (speculative decoding)
+        self.num_accepted_tokens = 0  # of which the target accepted
+        self.num_spec_steps = 0  # steps that verified at least one draft
+        self.recent_acceptance = 1.0  # moving average of the accepted fraction, for the adaptive policy
+        self.spec_cooldown = 0  # steps skipped since the adaptive policy stopped its drafts
         self.first_scheduled_time: float | None = None
         self.awaiting_final_token = False  # its last possible token is in flight: schedule it no more
 
@@ -85,6 +96,10 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
+
+    @property
+    def num_tokens_with_spec(self) -> int:
+        return len(self.all_token_ids) + len(self.spec_token_ids)
 
     @property
     def num_output_tokens(self) -> int:
@@ -110,7 +125,7 @@ class Request:
 
     @property
     def has_placeholder(self) -> bool:
-        return PLACEHOLDER in self.output_token_ids[-2:]
+        return self.num_unresolved > 0
 
     def check_stop(self, index: int | None = None) -> RequestStatus | None:
         """The finished status after the token at ``all_token_ids[index]`` (default: the newest one),

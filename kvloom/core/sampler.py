@@ -1,25 +1,33 @@
 """Batched sampling with per-request parameters: greedy, temperature, top-k, top-p, min-p, seeds,
-repetition/presence/frequency penalties, min_tokens, and top-n logprobs."""
+repetition/presence/frequency penalties, min_tokens, top-n logprobs, and the verification of draft
+tokens (kvloom.core.worker.rejection_sampler). It reads only the step's plan values
+(``ScheduledSeq``), never a live request."""
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 
-from kvloom.core.messages import TokenLogprobs, TopLogprob
-from kvloom.core.request import Request
+from kvloom.core.engine.step import LogprobLists, ScheduledSeq
+from kvloom.core.sampling_params import SamplingParams
+from kvloom.core.worker import rejection_sampler
 
 
 class SampleResult:
-    """Sampled tokens (and logprobs) still on the device; ``fetch`` brings them to the host.
+    """One step's sampled rows still on the device; ``fetch`` brings them to the host.
 
-    ``start_copy`` queues the device-to-host copies without waiting, so a caller can schedule the
-    next step while the GPU finishes this one.
+    ``tokens[r]`` is row ``r``'s token from the target (the next token, or the replacement for a
+    rejected draft); ``accepted[r]`` says whether the draft verified at row ``r`` was kept. ``start_copy``
+    queues the device-to-host copies without waiting, so the next step can be scheduled meanwhile.
     """
 
-    def __init__(self, tokens: torch.Tensor, params, logprob_parts=None) -> None:
-        self.tokens = tokens  # [N] int64 on the device: also the next step's input ids
-        self.params = params
-        self._parts = [tokens] + list(logprob_parts or [])
+    def __init__(self, tokens: torch.Tensor, seqs: Sequence[ScheduledSeq], accepted: torch.Tensor | None = None,
+                 logprob_parts=None) -> None:
+        self.tokens = tokens  # [R] int64 on the device: also the next step's input ids
+        self.seqs = seqs
+        self._parts = [tokens] + ([accepted] if accepted is not None else []) + list(logprob_parts or [])
+        self._has_accepted = accepted is not None
         self._host: list[torch.Tensor] | None = None
         self._event = None
 
@@ -31,68 +39,154 @@ class SampleResult:
         else:
             self._host = self._parts
 
-    def fetch(self) -> tuple[list[int], list[TokenLogprobs | None]]:
+    def fetch(self) -> tuple[dict[str, list[int]], dict[str, LogprobLists]]:
+        """Per request id: its accepted drafts then the target's token; and logprobs where asked for."""
         if self._host is None:
             self.start_copy()
         if self._event is not None:
             self._event.synchronize()
-        tokens = self._host[0].tolist()
-        if len(self._host) == 1:
-            return tokens, [None] * len(tokens)
-        chosen, top_vals, top_ids = (t.tolist() for t in self._host[1:])
-        out: list[TokenLogprobs | None] = []
-        for i, p in enumerate(self.params):
-            if p.logprobs is None:
-                out.append(None)
-                continue
-            top = [TopLogprob(top_ids[i][j], top_vals[i][j]) for j in range(p.logprobs)]
-            out.append(TokenLogprobs(tokens[i], chosen[i], top))
-        return tokens, out
+        host = iter(self._host)
+        tokens = next(host).tolist()
+        accepted = next(host).tolist() if self._has_accepted else None
+        sampled: dict[str, list[int]] = {}
+        row = 0
+        for s in self.seqs:
+            n = len(s.draft_token_ids)
+            a = 0
+            while a < n and accepted[row + a]:
+                a += 1
+            sampled[s.request_id] = s.draft_token_ids[:a] + [tokens[row + a]]
+            row += s.num_sample_rows
+        logprobs: dict[str, LogprobLists] = {}
+        parts = list(host)
+        if parts:
+            chosen, top_vals, top_ids = (t.tolist() for t in parts)
+            row = 0
+            for s in self.seqs:
+                k, m = s.sampling.logprobs, len(sampled[s.request_id])
+                if k is not None:
+                    logprobs[s.request_id] = LogprobLists(
+                        chosen[row: row + m], [ids[:k] for ids in top_ids[row: row + m]],
+                        [vals[:k] for vals in top_vals[row: row + m]])
+                row += s.num_sample_rows
+        return sampled, logprobs
 
 
 class Sampler:
     def __init__(self, device: torch.device, seed: int = 0) -> None:
         self.device = device
         self.generator = torch.Generator(device=device).manual_seed(seed)
+        self.request_generators: dict[str, torch.Generator] = {}  # seeded requests, by request id
+
+    def remove(self, request_ids: Sequence[str]) -> None:
+        for rid in request_ids:
+            self.request_generators.pop(rid, None)
 
     @torch.no_grad()
-    def sample(self, logits: torch.Tensor, requests: list[Request]) -> SampleResult:
-        """One token per row of ``logits`` (``[N, V]`` float32) for the matching request; the result
-        stays on the device until fetched."""
-        params = [r.sampling for r in requests]
+    def sample(self, logits: torch.Tensor, seqs: Sequence[ScheduledSeq]) -> SampleResult:
+        """Tokens for the rows of ``logits`` (``[R, V]`` float32): ``num_sample_rows`` consecutive rows per
+        sequence, in order. A sequence with drafts gets them verified; the result stays on the device."""
+        params = [s.sampling for s in seqs]
+        row_params = [s.sampling for s in seqs for _ in range(s.num_sample_rows)]
         want_logprobs = any(p.logprobs is not None for p in params)
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
 
         if any(p.uses_penalties for p in params):
-            logits = self._apply_penalties(logits.clone(), requests)
-        blocked = [(i, r) for i, r in enumerate(requests) if r.num_output_tokens < r.sampling.min_tokens]
-        if blocked:
-            for i, r in blocked:
-                ids = list(r.eos_token_ids) + list(r.stop_token_ids)
-                if ids:
-                    logits[i, ids] = float("-inf")
+            logits = self._apply_penalties(logits.clone(), seqs, row_params)
+        self._block_stop_tokens(logits, seqs)
 
-        if all(p.greedy for p in params):
-            tokens = logits.argmax(dim=-1)
+        drafts = [t for s in seqs if s.draft_token_ids for t in s.draft_token_ids + [-1]]
+        if not drafts:
+            if all(p.greedy for p in params):
+                tokens = logits.argmax(dim=-1)
+            else:
+                probs = target_probs(logits, row_params)
+                noise = self._noise(seqs, probs.shape[1], logits.device)
+                tokens = rejection_sampler.greedy_or_sample(logits, probs, noise, row_params)
+            accepted, chosen_tokens = None, tokens
         else:
-            tokens = self._sample(logits, requests)
+            draft_rows = torch.tensor([t for s in seqs for t in (s.draft_token_ids + [-1] if s.draft_token_ids
+                                                                  else [-1])], device=logits.device)
+            probs = None if all(p.greedy for p in params) else target_probs(logits, row_params)
+            noise = uniform = None
+            if probs is not None:
+                noise = self._noise(seqs, probs.shape[1], logits.device)
+                uniform = self._uniform(seqs, logits.device)
+            tokens, accepted = rejection_sampler.verify(logits, probs, draft_rows, noise, uniform, row_params)
+            chosen_tokens = torch.where(accepted, draft_rows, tokens)
         if raw_logprobs is None:
-            return SampleResult(tokens, params)
+            return SampleResult(tokens, seqs, accepted)
         k = max(p.logprobs or 0 for p in params)
-        chosen = raw_logprobs.gather(1, tokens[:, None])[:, 0]
+        chosen = raw_logprobs.gather(1, chosen_tokens[:, None])[:, 0]
         top_vals, top_ids = raw_logprobs.topk(k, dim=-1)
-        return SampleResult(tokens, params, (chosen, top_vals, top_ids))
+        return SampleResult(tokens, seqs, accepted, (chosen, top_vals, top_ids))
 
     # ---------------------------------------------------------------------------------------------
-    def _apply_penalties(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    def _generator(self, s: ScheduledSeq) -> torch.Generator | None:
+        if s.sampling.seed is None:
+            return None
+        gen = self.request_generators.get(s.request_id)
+        if gen is None:
+            gen = self.request_generators[s.request_id] = torch.Generator(device=self.device).manual_seed(s.sampling.seed)
+        return gen
+
+    def _noise(self, seqs: Sequence[ScheduledSeq], vocab: int, device) -> torch.Tensor:
+        """Exponential(1) noise per row: from the request's own generator when it has a seed (so its
+        tokens do not depend on the batch it shares), else from the engine's."""
+        rows = sum(s.num_sample_rows for s in seqs)
+        noise = torch.empty(rows, vocab, device=device)
+        unseeded, row = [], 0
+        for s in seqs:
+            gen = self._generator(s)
+            if gen is None:
+                unseeded.extend(range(row, row + s.num_sample_rows))
+            else:
+                for r in range(row, row + s.num_sample_rows):
+                    noise[r].exponential_(generator=gen)
+            row += s.num_sample_rows
+        if unseeded:
+            noise[unseeded] = torch.empty(len(unseeded), vocab, device=device).exponential_(generator=self.generator)
+        return noise
+
+    def _uniform(self, seqs: Sequence[ScheduledSeq], device) -> torch.Tensor:
+        parts = []
+        for s in seqs:
+            gen = self._generator(s) or self.generator
+            parts.append(torch.rand(s.num_sample_rows, device=device, generator=gen))
+        return torch.cat(parts)
+
+    @staticmethod
+    def _block_stop_tokens(logits: torch.Tensor, seqs: Sequence[ScheduledSeq]) -> None:
+        """Under min_tokens, EOS and stop ids cannot be sampled (row ``j`` of a sequence is its output
+        token ``num_output_tokens + j``)."""
+        row = 0
+        for s in seqs:
+            if s.stop_token_ids:
+                blocked = max(0, min(s.num_sample_rows, s.sampling.min_tokens - s.num_output_tokens))
+                if blocked:
+                    ids = torch.tensor(s.stop_token_ids, device=logits.device)
+                    logits[row: row + blocked, ids] = float("-inf")
+            row += s.num_sample_rows
+
+    def _apply_penalties(self, logits: torch.Tensor, seqs: Sequence[ScheduledSeq],
+                         row_params: list[SamplingParams]) -> torch.Tensor:
         n, vocab = logits.shape
-        rep = torch.tensor([r.sampling.repetition_penalty for r in requests], device=logits.device)
-        pres = torch.tensor([r.sampling.presence_penalty for r in requests], device=logits.device)
-        freq = torch.tensor([r.sampling.frequency_penalty for r in requests], device=logits.device)
-        out_counts = self._counts([r.output_token_ids for r in requests], n, vocab, logits.device)
+        device = logits.device
+        rep = torch.tensor([p.repetition_penalty for p in row_params], device=device)
+        pres = torch.tensor([p.presence_penalty for p in row_params], device=device)
+        freq = torch.tensor([p.frequency_penalty for p in row_params], device=device)
+        # Row j of a sequence sees its history plus the drafts before it (accepted if row j counts).
+        everything, outputs = [], []
+        for s in seqs:
+            history = list(s.history or ())
+            for j in range(s.num_sample_rows):
+                seen = history + s.draft_token_ids[:j]
+                everything.append(seen)
+                outputs.append(seen[s.num_prompt_tokens:] if s.history is not None else [])
+        out_counts = self._counts(outputs, n, vocab, device)
         if (rep != 1.0).any():
             # Hugging Face's rule over prompt and output tokens: shrink positive logits, grow negative ones.
-            seen = self._counts([r.all_token_ids for r in requests], n, vocab, logits.device) > 0
+            seen = self._counts(everything, n, vocab, device) > 0
             penalized = torch.where(logits > 0, logits / rep[:, None], logits * rep[:, None])
             logits = torch.where(seen, penalized, logits)
         # OpenAI's rule over generated tokens only.
@@ -113,37 +207,27 @@ class Sampler:
         padded.scatter_add_(1, ids, torch.ones_like(ids, dtype=padded.dtype))
         return padded[:, :vocab]
 
-    def _sample(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
-        params = [r.sampling for r in requests]
-        device = logits.device
-        greedy = torch.tensor([p.greedy for p in params], device=device)
-        temp = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params], device=device)
-        logits = logits / temp[:, None]
-        top_k = [p.top_k if p.top_k > 0 else 0 for p in params]
-        if any(top_k):
-            k = torch.tensor([k if k else logits.shape[-1] for k in top_k], device=device).clamp(max=logits.shape[-1])
-            kth = torch.sort(logits, dim=-1, descending=True).values.gather(1, (k - 1)[:, None])
-            logits = logits.masked_fill(logits < kth, float("-inf"))
-        probs = torch.softmax(logits, dim=-1)
-        if any(p.top_p < 1.0 for p in params):
-            top_p = torch.tensor([p.top_p for p in params], device=device)
-            sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
-            # Keep the smallest set whose mass reaches top_p (the token that crosses it stays).
-            drop_sorted = (sorted_probs.cumsum(-1) - sorted_probs) >= top_p[:, None]
-            drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
-            probs = probs.masked_fill(drop, 0.0)
-        if any(p.min_p > 0.0 for p in params):
-            min_p = torch.tensor([p.min_p for p in params], device=device)
-            probs = probs.masked_fill(probs < min_p[:, None] * probs.max(-1, keepdim=True).values, 0.0)
-        # Gumbel-style sampling without a host sync: argmax(p / Exp(1)) draws from p.
-        noise = torch.empty_like(probs)
-        unseeded = [i for i, p in enumerate(params) if p.seed is None]
-        if unseeded:
-            noise[unseeded] = torch.empty(len(unseeded), probs.shape[1], device=device).exponential_(generator=self.generator)
-        for i, r in enumerate(requests):
-            if r.sampling.seed is not None:
-                if r.generator is None:
-                    r.generator = torch.Generator(device=device).manual_seed(r.sampling.seed)
-                noise[i].exponential_(generator=r.generator)
-        sampled = (probs / noise).argmax(dim=-1)
-        return torch.where(greedy, logits.argmax(dim=-1), sampled)
+
+def target_probs(logits: torch.Tensor, row_params: list[SamplingParams]) -> torch.Tensor:
+    """The distribution each row samples from: temperature, then top-k, top-p and min-p (greedy rows get
+    temperature 1; their probabilities are not used)."""
+    device = logits.device
+    temp = torch.tensor([p.temperature if not p.greedy else 1.0 for p in row_params], device=device)
+    logits = logits / temp[:, None]
+    top_k = [p.top_k if p.top_k > 0 else 0 for p in row_params]
+    if any(top_k):
+        k = torch.tensor([k if k else logits.shape[-1] for k in top_k], device=device).clamp(max=logits.shape[-1])
+        kth = torch.sort(logits, dim=-1, descending=True).values.gather(1, (k - 1)[:, None])
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if any(p.top_p < 1.0 for p in row_params):
+        top_p = torch.tensor([p.top_p for p in row_params], device=device)
+        sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
+        # Keep the smallest set whose mass reaches top_p (the token that crosses it stays).
+        drop_sorted = (sorted_probs.cumsum(-1) - sorted_probs) >= top_p[:, None]
+        drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
+        probs = probs.masked_fill(drop, 0.0)
+    if any(p.min_p > 0.0 for p in row_params):
+        min_p = torch.tensor([p.min_p for p in row_params], device=device)
+        probs = probs.masked_fill(probs < min_p[:, None] * probs.max(-1, keepdim=True).values, 0.0)
+    return probs

@@ -1,13 +1,18 @@
 """Continuous batching by token counts: each step gives running requests, then waiting ones, as many
-tokens as the budget allows. Pure bookkeeping: no tensors here."""
+tokens as the budget allows. Draft tokens of speculative decoding are just more tokens to compute;
+the ones the target rejects roll ``num_computed_tokens`` back. Pure bookkeeping: no tensors here.
+
+``schedule()`` returns a plain ``SchedulerOutput`` and ``update(plan, runner_output)`` applies a plain
+``RunnerOutput``: the live ``Request`` objects never leave the scheduler."""
 
 from __future__ import annotations
 
 import abc
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
+from kvloom.core.engine.step import RunnerOutput, ScheduledSeq, SchedulerOutput
 from kvloom.core.kv_cache import KVCacheManager
 from kvloom.core.request import PLACEHOLDER, Request, RequestStatus
 
@@ -51,34 +56,14 @@ class RankedPolicy(abc.ABC):
 
 
 @dataclass
-class ScheduledRequest:
-    request: Request
-    num_new_tokens: int
-    samples: bool  # this step completes the known tokens, so a new token is sampled
-    computed_end: int = 0  # num_computed_tokens after this step (set by Scheduler.advance)
-    token_index: int = -1  # where this step's sampled token goes in all_token_ids (set by advance)
-
-
-@dataclass
-class SchedulerPlan:
-    scheduled: list[ScheduledRequest] = field(default_factory=list)
-    preempted: list[Request] = field(default_factory=list)
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
-
-    def __bool__(self) -> bool:
-        return bool(self.scheduled)
-
-
-@dataclass
 class FinishedUpdate:
-    """What ``Scheduler.update`` reports per request that got a token or finished."""
+    """What ``Scheduler.update`` reports per request that got tokens or finished."""
 
     request: Request
     new_token_ids: list[int]
     finished: RequestStatus | None
+    num_draft_tokens: int = 0  # drafts verified in this step
+    num_accepted_tokens: int = 0  # of which accepted
 
 
 class Scheduler:
@@ -105,6 +90,13 @@ class Scheduler:
         # Prompt tokens looked up in the prefix cache, and found, at each request's first admission.
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
+        # Speculative decoding: drafts verified, accepted, and steps that verified any.
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
+        self.num_spec_steps = 0
+        self._step_id = 0
+        self._launched: dict[int, list[Request]] = {}  # step id -> its requests, in plan order
+        self._finished_ids: list[str] = []  # ended since the last plan (the runner drops their state)
 
     # ---------------------------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -125,10 +117,10 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     # ---------------------------------------------------------------------------------------------
-    def schedule(self) -> SchedulerPlan:
-        plan = SchedulerPlan()
+    def schedule(self) -> SchedulerOutput:
         budget = self.max_num_batched_tokens
-        scheduled: dict[str, ScheduledRequest] = {}
+        scheduled: dict[str, tuple[Request, int]] = {}
+        preempted: list[Request] = []
         now = self.clock()
 
         for req in list(self.running):
@@ -136,37 +128,62 @@ class Scheduler:
                 break
             if req.status is not RequestStatus.RUNNING or req.awaiting_final_token:
                 continue  # preempted earlier in this loop, or its last token is already in flight
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            num_new = min(req.num_tokens_with_spec - req.num_computed_tokens, budget)
+            if req.spec_token_ids and not self.kv.allocate_slots(req, num_new):
+                req.spec_token_ids = []  # drafts never preempt anyone: verify them when blocks are spare
+                num_new = min(req.num_tokens - req.num_computed_tokens, budget)
             while not self.kv.allocate_slots(req, num_new):
                 victim = self.policy.select_victim(self.running, now)
-                budget += self._preempt(victim, plan, scheduled)
+                budget += self._preempt(victim, preempted, scheduled)
                 if victim is req:
                     break
             else:
-                scheduled[req.request_id] = ScheduledRequest(req, num_new, self._samples(req, num_new))
+                scheduled[req.request_id] = (req, num_new)
                 budget -= num_new
 
-        if not plan.preempted:
+        if not preempted:
             for req in self.policy.waiting_order(self.waiting, now):
                 if budget == 0 or len(self.running) >= self.max_num_seqs:
                     break
                 if req.has_placeholder:
                     continue  # preempted while its newest token was in flight: back once it lands
+                req.spec_token_ids = []  # a (re)admitted request computes its known tokens first
                 computed = self.kv.get_computed_blocks(req)
                 num_computed = len(computed) * self.kv.block_size
                 num_new = min(req.num_tokens - num_computed, budget)
                 fits = self.kv.allocate_slots(req, num_new, computed)
                 while not fits and (victim := self._admission_victim(req, now)) is not None:
-                    budget += self._preempt(victim, plan, scheduled)
+                    budget += self._preempt(victim, preempted, scheduled)
                     fits = self.kv.allocate_slots(req, num_new, computed)
                 if not fits:
                     break  # the head of the queue waits for blocks; nobody jumps it
                 self._admit(req, num_computed, now)
-                scheduled[req.request_id] = ScheduledRequest(req, num_new, self._samples(req, num_new))
+                scheduled[req.request_id] = (req, num_new)
                 budget -= num_new
 
-        plan.scheduled = list(scheduled.values())
+        self._step_id += 1
+        plan = SchedulerOutput(self._step_id, [self._scheduled_seq(r, n) for r, n in scheduled.values()],
+                               self._finished_ids, [r.request_id for r in preempted])
+        self._finished_ids = []
+        self._launched[plan.step_id] = [r for r, _ in scheduled.values()]
         return plan
+
+    def _scheduled_seq(self, req: Request, num_new: int) -> ScheduledSeq:
+        start, end = req.num_computed_tokens, req.num_computed_tokens + num_new
+        known_end = min(end, req.num_tokens)
+        drafts = req.spec_token_ids[: end - known_end]
+        sampling = req.sampling
+        first_placeholder = req.num_tokens - req.num_unresolved
+        return ScheduledSeq(
+            request_id=req.request_id, token_ids=req.all_token_ids[start:known_end] + drafts, start_pos=start,
+            block_ids=list(req.block_ids), num_sample_rows=1 + len(drafts) if end >= req.num_tokens else 0,
+            sampling=sampling, draft_token_ids=drafts,
+            num_placeholders=max(0, known_end - max(start, first_placeholder)),
+            num_output_tokens=req.num_output_tokens,
+            stop_token_ids=(req.eos_token_ids + tuple(req.stop_token_ids)) if sampling.min_tokens else (),
+            history=tuple(req.all_token_ids) if sampling.uses_penalties else None,
+            num_prompt_tokens=req.num_prompt_tokens,
+        )
 
     def _admit(self, req: Request, num_computed: int, now: float) -> None:
         self.waiting.remove(req)
@@ -189,68 +206,104 @@ class Scheduler:
         victim = self.policy.select_victim(self.running, now)
         return victim if may_preempt(req, victim) else None
 
-    @staticmethod
-    def _samples(req: Request, num_new: int) -> bool:
-        return req.num_computed_tokens + num_new == req.num_tokens
-
-    def _preempt(self, req: Request, plan: SchedulerPlan, scheduled: dict[str, ScheduledRequest]) -> int:
+    def _preempt(self, req: Request, preempted: list[Request], scheduled: dict[str, tuple[Request, int]]) -> int:
         """Free a running request's blocks and send it back to wait (it is recomputed later); returns
         the budget it gives back if it was already scheduled in this step."""
         self.running.remove(req)
         self.kv.free(req)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
+        req.spec_token_ids = []
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.append(req)
-        plan.preempted.append(req)
+        preempted.append(req)
         undone = scheduled.pop(req.request_id, None)
-        return undone.num_new_tokens if undone is not None else 0
+        return undone[1] if undone is not None else 0
 
     # ---------------------------------------------------------------------------------------------
-    def update(self, plan: SchedulerPlan, sampled: dict[str, list[int]]) -> list[FinishedUpdate]:
+    def update(self, plan: SchedulerOutput, output: RunnerOutput) -> list[FinishedUpdate]:
         """Advance each scheduled request by its tokens, append sampled tokens, finish the stopped ones."""
         self.advance(plan)
-        return self.resolve(plan, sampled)
+        return self.resolve(plan, output)
 
-    def advance(self, plan: SchedulerPlan) -> None:
+    def advance(self, plan: SchedulerOutput) -> None:
         """What a step does regardless of the tokens it samples: its input tokens are computed, and each
         sampling request gets a placeholder for its new token. Called as soon as the step is launched,
         so the next step can be scheduled while this one runs on the GPU."""
-        for s in plan.scheduled:
-            req = s.request
+        for s, req in zip(plan.seqs, self._launched[plan.step_id]):
             if req.status is not RequestStatus.RUNNING:
                 continue
             req.num_computed_tokens += s.num_new_tokens
-            s.computed_end = req.num_computed_tokens
             if s.samples:
+                req.spec_token_ids = []  # being verified now
                 req.append_token(PLACEHOLDER)
-                s.token_index = req.num_tokens - 1
-                if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len:
+                req.num_unresolved += 1
+                # A step that verifies drafts is never overlapped, so only plain steps need the flag.
+                if not s.draft_token_ids and (req.num_output_tokens >= req.max_tokens
+                                              or req.num_tokens >= self.max_model_len):
                     req.awaiting_final_token = True
 
-    def resolve(self, plan: SchedulerPlan, sampled: dict[str, list[int]]) -> list[FinishedUpdate]:
-        """Write in the tokens a step sampled, offer its full blocks to the prefix cache, and finish
-        the requests that stopped. Tokens of requests that finished meanwhile are dropped."""
+    def resolve(self, plan: SchedulerOutput, output: RunnerOutput) -> list[FinishedUpdate]:
+        """Write in the tokens a step sampled (accepted drafts, then the target's token), roll back the
+        rejected drafts, offer full blocks of accepted tokens to the prefix cache, and finish the
+        requests that stopped. Tokens of requests that finished meanwhile are dropped."""
         updates = []
-        for s in plan.scheduled:
-            req = s.request
+        for s, req in zip(plan.seqs, self._launched.pop(plan.step_id)):
             if req.status.finished:
                 continue
-            if req.status is RequestStatus.RUNNING and len(req.block_ids) * self.kv.block_size >= s.computed_end:
-                self.kv.cache_blocks(req, s.num_new_tokens, end=s.computed_end)
+            running = req.status is RequestStatus.RUNNING
+            computed_end = s.start_pos + s.num_new_tokens
             if not s.samples:
+                if running and len(req.block_ids) * self.kv.block_size >= computed_end:
+                    self.kv.cache_blocks(req, s.num_new_tokens, end=computed_end)
                 continue
-            token = sampled[req.request_id][0]
-            req.set_token(s.token_index, token)
-            finished = req.check_stop(s.token_index)
-            if finished is None and s.token_index + 1 >= self.max_model_len:
-                finished = RequestStatus.FINISHED_LENGTH
-            if finished is not None:
-                req.truncate(s.token_index + 1)
-                self._finish(req, finished)
-            updates.append(FinishedUpdate(req, [token], finished))
+            tokens = output.sampled_token_ids[s.request_id]
+            num_drafts, accepted = len(s.draft_token_ids), len(tokens) - 1
+            index = computed_end - num_drafts  # where this step's first new token goes
+            if num_drafts:
+                if req.num_tokens != index + 1:
+                    raise RuntimeError(f"request {req.request_id!r}: drafts were verified behind a later step")
+                self._count_drafts(req, num_drafts, accepted)
+                computed_end -= num_drafts - accepted
+                if running:
+                    req.num_computed_tokens = computed_end
+                    # Blocks that only rejected drafts reached go back now; slots of rejected drafts in
+                    # kept blocks are overwritten by the next tokens and never cached.
+                    self.kv.trim(req, index + len(tokens))
+            req.set_token(index, tokens[0])
+            req.num_unresolved -= 1
+            for t in tokens[1:]:
+                req.append_token(t)
+            if running and len(req.block_ids) * self.kv.block_size >= computed_end:
+                self.kv.cache_blocks(req, computed_end - s.start_pos, end=computed_end)
+            finished, new = None, tokens
+            for i in range(len(tokens)):
+                finished = req.check_stop(index + i)
+                if finished is None and index + i + 1 >= self.max_model_len:
+                    finished = RequestStatus.FINISHED_LENGTH
+                if finished is not None:
+                    new = tokens[: i + 1]
+                    req.truncate(index + i + 1)
+                    self._finish(req, finished)
+                    break
+            updates.append(FinishedUpdate(req, new, finished, num_drafts, accepted))
         return updates
+
+    def _count_drafts(self, req: Request, num_drafts: int, accepted: int) -> None:
+        req.num_draft_tokens += num_drafts
+        req.num_accepted_tokens += accepted
+        req.num_spec_steps += 1
+        req.recent_acceptance = 0.5 * req.recent_acceptance + 0.5 * accepted / num_drafts
+        self.num_draft_tokens += num_drafts
+        self.num_accepted_tokens += accepted
+        self.num_spec_steps += 1
+
+    def decoding(self) -> list[Request]:
+        """Running requests whose every known token but the newest is computed (and none in flight):
+        the ones a proposer may draft for."""
+        return [r for r in self.running
+                if r.num_computed_tokens == r.num_tokens - 1 and not r.num_unresolved and not r.awaiting_final_token]
 
     def _finish(self, req: Request, status: RequestStatus) -> None:
         if req.status is RequestStatus.RUNNING:
@@ -260,5 +313,7 @@ class Scheduler:
         else:
             return  # already finished
         self.kv.free(req)
+        req.spec_token_ids = []
         req.status = status
         del self.requests[req.request_id]
+        self._finished_ids.append(req.request_id)

@@ -21,6 +21,9 @@ ENGINE_COUNTERS = {
     "num_preemptions": ("kvloom_num_preemptions", "Preemptions since the engine started."),
     "prefix_cache_queries": ("kvloom_prefix_cache_queries", "Prompt tokens looked up in the prefix cache."),
     "prefix_cache_hits": ("kvloom_prefix_cache_hits", "Prompt tokens served from the prefix cache."),
+    "spec_decode_num_drafts": ("kvloom_spec_decode_num_draft_tokens", "Draft tokens verified (speculative decoding)."),
+    "spec_decode_num_accepted": ("kvloom_spec_decode_num_accepted_tokens", "Draft tokens the target accepted."),
+    "spec_decode_num_steps": ("kvloom_spec_decode_num_verify_steps", "Request-steps that verified drafts."),
 }
 ENGINE_GAUGES = {
     "num_running": ("kvloom_num_requests_running", "Requests the engine is running."),
@@ -51,6 +54,17 @@ class _EngineCollector:
         for field, (name, help) in ENGINE_GAUGES.items():
             family = GaugeMetricFamily(name, help, labels=["model"])
             family.add_metric([self.model], self.stats.get(field, 0))
+            yield family
+        drafts, accepted = self.stats.get("spec_decode_num_drafts", 0), self.stats.get("spec_decode_num_accepted", 0)
+        steps = self.stats.get("spec_decode_num_steps", 0)
+        for name, help, value in (
+            ("kvloom_spec_decode_acceptance_rate", "Accepted / verified draft tokens since the engine started.",
+             accepted / drafts if drafts else 0.0),
+            ("kvloom_spec_decode_mean_acceptance_length", "Tokens per verifying request-step (accepted drafts + 1).",
+             1.0 + accepted / steps if steps else 0.0),
+        ):
+            family = GaugeMetricFamily(name, help, labels=["model"])
+            family.add_metric([self.model], value)
             yield family
 
 

@@ -122,9 +122,10 @@ def kvloom_quantization(hf_config: Any, config: EngineConfig, options: dict[str,
 def kvloom_spec_proposer(hf_config: Any, config: EngineConfig, options: dict[str, Any]) -> DraftProposer:
     """Create the draft-token proposer for speculative decoding.
 
-    Specified, not yet called: the engine refuses to start with a spec_decode plugin enabled until the
-    model runner verifies draft tokens. Will be called once after the target model is loaded, only
-    when a spec_decode plugin is enabled. ``firstresult``.
+    Called once after the target model is loaded, only when a spec_decode plugin is enabled (the
+    built-in one is ``spec_decode``). The engine asks the proposer for drafts before each step and
+    verifies them with the target in the same batch. Raise ``kvloom.core.config.ConfigError`` for
+    options that cannot work: it fails the start-up with your message. ``firstresult``.
 
     :param hf_config: the target model's transformers config (a draft model must share its vocabulary).
     :param config: the engine configuration (read-only).

@@ -1,6 +1,6 @@
-"""The interfaces of the two plugin kinds that the engine does not run yet: quantization and speculative
-decoding. Their hooks are specified (kvloom.plugins.hookspecs) so plugins can be written against them;
-enabling one fails at start-up until the loader and the model runner call them (docs/plugins.md).
+"""The interfaces of the quantization and speculative-decoding plugin kinds. The engine runs
+speculative-decoding proposers; quantization is specified (kvloom.plugins.hookspecs) so plugins can be
+written against it, and enabling one fails at start-up until the loader calls it (docs/plugins.md).
 
 The other three kinds have their interfaces beside the code that uses them:
 ``kvloom.core.scheduler.SchedulingPolicy``, ``kvloom.core.kv_cache.BlockAllocator`` and
@@ -47,6 +47,11 @@ class DraftProposer(Protocol):
 
     def propose(self, requests: Sequence["Request"]) -> dict[str, list[int]]:
         """Up to ``num_speculative_tokens`` draft tokens per request id, for requests that are decoding
-        (all of their known tokens are computed). A request may be left out or get fewer tokens;
-        ``request.all_token_ids`` holds the prompt and every accepted token."""
+        (every known token but the newest is computed). Called before each step on the engine's host
+        side; the requests are read-only here. A request may be left out or get fewer tokens (the
+        engine also cuts drafts to the request's remaining ``max_tokens`` and ``max_model_len``);
+        ``request.all_token_ids`` holds the prompt and every accepted token.
+
+        A proposer may carry a ``policy`` attribute (``kvloom.core.engine.speculation.SpeculationPolicy``)
+        for the adaptive no-regression policy; without one the defaults apply."""
         ...

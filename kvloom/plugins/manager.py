@@ -30,12 +30,13 @@ BUILTIN_PLUGINS = (
     "kvloom.plugins.builtin.sjf",
     "kvloom.plugins.builtin.free_list",
     "kvloom.plugins.builtin.prefix_cache",
+    "kvloom.plugins.builtin.spec_decode",
 )
 ENTRY_POINT_GROUP = "kvloom.plugins"
 # The plugin of each kind that is active when none of that kind is chosen.
 DEFAULTS = {"scheduler": "fcfs", "kv_allocator": "free_list"}
 # Kinds whose factory hook the engine calls; the others are specified for plugin authors but not run yet.
-ENGINE_RUNS = ("scheduler", "kv_allocator", "prefix_cache")
+ENGINE_RUNS = ("scheduler", "kv_allocator", "prefix_cache", "spec_decode")
 
 
 class PluginError(ConfigError):

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+from kvloom.core.engine.step import RunnerOutput, SchedulerOutput
 from kvloom.core.kv_cache import KVCacheManager
 from kvloom.core.request import Request
 from kvloom.core.sampling_params import SamplingParams
-from kvloom.core.scheduler import Scheduler, SchedulerPlan
+from kvloom.core.scheduler import Scheduler
 from kvloom.plugins.builtin.free_list import FreeListAllocator
 
 
@@ -31,9 +32,14 @@ def add(sched: Scheduler, rid: str, prompt_len: int, *, max_tokens: int = 4, pri
     return req
 
 
-def step(sched: Scheduler) -> SchedulerPlan:
+def sampled(plan: SchedulerOutput, token=lambda: 7) -> RunnerOutput:
+    """What a runner would return: one new token for every sequence that samples."""
+    return RunnerOutput({s.request_id: [token()] for s in plan.seqs if s.samples})
+
+
+def step(sched: Scheduler) -> SchedulerOutput:
     plan = sched.schedule()
-    sched.update(plan, {s.request.request_id: [7] for s in plan.scheduled if s.samples})
+    sched.update(plan, sampled(plan))
     return plan
 
 
@@ -43,7 +49,7 @@ def admission_order(sched: Scheduler, max_steps: int = 1000) -> list[str]:
     for _ in range(max_steps):
         if not sched.has_unfinished():
             return order
-        for s in step(sched).scheduled:
-            if s.request.request_id not in order:
-                order.append(s.request.request_id)
+        for s in step(sched).seqs:
+            if s.request_id not in order:
+                order.append(s.request_id)
     raise AssertionError(f"requests still unfinished after {max_steps} steps")

@@ -19,11 +19,11 @@ from kvloom.plugins.info import PluginInfo, PluginOption
 from kvloom.plugins.manager import PluginConflictError, PluginError, PluginManager, UnknownPluginError
 
 BUILTINS = {"fcfs": "scheduler", "priority": "scheduler", "sjf": "scheduler", "free_list": "kv_allocator",
-            "prefix_cache": "prefix_cache"}
+            "prefix_cache": "prefix_cache", "spec_decode": "spec_decode"}
 
 
 class NgramProposer:
-    """A spec_decode plugin written against the specified (not yet run) hook."""
+    """A third-party spec_decode plugin written against the hook."""
 
     @hookimpl
     def kvloom_plugin_info(self):
@@ -91,9 +91,8 @@ def test_declared_conflicts_and_kinds_the_engine_does_not_run_yet():
         PluginManager(["sjf", "ngram"], extra_plugins=extra)
     manager = PluginManager(["ngram"], {"ngram": {"k": 5}}, extra_plugins=extra)
     proposer = manager.make_spec_proposer(hf_config=None, config=EngineConfig())
-    assert proposer.num_speculative_tokens == 5  # the hook is specified and callable through the facade
-    with pytest.raises(PluginError, match="'ngram' is a spec_decode plugin, which this engine does not run yet"):
-        manager.validate(EngineConfig(model="/models/llama"))
+    assert proposer.num_speculative_tokens == 5  # the hook is callable through the facade
+    manager.validate(EngineConfig(model="/models/llama"))  # the engine runs spec_decode plugins
     with pytest.raises(PluginConflictError, match="quantization plugin 'int8' cannot run with a GGUF model"):
         PluginManager(["int8"], extra_plugins=extra).validate(EngineConfig(model="m.gguf"))
 

@@ -18,7 +18,7 @@ from kvloom.plugins.builtin.free_list import FreeListAllocator
 from kvloom.plugins.builtin.prefix_cache import HashPrefixCache
 from kvloom.plugins.builtin.priority import PriorityPolicy
 from kvloom.plugins.builtin.sjf import ShortestPromptFirstPolicy
-from tests.plugins.scheduler_sim import FakeClock
+from tests.plugins.scheduler_sim import FakeClock, sampled
 
 BS = 4
 
@@ -146,14 +146,14 @@ def test_random_workloads_never_read_foreign_kv_or_leak_blocks(policy):
             if rng.random() < 0.05 and sched.requests:
                 sched.abort([rng.choice(list(sched.requests))])
             plan = sched.schedule()
-            for s in plan.scheduled:
-                req = s.request
-                slots = [req.block_ids[p // BS] * BS + p % BS for p in range(req.num_computed_tokens + s.num_new_tokens)]
-                assert [kv_store.get(slot) for slot in slots[: req.num_computed_tokens]] == \
-                    req.all_token_ids[: req.num_computed_tokens]
-                for p in range(req.num_computed_tokens, len(slots)):
+            for s in plan.seqs:
+                req = sched.requests[s.request_id]
+                slots = [s.block_ids[p // BS] * BS + p % BS for p in range(s.start_pos + s.num_new_tokens)]
+                assert s.start_pos == req.num_computed_tokens
+                assert [kv_store.get(slot) for slot in slots[: s.start_pos]] == req.all_token_ids[: s.start_pos]
+                for p in range(s.start_pos, len(slots)):
                     kv_store[slots[p]] = req.all_token_ids[p]
-            sched.update(plan, {s.request.request_id: [rng.randrange(3, 9)] for s in plan.scheduled if s.samples})
+            sched.update(plan, sampled(plan, lambda: rng.randrange(3, 9)))
             clock.now += 0.01
             holders = Counter(b for req in sched.running for b in req.block_ids)
             assert all(not req.block_ids for req in sched.waiting)

@@ -28,8 +28,8 @@ def _first_victim(policy) -> str:
         add(sched, rid, 4, max_tokens=12, priority=prio)
     for _ in range(20):
         plan = step(sched)
-        if plan.preempted:
-            return plan.preempted[0].request_id
+        if plan.preempted_request_ids:
+            return plan.preempted_request_ids[0]
     raise AssertionError("nothing was preempted")
 
 
@@ -49,10 +49,10 @@ def _high_priority_arrives(policy):
 
 def test_a_higher_priority_arrival_preempts_lower_priority_running_requests():
     plan = _high_priority_arrives(PriorityPolicy())
-    assert [r.request_id for r in plan.preempted] == ["low2"]
-    assert sorted(s.request.request_id for s in plan.scheduled) == ["high", "low1"]
+    assert plan.preempted_request_ids == ["low2"]
+    assert sorted(s.request_id for s in plan.seqs) == ["high", "low1"]
     plan = _high_priority_arrives(PriorityPolicy(preempt_for_waiting=False))
-    assert not plan.preempted and "high" not in [s.request.request_id for s in plan.scheduled]
+    assert not plan.preempted_request_ids and "high" not in [s.request_id for s in plan.seqs]
 
 
 def test_priority_through_the_offline_api(tiny_llama):

@@ -1,0 +1,85 @@
+"""The step boundary as values: ``Scheduler.schedule()`` returns a ``SchedulerOutput``, the model runner
+turns it into tensors and returns a ``RunnerOutput``, and ``Scheduler.update`` applies that. Neither
+side sees the other's objects, so a plan can be built while the device runs the previous one (async
+scheduling) or be broadcast to every rank (tensor parallelism)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvloom.core.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class ScheduledSeq:
+    """One request's share of a step.
+
+    ``token_ids`` are fed at positions ``start_pos ..``: the known tokens not yet computed, then the
+    draft tokens to verify (its last ``len(draft_token_ids)`` entries). The last ``num_placeholders``
+    known tokens are still on the device (async scheduling): their entries are ``PLACEHOLDER`` and the
+    runner takes them from the previous step's sampled tokens of the same request.
+
+    ``num_sample_rows`` is 0 for a prefill chunk that does not reach the end of the known tokens, else
+    ``1 + len(draft_token_ids)``: one row per draft to verify plus the row of the next token.
+    """
+
+    request_id: str
+    token_ids: list[int]
+    start_pos: int
+    block_ids: list[int]  # the whole block table (a copy, never the request's own list)
+    num_sample_rows: int
+    sampling: SamplingParams
+    draft_token_ids: list[int] = field(default_factory=list)
+    num_placeholders: int = 0
+    num_output_tokens: int = 0  # generated tokens before this step (for min_tokens)
+    stop_token_ids: tuple[int, ...] = ()  # EOS and stop ids, blocked while under min_tokens
+    history: tuple[int, ...] | None = None  # prompt + output tokens, only for requests with penalties
+    num_prompt_tokens: int = 0
+
+    @property
+    def num_new_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def samples(self) -> bool:
+        return self.num_sample_rows > 0
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    """One step's plan. ``finished_request_ids`` are requests that ended since the previous plan, so
+    the runner can drop what it keeps per request (seeded generators)."""
+
+    step_id: int
+    seqs: list[ScheduledSeq] = field(default_factory=list)
+    finished_request_ids: list[str] = field(default_factory=list)
+    preempted_request_ids: list[str] = field(default_factory=list)  # sent back to wait by this plan
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(s.token_ids) for s in self.seqs)
+
+    @property
+    def num_draft_tokens(self) -> int:
+        return sum(len(s.draft_token_ids) for s in self.seqs)
+
+    def __bool__(self) -> bool:
+        return bool(self.seqs)
+
+
+@dataclass(slots=True)
+class LogprobLists:
+    """Logprobs of one request's new tokens, one entry per token: the token's own and the top-n."""
+
+    logprobs: list[float]
+    top_ids: list[list[int]]
+    top_logprobs: list[list[float]]
+
+
+@dataclass(slots=True)
+class RunnerOutput:
+    """What a step produced for each request that sampled: its accepted draft tokens followed by one
+    token from the target model (so ``len - 1`` drafts were accepted), and logprobs if asked for."""
+
+    sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    logprobs: dict[str, LogprobLists] = field(default_factory=dict)

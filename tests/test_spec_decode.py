@@ -1,0 +1,258 @@
+"""Speculative decoding (the ``spec_decode`` plugin): greedy outputs equal the outputs without it token
+for token, in every composition that must not change them; sampling keeps the target distribution
+(chi-square tests at a stated significance level); the n-gram proposer, the rollback of rejected
+drafts, the adaptive policy, the figures and the start-up errors."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from kvloom import LLM, SamplingParams
+from kvloom.core.config import ConfigError
+from kvloom.core.engine.step import RunnerOutput
+from kvloom.core.sampling_params import SamplingParams as SP
+from kvloom.core.worker import rejection_sampler
+from kvloom.core.worker.ngram_proposer import propose_ngram
+from kvloom.plugins.builtin.fcfs import FCFSPolicy
+from tests.plugins.scheduler_sim import add, make_scheduler
+
+MAX_NEW = 24
+SCHEDULERS = ["fcfs", "priority", "sjf"]
+ALPHA_Z = 3.0902  # the standard normal's 0.999 quantile: every test below is at significance 0.001
+
+
+def chi2_critical(df: int) -> float:
+    """The chi-square quantile at 0.999 (Wilson-Hilferty; within 2% of the exact value for df >= 3)."""
+    return df * (1 - 2 / (9 * df) + ALPHA_Z * (2 / (9 * df)) ** 0.5) ** 3
+
+
+def _prompts() -> list[list[int]]:
+    """A batch of mixed lengths; most repeat themselves, so n-gram lookup finds drafts."""
+    rng = random.Random(0)
+    phrase = [rng.randrange(3, 384) for _ in range(9)]
+    return [phrase * 4, [5, 6, 7] * 7 + [8], [rng.randrange(3, 384) for _ in range(17)], [9],
+            phrase * 2 + [rng.randrange(3, 384) for _ in range(40)] + phrase[:5]]
+
+
+def _spec(k: int = 3, **extra) -> dict:
+    return {"spec_decode": {"num_speculative_tokens": k, "prompt_lookup_min": 1, **extra}}
+
+
+def _greedy(llm: LLM, prompts, max_tokens: int = MAX_NEW, **params) -> list[list[int]]:
+    sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **params)
+    return [o.token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+
+
+@pytest.fixture(scope="module")
+def family_reference(tiny_model):
+    prompts = _prompts()
+    return tiny_model, prompts, _greedy(LLM(str(tiny_model)), prompts)
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_greedy_outputs_equal_without_spec_decode(family_reference, k):
+    path, prompts, expected = family_reference
+    llm = LLM(str(path), plugins=["spec_decode"], plugin_options=_spec(k))
+    assert _greedy(llm, prompts) == expected
+    stats = llm.engine.stats()
+    assert stats.spec_decode_num_drafts > 0 and stats.spec_decode_num_accepted > 0  # drafts were verified
+    assert llm.engine.kv.num_free_blocks() == llm.engine.kv.num_blocks  # rejected drafts' blocks came back
+
+
+@pytest.fixture(scope="module")
+def llama_reference(tiny_llama):
+    prompts = _prompts()
+    return tiny_llama, prompts, _greedy(LLM(str(tiny_llama)), prompts)
+
+
+@pytest.mark.parametrize("scheduler", SCHEDULERS)
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_greedy_with_chunked_prefill_preemption_and_prefix_cache(llama_reference, scheduler, k):
+    path, prompts, expected = llama_reference
+    # 16 blocks of 8 tokens cannot hold every sequence (preemption), 9 tokens a step split the prompts
+    # (chunked prefill, and drafts cut short by the budget), and the second pass hits the prefix cache.
+    llm = LLM(str(path), plugins=["spec_decode", "prefix_cache", scheduler], plugin_options=_spec(k),
+              block_size=8, num_kv_blocks=16, max_num_batched_tokens=9)
+    assert _greedy(llm, prompts) == expected
+    assert _greedy(llm, prompts) == expected
+    stats = llm.engine.stats()
+    assert stats.num_preemptions > 0
+    assert stats.prefix_cache_hits > 0
+    assert stats.spec_decode_num_accepted > 0
+    assert llm.engine.kv.num_free_blocks() == 16
+
+
+def test_greedy_with_async_scheduling_and_adaptive_batch_limit(llama_reference):
+    path, prompts, expected = llama_reference
+    # max_batch_size=2: while five requests run, steps overlap as plain async steps; once three have
+    # finished (max_tokens 8), the two left synchronise and speculate.
+    llm = LLM(str(path), plugins=["spec_decode"], plugin_options=_spec(3, max_batch_size=2), async_scheduling="on")
+    lengths = [MAX_NEW, 8, 8, 8, MAX_NEW]
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in lengths]
+    got = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert got == [e[:n] for e, n in zip(expected, lengths)]
+    assert llm.engine.stats().spec_decode_num_accepted > 0
+    assert llm.engine.kv.num_free_blocks() == llm.engine.kv.num_blocks
+
+
+def test_stop_tokens_penalties_min_tokens_and_logprobs_see_only_accepted_tokens(llama_reference):
+    path, prompts, _ = llama_reference
+    plain, spec = LLM(str(path)), LLM(str(path), plugins=["spec_decode"], plugin_options=_spec(4))
+    first = _greedy(plain, prompts[:2])
+    for extra in ({"stop_token_ids": [first[0][5], first[1][3]]}, {"repetition_penalty": 1.5},
+                  {"frequency_penalty": 1.0, "presence_penalty": 0.5}, {"min_tokens": 10, "stop_token_ids": [first[1][2]]}):
+        assert _greedy(spec, prompts, **extra) == _greedy(plain, prompts, **extra), extra
+    sp = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2)
+    want, got = plain.generate(prompts, sp, use_tqdm=False), spec.generate(prompts, sp, use_tqdm=False)
+    for w, g in zip(want, got):
+        assert g.token_ids == w.token_ids
+        wl, gl = w.outputs[0].logprobs, g.outputs[0].logprobs
+        assert [lp.token_id for lp in gl] == g.token_ids
+        torch.testing.assert_close([lp.logprob for lp in gl], [lp.logprob for lp in wl], atol=1e-4, rtol=1e-4)
+        assert [[t.token_id for t in lp.top] for lp in gl] == [[t.token_id for t in lp.top] for lp in wl]
+
+
+def test_acceptance_figures_per_request_and_for_the_engine(tiny_llama):
+    llm = LLM(str(tiny_llama), plugins=["spec_decode"], plugin_options=_spec(4))
+    prompt = [5, 6, 7, 8] * 8
+    # Greedy on a random model soon repeats itself, and the prompt is one long repetition.
+    out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True), use_tqdm=False)[0]
+    stats = llm.engine.stats()
+    assert out.metrics.num_draft_tokens == stats.spec_decode_num_drafts > 0
+    assert out.metrics.num_accepted_tokens == stats.spec_decode_num_accepted > 0
+    assert 0.0 < stats.spec_decode_acceptance_rate <= 1.0
+    assert 1.0 < stats.spec_decode_mean_acceptance_length <= 5.0
+    # Fewer steps than tokens: the point of speculation.
+    assert stats.spec_decode_num_steps < 40
+
+
+# --- sampling keeps the target distribution --------------------------------------------------------
+def _chi_square_same(a: list[int], b: list[int]) -> tuple[float, int]:
+    """Two-sample chi-square statistic over the categories seen (rare ones pooled) and its df."""
+    from collections import Counter
+
+    ca, cb = Counter(a), Counter(b)
+    cats = sorted(set(ca) | set(cb), key=lambda t: -(ca[t] + cb[t]))
+    na, nb = len(a), len(b)
+    rows, rest = [], [0, 0]
+    for t in cats:
+        if (ca[t] + cb[t]) * min(na, nb) / (na + nb) >= 5:
+            rows.append((ca[t], cb[t]))
+        else:
+            rest[0] += ca[t]
+            rest[1] += cb[t]
+    if sum(rest):
+        rows.append(tuple(rest))
+    stat = 0.0
+    for x, y in rows:
+        tot = x + y
+        ex, ey = tot * na / (na + nb), tot * nb / (na + nb)
+        stat += (x - ex) ** 2 / ex + (y - ey) ** 2 / ey
+    return stat, len(rows) - 1
+
+
+def test_rejection_sampler_keeps_the_target_distribution():
+    """One row verifying a fixed draft against a known p: the kept-or-replaced token is distributed as p
+    (chi-square goodness of fit, significance 0.001), and the draft is kept with probability p(d)."""
+    gen = torch.Generator().manual_seed(0)
+    p = torch.tensor([0.05, 0.4, 0.25, 0.2, 0.1])
+    n = 20000
+    params = [SP(temperature=1.0)] * n
+    probs = p.repeat(n, 1)
+    drafts = torch.full((n,), 2)
+    noise = torch.empty(n, 5).exponential_(generator=gen)
+    uniform = torch.rand(n, generator=gen)
+    tokens, accepted = rejection_sampler.verify(probs.log(), probs, drafts, noise, uniform, params)
+    out = torch.where(accepted, drafts, tokens)
+    counts = torch.bincount(out, minlength=5).float()
+    stat = ((counts - n * p) ** 2 / (n * p)).sum().item()
+    assert stat < chi2_critical(4)
+    assert abs(accepted.float().mean().item() - 0.25) < 0.02
+    # A replacement is never the rejected draft.
+    assert not (tokens[~accepted] == 2).any()
+
+
+class _ModeProposer:
+    """Drafts the most frequent tokens that plain sampling produced at the next positions: accepted
+    often enough and rejected often enough to exercise both paths of the rejection sampler."""
+
+    name = "modes"
+
+    def __init__(self, prompt_len: int, modes: list[int], k: int) -> None:
+        self.prompt_len, self.modes, self.num_speculative_tokens = prompt_len, modes, k
+
+    def propose(self, requests):
+        return {r.request_id: self.modes[r.num_tokens - self.prompt_len: r.num_tokens - self.prompt_len + 3]
+                for r in requests}
+
+
+def test_sampling_with_spec_decode_keeps_the_distribution(tiny_llama):
+    """At temperature 1 with top-p and top-k: each of the first four generated tokens has the same
+    distribution with drafts verified by rejection sampling as without speculation (two-sample
+    chi-square per position, significance 0.001 each, fixed seeds)."""
+    from collections import Counter
+
+    prompt, n = [5, 6, 7, 8, 9], 1200
+    sp = [SamplingParams(temperature=1.0, top_p=0.9, top_k=40, max_tokens=5, ignore_eos=True, seed=s)
+          for s in range(n)]
+    plain = [o.token_ids for o in LLM(str(tiny_llama)).generate([prompt] * n, sp, use_tqdm=False)]
+    modes = [Counter(o[i] for o in plain).most_common(1)[0][0] for i in range(5)]
+    llm = LLM(str(tiny_llama), plugins=["spec_decode"], plugin_options=_spec(3, adaptive=False))
+    llm.engine.speculator.proposer = _ModeProposer(len(prompt), modes, 3)
+    sp2 = [SamplingParams(temperature=1.0, top_p=0.9, top_k=40, max_tokens=5, ignore_eos=True, seed=10_000 + s)
+           for s in range(n)]
+    spec = [o.token_ids for o in llm.generate([prompt] * n, sp2, use_tqdm=False)]
+    stats = llm.engine.stats()
+    assert stats.spec_decode_num_accepted > 40  # drafts were kept ...
+    assert stats.spec_decode_num_drafts - stats.spec_decode_num_accepted > 200  # ... and rejected
+    for i in range(1, 5):
+        stat, df = _chi_square_same([o[i] for o in plain], [o[i] for o in spec])
+        assert stat < chi2_critical(df), (i, stat, df)
+
+
+# --- the pieces ---------------------------------------------------------------------------------
+def test_ngram_proposes_the_continuation_of_the_longest_most_recent_match():
+    seqs = [[1, 2, 3, 4, 9, 9, 1, 2, 3],  # tail 1 2 3 occurred at the start: propose 4 9 9
+            [5, 6, 7],  # no earlier occurrence of any tail n-gram
+            [1, 2, 8, 2, 1, 2],  # tail "1 2" at 0 (then 8 2 1); tail "2" alone would match at 3 too
+            [4, 4, 4, 4]]  # the tail matches itself shifted: propose more 4s (up to the end)
+    assert propose_ngram(seqs, 3, 1, 3) == [[4, 9, 9], [], [8, 2, 1], [4]]
+    assert propose_ngram([[1, 2, 3, 7, 1, 2, 3]], 2, 4, 4) == [[]]  # no 4-gram repeats
+    assert propose_ngram([[1, 2, 3, 7, 1, 2, 3]], 2, 1, 1) == [[7, 1]]  # "3" last seen at 2
+
+
+def test_rejected_drafts_roll_back_computed_tokens_and_free_their_blocks():
+    sched = make_scheduler(FCFSPolicy(), num_blocks=16, block_size=4)
+    req = add(sched, "r", 6, max_tokens=20)
+    plan = sched.schedule()
+    sched.update(plan, RunnerOutput({"r": [11]}))  # the prompt, then its first token
+    free_before = sched.kv.num_free_blocks()
+    req.spec_token_ids = [12, 13, 14, 15, 16, 17]  # positions 7..12 reach a fourth block
+    plan = sched.schedule()
+    (seq,) = plan.seqs
+    assert seq.token_ids == [11, 12, 13, 14, 15, 16, 17] and seq.draft_token_ids == [12, 13, 14, 15, 16, 17]
+    assert seq.num_sample_rows == 7 and len(req.block_ids) == 4
+    updates = sched.update(plan, RunnerOutput({"r": [12, 99]}))  # one draft kept, then the target's 99
+    assert updates[0].new_token_ids == [12, 99]
+    assert req.all_token_ids == [5] * 6 + [11, 12, 99]
+    assert req.num_computed_tokens == 8  # the prompt, 11 and 12; 99 is fed next step
+    assert len(req.block_ids) == 3  # the block that only rejected drafts reached is free again
+    assert sched.kv.num_free_blocks() == free_before - 1  # only the block the accepted 12 and 99 need
+    assert (req.num_draft_tokens, req.num_accepted_tokens) == (6, 1)
+    assert sched.schedule().seqs[0].token_ids == [99]
+
+
+# --- start-up errors -----------------------------------------------------------------------------
+@pytest.mark.parametrize("options,needle", [
+    ({"num_speculative_tokens": 0}, "num_speculative_tokens=0 must be in [1, 16]"),
+    ({"prompt_lookup_min": 4, "prompt_lookup_max": 2}, "prompt_lookup_min=4 and prompt_lookup_max=2"),
+    ({"method": "draft"}, "method='draft' needs draft_model"),
+    ({"method": "nope"}, "option method='nope' of plugin 'spec_decode' is not one of"),
+])
+def test_combinations_that_cannot_work_fail_at_start_up(tiny_llama, options, needle):
+    with pytest.raises(ConfigError) as err:
+        LLM(str(tiny_llama), plugins=["spec_decode"], plugin_options={"spec_decode": options})
+    assert needle in str(err.value)
