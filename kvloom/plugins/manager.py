@@ -211,8 +211,9 @@ class PluginManager:
     def validate(self, config: EngineConfig) -> None:
         """Rules that need the config, or the engine: raise PluginConflictError / PluginError."""
         quantization = self.enabled.get("quantization")
-        if quantization and (config.load_format == "gguf" or config.model == DEFAULT_MODEL
-                             or config.model.endswith(".gguf")):
+        # fp8 quantizes dense weights at load, and GGUF weights are dense once dequantized
+        if quantization and quantization != "fp8" and (config.load_format == "gguf" or config.model == DEFAULT_MODEL
+                                                       or config.model.endswith(".gguf")):
             raise PluginConflictError(f"quantization plugin {quantization!r} cannot run with a GGUF model: "
                                       "GGUF weights are dequantized when they are loaded")
         for kind, name in self.enabled.items():
