@@ -169,7 +169,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = config_from_args(args)
         server = server_config_from_args(args) if args.command is None else None
-        plugins = PluginManager.from_config(config)  # unknown plugins and conflicts fail before a model loads
+        # unknown plugins and conflicts fail before a model loads (plan checks --quantization itself: its
+        # model may be a --config-json, not --model)
+        plugins = PluginManager.from_config(config.replace(quantization=None) if args.command == "plan" else config)
     except (ConfigError, ValueError, TypeError, OSError) as e:
         print(f"engine: error: {e}", file=sys.stderr)
         return 2

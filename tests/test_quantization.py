@@ -252,3 +252,20 @@ def test_the_gpu_layout_repacked_at_load_computes_the_dequantized_product(name, 
         torch.testing.assert_close(b(x), a(x), atol=1e-5, rtol=1e-5)
         if isinstance(b.method, PackedIntLinearMethod):  # held packed: 4 or 8 bits a weight, not 32
             assert b.qweight.numel() * 4 <= a.weight.numel() * settings.get("bits", 4) // 8 * 1.01
+
+
+def test_engine_plan_sizes_each_format_from_the_engines_layers(tmp_path, capsys):
+    from benchmarks.shapes import SHAPES
+    from kvloom.cli import main
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(SHAPES["llama-3-8b"]))
+    sizes = {}
+    for q in (None, "fp8", "awq", "gptq"):
+        argv = ["plan", "--config-json", str(path), "--gpu-memory", "141", "--tensor-parallel-sizes", "1", "--json"]
+        assert main(argv + (["--quantization", q] if q else [])) == 0
+        sizes[q] = json.loads(capsys.readouterr().out)["weight_bytes"]
+    linear = 32 * 4096 * (4096 + 2 * 1024 + 4096 + 3 * 14336)  # the projections of Llama-3-8B
+    assert sizes[None] - sizes["fp8"] == linear * 2 - (linear + 4 * 32 * (4096 + 2 * 1024 + 4096 + 2 * 14336 + 4096))
+    # int4: half a byte a weight, plus an fp16 scale and a uint8 zero point per 128 inputs
+    assert sizes[None] - sizes["awq"] == linear * 2 - (linear // 2 + linear // 128 * 3) == sizes[None] - sizes["gptq"]
