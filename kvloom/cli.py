@@ -166,7 +166,6 @@ def build_parser() -> argparse.ArgumentParser:
     plan = sub.add_parser("plan", help="Weights, KV bytes per token, KV capacity and maximum concurrency of a "
                                        "model on a device, per tensor-parallel size (the engine's own arithmetic).")
     plan.add_argument("--config-json", metavar="FILE", help="A model's config.json (instead of --model).")
-    plan.add_argument("--quantization", choices=("fp8", "awq", "gptq"), help="Weight format of the linear layers.")
     plan.add_argument("--gpu-memory", type=float, metavar="GiB", help="Memory of one GPU (a GPU plan).")
     plan.add_argument("--tensor-parallel-sizes", default="1,2,4,8", metavar="N,N",
                       help="GPU plan: tensor-parallel sizes to show (those that split the heads evenly).")
@@ -214,7 +213,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = apply_vllm_flags(args, config_from_args(args))
         server = server_config_from_args(args) if args.command is None else None
-        plugins = PluginManager.from_config(config)  # unknown plugins and conflicts fail before a model loads
+        # unknown plugins and conflicts fail before a model loads (plan checks --quantization itself: its
+        # model may be a --config-json, not --model)
+        plugins = PluginManager.from_config(config.replace(quantization=None) if args.command == "plan" else config)
     except (ConfigError, ValueError, TypeError, OSError) as e:
         print(f"engine: error: {e}", file=sys.stderr)
         return 2

@@ -15,12 +15,6 @@ from kvloom.core.config import ConfigError, EngineConfig
 from kvloom.text_table import format_table
 
 GiB = capacity.GiB
-# Quantized linear layers: bits per weight, and bytes of scales/zeros per group of GROUP_SIZE weights
-# (fp8: one float32 scale per output channel instead). Embeddings, norms and lm_head stay in the dtype,
-# as in the usual fp8/AWQ/GPTQ checkpoints.
-QUANTIZATIONS = {"fp8": 8, "awq": 4, "gptq": 4}
-GROUP_SIZE = 128
-INT4_GROUP_BYTES = 2 + 0.5  # an fp16 scale and a 4-bit zero point per group
 CUDA_CONTEXT_GIB = 0.5  # memory a CUDA process holds outside PyTorch's allocator (context, cuBLAS workspaces)
 DEFAULT_TP_SIZES = (1, 2, 4, 8)
 
@@ -42,31 +36,45 @@ class ParameterCount:
 def count_parameters(hf_config) -> ParameterCount:
     """Build the engine's own model on the meta device (no memory) and count what it holds."""
     from kvloom.core.attention import AttentionBackend
-    from kvloom.core.loader import check_architecture
-    from kvloom.core.models.llama import SUPPORTED_ARCHITECTURES
+    from kvloom.core.loader import make_model
 
+    model = make_model(hf_config, AttentionBackend(), torch.float32)
     count = ParameterCount()
-
-    def counting_linear(in_features: int, out_features: int, bias: bool, prefix: str) -> torch.nn.Module:
-        count.linear_weights += in_features * out_features
-        count.linear_out_features += out_features
-        return torch.nn.Linear(in_features, out_features, bias=bias)
-
-    with torch.device("meta"):
-        model = SUPPORTED_ARCHITECTURES[check_architecture(hf_config)](hf_config, AttentionBackend(), counting_linear)
+    for layer in model.linear_layers():
+        if layer.prefix != "lm_head":  # the projections a quantization method replaces
+            count.linear_weights += layer.input_size * layer.output_size
+            count.linear_out_features += layer.output_size
     count.other = sum(p.numel() for p in model.parameters()) - count.linear_weights
     return count
 
 
-def weight_bytes(params: ParameterCount, dtype: torch.dtype, quantization: str | None) -> int:
-    size = capacity.dtype_size(dtype)
-    if quantization is None:
-        return params.total * size
-    if quantization == "fp8":
-        linear = params.linear_weights + 4 * params.linear_out_features
-    else:
-        linear = params.linear_weights // 2 + int(params.linear_weights / GROUP_SIZE * INT4_GROUP_BYTES)
-    return linear + params.other * size
+def quantization_method(hf_config, quantization: str | None):
+    """The method the engine would load this checkpoint with: the checkpoint's own (checked against
+    ``quantization``), else ``quantization`` with its usual settings (to size a checkpoint not made yet)."""
+    from kvloom.core.model.quantization import checkpoint_quantization_config, make_method, resolve_quantization
+
+    if checkpoint_quantization_config(hf_config) is not None:
+        quantization = resolve_quantization(quantization, hf_config)
+    elif quantization is not None and quantization not in ("fp8", "awq", "gptq"):
+        raise ConfigError(f"quantization={quantization!r} is not one of ['fp8', 'awq', 'gptq']")
+    return None if quantization is None else make_method(quantization, hf_config, plan_defaults=True)
+
+
+def weight_bytes(hf_config, dtype: torch.dtype, method, device_type: str) -> int:
+    """The bytes the engine's model holds on ``device_type`` after loading: the same layers, built on the
+    meta device, each sized by its format (a format dequantized at load counts as dense)."""
+    from kvloom.core.attention import AttentionBackend
+    from kvloom.core.loader import make_model
+    from kvloom.core.model.linear import LinearBase
+
+    model = make_model(hf_config, AttentionBackend(), dtype, method)
+    total = 0
+    for module in model.modules():
+        if isinstance(module, LinearBase):
+            total += module.method.held_bytes(module, device_type)
+        else:
+            total += sum(p.numel() * p.element_size() for p in module.parameters(recurse=False))
+    return total
 
 
 def activation_bytes(hf_config, config: EngineConfig, dtype: torch.dtype, max_model_len: int) -> int:
@@ -134,8 +142,8 @@ def make_plan(config: EngineConfig, hf_config, model_name: str, *, gpu_memory_gi
               quantization: str | None = None, tp_sizes=DEFAULT_TP_SIZES) -> Plan:
     from kvloom.core.engine_core import resolve_dtype
 
-    if quantization is not None and quantization not in QUANTIZATIONS:
-        raise ConfigError(f"quantization={quantization!r} is not one of {sorted(QUANTIZATIONS)}")
+    method = quantization_method(hf_config, quantization)
+    quantization = method.name if method is not None else None
     on_gpu = config.device == "cuda" or (config.device == "auto" and (gpu_memory_gib is not None
                                                                       or torch.cuda.is_available()))
     if config.device == "cpu" and gpu_memory_gib is not None:
@@ -149,14 +157,14 @@ def make_plan(config: EngineConfig, hf_config, model_name: str, *, gpu_memory_gi
     dtype = resolve_dtype(config.dtype, device, hf_config)
     max_len = capacity.resolve_max_model_len(hf_config, config.max_model_len)
     params = count_parameters(hf_config)
-    weights = weight_bytes(params, dtype, quantization)
+    weights = weight_bytes(hf_config, dtype, method, device.type)
     layers, kv_heads, head_dim = capacity.model_dims(hf_config)
     notes = []
-    if quantization:
-        notes.append(f"{quantization}: linear layers at {QUANTIZATIONS[quantization]} bits "
-                     + ("plus a float32 scale per output channel" if quantization == "fp8" else
-                        f"plus an fp16 scale and 4-bit zero per {GROUP_SIZE} weights")
-                     + f"; embeddings, norms and lm_head in {str(dtype).removeprefix('torch.')}")
+    if method is not None:
+        held = ("dequantized at load to dense weights on the CPU" if device.type == "cpu" else
+                "held in the format on the GPU")
+        notes.append(f"{method.describe().split('; kernel')[0].removeprefix('Quantization: ')}; {held}; "
+                     f"embeddings, norms and lm_head in {str(dtype).removeprefix('torch.')}")
     if getattr(hf_config, "gguf_file_bytes", None):
         notes.append(f"weights as the engine holds them: the GGUF file ({_gib(hf_config.gguf_file_bytes)} on disk) "
                      f"is dequantized to {str(dtype).removeprefix('torch.')} at load")
@@ -265,7 +273,7 @@ def run_plan(args, config: EngineConfig) -> int:
         if not tps or min(tps) < 1:
             raise ConfigError(f"--tensor-parallel-sizes={args.tensor_parallel_sizes!r}: give sizes >= 1")
         hf_config, name = load_plan_config(config, args.config_json)
-        plan = make_plan(config, hf_config, name, gpu_memory_gib=args.gpu_memory, quantization=args.quantization,
+        plan = make_plan(config, hf_config, name, gpu_memory_gib=args.gpu_memory, quantization=config.quantization,
                          tp_sizes=tps)
     except (ConfigError, ValueError, OSError) as e:
         print(f"engine plan: error: {e}", file=sys.stderr)

@@ -114,9 +114,11 @@ def test_packing_replaces_every_linear_and_ties_the_output(tiny_llama):
                   backend=CPUAttentionBackend(), max_positions=64)
     plain = build_model(tiny_llama, config, pack_cpu_weights=False, **common)
     packed = build_model(tiny_llama, config, **common)
-    assert not any(isinstance(m, torch.nn.Linear) for m in packed.modules())
-    linears = sum(isinstance(m, torch.nn.Linear) for m in plain.modules())
-    assert sum(isinstance(m, PackedLinear) for m in packed.modules()) == linears + int(plain.tie_word_embeddings)
+    # Packing is a step after loading of every dense layer: each holds its weight packed, none plain.
+    layers = packed.linear_layers()
+    assert len(layers) == len(plain.linear_layers()) == 4 * config.num_hidden_layers + 1  # qkv, o, gate_up, down; lm_head
+    assert all(isinstance(layer.packed, PackedLinear) and "weight" not in layer._parameters for layer in layers)
+    assert all(isinstance(layer.weight, torch.nn.Parameter) for layer in plain.linear_layers())
     h = torch.randn(5, config.hidden_size)
     torch.testing.assert_close(packed.compute_logits(h), plain.compute_logits(h), atol=1e-5, rtol=1e-5)
     assert pack_linear_layers(packed) == 0  # nothing left to pack

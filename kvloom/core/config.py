@@ -37,6 +37,9 @@ class EngineConfig:
     dtype: str = _opt("auto", "Weight and activation dtype (auto: bfloat16 on CUDA; on CPU, float32 for float32 checkpoints, "
                      "else bfloat16 where the CPU has native bf16 (AVX-512 BF16/AMX), else float32).",
                       choices=("auto", "float32", "bfloat16", "float16"))
+    quantization: str | None = _opt(None, "Weight format of the linear layers (default: the checkpoint's "
+                                    "quantization_config; fp8 also quantizes a dense checkpoint at load).",
+                                    choices=("fp8", "awq", "gptq"))
     device: str = _opt("auto", "Device to run on (auto: cuda if available).", choices=("auto", "cpu", "cuda"))
     block_size: int | None = _opt(None, "Tokens per KV-cache block (default: 16 on CUDA; 32 on CPU, where "
                                   "larger blocks make the decode gathers cheaper).", choices=(8, 16, 32, 64, 128))

@@ -54,11 +54,15 @@ class EngineCore:
             configure_threads(config.threads)
         t0 = time.perf_counter()
         self.attention_backend = get_attention_backend(self.device)
+        self.quantization = self.plugins.make_quantization(self.hf_config, config)  # None: dense
         self.model = build_model(
             self.model_path, self.hf_config, load_format=config.load_format, device=self.device,
             dtype=self.dtype, backend=self.attention_backend, max_positions=self.max_model_len, seed=config.seed,
+            quantization=self.quantization,
         )
         logger.info("Loaded %s (%s, %s) in %.1fs", config.model, self.dtype, self.device, time.perf_counter() - t0)
+        if self.quantization is not None:
+            logger.info(self.quantization.describe())
 
         self.capacity = self._kv_capacity()
         logger.info(self.capacity.describe())

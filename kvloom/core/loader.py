@@ -1,8 +1,11 @@
 """Model loading: configs and weights from Hugging Face folders (safetensors, sharded or not), from
-GGUF files (dequantized at load), or dummy weights of any config for benchmarks."""
+GGUF files (dequantized at load), or dummy weights of any config for benchmarks. Every path hands the
+tensors to the layers' weight loaders, then runs each layer's ``process_weights_after_loading``
+(repacking or dequantizing a quantized format, then packing dense weights for oneDNN on the CPU)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 from pathlib import Path
@@ -12,8 +15,8 @@ import torch
 from tqdm.auto import tqdm
 
 from kvloom.core.attention import AttentionBackend
-from kvloom.core.cpu_linear import pack_linear_layers
-from kvloom.core.models.llama import SUPPORTED_ARCHITECTURES, DecoderLM, default_linear
+from kvloom.core.cpu_linear import pack_layer, pack_tied_output
+from kvloom.core.models.llama import SUPPORTED_ARCHITECTURES, DecoderLM
 
 logger = logging.getLogger("kvloom")
 
@@ -47,10 +50,24 @@ def load_hf_config(path: Path, overrides: dict | None = None):
         from transformers import AutoConfig
 
         config = AutoConfig.from_pretrained(str(path))
+        _attach_quantize_config(path, config)
     for key, value in (overrides or {}).items():
         setattr(config, key, value)
     check_architecture(config)
     return config
+
+
+def _attach_quantize_config(path: Path, config) -> None:
+    """AutoGPTQ/AutoAWQ checkpoints may keep their quantization settings in a file of their own."""
+    if getattr(config, "quantization_config", None) is not None:
+        return
+    for name, method in (("quantize_config.json", "gptq"), ("quant_config.json", "awq")):
+        file = path / name
+        if file.is_file():
+            qc = json.loads(file.read_text())
+            qc.setdefault("quant_method", method)
+            config.quantization_config = qc
+            return
 
 
 def check_architecture(config) -> str:
@@ -143,6 +160,24 @@ def iter_gguf(path: Path, config) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 # --- model -----------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def default_dtype(dtype: torch.dtype):
+    """Build parameters in ``dtype`` unless a layer names its own (int32 packed weights, fp16 scales, FP8)."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def make_model(config, backend: AttentionBackend, dtype: torch.dtype, quantization=None) -> DecoderLM:
+    """The model on the meta device, its layers in the quantization method's format (``engine plan``
+    sizes weights from exactly this)."""
+    with torch.device("meta"), default_dtype(dtype):
+        return SUPPORTED_ARCHITECTURES[check_architecture(config)](config, backend, quantization)
+
+
 def build_model(
     path: Path | None,
     config,
@@ -153,35 +188,65 @@ def build_model(
     backend: AttentionBackend,
     max_positions: int,
     seed: int = 0,
-    linear=default_linear,
+    quantization=None,
     pack_cpu_weights: bool = True,
 ) -> DecoderLM:
-    """Create the model on ``device`` and fill its weights from ``path`` (or randomly for ``dummy``).
-    On the CPU the linear layers are then packed for oneDNN (``kvloom.core.cpu_linear``) unless
-    ``pack_cpu_weights`` is false."""
-    with torch.device("meta"):
-        model = SUPPORTED_ARCHITECTURES[check_architecture(config)](config, backend, linear)
-    model = model.to_empty(device=device).to(dtype)
+    """Create the model on ``device`` (its linear layers in ``quantization``'s format, or dense), fill its
+    weights from ``path`` (or randomly for ``dummy``), then process them once: the format's repacking,
+    then on the CPU oneDNN packing of dense weights unless ``pack_cpu_weights`` is false."""
+    model = _materialize(make_model(config, backend, dtype, quantization), device)
     if load_format == "dummy":
         _init_dummy(model, seed)
     else:
         fmt = load_format if load_format != "auto" else ("gguf" if is_gguf(path) else "safetensors")
         weights = iter_gguf(path, config) if fmt == "gguf" else iter_safetensors(path)
         loaded = model.load_weights(weights)
-        missing = sorted(n for n, _ in model.named_parameters() if n not in loaded)
+        missing = [_weight_name(n, s) for n, s in model.required_weights() if (n, s) not in loaded]
         if missing:
-            raise ValueError(f"checkpoint {str(path)!r} lacks weights for {missing[:5]}{'...' if len(missing) > 5 else ''}")
+            raise ValueError(f"checkpoint {str(path)!r} lacks weights for {', '.join(missing[:5])}"
+                             f"{' ...' if len(missing) > 5 else ''}")
     model.init_rope(max_positions)
-    if pack_cpu_weights and device.type == "cpu" and linear is default_linear:
-        pack_linear_layers(model)
+    process_weights_after_loading(model, pack_cpu=pack_cpu_weights)
     return model.eval()
+
+
+def _materialize(model: DecoderLM, device: torch.device) -> DecoderLM:
+    """``to_empty`` makes new Parameter objects off the meta device; keep what the layers set on them
+    (``weight_loader``, ``output_dim``, ...)."""
+    attrs = {name: dict(vars(p)) for name, p in model.named_parameters()}
+    model.to_empty(device=device)
+    for name, p in model.named_parameters():
+        p.__dict__.update(attrs[name])
+    return model
+
+
+def _weight_name(name: str, shard) -> str:
+    return name if shard is None else f"{name} (shard {shard!r})"
+
+
+@torch.no_grad()
+def process_weights_after_loading(model: DecoderLM, pack_cpu: bool = True) -> None:
+    """Each layer's steps after loading: its format's own (repack, dequantize), then oneDNN packing of
+    a dense CPU weight; a tied output projection gets a packed copy of the embedding table."""
+    for layer in model.linear_layers():
+        layer.process_weights_after_loading()
+        if pack_cpu:
+            pack_layer(layer)
+    if pack_cpu:
+        pack_tied_output(model)
 
 
 @torch.no_grad()
 def _init_dummy(model: torch.nn.Module, seed: int) -> None:
     """Deterministic random weights with sane scales: norms at one, matrices N(0, 0.02)."""
     gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    for module in model.modules():
+        init = getattr(getattr(module, "method", None), "init_dummy", None)
+        if init is not None:  # a quantized format knows what random weights look like in it
+            init(module, gen)
     for name, p in model.named_parameters():
+        if not p.is_floating_point() or p.dtype.itemsize == 1 or "scale" in name:
+            continue  # set by the format's init_dummy
         if "norm" in name:
             p.fill_(1.0)
         elif name.endswith("bias"):

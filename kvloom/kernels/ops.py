@@ -74,3 +74,14 @@ def silu_and_mul(x):
 
         return triton_fused.silu_and_mul(x)
     return ref.silu_and_mul(x)
+
+
+def int_matmul(x, qweight, zeros, scales, group_size, bits, bias=None):
+    """``x @ W.T`` of a K-packed int4/int8 weight, dequantized inside the matmul (``quant_reference``)."""
+    if use_triton(x):
+        from kvloom.kernels import triton_quant
+
+        return triton_quant.int_matmul(x, qweight, zeros, scales, group_size, bits, bias)
+    from kvloom.kernels import quant_reference
+
+    return quant_reference.int_matmul(x, qweight, zeros, scales, group_size, bits, bias)

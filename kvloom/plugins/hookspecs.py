@@ -106,9 +106,10 @@ def kvloom_prefix_cache(block_size: int, config: EngineConfig, options: dict[str
 def kvloom_quantization(hf_config: Any, config: EngineConfig, options: dict[str, Any]) -> QuantizationMethod:
     """Create the quantization method that loads and runs the model's linear layers.
 
-    Specified, not yet called: the engine refuses to start with a quantization plugin enabled until the
-    model loader uses it. Will be called once before the model is built, only when a quantization
-    plugin is enabled. ``firstresult``.
+    Called once before the model is built, on the enabled quantization plugin: the one ``--plugins`` or
+    ``--quantization`` names, or else the built-in plugin (``fp8``, ``awq``, ``gptq``) that the
+    checkpoint's ``quantization_config`` names. A built-in plugin checks the checkpoint's settings and
+    raises ``ConfigError`` naming the key and the supported values. ``firstresult``.
 
     :param hf_config: the model's transformers config (its ``quantization_config``, if any, tells the
         checkpoint's format).

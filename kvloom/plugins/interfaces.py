@@ -1,6 +1,4 @@
-"""The interfaces of the quantization and speculative-decoding plugin kinds. The engine runs
-speculative-decoding proposers; quantization is specified (kvloom.plugins.hookspecs) so plugins can be
-written against it, and enabling one fails at start-up until the loader calls it (docs/plugins.md).
+"""The interfaces of the quantization and speculative-decoding plugin kinds (docs/plugins.md).
 
 The other three kinds have their interfaces beside the code that uses them:
 ``kvloom.core.scheduler.SchedulingPolicy``, ``kvloom.core.kv_cache.BlockAllocator`` and
@@ -12,28 +10,29 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Protocol, Sequence
 
 if TYPE_CHECKING:
-    import torch
-
+    from kvloom.core.model.linear import LinearMethod
     from kvloom.core.request import Request
 
 
 class QuantizationMethod(Protocol):
     """A weight format: how checkpoint tensors become layer parameters and how a linear layer runs.
 
-    The model builds every projection through a linear factory (``kvloom.core.models.llama.LinearFactory``);
-    a quantization method is that factory plus a pass after loading.
+    The model builds every projection as a layer class of ``kvloom.core.model.linear`` (replicated,
+    merged column, QKV, row); the method gives each one its ``LinearMethod``, which declares the
+    parameters (packed weights, scales, zero points: the loader requires every one of them), repacks
+    them once after loading and runs the matmul. ``kvloom.core.model.quantization.QuantizationMethod``
+    is a base class that keeps ``modules_to_not_convert`` layers dense.
     """
 
     name: str
 
-    def make_linear(self, in_features: int, out_features: int, bias: bool, prefix: str) -> "torch.nn.Module":
-        """The layer for one projection (``prefix`` is its parameter path, e.g. ``layers.0.self_attn.qkv_proj``).
-        Its parameters are named so that the checkpoint's tensors for it load by name (packed weights,
-        scales, zero points), and its ``forward(x)`` computes ``x @ W.T + b`` in this format."""
+    def linear_method(self, prefix: str, checkpoint_prefixes: Sequence[str]) -> "LinearMethod":
+        """The method of the layer at ``prefix`` (e.g. ``model.layers.0.self_attn.qkv_proj``), which loads
+        the checkpoint modules ``checkpoint_prefixes`` (``...q_proj``, ``...k_proj``, ``...v_proj``)."""
         ...
 
-    def process_weights_after_loading(self, model: "torch.nn.Module") -> None:
-        """Repack or transpose loaded weights for the kernels, once, after every tensor is loaded."""
+    def describe(self) -> str:
+        """One start-up log line: the format, bits, group size and the kernel that runs it."""
         ...
 
 

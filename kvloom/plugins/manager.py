@@ -31,12 +31,17 @@ BUILTIN_PLUGINS = (
     "kvloom.plugins.builtin.free_list",
     "kvloom.plugins.builtin.prefix_cache",
     "kvloom.plugins.builtin.spec_decode",
+    "kvloom.plugins.builtin.fp8",
+    "kvloom.plugins.builtin.awq",
+    "kvloom.plugins.builtin.gptq",
 )
+# The built-in quantization plugins: one per format, picked by a checkpoint's quantization_config.
+BUILTIN_QUANTIZATIONS = ("fp8", "awq", "gptq")
 ENTRY_POINT_GROUP = "kvloom.plugins"
 # The plugin of each kind that is active when none of that kind is chosen.
 DEFAULTS = {"scheduler": "fcfs", "kv_allocator": "free_list"}
 # Kinds whose factory hook the engine calls; the others are specified for plugin authors but not run yet.
-ENGINE_RUNS = ("scheduler", "kv_allocator", "prefix_cache", "spec_decode")
+ENGINE_RUNS = ("scheduler", "kv_allocator", "prefix_cache", "spec_decode", "quantization")
 
 
 class PluginError(ConfigError):
@@ -80,6 +85,7 @@ class PluginManager:
             self._pm.trace.root.setwriter(logger.debug)
             self._pm.enable_tracing()
         self.available: dict[str, AvailablePlugin] = {}
+        self._objects: dict[str, object] = {}  # to register a plugin enabled later (a checkpoint's format)
         for module in BUILTIN_PLUGINS:
             self._add(module.rsplit(".", 1)[1], importlib.import_module(module), "built-in")
         self._add_entry_points()
@@ -93,8 +99,10 @@ class PluginManager:
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> "PluginManager":
-        """The plugins ``config`` enables, checked against each other and the config; raises PluginError."""
-        manager = cls(config.plugins, config.plugin_options)
+        """The plugins ``config`` enables, checked against each other and the config; raises PluginError.
+        ``config.quantization`` enables the quantization plugin of that name."""
+        enabled = list(config.plugins) + ([config.quantization] if config.quantization else [])
+        manager = cls(enabled, config.plugin_options)
         manager.validate(config)
         return manager
 
@@ -122,6 +130,7 @@ class PluginManager:
             return
         try:
             self._pm.register(plugin, name=name)
+            self._objects[name] = plugin
             self._pm.check_pending()  # a misspelt hook name is an error, not a silent no-op
             info = self._read_info(name)
         except Exception as e:
@@ -203,8 +212,9 @@ class PluginManager:
     def validate(self, config: EngineConfig) -> None:
         """Rules that need the config, or the engine: raise PluginConflictError / PluginError."""
         quantization = self.enabled.get("quantization")
-        if quantization and (config.load_format == "gguf" or config.model == DEFAULT_MODEL
-                             or config.model.endswith(".gguf")):
+        # fp8 quantizes dense weights at load, and GGUF weights are dense once dequantized
+        if quantization and quantization != "fp8" and (config.load_format == "gguf" or config.model == DEFAULT_MODEL
+                                                       or config.model.endswith(".gguf")):
             raise PluginConflictError(f"quantization plugin {quantization!r} cannot run with a GGUF model: "
                                       "GGUF weights are dequantized when they are loaded")
         for kind, name in self.enabled.items():
@@ -223,7 +233,26 @@ class PluginManager:
         return self._make("prefix_cache", block_size=block_size, config=config)
 
     def make_quantization(self, hf_config: Any, config: EngineConfig) -> QuantizationMethod | None:
+        """The method that loads the model's linear layers: the enabled quantization plugin's, or the
+        built-in one the checkpoint's quantization_config names (None for a dense checkpoint). A built-in
+        plugin that does not match the checkpoint is a ConfigError naming both."""
+        from kvloom.core.model.quantization import resolve_quantization
+
+        enabled = self.enabled.get("quantization")
+        if enabled is None or enabled in BUILTIN_QUANTIZATIONS:
+            name = resolve_quantization(enabled, hf_config, dummy=config.load_format == "dummy")
+            if name is None:
+                return None
+            if enabled is None:
+                self._enable(name)
         return self._make("quantization", hf_config=hf_config, config=config)
+
+    def _enable(self, name: str) -> None:
+        kind = self.available[name].info.kind
+        if not self._pm.has_plugin(name):
+            self._pm.register(self._objects[name], name=name)
+        self.enabled[kind] = name
+        self.options.setdefault(name, self.available[name].info.defaults())
 
     def make_spec_proposer(self, hf_config: Any, config: EngineConfig) -> DraftProposer | None:
         return self._make("spec_decode", hf_config=hf_config, config=config)

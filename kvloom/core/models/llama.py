@@ -2,25 +2,32 @@
 Qwen2/2.5 (qkv bias) and Qwen3 (per-head q/k RMSNorm), with tied or untied embeddings.
 
 The model takes one flat batch of tokens (any mix of prefill chunks and decodes) and attends through
-an ``AttentionBackend`` over the paged KV cache. Weights use Hugging Face names; q/k/v and gate/up
-are fused into one matmul each at load time.
+an ``AttentionBackend`` over the paged KV cache. Its linear layers own their weights
+(``kvloom.core.model.linear``): the model only maps Hugging Face checkpoint names to (layer, shard),
+so q/k/v and gate/up load into one fused matmul each, in any weight format a quantization method makes.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Iterable
+from typing import TYPE_CHECKING, Iterable
 
 import torch
 from torch import nn
 
 from kvloom.core.attention import AttentionBackend, AttentionMetadata
+from kvloom.core.model.linear import (LinearBase, MergedColumnLinear, QKVLinear, ReplicatedLinear, RowLinear,
+                                      UnquantizedLinearMethod)
 from kvloom.kernels import ops
 
-LinearFactory = Callable[[int, int, bool, str], nn.Module]
+if TYPE_CHECKING:
+    from kvloom.core.model.quantization import QuantizationMethod
 
 
-def default_linear(in_features: int, out_features: int, bias: bool, prefix: str) -> nn.Module:
-    return nn.Linear(in_features, out_features, bias=bias)
+def linear_method(quantization: "QuantizationMethod | None", prefix: str, checkpoint_names: list[str]):
+    """The layer's weight format: the quantization method's, or dense."""
+    if quantization is None:
+        return UnquantizedLinearMethod()
+    return quantization.linear_method(prefix, checkpoint_names)
 
 
 class RMSNorm(nn.Module):
@@ -56,7 +63,7 @@ def rope_cos_sin_cache(config, head_dim: int, max_positions: int) -> torch.Tenso
 
 
 class Attention(nn.Module):
-    def __init__(self, config, layer_idx: int, backend: AttentionBackend, linear: LinearFactory) -> None:
+    def __init__(self, config, layer_idx: int, backend: AttentionBackend, quantization=None) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
@@ -66,8 +73,11 @@ class Attention(nn.Module):
         self.scale = self.head_dim**-0.5
         bias = bool(getattr(config, "attention_bias", False)) or config.model_type == "qwen2"
         prefix = f"model.layers.{layer_idx}.self_attn"
-        self.qkv_proj = linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias, f"{prefix}.qkv_proj")
-        self.o_proj = linear(self.q_size, config.hidden_size, False, f"{prefix}.o_proj")
+        self.qkv_proj = QKVLinear(
+            config.hidden_size, self.head_dim, self.num_heads, self.num_kv_heads, bias, prefix=f"{prefix}.qkv_proj",
+            method=linear_method(quantization, f"{prefix}.qkv_proj", [f"{prefix}.{p}_proj" for p in "qkv"]))
+        self.o_proj = RowLinear(self.q_size, config.hidden_size, False, prefix=f"{prefix}.o_proj",
+                                method=linear_method(quantization, f"{prefix}.o_proj", [f"{prefix}.o_proj"]))
         self.qk_norm = config.model_type == "qwen3"
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -90,12 +100,15 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config, layer_idx: int, linear: LinearFactory) -> None:
+    def __init__(self, config, layer_idx: int, quantization=None) -> None:
         super().__init__()
         prefix = f"model.layers.{layer_idx}.mlp"
         inter = config.intermediate_size
-        self.gate_up_proj = linear(config.hidden_size, 2 * inter, False, f"{prefix}.gate_up_proj")
-        self.down_proj = linear(inter, config.hidden_size, False, f"{prefix}.down_proj")
+        self.gate_up_proj = MergedColumnLinear(
+            config.hidden_size, [inter, inter], False, prefix=f"{prefix}.gate_up_proj",
+            method=linear_method(quantization, f"{prefix}.gate_up_proj", [f"{prefix}.gate_proj", f"{prefix}.up_proj"]))
+        self.down_proj = RowLinear(inter, config.hidden_size, False, prefix=f"{prefix}.down_proj",
+                                   method=linear_method(quantization, f"{prefix}.down_proj", [f"{prefix}.down_proj"]))
         act = getattr(config, "hidden_act", "silu")
         if act != "silu":
             raise ValueError(f"hidden_act={act!r} is not supported; supported: silu")
@@ -105,10 +118,10 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config, layer_idx: int, backend: AttentionBackend, linear: LinearFactory) -> None:
+    def __init__(self, config, layer_idx: int, backend: AttentionBackend, quantization=None) -> None:
         super().__init__()
-        self.self_attn = Attention(config, layer_idx, backend, linear)
-        self.mlp = MLP(config, layer_idx, linear)
+        self.self_attn = Attention(config, layer_idx, backend, quantization)
+        self.mlp = MLP(config, layer_idx, quantization)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -130,27 +143,28 @@ class DecoderLayer(nn.Module):
 class DecoderLM(nn.Module):
     """A Llama-family causal LM over a paged KV cache."""
 
-    # checkpoint name fragment -> (fused parameter fragment, shard index)
-    fused = {
-        "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+    # checkpoint module name -> (fused layer name, shard id)
+    stacked = {
+        "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
         "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
     }
 
-    def __init__(self, config, backend: AttentionBackend, linear: LinearFactory = default_linear) -> None:
+    def __init__(self, config, backend: AttentionBackend, quantization: "QuantizationMethod | None" = None) -> None:
         super().__init__()
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, i, backend, linear) for i in range(config.num_hidden_layers)
+            DecoderLayer(config, i, backend, quantization) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         # Tied: the embedding table is the output projection, unless a packed copy is set after loading.
-        self.lm_head = None if self.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        # The output projection stays dense, as in the usual AWQ/GPTQ/FP8 checkpoints.
+        self.lm_head = None if self.tie_word_embeddings else ReplicatedLinear(
+            config.hidden_size, config.vocab_size, False, prefix="lm_head", method=UnquantizedLinearMethod())
         attn = self.layers[0].self_attn
         self.num_kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim
         self.register_buffer("cos_sin", torch.empty(0), persistent=False)
-
     def init_rope(self, max_positions: int) -> None:
         """(Re)build the rotary table on the model's device; call after weights are materialized."""
         device = self.embed_tokens.weight.device
@@ -180,40 +194,60 @@ class DecoderLM(nn.Module):
         return torch.nn.functional.linear(h, self.embed_tokens.weight).float()
 
     # ---------------------------------------------------------------------------------------------
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Copy checkpoint tensors (Hugging Face names) into the parameters, fusing q/k/v and gate/up.
-        Returns the names of the parameters that were set."""
-        params = dict(self.named_parameters())
-        loaded: set[str] = set()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[tuple[str, object]]:
+        """Hand each checkpoint tensor (Hugging Face names) to the parameter's ``weight_loader``, with the
+        shard it is of a fused layer. Returns the (parameter name, shard id) pairs that were set."""
+        modules = dict(self.named_modules())
+        loaded: set[tuple[str, object]] = set()
         for name, tensor in weights:
-            if "rotary_emb" in name:
+            if "rotary_emb" in name or (name.startswith("lm_head") and self.tie_word_embeddings):
                 continue
-            if name.startswith("lm_head") and self.tie_word_embeddings:
-                continue
-            target, shard = name.removeprefix("model."), None
-            for frag, (fused_frag, idx) in self.fused.items():
-                if f".{frag}." in target:
-                    target, shard = target.replace(f".{frag}.", f".{fused_frag}."), idx
-                    break
-            if target not in params:
+            module_name, _, leaf = name.removeprefix("model.").rpartition(".")
+            shard = None
+            head, _, last = module_name.rpartition(".")
+            if last in self.stacked:
+                fused, shard = self.stacked[last]
+                module_name = f"{head}.{fused}"
+            module = modules.get(module_name)
+            param = module._parameters.get(leaf) if module is not None else None
+            if param is None:
+                if module is not None and self._ignorable(module, leaf, tensor):
+                    continue
                 raise ValueError(f"checkpoint tensor {name!r} has no matching parameter in {type(self).__name__}")
-            param = params[target]
-            if shard is None:
-                if param.shape != tensor.shape:
-                    raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model shape {tuple(param.shape)}")
-                param.data.copy_(tensor)
+            loader = getattr(param, "weight_loader", None)
+            if loader is not None:
+                loader(param, tensor, shard)
+            elif param.shape != tensor.shape:
+                raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model shape {tuple(param.shape)}")
             else:
-                sizes = self._shard_sizes(target)
-                start = sum(sizes[:shard])
-                param.data.narrow(0, start, sizes[shard]).copy_(tensor)
-            loaded.add(target)
+                with torch.no_grad():
+                    param.copy_(tensor)
+            loaded.add((f"{module_name}.{leaf}", shard))
         return loaded
 
-    def _shard_sizes(self, param_name: str) -> list[int]:
-        attn = self.layers[0].self_attn
-        if "qkv_proj" in param_name:
-            return [attn.q_size, attn.kv_size, attn.kv_size]
-        return [self.config.intermediate_size] * 2
+    @staticmethod
+    def _ignorable(module: nn.Module, leaf: str, tensor: torch.Tensor) -> bool:
+        """Tensors a format saves that carry nothing here: the zero biases GPTQ writes for bias-free layers,
+        and what the layer's method says it does not use (GPTQ's g_idx without desc_act)."""
+        if not isinstance(module, LinearBase):
+            return False
+        if leaf == "bias" and module.bias is None:
+            return not bool(tensor.any())
+        return leaf in getattr(module.method, "ignored", ())
+
+    def required_weights(self) -> list[tuple[str, object]]:
+        """Every (parameter name, shard id) a complete checkpoint sets: each shard of a fused layer's
+        parameters, whatever the layer's weight format declares."""
+        needed = []
+        for module_name, module in self.named_modules():
+            for leaf, param in module.named_parameters(recurse=False):
+                name = f"{module_name}.{leaf}" if module_name else leaf
+                shards = module.shard_ids if isinstance(module, LinearBase) and module.shard_ids else [None]
+                needed += [(name, s) for s in shards]
+        return needed
+
+    def linear_layers(self) -> list[LinearBase]:
+        return [m for m in self.modules() if isinstance(m, LinearBase)]
 
 
 SUPPORTED_ARCHITECTURES = {

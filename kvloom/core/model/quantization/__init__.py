@@ -1,0 +1,132 @@
+"""Quantized weight formats: which one a checkpoint is in (its ``quantization_config``), checked against
+``--quantization``, and the base of the methods that make the model's linear layers in that format.
+The formats themselves are ``awq``, ``gptq`` and ``fp8`` beside this file; the built-in plugins of the
+same names hand them to the engine."""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+from kvloom.core.config import ConfigError
+from kvloom.core.model.linear import LinearMethod, UnquantizedLinearMethod
+
+QUANTIZATIONS = ("fp8", "awq", "gptq")
+# quantization_config.quant_method -> the method that loads it
+CHECKPOINT_METHODS = {"awq": "awq", "gptq": "gptq", "fp8": "fp8", "compressed-tensors": "fp8"}
+
+
+def checkpoint_quantization_config(hf_config) -> dict[str, Any] | None:
+    """The checkpoint's ``quantization_config`` (config.json, or quantize_config.json beside it) as a dict."""
+    qc = getattr(hf_config, "quantization_config", None)
+    if qc is None:
+        return None
+    return dict(qc) if isinstance(qc, dict) else qc.to_dict()
+
+
+def resolve_quantization(forced: str | None, hf_config, dummy: bool = False) -> str | None:
+    """The method that loads this checkpoint: its ``quantization_config``'s, which ``forced`` (the
+    ``quantization`` option) must match; ``fp8`` also quantizes an unquantized checkpoint at load, and
+    ``dummy`` weights may be made in any format. Raises ConfigError naming the key and the supported values."""
+    if forced is not None and forced not in QUANTIZATIONS:
+        raise ConfigError(f"quantization={forced!r} is not one of {list(QUANTIZATIONS)}")
+    qc = checkpoint_quantization_config(hf_config)
+    if qc is None:
+        if forced in (None, "fp8") or dummy:
+            return forced
+        raise ConfigError(f"quantization={forced!r} needs a checkpoint quantized with {forced} (a quantization_config "
+                          f"in config.json or a quantize_config.json); this checkpoint has none. Only "
+                          f"quantization='fp8' quantizes an unquantized checkpoint at load")
+    method = qc.get("quant_method")
+    if method not in CHECKPOINT_METHODS:
+        raise ConfigError(f"quantization_config.quant_method={method!r} is not supported; supported: "
+                          f"{sorted(CHECKPOINT_METHODS)}")
+    name = CHECKPOINT_METHODS[method]
+    if forced is not None and forced != name:
+        raise ConfigError(f"quantization={forced!r} does not match the checkpoint's quantization_config.quant_method="
+                          f"{method!r}; use quantization={name!r} or leave quantization unset")
+    return name
+
+
+# What ``engine plan --quantization X`` sizes when the checkpoint itself is not quantized.
+PLAN_DEFAULTS = {
+    "awq": {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm"},
+    "gptq": {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False, "sym": True},
+}
+
+
+def make_method(name: str, hf_config, *, plan_defaults: bool = False) -> "QuantizationMethod":
+    """The method ``name`` for this checkpoint, from its ``quantization_config`` (checked key by key).
+    ``plan_defaults``: size an unquantized checkpoint as if quantized with the usual settings."""
+    qc = checkpoint_quantization_config(hf_config)
+    if qc is None and plan_defaults and name in PLAN_DEFAULTS:
+        qc = dict(PLAN_DEFAULTS[name])
+    if name == "awq":
+        from kvloom.core.model.quantization.awq import AWQMethod
+
+        return AWQMethod.from_config(qc or {})
+    if name == "gptq":
+        from kvloom.core.model.quantization.gptq import GPTQMethod
+
+        return GPTQMethod.from_config(qc or {})
+    if name == "fp8":
+        from kvloom.core.model.quantization.fp8 import FP8Method
+
+        return FP8Method.from_config(qc)
+    raise ConfigError(f"quantization={name!r} is not one of {list(QUANTIZATIONS)}")
+
+
+def param_bytes(layer) -> int:
+    return sum(p.numel() * p.element_size() for p in layer.parameters(recurse=False))
+
+
+def dense_bytes(layer) -> int:
+    size = torch.empty(0, dtype=layer.params_dtype).element_size()
+    return (layer.output_size * layer.input_size + (layer.output_size if layer.bias is not None else 0)) * size
+
+
+def check_choice(qc: dict, key: str, supported: Sequence, method: str, default: Any = None) -> Any:
+    """``qc[key]`` if it is one of ``supported``, else a ConfigError naming the key and the supported values."""
+    value = qc.get(key, default)
+    if value not in supported or isinstance(value, bool) != isinstance(supported[0], bool):  # True == 1
+        raise ConfigError(f"quantization_config.{key}={value!r} is not supported by {method}; supported: "
+                          f"{list(supported)}")
+    return value
+
+
+class QuantizationMethod:
+    """A weight format: makes each linear layer's ``LinearMethod`` (which declares its parameters, loads
+    and repacks them, and runs the matmul). Layers named in ``modules_to_not_convert`` stay dense."""
+
+    name = "?"
+
+    def __init__(self, modules_to_not_convert: Sequence[str] = ()) -> None:
+        self.modules_to_not_convert = tuple(modules_to_not_convert or ())
+        self.kernel = "not loaded yet"  # set by the layers once they know their device
+
+    def linear_method(self, prefix: str, checkpoint_prefixes: Sequence[str]) -> LinearMethod:
+        """The method of the layer at ``prefix``, which loads the checkpoint modules ``checkpoint_prefixes``
+        (``q_proj``, ``k_proj`` and ``v_proj`` for a fused ``qkv_proj``)."""
+        skipped = [p for p in checkpoint_prefixes if self._not_converted(p)]
+        if skipped:
+            if len(skipped) != len(checkpoint_prefixes):
+                raise ConfigError(f"modules_to_not_convert leaves {skipped} dense but not the rest of "
+                                  f"{list(checkpoint_prefixes)}, which kvloom runs as one fused layer {prefix!r}")
+            return UnquantizedLinearMethod()
+        return self.quantized_linear_method(prefix)
+
+    def _not_converted(self, prefix: str) -> bool:
+        # Substrings of the module name, as AutoAWQ and vLLM match them ("lm_head", "layers.0.mlp").
+        return any(m and m in prefix for m in self.modules_to_not_convert)
+
+    def quantized_linear_method(self, prefix: str) -> LinearMethod:
+        raise NotImplementedError
+
+    def describe(self) -> str:
+        """The start-up log line: format, bits, group size and kernel."""
+        raise NotImplementedError
+
+
+def dequantized_kernel(device: torch.device, dtype: torch.dtype) -> str:
+    return f"dequantized at load to {str(dtype).removeprefix('torch.')} ({device.type}: dense matmuls)"

@@ -1,0 +1,201 @@
+"""FP8 (e4m3) linear layers: ``quant_method: "fp8"`` checkpoints (per-tensor or per-channel
+``weight_scale``, static ``input_scale`` or dynamic activations, block-wise ``weight_block_size``),
+compressed-tensors FP8 checkpoints (channel or tensor weights, dynamic per-token or static activations),
+and online quantization of a dense checkpoint (per-channel weight scales, dynamic per-token activations).
+
+Where the GPU has FP8 matmuls (Ada, Hopper and later) the layer runs W8A8 through ``torch._scaled_mm``
+with row-wise scales; elsewhere (the CPU, older GPUs) and for block-wise scales, weight-only: the FP8
+weight is dequantized at load, so its rounding is kept and the matmul is dense.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kvloom.core.config import ConfigError
+from kvloom.core.model.linear import LinearBase, set_dense_weight
+from kvloom.core.model.quantization import QuantizationMethod, dense_bytes
+from kvloom.kernels.quant_reference import (FP8_DTYPE, fp8_dequantize_blocks, fp8_quantize, fp8_scale_per_row)
+
+FP8_ACTIVATION_SCHEMES = ("dynamic", "static")
+CT_WEIGHT_STRATEGIES = ("channel", "tensor")
+
+
+def fp8_matmul_supported(device: torch.device) -> bool:
+    """cuBLASLt FP8 GEMMs: compute capability 8.9 (Ada) and later."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def fp8_w8a8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                    input_scale: torch.Tensor | None, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x @ W.T + b`` with ``x`` quantized to FP8 per token (or by the static ``input_scale``) and
+    ``W`` FP8 ``[out, in]`` with ``weight_scale [out, 1]``, through ``torch._scaled_mm``."""
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])
+    rows = x2.shape[0]
+    scale = fp8_scale_per_row(x2) if input_scale is None else input_scale.float().reshape(1, 1).expand(rows, 1)
+    xq = fp8_quantize(x2, scale)
+    pad = -rows % 16  # cuBLASLt's FP8 kernels want 16-aligned dims
+    if pad:
+        xq = F.pad(xq.view(torch.uint8), (0, 0, 0, pad)).view(FP8_DTYPE)
+        scale = F.pad(scale, (0, 0, 0, pad), value=1.0)
+    out = torch._scaled_mm(xq, weight.t(), scale_a=scale.contiguous(), scale_b=weight_scale.reshape(1, -1),
+                           out_dtype=x.dtype)[:rows]
+    if bias is not None:
+        out = out + bias
+    return out.reshape(*shape[:-1], weight.shape[0])
+
+
+class FP8Method(QuantizationMethod):
+    name = "fp8"
+    bits = 8
+
+    def __init__(self, source: str, activation: str = "dynamic", block: tuple[int, int] | None = None,
+                 weight_strategy: str = "tensor", modules_to_not_convert=()) -> None:
+        super().__init__(modules_to_not_convert)
+        self.source = source  # "fp8", "compressed-tensors" or "online"
+        self.activation, self.block, self.weight_strategy = activation, block, weight_strategy
+
+    @classmethod
+    def from_config(cls, qc: dict | None) -> "FP8Method":
+        if qc is None:
+            return cls("online", "dynamic", weight_strategy="channel")
+        if qc.get("quant_method") == "compressed-tensors":
+            return cls._from_compressed_tensors(qc)
+        scheme = qc.get("activation_scheme", "dynamic")
+        if scheme not in FP8_ACTIVATION_SCHEMES:
+            raise ConfigError(f"quantization_config.activation_scheme={scheme!r} is not supported by fp8; supported: "
+                              f"{list(FP8_ACTIVATION_SCHEMES)}")
+        block = qc.get("weight_block_size")
+        if block is not None:
+            if not (isinstance(block, (list, tuple)) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
+                raise ConfigError(f"quantization_config.weight_block_size={block!r} is not supported by fp8; "
+                                  "supported: [rows, columns] of positive ints, e.g. [128, 128]")
+            if scheme != "dynamic":
+                raise ConfigError("quantization_config.activation_scheme='static' is not supported by fp8 with "
+                                  "weight_block_size; supported: ['dynamic']")
+            block = tuple(block)
+        skip = qc.get("ignored_layers") or qc.get("modules_to_not_convert") or ()
+        return cls("fp8", scheme, block, "tensor", skip)
+
+    @classmethod
+    def _from_compressed_tensors(cls, qc: dict) -> "FP8Method":
+        groups = qc.get("config_groups") or {}
+        if len(groups) != 1:
+            raise ConfigError(f"quantization_config.config_groups has {len(groups)} groups; supported: exactly one "
+                              "(FP8 weights of every Linear)")
+        group = next(iter(groups.values()))
+        w = group.get("weights") or {}
+        if w.get("type") != "float" or w.get("num_bits") != 8:
+            raise ConfigError(f"quantization_config.config_groups.*.weights type={w.get('type')!r} num_bits="
+                              f"{w.get('num_bits')!r} is not supported; supported: type 'float', num_bits 8 (FP8)")
+        strategy = w.get("strategy")
+        if strategy not in CT_WEIGHT_STRATEGIES:
+            raise ConfigError(f"quantization_config.config_groups.*.weights.strategy={strategy!r} is not supported; "
+                              f"supported: {list(CT_WEIGHT_STRATEGIES)}")
+        a = group.get("input_activations")
+        if a is None:
+            raise ConfigError("quantization_config.config_groups.*.input_activations=None (weight-only FP8) is not "
+                              "supported; supported: FP8 activations, dynamic per token or static per tensor")
+        if a.get("dynamic"):
+            if a.get("strategy") != "token":
+                raise ConfigError(f"quantization_config.config_groups.*.input_activations.strategy="
+                                  f"{a.get('strategy')!r} is not supported for dynamic activations; supported: ['token']")
+            activation = "dynamic"
+        elif a.get("strategy") == "tensor":
+            activation = "static"
+        else:
+            raise ConfigError(f"quantization_config.config_groups.*.input_activations.strategy={a.get('strategy')!r} "
+                              "is not supported for static activations; supported: ['tensor']")
+        return cls("compressed-tensors", activation, None, strategy, qc.get("ignore") or ())
+
+    def quantized_linear_method(self, prefix: str) -> "FP8LinearMethod":
+        return FP8LinearMethod(self)
+
+    def describe(self) -> str:
+        weights = (f"block scales {self.block[0]}x{self.block[1]}" if self.block else
+                   f"per-{'channel' if self.weight_strategy == 'channel' else 'tensor'} weight scales")
+        source = {"online": "quantized at load", "fp8": "fp8 checkpoint",
+                  "compressed-tensors": "compressed-tensors checkpoint"}[self.source]
+        acts = "dynamic per-token" if self.activation == "dynamic" else "static per-tensor"
+        return f"Quantization: fp8 e4m3 ({source}), 8 bits, {weights}, {acts} activations; kernel: {self.kernel}"
+
+
+class FP8LinearMethod:
+    name = "fp8"
+
+    def __init__(self, method: FP8Method) -> None:
+        self.method = method
+        self.w8a8 = False
+
+    def create_weights(self, layer: LinearBase) -> None:
+        m = self.method
+        out, inp = layer.output_size, layer.input_size
+        if m.source == "online":
+            layer.add_param("weight", torch.empty(out, inp, dtype=layer.params_dtype), output_dim=0, input_dim=1)
+            return
+        layer.add_param("weight", torch.empty(out, inp, dtype=FP8_DTYPE), output_dim=0, input_dim=1)
+        if m.block:
+            bo, bi = m.block
+            if any(s % bo for s in layer.output_sizes) and layer.num_shards > 1:
+                raise ConfigError(f"{layer.prefix}: output sizes {layer.output_sizes} are not multiples of "
+                                  f"quantization_config.weight_block_size[0]={bo}, which a fused layer needs")
+            layer.add_param("weight_scale_inv", torch.empty(-(-out // bo), -(-inp // bi), dtype=torch.float32),
+                            output_dim=0, input_dim=1)
+        else:
+            # Per-tensor scales are held per channel (every row of a shard gets its shard's scale), so
+            # fused shards keep their own scales and the matmul is always row-wise.
+            p = layer.add_param("weight_scale", torch.empty(out, 1, dtype=torch.float32), output_dim=0)
+            p.scalar_fills = True
+        if m.activation == "static":
+            layer.add_param("input_scale", torch.empty(layer.num_shards, dtype=torch.float32), per_shard=True)
+
+    def process_weights_after_loading(self, layer: LinearBase) -> None:
+        m = self.method
+        if m.source == "online":
+            scale = fp8_scale_per_row(layer.weight.data)
+            weight = fp8_quantize(layer.weight.data, scale)
+        elif m.block:
+            set_dense_weight(layer, fp8_dequantize_blocks(layer.weight.data, layer.weight_scale_inv.data, m.block))
+            m.kernel = f"weight-only, dequantized at load to {str(layer.params_dtype).removeprefix('torch.')}"
+            return
+        else:
+            weight, scale = layer.weight.data, layer.weight_scale.data
+        if not fp8_matmul_supported(weight.device):
+            set_dense_weight(layer, weight.float() * scale)
+            m.kernel = (f"weight-only, dequantized at load to {str(layer.params_dtype).removeprefix('torch.')} "
+                        f"({weight.device.type}: no FP8 matmul)")
+            return
+        input_scale = layer.input_scale.data.max().reshape(1) if m.activation == "static" else None
+        for name in ("weight", "weight_scale", "input_scale"):
+            if name in layer._parameters:
+                delattr(layer, name)
+        layer.add_param("weight", weight.contiguous(), output_dim=0, input_dim=1)
+        layer.add_param("weight_scale", scale.float().reshape(-1, 1).contiguous(), output_dim=0)
+        if input_scale is not None:  # one scale for the fused input: the largest shard's, as vLLM does
+            layer.add_param("input_scale", input_scale)
+        self.w8a8 = True
+        m.kernel = "W8A8 torch._scaled_mm, row-wise scales"
+
+    def apply(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
+        return fp8_w8a8_linear(x, layer.weight, layer.weight_scale, getattr(layer, "input_scale", None), layer.bias)
+
+    def held_bytes(self, layer: LinearBase, device_type: str) -> int:
+        if device_type == "cpu" or self.method.block:  # weight-only: dequantized at load
+            return dense_bytes(layer)
+        bias = layer.output_size * torch.empty(0, dtype=layer.params_dtype).element_size() if layer.bias is not None else 0
+        return layer.output_size * layer.input_size + 4 * layer.output_size + bias  # FP8 weight, a scale per channel
+
+    @torch.no_grad()
+    def init_dummy(self, layer: LinearBase, gen: torch.Generator) -> None:
+        """Weights of about N(0, 0.02): FP8 values of N(0, 1) times a scale of 0.02."""
+        if self.method.source == "online":
+            return  # a dense weight: the loader's own random init
+        w = torch.randn(layer.weight.shape, generator=gen, device=layer.weight.device)
+        layer.weight.copy_(w.clamp(-448, 448).to(FP8_DTYPE))
+        for name in ("weight_scale", "weight_scale_inv"):
+            if name in layer._parameters:
+                getattr(layer, name).fill_(0.02)
+        if "input_scale" in layer._parameters:
+            layer.input_scale.fill_(0.05)

@@ -1,0 +1,55 @@
+"""The one run-time layout of AWQ and GPTQ layers on the GPU: int32 words packed along the inputs,
+uint8 zero points, fp16 scales, dequantized inside the Triton W4A16/W8A16 GEMM
+(``kvloom.kernels.triton_quant``). On the CPU the formats are dequantized at load instead, where dense
+oneDNN matmuls are faster than unpacking nibbles on every call."""
+
+from __future__ import annotations
+
+import torch
+
+from kvloom.core.model.linear import LinearBase
+
+
+def keep_packed(device: torch.device, forced: bool | None) -> bool:
+    """Run packed (the in-kernel dequantizing GEMM) or dequantize at load: packed on CUDA."""
+    return forced if forced is not None else device.type == "cuda"
+
+
+def set_packed_weight(layer: LinearBase, qweight: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor,
+                      group_size: int, bits: int, perm: torch.Tensor | None = None) -> None:
+    """Replace the checkpoint's tensors by the K-packed layout; ``perm`` reorders the inputs (desc_act)."""
+    for name in list(layer._parameters):
+        if name != "bias":
+            delattr(layer, name)
+    layer.add_param("qweight", qweight, input_dim=0, output_dim=1)
+    layer.add_param("zeros", zeros, input_dim=0, output_dim=1)
+    layer.add_param("scales", scales.contiguous(), input_dim=0, output_dim=1)
+    if perm is not None:
+        layer.register_buffer("perm", perm, persistent=False)
+    else:
+        layer.perm = None
+    layer.method = PackedIntLinearMethod(group_size, bits)
+
+
+class PackedIntLinearMethod:
+    """W4A16/W8A16 through ``ops.int_matmul`` (Triton on CUDA, the PyTorch reference elsewhere)."""
+
+    def __init__(self, group_size: int, bits: int) -> None:
+        self.group_size, self.bits = group_size, bits
+        self.name = f"int{bits} packed"
+
+    def create_weights(self, layer: LinearBase) -> None:
+        raise RuntimeError("a packed-int layer is made from a loaded AWQ or GPTQ one")
+
+    def process_weights_after_loading(self, layer: LinearBase) -> None:
+        pass
+
+    def apply(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
+        from kvloom.kernels import ops
+
+        if layer.perm is not None:
+            x = x.index_select(-1, layer.perm)
+        return ops.int_matmul(x, layer.qweight, layer.zeros, layer.scales, self.group_size, self.bits, layer.bias)
+
+    def held_bytes(self, layer: LinearBase, device_type: str) -> int:
+        return sum(p.numel() * p.element_size() for p in layer.parameters(recurse=False))

@@ -1,0 +1,104 @@
+"""The Triton W4A16/W8A16 GEMM against its PyTorch reference (small shapes through the ``tk`` fixture:
+interpreted on the CPU, compiled on a GPU), the repacking of AWQ/GPTQ into its layout, and FP8 W8A8."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvloom.kernels import quant_reference as qr
+
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def random_packed(k: int, n: int, bits: int, group: int, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 2**bits, (k, n), generator=gen)
+    groups = -(-k // group)
+    zeros = torch.randint(0, 2**bits, (groups, n), generator=gen).to(torch.uint8)
+    scales = (torch.rand(groups, n, generator=gen) * 0.02 + 0.001).half()
+    return qr.pack_int32(q, bits, 0), zeros, scales
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("rows", [1, 5, 70])
+@pytest.mark.parametrize("group", [32, 256])
+def test_int_matmul_kernel_matches_the_reference(tk, bits, rows, group):
+    k, n = 256, 96  # n not a multiple of the 64-wide tiles: the masks are exercised
+    qweight, zeros, scales = random_packed(k, n, bits, group)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(1))
+    bias = torch.randn(n)
+    want = qr.int_matmul(x, qweight, zeros, scales, group, bits, bias)
+    dev = tk.device
+    args = [t.to(dev) for t in (x, qweight, zeros, scales)]
+    got = tk.quant.int_matmul(*args, group, bits, bias.to(dev))
+    torch.testing.assert_close(got.cpu(), want, atol=1e-4, rtol=1e-4)
+    # split-K (the decode tiles) and single-pass tiles give the same product
+    for cfg in (dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, SPLIT_K=4, num_warps=4),
+                dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=64, SPLIT_K=1, num_warps=4)):
+        got = tk.quant.int_matmul(*args, group, bits, bias.to(dev), config=cfg)
+        torch.testing.assert_close(got.cpu(), want, atol=1e-4, rtol=1e-4)
+
+
+def test_decode_and_batched_tiles_differ():
+    from kvloom.kernels.triton_quant import tile_config
+
+    assert tile_config(1, 4096, 4096)["SPLIT_K"] > 1 and tile_config(1, 4096, 4096)["BLOCK_M"] == 16
+    assert tile_config(256, 4096, 4096)["SPLIT_K"] == 1 and tile_config(256, 4096, 4096)["BLOCK_M"] == 64
+
+
+def test_awq_repacked_along_the_inputs_is_the_same_weight():
+    from tests.quant_checkpoints import awq_quantize
+
+    w = torch.randn(64, 128, generator=torch.Generator().manual_seed(0)) * 0.05
+    t, deq = awq_quantize(w, 32)
+    assert torch.equal(qr.dequantize_awq(t["qweight"], t["qzeros"], t["scales"], 32), deq)
+    qweight, zeros = qr.repack_awq(t["qweight"], t["qzeros"])
+    x = torch.randn(3, 128)
+    torch.testing.assert_close(qr.int_matmul(x, qweight, zeros, t["scales"], 32, 4), x @ deq.t(),
+                               atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("v2", [False, True])
+def test_gptq_desc_act_repacked_with_sorted_inputs_is_the_same_product(bits, v2):
+    from tests.quant_checkpoints import gptq_quantize
+
+    w = torch.randn(64, 128, generator=torch.Generator().manual_seed(0)) * 0.05
+    t, deq = gptq_quantize(w, bits, 32, sym=False, desc_act=True, v2=v2, gen=torch.Generator().manual_seed(2))
+    assert torch.equal(qr.dequantize_gptq(t["qweight"], t["qzeros"], t["scales"], t["g_idx"], bits, 32, not v2), deq)
+    perm = torch.argsort(t["g_idx"].long(), stable=True)
+    qweight, zeros = qr.repack_gptq(t["qweight"], t["qzeros"], bits, not v2, perm)
+    x = torch.randn(3, 128)
+    torch.testing.assert_close(qr.int_matmul(x[:, perm], qweight, zeros, t["scales"], 32, bits), x @ deq.t(),
+                               atol=1e-5, rtol=1e-5)
+
+
+def test_fp8_w8a8_matches_the_reference_that_quantizes_activations_the_same_way():
+    from kvloom.core.model.quantization.fp8 import fp8_w8a8_linear
+
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(48, 64, generator=gen) * 0.05
+    scale = qr.fp8_scale_per_row(w)
+    wq = qr.fp8_quantize(w, scale)
+    x = torch.randn(5, 64, generator=gen)
+    bias = torch.randn(48, generator=gen)
+    for input_scale in (None, torch.tensor([0.01])):
+        want = qr.fp8_linear_reference(x, wq, scale, input_scale, bias, torch.float32)
+        got = fp8_w8a8_linear(x, wq, scale, input_scale, bias)  # torch._scaled_mm runs on the CPU too
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    # and the error against the unquantized product is FP8's, small but not zero
+    err = (fp8_w8a8_linear(x, wq, scale, None, None) - x @ w.t()).abs().max() / (x @ w.t()).abs().max()
+    assert 1e-4 < err < 0.05
+
+
+@requires_cuda
+@pytest.mark.parametrize("rows", [1, 256])
+def test_int_matmul_on_the_gpu_at_llama_shapes(rows):
+    from kvloom.kernels import triton_quant
+
+    qweight, zeros, scales = random_packed(4096, 4096, 4, 128)
+    x = torch.randn(rows, 4096).to(torch.bfloat16)
+    want = qr.int_matmul(x.float(), qweight, zeros, scales, 128, 4)
+    got = triton_quant.int_matmul(x.cuda(), qweight.cuda(), zeros.cuda(), scales.cuda(), 128, 4)
+    torch.testing.assert_close(got.float().cpu(), want, atol=0.05, rtol=0.02)
