@@ -158,10 +158,7 @@ class Launcher:
             if self.signals:
                 logger.info("Got %s: draining in-flight requests", signal.Signals(self.signals[0]).name)
                 return self._shutdown()
-            if self.engine.poll() is not None and not self.engine_lost:
-                self.engine_lost = True
-                logger.error("The engine process exited with code %s (its error is above); requests now get "
-                             "503 until the server is restarted", self.engine.returncode)
+            self._check_engine()
             exited = [p for p in self.frontends if p.poll() is not None]
             if exited:
                 codes = [p.returncode for p in exited]
@@ -170,8 +167,15 @@ class Launcher:
                 return 1
             time.sleep(POLL_S)
 
+    def _check_engine(self) -> None:
+        if self.engine is not None and self.engine.poll() is not None and not self.engine_lost:
+            self.engine_lost = True
+            logger.error("The engine process exited with code %s (its error is above); requests now get "
+                         "503 until the server is restarted", self.engine.returncode)
+
     def _shutdown(self) -> int:
         """Frontends first (they stop accepting and finish their requests), then the engine."""
+        self._check_engine()  # an engine lost just before the signal still makes the exit non-zero
         drain = self.server_config.drain_timeout
         for p in self.frontends:
             _signal(p, signal.SIGTERM)

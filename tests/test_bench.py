@@ -47,7 +47,8 @@ def completions_served(url: str) -> float:
     """Successful /v1/completions requests the server counted (its one API worker's /metrics)."""
     text = httpx.get(url + "/metrics", timeout=10).text
     return sum(s.value for fam in text_string_to_metric_families(text) for s in fam.samples
-               if s.name == "kvloom_http_requests_total" and s.labels == {"path": "/v1/completions", "status": "200"})
+               if s.name == "kvloom_http_requests_total" and s.labels.get("path") == "/v1/completions"
+               and s.labels.get("status") == "200")
 
 
 def run_bench(argv, tmp_path, capsys) -> tuple[int, dict, str]:

@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kvloom.kernels.triton_attention import _dot_precision
+
 
 @triton.jit
 def _int_matmul_kernel(
@@ -20,7 +22,7 @@ def _int_matmul_kernel(
     M, N, K, group_size,
     stride_xm, stride_om,
     BITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    SPLIT_K: tl.constexpr,
+    SPLIT_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -46,7 +48,7 @@ def _int_matmul_kernel(
         z = tl.load(z_ptr + g, mask=k_ok[:, None] & n_ok[None, :], other=0)
         s = tl.load(s_ptr + g, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
         w = ((q - z.to(tl.int32)).to(tl.float32) * s.to(tl.float32)).to(x.dtype)
-        acc += tl.dot(x, w)
+        acc += tl.dot(x, w, input_precision=DOT_PRECISION)
     out = out_ptr + rm[:, None].to(tl.int64) * stride_om + rn[None, :]
     if SPLIT_K == 1:
         tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
@@ -80,7 +82,7 @@ def int_matmul(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor, scal
                                                       dtype=torch.float32 if split > 1 else x.dtype)
     grid = (triton.cdiv(m, cfg["BLOCK_M"]), triton.cdiv(n, cfg["BLOCK_N"]), split)
     _int_matmul_kernel[grid](x2, qweight, zeros, scales, out, m, n, k, group_size, x2.stride(0), out.stride(0),
-                             BITS=bits, **cfg)
+                             BITS=bits, DOT_PRECISION=_dot_precision(x2.dtype), **cfg)
     out = out.to(x.dtype)
     if bias is not None:
         out = out + bias

@@ -83,12 +83,15 @@ def test_fp8_w8a8_matches_the_reference_that_quantizes_activations_the_same_way(
     wq = qr.fp8_quantize(w, scale)
     x = torch.randn(5, 64, generator=gen)
     bias = torch.randn(48, generator=gen)
+    # On a GPU the engine's own path (cuBLASLt); else the CPU's _scaled_mm (row-wise scales since torch 2.12).
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    on = lambda *ts: [t if t is None else t.to(dev) for t in ts]  # noqa: E731
     for input_scale in (None, torch.tensor([0.01])):
         want = qr.fp8_linear_reference(x, wq, scale, input_scale, bias, torch.float32)
-        got = fp8_w8a8_linear(x, wq, scale, input_scale, bias)  # torch._scaled_mm runs on the CPU too
+        got = fp8_w8a8_linear(*on(x, wq, scale, input_scale, bias)).cpu()
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
     # and the error against the unquantized product is FP8's, small but not zero
-    err = (fp8_w8a8_linear(x, wq, scale, None, None) - x @ w.t()).abs().max() / (x @ w.t()).abs().max()
+    err = (fp8_w8a8_linear(*on(x, wq, scale, None, None)).cpu() - x @ w.t()).abs().max() / (x @ w.t()).abs().max()
     assert 1e-4 < err < 0.05
 
 
