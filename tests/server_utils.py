@@ -174,3 +174,19 @@ def kv_blocks(url: str) -> tuple[float, float]:
     """(free, total) KV blocks of the server's engine."""
     values = metric_samples(url)
     return values["kvloom_kv_cache_free_blocks"], values["kvloom_kv_cache_total_blocks"]
+
+
+def raw_socket(engine):
+    """A DEALER socket registered with an engine (``.address``) as frontend "raw", for tests that
+    speak the wire protocol themselves."""
+    import zmq
+
+    from kvloom.core import messages as m
+
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVTIMEO, 10_000)
+    sock.connect(engine.address)
+    sock.send(m.encode(m.RegisterFrontend(frontend_id="raw")))
+    assert isinstance(m.decode_engine_message(sock.recv()), m.EngineReady)
+    return sock

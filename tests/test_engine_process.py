@@ -8,13 +8,13 @@ import os
 import threading
 
 import pytest
-import zmq
 
 from kvloom.core import messages as m
 from kvloom.core.config import EngineConfig
 from kvloom.core.engine_process import EngineServer
 from kvloom.core.sampling_params import SamplingParams
 from kvloom.frontends.engine_client import AsyncEngineClient
+from tests.server_utils import raw_socket
 
 BLOCKS = 64
 GREEDY = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
@@ -45,16 +45,6 @@ async def connect(engine) -> AsyncEngineClient:
 
 async def run(client, rid, prompt, sampling=GREEDY) -> list[m.TokenDelta]:
     return [d async for d in client.generate(rid, prompt, sampling)]
-
-
-def raw_socket(engine) -> zmq.Socket:
-    sock = zmq.Context.instance().socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.RCVTIMEO, 10_000)
-    sock.connect(engine.address)
-    sock.send(m.encode(m.RegisterFrontend(frontend_id="raw")))
-    assert isinstance(m.decode_engine_message(sock.recv()), m.EngineReady)
-    return sock
 
 
 def test_each_frontend_gets_only_its_own_outputs(engine):

@@ -16,7 +16,7 @@ from kvloom.core import messages as m
 from kvloom.core.config import EngineConfig
 from kvloom.core.engine_process import EngineServer as EngineLoop
 from kvloom.core.sampling_params import SamplingParams
-from tests.server_utils import EngineServer
+from tests.server_utils import EngineServer, raw_socket
 
 NUM_BLOCKS = 256
 GREEDY = {"temperature": 0.0, "max_tokens": 4, "ignore_eos": True}
@@ -51,16 +51,6 @@ def engine(tiny_llama, tmp_path):
     assert not thread.is_alive(), "the engine loop did not stop"
     if not loop.socket.closed:
         loop.close("test over")
-
-
-def raw_frontend(engine) -> zmq.Socket:
-    sock = zmq.Context.instance().socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.RCVTIMEO, 10_000)
-    sock.connect(engine.address)
-    sock.send(m.encode(m.RegisterFrontend(frontend_id="raw")))
-    assert isinstance(m.decode_engine_message(sock.recv()), m.EngineReady)
-    return sock
 
 
 def finished_delta(sock: zmq.Socket, request_id: str) -> m.TokenDelta:
@@ -135,7 +125,7 @@ def test_the_issue_body_is_refused_and_the_engine_lives(server):
 ])
 def test_engine_rejects_out_of_range_add_request_on_arrival(engine, sampling, priority, needle):
     # Bypass every frontend: the raw message a buggy or hostile client could send.
-    sock = raw_frontend(engine)
+    sock = raw_socket(engine)
     sock.send(msgspec.msgpack.encode({"type": "AddRequest", "request_id": "bad", "prompt_token_ids": [5, 6],
                                       "sampling": sampling, "priority": priority}))
     rejected = finished_delta(sock, "bad")
@@ -190,7 +180,7 @@ def test_gateway_refuses_boolean_token_ids(server):
 
 
 def test_a_request_the_engine_cannot_decode_ends_with_an_error(engine):
-    sock = raw_frontend(engine)
+    sock = raw_socket(engine)
     # Booleans where token ids belong: the engine's typed decoder refuses the whole message.
     sock.send(msgspec.msgpack.encode({"type": "AddRequest", "request_id": "bool", "prompt_token_ids": [True],
                                       "sampling": {}}))
