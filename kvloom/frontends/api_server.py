@@ -1,16 +1,16 @@
 """The OpenAI-compatible HTTP frontend (Starlette on uvicorn): /v1/completions, /v1/chat/completions,
 /v1/models, /health, /version, /metrics. Run as a process by the ``engine`` launcher; several of
-them may share one listening socket and one engine."""
+them may share one listening socket and one engine. This file holds the routes and the process entry;
+HTTP plumbing is in ``asgi``, request translation in ``openai_requests``, response building in
+``openai_responses``."""
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import hmac
 import logging
 import os
-import re
 import signal
 import socket
 import sys
@@ -21,16 +21,23 @@ import msgspec
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
-from starlette.requests import ClientDisconnect, Request
+from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
 import kvloom
 from kvloom.core.config import EngineConfig
-from kvloom.core.messages import TokenLogprobs
-from kvloom.core.sampling_params import SamplingParams
 from kvloom.frontends import openai_protocol as api
 from kvloom.frontends.access_log import AccessLog, track_tokens
+from kvloom.frontends.asgi import (
+    ClientGone,
+    EventStream,
+    cancel_on_disconnect,
+    decode_body,
+    error_response,
+    json_response,
+    prepend,
+)
 from kvloom.frontends.config import ServerConfig
 from kvloom.frontends.engine_client import EngineUnavailable
 from kvloom.frontends.frontend_core import (
@@ -41,137 +48,20 @@ from kvloom.frontends.frontend_core import (
     merge_streams,
     start_frontend_core,
 )
-from kvloom.frontends.limits import check_json_depth, read_body
 from kvloom.frontends.metrics import FrontendMetrics
+from kvloom.frontends.openai_requests import (
+    chat_messages,
+    chat_template_options,
+    choice_sampling,
+    sampling_params,
+    split_prompts,
+)
+from kvloom.frontends.openai_responses import ResponseBuilder, UsageCounter
 from kvloom.frontends.request_fields import CHAT_RULES, COMPLETION_RULES, check_fields
-from kvloom.frontends.text import load_chat_template, token_bytes
+from kvloom.frontends.text import load_chat_template
 from kvloom.frontends.tokenize_routes import routes as tokenize_routes
 
 logger = logging.getLogger("kvloom.api")
-
-ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-               408: "timeout_error", 413: "invalid_request_error", 429: "rate_limit_error",
-               503: "service_unavailable"}
-_PARAM_AT = re.compile(r" - at `\$\.?([^`]*)`")
-_MISSING = re.compile(r"missing required field `([^`]+)`")
-
-
-class ClientGone(Exception):
-    """The HTTP client disconnected before its response was ready."""
-
-
-def json_response(body: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
-    return Response(msgspec.json.encode(body), status_code=status, media_type="application/json", headers=headers)
-
-
-def error_response(status: int, message: str, param: str | None = None) -> Response:
-    info = api.ErrorInfo(message=message, type=ERROR_TYPES.get(status, "server_error"), param=param, code=status)
-    return json_response(api.ErrorResponse(info), status)
-
-
-async def _wait_for_disconnect(receive) -> None:
-    while (await receive())["type"] != "http.disconnect":
-        pass
-
-
-async def cancel_on_disconnect(receive, awaitable: Awaitable[Any]) -> Any:
-    """Await ``awaitable`` unless the client disconnects first; then cancel it (which aborts its engine
-    requests and frees their KV blocks) and raise ClientGone."""
-    work = asyncio.ensure_future(awaitable)
-    watcher = asyncio.ensure_future(_wait_for_disconnect(receive))
-    try:
-        await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
-        if work.done():
-            return work.result()
-        raise ClientGone()
-    finally:
-        # Also when this task itself is cancelled: ``work`` must be over before its iterators are closed,
-        # or closing them fails with "asynchronous generator is already running".
-        for task in (work, watcher):
-            task.cancel()
-        await asyncio.gather(work, watcher, return_exceptions=True)
-
-
-class EventStream:
-    """A server-sent-events response that stops (and aborts its requests) when the client goes away."""
-
-    def __init__(self, events: AsyncIterator[str], headers: dict[str, str],
-                 on_close: Callable[[], None] | None = None) -> None:
-        self.events = events
-        self.on_close = on_close
-        self.headers = [(k.lower().encode(), v.encode()) for k, v in headers.items()]
-
-    async def __call__(self, scope, receive, send) -> None:
-        await send({"type": "http.response.start", "status": 200, "headers": [
-            (b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"), *self.headers]})
-
-        async def stream() -> None:
-            async for event in self.events:
-                await send({"type": "http.response.body", "body": event.encode(), "more_body": True})
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
-
-        try:
-            await cancel_on_disconnect(receive, stream())
-        except ClientGone:
-            pass
-        finally:
-            await self.events.aclose()
-            if self.on_close is not None:
-                self.on_close()
-
-
-def sse(body: Any) -> str:
-    return f"data: {msgspec.json.encode(body).decode()}\n\n"
-
-
-SSE_DONE = "data: [DONE]\n\n"
-
-
-def _decode_error_param(message: str) -> str | None:
-    match = _PARAM_AT.search(message) or _MISSING.search(message)
-    return match.group(1) if match else None
-
-
-def _sampling(req: api._GenerationRequest, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-    try:
-        return SamplingParams(
-            temperature=1.0 if req.temperature is None else req.temperature,
-            top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k, min_p=req.min_p, seed=req.seed,
-            presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
-            repetition_penalty=req.repetition_penalty, max_tokens=max_tokens, min_tokens=req.min_tokens,
-            stop=stop, stop_token_ids=list(req.stop_token_ids), ignore_eos=req.ignore_eos, logprobs=logprobs,
-            skip_special_tokens=req.skip_special_tokens, include_stop_str_in_output=req.include_stop_str_in_output,
-        )
-    except ValueError as e:  # SamplingParams names the field first: "top_k=-5 must be ..."
-        field = str(e).split("=", 1)[0]
-        raise RequestError(400, str(e), field if field.isidentifier() else None) from e
-
-
-def _choice_sampling(sp: SamplingParams, i: int) -> SamplingParams:
-    # n choices from one seeded request must differ from each other yet be reproducible.
-    return sp if sp.seed is None or i == 0 else msgspec.structs.replace(sp, seed=(sp.seed + i) % 2**63)
-
-
-class UsageCounter:
-    """Token counts of one HTTP request across its choices."""
-
-    def __init__(self, prompt_lens: list[int], n: int) -> None:
-        self.prompt_tokens = sum(prompt_lens)
-        self.n = n
-        self.completion: dict[int, int] = {}
-        self.cached: dict[int, int] = {}
-
-    def add(self, index: int, delta: TextDelta) -> None:
-        self.completion[index] = delta.num_output_tokens
-        if index % self.n == 0:
-            self.cached[index] = delta.num_cached_tokens
-
-    def info(self) -> api.UsageInfo:
-        completion = sum(self.completion.values())
-        cached = sum(self.cached.values())
-        return api.UsageInfo(self.prompt_tokens, completion, self.prompt_tokens + completion,
-                             api.PromptTokensDetails(cached) if cached else None)
 
 
 class OpenAIServer:
@@ -179,8 +69,7 @@ class OpenAIServer:
         self.config = config
         self.core: FrontendCore | None = None
         self.metrics = FrontendMetrics()
-        self._token_text: dict[int, str] = {}
-        self._token_bytes: dict[int, bytes] = {}
+        self.responses: ResponseBuilder | None = None  # once the engine has said which model it serves
         # --chat-template: read once here; the launcher has checked it already
         self.chat_template = load_chat_template(config.chat_template) if config.chat_template else None
 
@@ -234,21 +123,8 @@ class OpenAIServer:
 
     async def _parse(self, request: Request, typ: type, rules: dict | None = None):
         """The body decoded as ``typ``; with ``rules``, its fields checked by ``check_fields`` too."""
-        try:
-            body = await read_body(request.stream(), request.headers.get("content-length"),
-                                   self.config.max_request_body_bytes, self.config.http_body_timeout)
-        except ClientDisconnect:  # gone mid-body: nothing to answer, and not a server error
-            raise ClientGone() from None
-        check_json_depth(body)
-        try:
-            req = msgspec.json.decode(body, type=typ)
-        except msgspec.ValidationError as e:
-            param = _decode_error_param(str(e))
-            message = str(e).split(" - at ")[0]
-            raise RequestError(400, f"invalid value for '{param}': {message}" if param and "missing" not in message
-                               else message, param) from None
-        except msgspec.DecodeError as e:
-            raise RequestError(400, f"the request body is not valid JSON: {e}") from None
+        req, body = await decode_body(request, typ, self.config.max_request_body_bytes,
+                                      self.config.http_body_timeout)
         if rules is not None:
             check_fields(msgspec.json.decode(body), typ, rules)
         return req
@@ -267,18 +143,6 @@ class OpenAIServer:
     def _request_id(self, request: Request, prefix: str) -> str:
         # Echoed back only: the engine gets ids this frontend makes, so a reused id cannot mix outputs.
         return request.headers.get("x-request-id") or f"{prefix}-{uuid.uuid4().hex}"
-
-    def token_text(self, token_id: int) -> str:
-        text = self._token_text.get(token_id)
-        if text is None:
-            text = self._token_text[token_id] = self.core.tokenizer.decode([token_id], skip_special_tokens=False)
-        return text
-
-    def token_bytes(self, token_id: int) -> bytes:
-        raw = self._token_bytes.get(token_id)
-        if raw is None:
-            raw = self._token_bytes[token_id] = token_bytes(self.core.tokenizer, token_id)
-        return raw
 
     def _start(self, prepared: list[PreparedRequest]) -> AsyncIterator[tuple[int, TextDelta]]:
         for p in prepared:
@@ -307,139 +171,37 @@ class OpenAIServer:
             await merged.aclose()
             admission.release()
             raise
-        return EventStream(events(_prepend(first, merged)), headers, on_close=admission.release)
-
-    async def _stream_end(self, events: AsyncIterator[str], usage_chunk: Callable[[], Any] | None):
-        """Wrap an event stream: an engine failure mid-stream becomes an error event; ends with [DONE]."""
-        try:
-            async for event in events:
-                yield event
-            if usage_chunk is not None:
-                yield sse(usage_chunk())
-        except RequestError as e:
-            info = api.ErrorInfo(message=e.message, type=ERROR_TYPES.get(e.status, "server_error"), code=e.status)
-            yield sse(api.ErrorResponse(info))
-        yield SSE_DONE
+        return EventStream(events(prepend(first, merged)), headers, on_close=admission.release)
 
     # --- /v1/completions ---------------------------------------------------------------------------
     async def completions(self, request: Request):
         req: api.CompletionRequest = await self._parse_generation(request, api.CompletionRequest)
         prompts = [self.core.check_token_ids(p) if isinstance(p, list) else await self.core.tokenize_text(p)
-                   for p in _split_prompts(req.prompt)]
-        sp = _sampling(req, req.max_tokens, req.logprobs)
-        prepared = [self.core.prepare(ids, _choice_sampling(sp, i), priority=req.priority)
+                   for p in split_prompts(req.prompt)]
+        sp = sampling_params(req, req.max_tokens, req.logprobs)
+        prepared = [self.core.prepare(ids, choice_sampling(sp, i), priority=req.priority)
                     for ids in prompts for i in range(req.n)]
         rid = self._request_id(request, "cmpl")
         usage = UsageCounter([len(p) for p in prompts], req.n)
         return await self._respond(request, prepared, req.stream, rid,
-                                   lambda merged: self._collect_completion(rid, merged, usage, len(prepared)),
-                                   lambda merged: self._completion_events(req, rid, merged, usage))
-
-    async def _collect_completion(self, rid: str, merged, usage: UsageCounter, count: int) -> api.CompletionResponse:
-        texts = [""] * count
-        lps: list[list[TokenLogprobs] | None] = [None] * count
-        finals: list[TextDelta | None] = [None] * count
-        async for index, delta in merged:
-            texts[index] += delta.text
-            if delta.logprobs:
-                lps[index] = (lps[index] or []) + delta.logprobs
-            if delta.finish_reason is not None:
-                finals[index] = delta
-                usage.add(index, delta)
-        choices = [api.CompletionChoice(index=i, text=texts[i], logprobs=self._completion_logprobs(lps[i], 0),
-                                        finish_reason=finals[i].finish_reason, stop_reason=finals[i].stop_reason)
-                   for i in range(count)]
-        return api.CompletionResponse(id=rid, choices=choices, model=self.model_name, usage=usage.info())
-
-    def _completion_events(self, req: api.CompletionRequest, rid: str, merged, usage: UsageCounter):
-        async def events():
-            offsets: dict[int, int] = {}
-            async for index, delta in merged:
-                lp = self._completion_logprobs(delta.logprobs, offsets.get(index, 0))
-                offsets[index] = offsets.get(index, 0) + len(delta.text)
-                if delta.finish_reason is not None:
-                    usage.add(index, delta)
-                choice = api.CompletionChoice(index=index, text=delta.text, logprobs=lp,
-                                              finish_reason=delta.finish_reason, stop_reason=delta.stop_reason)
-                yield sse(api.CompletionResponse(id=rid, choices=[choice], model=self.model_name))
-
-        include_usage = req.stream_options is not None and req.stream_options.include_usage
-        usage_chunk = (lambda: api.CompletionResponse(id=rid, choices=[], model=self.model_name,
-                                                      usage=usage.info())) if include_usage else None
-        return self._stream_end(events(), usage_chunk)
-
-    def _completion_logprobs(self, lps: list[TokenLogprobs] | None, offset: int) -> api.CompletionLogprobs | None:
-        if lps is None:
-            return None
-        tokens = [self.token_text(lp.token_id) for lp in lps]
-        text_offset = []
-        for t in tokens:
-            text_offset.append(offset)
-            offset += len(t)
-        top = [{self.token_text(t.token_id): t.logprob for t in lp.top} for lp in lps]
-        return api.CompletionLogprobs(tokens, [lp.logprob for lp in lps], top, text_offset)
+                                   lambda merged: self.responses.collect_completion(rid, merged, usage, len(prepared)),
+                                   lambda merged: self.responses.completion_events(req, rid, merged, usage))
 
     # --- /v1/chat/completions ----------------------------------------------------------------------
     async def chat_completions(self, request: Request):
         req: api.ChatCompletionRequest = await self._parse_generation(request, api.ChatCompletionRequest)
-        ids = await self.core.tokenize_chat(_chat_messages(req.messages),
+        ids = await self.core.tokenize_chat(chat_messages(req.messages),
                                             **chat_template_options(req, self.chat_template))
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-        sp = _sampling(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
-        prepared = [self.core.prepare(ids, _choice_sampling(sp, i), priority=req.priority, max_tokens_param=param,
+        sp = sampling_params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
+        prepared = [self.core.prepare(ids, choice_sampling(sp, i), priority=req.priority, max_tokens_param=param,
                                       prompt_param="messages") for i in range(req.n)]
         rid = self._request_id(request, "chatcmpl")
         usage = UsageCounter([len(ids)], req.n)
         return await self._respond(request, prepared, req.stream, rid,
-                                   lambda merged: self._collect_chat(rid, merged, usage, req.n),
-                                   lambda merged: self._chat_events(req, rid, merged, usage))
-
-    async def _collect_chat(self, rid: str, merged, usage: UsageCounter, n: int) -> api.ChatCompletionResponse:
-        texts = [""] * n
-        lps: list[list[api.TokenLogprobOut] | None] = [None] * n
-        finals: list[TextDelta | None] = [None] * n
-        async for index, delta in merged:
-            texts[index] += delta.text
-            if delta.logprobs:
-                lps[index] = (lps[index] or []) + self._chat_logprobs(delta.logprobs).content
-            if delta.finish_reason is not None:
-                finals[index] = delta
-                usage.add(index, delta)
-        choices = [api.ChatChoice(index=i, message=api.ChatMessageOut(texts[i]),
-                                  logprobs=api.ChatLogprobs(lps[i]) if lps[i] is not None else None,
-                                  finish_reason=finals[i].finish_reason, stop_reason=finals[i].stop_reason)
-                   for i in range(n)]
-        return api.ChatCompletionResponse(id=rid, choices=choices, model=self.model_name, usage=usage.info())
-
-    def _chat_events(self, req: api.ChatCompletionRequest, rid: str, merged, usage: UsageCounter):
-        model = self.model_name
-
-        async def events():
-            yield sse(api.ChatCompletionChunk(id=rid, model=model, choices=[
-                api.ChatChunkChoice(index=i, delta=api.DeltaMessage(role="assistant", content=""))
-                for i in range(req.n)]))
-            async for index, delta in merged:
-                if delta.finish_reason is not None:
-                    usage.add(index, delta)
-                lp = self._chat_logprobs(delta.logprobs) if delta.logprobs else None
-                choice = api.ChatChunkChoice(index=index, delta=api.DeltaMessage(content=delta.text), logprobs=lp,
-                                             finish_reason=delta.finish_reason, stop_reason=delta.stop_reason)
-                yield sse(api.ChatCompletionChunk(id=rid, model=model, choices=[choice]))
-
-        include_usage = req.stream_options is not None and req.stream_options.include_usage
-        usage_chunk = (lambda: api.ChatCompletionChunk(id=rid, choices=[], model=model,
-                                                       usage=usage.info())) if include_usage else None
-        return self._stream_end(events(), usage_chunk)
-
-    def _chat_logprobs(self, lps: list[TokenLogprobs]) -> api.ChatLogprobs:
-        def entry(token_id: int, logprob: float) -> tuple[str, float, list[int]]:
-            return self.token_text(token_id), logprob, list(self.token_bytes(token_id))
-
-        return api.ChatLogprobs([
-            api.TokenLogprobOut(*entry(lp.token_id, lp.logprob),
-                                [api.TopLogprobOut(*entry(t.token_id, t.logprob)) for t in lp.top])
-            for lp in lps])
+                                   lambda merged: self.responses.collect_chat(rid, merged, usage, req.n),
+                                   lambda merged: self.responses.chat_events(req, rid, merged, usage))
 
     # --- the rest ----------------------------------------------------------------------------------
     async def models(self, request: Request):
@@ -478,54 +240,6 @@ class OpenAIServer:
         return json_response({"status": "ok"})
 
 
-async def _prepend(first, rest: AsyncIterator):
-    try:
-        yield first
-        async for item in rest:
-            yield item
-    finally:
-        await rest.aclose()
-
-
-def _split_prompts(prompt: str | list[Any]) -> list[str | list[int]]:
-    """A completion ``prompt`` is text, token ids, or a batch of either."""
-    if isinstance(prompt, str):
-        return [prompt]
-    if prompt and all(isinstance(p, str) for p in prompt):
-        return list(prompt)
-    if prompt and all(_is_token_id(p) for p in prompt):
-        return [prompt]
-    if prompt and all(isinstance(p, list) and p and all(_is_token_id(t) for t in p) for p in prompt):
-        return list(prompt)
-    raise RequestError(400, "prompt must be a string, a list of strings, a list of token ids or a list of lists "
-                       "of token ids, and not empty", "prompt")
-
-
-def _is_token_id(value: Any) -> bool:
-    return type(value) is int  # not bool: JSON true is not token 1
-
-
-def chat_template_options(req, default_template: str | None) -> dict[str, Any]:
-    """A chat or /tokenize request's template options, as ``render_chat_template`` takes them."""
-    return dict(chat_template=req.chat_template, default_template=default_template,
-                add_generation_prompt=req.add_generation_prompt, continue_final_message=req.continue_final_message,
-                chat_template_kwargs=req.chat_template_kwargs)
-
-
-def _chat_messages(messages: list[api.ChatMessageIn]) -> list[dict[str, Any]]:
-    out = []
-    for i, m in enumerate(messages):
-        content = m.content
-        if isinstance(content, list):
-            bad = next((p.type for p in content if p.type != "text"), None)
-            if bad is not None:
-                raise RequestError(400, f"content part type {bad!r} is not supported (only 'text')",
-                                   f"messages[{i}].content")
-            content = "".join(p.text or "" for p in content)
-        out.append({"role": m.role, "content": content or ""})
-    return out
-
-
 # --- process ---------------------------------------------------------------------------------------
 def build_app(engine_address: str, engine_config: EngineConfig, server_config: ServerConfig,
               engine_secret: str | None = None) -> Starlette:
@@ -542,6 +256,7 @@ def build_app(engine_address: str, engine_config: EngineConfig, server_config: S
             logging.shutdown()
             os._exit(3)
         server.metrics.set_model(server.core.ready.model_name)
+        server.responses = ResponseBuilder(server.core.tokenizer, server.core.ready.model_name)
         try:
             yield
         finally:

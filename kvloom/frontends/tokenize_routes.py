@@ -9,7 +9,9 @@ from msgspec import Struct
 from starlette.requests import Request
 
 from kvloom.frontends import openai_protocol as api
-from kvloom.frontends.frontend_core import RequestError
+from kvloom.frontends.asgi import json_response
+from kvloom.frontends.errors import RequestError
+from kvloom.frontends.openai_requests import chat_messages, chat_template_options
 from kvloom.frontends.request_fields import CHAT_RULES
 
 if TYPE_CHECKING:
@@ -67,9 +69,7 @@ async def tokenize(server: "OpenAIServer", request: Request) -> TokenizeResponse
         if req.add_special_tokens:
             raise RequestError(400, "add_special_tokens=true is not supported with messages: the chat template "
                                "places the special tokens", "add_special_tokens")
-        from kvloom.frontends.api_server import _chat_messages, chat_template_options
-
-        ids = await server.core.tokenize_chat(_chat_messages(req.messages),
+        ids = await server.core.tokenize_chat(chat_messages(req.messages),
                                               **chat_template_options(req, server.chat_template))
     strs = tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
     return TokenizeResponse(len(ids), server.core.max_model_len, list(ids), strs)
@@ -83,8 +83,6 @@ async def detokenize(server: "OpenAIServer", request: Request) -> DetokenizeResp
 
 def routes(server: "OpenAIServer") -> list:
     from starlette.routing import Route
-
-    from kvloom.frontends.api_server import json_response
 
     async def tokenize_endpoint(request: Request):
         return json_response(await tokenize(server, request))

@@ -1,0 +1,158 @@
+"""OpenAI response bodies built from the engine's text deltas: whole responses, server-sent event
+streams (with usage chunks and a final error event), and logprobs in the completion and chat shapes."""
+
+from __future__ import annotations
+
+from typing import Any, AsyncIterator, Callable
+
+from kvloom.core.messages import TokenLogprobs
+from kvloom.frontends import openai_protocol as api
+from kvloom.frontends.asgi import ERROR_TYPES, SSE_DONE, sse
+from kvloom.frontends.errors import RequestError
+from kvloom.frontends.frontend_core import TextDelta
+from kvloom.frontends.text import token_bytes
+
+
+class UsageCounter:
+    """Token counts of one HTTP request across its choices."""
+
+    def __init__(self, prompt_lens: list[int], n: int) -> None:
+        self.prompt_tokens = sum(prompt_lens)
+        self.n = n
+        self.completion: dict[int, int] = {}
+        self.cached: dict[int, int] = {}
+
+    def add(self, index: int, delta: TextDelta) -> None:
+        self.completion[index] = delta.num_output_tokens
+        if index % self.n == 0:
+            self.cached[index] = delta.num_cached_tokens
+
+    def info(self) -> api.UsageInfo:
+        completion = sum(self.completion.values())
+        cached = sum(self.cached.values())
+        return api.UsageInfo(self.prompt_tokens, completion, self.prompt_tokens + completion,
+                             api.PromptTokensDetails(cached) if cached else None)
+
+
+class ResponseBuilder:
+    """Builds one served model's responses; caches each token's text and bytes for logprobs."""
+
+    def __init__(self, tokenizer, model_name: str) -> None:
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self._token_text: dict[int, str] = {}
+        self._token_bytes: dict[int, bytes] = {}
+
+    def token_text(self, token_id: int) -> str:
+        text = self._token_text.get(token_id)
+        if text is None:
+            text = self._token_text[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False)
+        return text
+
+    def token_bytes(self, token_id: int) -> bytes:
+        raw = self._token_bytes.get(token_id)
+        if raw is None:
+            raw = self._token_bytes[token_id] = token_bytes(self.tokenizer, token_id)
+        return raw
+
+    async def stream_end(self, events: AsyncIterator[str], usage_chunk: Callable[[], Any] | None):
+        """Wrap an event stream: an engine failure mid-stream becomes an error event; ends with [DONE]."""
+        try:
+            async for event in events:
+                yield event
+            if usage_chunk is not None:
+                yield sse(usage_chunk())
+        except RequestError as e:
+            info = api.ErrorInfo(message=e.message, type=ERROR_TYPES.get(e.status, "server_error"), code=e.status)
+            yield sse(api.ErrorResponse(info))
+        yield SSE_DONE
+
+    async def collect_completion(self, rid: str, merged, usage: UsageCounter, count: int) -> api.CompletionResponse:
+        texts = [""] * count
+        lps: list[list[TokenLogprobs] | None] = [None] * count
+        finals: list[TextDelta | None] = [None] * count
+        async for index, delta in merged:
+            texts[index] += delta.text
+            if delta.logprobs:
+                lps[index] = (lps[index] or []) + delta.logprobs
+            if delta.finish_reason is not None:
+                finals[index] = delta
+                usage.add(index, delta)
+        choices = [api.CompletionChoice(index=i, text=texts[i], logprobs=self.completion_logprobs(lps[i], 0),
+                                        finish_reason=finals[i].finish_reason, stop_reason=finals[i].stop_reason)
+                   for i in range(count)]
+        return api.CompletionResponse(id=rid, choices=choices, model=self.model_name, usage=usage.info())
+
+    def completion_events(self, req: api.CompletionRequest, rid: str, merged, usage: UsageCounter):
+        async def events():
+            offsets: dict[int, int] = {}
+            async for index, delta in merged:
+                lp = self.completion_logprobs(delta.logprobs, offsets.get(index, 0))
+                offsets[index] = offsets.get(index, 0) + len(delta.text)
+                if delta.finish_reason is not None:
+                    usage.add(index, delta)
+                choice = api.CompletionChoice(index=index, text=delta.text, logprobs=lp,
+                                              finish_reason=delta.finish_reason, stop_reason=delta.stop_reason)
+                yield sse(api.CompletionResponse(id=rid, choices=[choice], model=self.model_name))
+
+        include_usage = req.stream_options is not None and req.stream_options.include_usage
+        usage_chunk = (lambda: api.CompletionResponse(id=rid, choices=[], model=self.model_name,
+                                                      usage=usage.info())) if include_usage else None
+        return self.stream_end(events(), usage_chunk)
+
+    def completion_logprobs(self, lps: list[TokenLogprobs] | None, offset: int) -> api.CompletionLogprobs | None:
+        if lps is None:
+            return None
+        tokens = [self.token_text(lp.token_id) for lp in lps]
+        text_offset = []
+        for t in tokens:
+            text_offset.append(offset)
+            offset += len(t)
+        top = [{self.token_text(t.token_id): t.logprob for t in lp.top} for lp in lps]
+        return api.CompletionLogprobs(tokens, [lp.logprob for lp in lps], top, text_offset)
+
+    async def collect_chat(self, rid: str, merged, usage: UsageCounter, n: int) -> api.ChatCompletionResponse:
+        texts = [""] * n
+        lps: list[list[api.TokenLogprobOut] | None] = [None] * n
+        finals: list[TextDelta | None] = [None] * n
+        async for index, delta in merged:
+            texts[index] += delta.text
+            if delta.logprobs:
+                lps[index] = (lps[index] or []) + self.chat_logprobs(delta.logprobs).content
+            if delta.finish_reason is not None:
+                finals[index] = delta
+                usage.add(index, delta)
+        choices = [api.ChatChoice(index=i, message=api.ChatMessageOut(texts[i]),
+                                  logprobs=api.ChatLogprobs(lps[i]) if lps[i] is not None else None,
+                                  finish_reason=finals[i].finish_reason, stop_reason=finals[i].stop_reason)
+                   for i in range(n)]
+        return api.ChatCompletionResponse(id=rid, choices=choices, model=self.model_name, usage=usage.info())
+
+    def chat_events(self, req: api.ChatCompletionRequest, rid: str, merged, usage: UsageCounter):
+        model = self.model_name
+
+        async def events():
+            yield sse(api.ChatCompletionChunk(id=rid, model=model, choices=[
+                api.ChatChunkChoice(index=i, delta=api.DeltaMessage(role="assistant", content=""))
+                for i in range(req.n)]))
+            async for index, delta in merged:
+                if delta.finish_reason is not None:
+                    usage.add(index, delta)
+                lp = self.chat_logprobs(delta.logprobs) if delta.logprobs else None
+                choice = api.ChatChunkChoice(index=index, delta=api.DeltaMessage(content=delta.text), logprobs=lp,
+                                             finish_reason=delta.finish_reason, stop_reason=delta.stop_reason)
+                yield sse(api.ChatCompletionChunk(id=rid, model=model, choices=[choice]))
+
+        include_usage = req.stream_options is not None and req.stream_options.include_usage
+        usage_chunk = (lambda: api.ChatCompletionChunk(id=rid, choices=[], model=model,
+                                                       usage=usage.info())) if include_usage else None
+        return self.stream_end(events(), usage_chunk)
+
+    def chat_logprobs(self, lps: list[TokenLogprobs]) -> api.ChatLogprobs:
+        def entry(token_id: int, logprob: float) -> tuple[str, float, list[int]]:
+            return self.token_text(token_id), logprob, list(self.token_bytes(token_id))
+
+        return api.ChatLogprobs([
+            api.TokenLogprobOut(*entry(lp.token_id, lp.logprob),
+                                [api.TopLogprobOut(*entry(t.token_id, t.logprob)) for t in lp.top])
+            for lp in lps])
