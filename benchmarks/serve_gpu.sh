@@ -76,7 +76,7 @@ for clients in $client_runs; do
   timeout 150 python3 -m kvloom.cli bench serve --base-url "http://127.0.0.1:$port" --input-len "$input_len" \
     --output-len "$output_len" --random-token-range 1000:49000 --concurrency "$concurrency" \
     --num-requests "$num_requests" --warmup-requests 2 --no-progress "${flag[@]}" --output-json "$json" \
-    | tail -14
+    | tail -18
   jsons+=("$json")
 done
 
@@ -91,6 +91,8 @@ for path in sys.argv[1:]:
     rows.append({
         "json": path, "client_processes": s["client_processes"],
         "client_busy": [c["busy"] for c in s["clients"]], "client_saturated": s["client_saturated"],
+        "client_lag_p90_ms": [c.get("lag_p90_ms") for c in s["clients"]],
+        "itl_burst_share": round(s.get("itl_burst_share", 0.0), 3),
         "completed": s["completed"], "failed": s["failed"], "output_tokens": s["output_tokens"],
         "output_throughput": round(s["output_throughput"], 1),
         "ttft_ms_p50": round(s["ttft_ms"]["p50"], 2), "ttft_ms_p99": round(s["ttft_ms"]["p99"], 2),

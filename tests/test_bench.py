@@ -3,8 +3,10 @@ loopback only): every reported figure is present and agrees with the server's ow
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
+import time
 
 import numpy as np
 
@@ -14,8 +16,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvloom.bench.ab import ServerProcess
-from kvloom.bench.clients import ClientLoad, RequestCounter, client_count, split_level
-from kvloom.bench.report import sweep_table
+from kvloom.bench.clients import ClientLoad, LoopLag, RequestCounter, client_count, split_level
+from kvloom.bench.report import comparison_table, sweep_table
 from kvloom.bench.serve import client_report
 from kvloom.bench.metrics import LATENCIES, PERCENTILES, SLO, RequestResult, summarize
 from kvloom.bench.workloads import Workload
@@ -161,15 +163,42 @@ def test_levels_split_so_totals_hold():
 
 def test_a_saturated_client_is_never_shown_without_a_warning():
     level = {"level": {"concurrency": 256}, "completed": 1, "failed": 0, "request_throughput": 1.0,
-             "output_throughput": 1.0, "goodput": None,
+             "output_throughput": 1.0, "goodput": None, "itl_burst_share": 0.0,
              **{f"{m}_ms": {"p50": 1.0, "p99": 1.0} for m in LATENCIES}}
-    calm = {**level, **client_report([ClientLoad(0, 128, 10, cpu_s=3.0, wall_s=10.0)] * 2)}
+    calm = {**level, **client_report([ClientLoad(0, 128, 10, cpu_s=3.0, wall_s=10.0, lag_p90_ms=0.4)] * 2)}
     hot = {**level, **client_report([ClientLoad(0, 128, 10, 3.0, 10.0), ClientLoad(1, 128, 10, 9.7, 10.0)])}
+    # Busy for little more than half a core, yet its loop woke 6 ms late: the H200 run with one client.
+    late = {**level, **client_report([ClientLoad(0, 256, 10, 5.8, 10.0, lag_p50_ms=3.0, lag_p90_ms=6.0)])}
     assert not calm["client_saturated"] and hot["client_saturated"] and hot["client_busy_max"] == 0.97
+    assert late["client_saturated"] and late["client_lag_p90_ms"] == 6.0
     assert "WARNING" not in sweep_table([calm])
     table = sweep_table([calm, hot])
-    assert "97% !" in table and "WARNING: a load-generator process was saturated" in table
-    assert "concurrency 256" in table.split("WARNING")[1]
+    assert "97% !" in table and "WARNING at concurrency 256 (marked !): a load-generator process was saturated" in table
+    assert "58% !" in sweep_table([late]) and "late by 6.0 ms" in sweep_table([late])
+    # Tokens read in bursts (gaps under 0.2 ms) are warned about even when no client looks busy.
+    bursts = {**calm, "itl_burst_share": 0.6}
+    assert "60% of inter-token gaps were under 0.2 ms" in sweep_table([bursts])
+    assert "bursts" in comparison_table([{"name": "a", "levels": [calm]}, {"name": "b", "levels": [bursts]}])
+
+
+def test_loop_lag_probe_sees_a_blocked_event_loop():
+    async def run(block_s: float) -> dict:
+        lag = LoopLag()
+        lag.start()
+        for _ in range(20):
+            await asyncio.sleep(0.006)
+            time.sleep(block_s)  # a loop busy with other streams' chunks
+        return await lag.stop()
+
+    blocked = asyncio.run(run(0.02))
+    assert blocked["lag_p90_ms"] > 10  # woken about 20 ms late, whatever the machine's noise
+    assert ClientLoad(0, 1, 1, 0.1, 1.0, **blocked).saturated
+
+
+def test_bursts_count_gaps_under_the_burst_gap():
+    fast = RequestResult(ok=True, output_tokens=5, chunk_times=[0.1, 0.1, 0.1001, 0.12, 0.14], e2e=0.14)
+    summary = summarize([fast], 1.0)
+    assert summary["itl_burst_share"] == pytest.approx(0.5)  # two of the four gaps are under 0.2 ms
 
 
 def test_goodput_counts_requests_within_every_slo():

@@ -63,6 +63,11 @@ class SLO:
         return all(limit is None or (value is not None and value * 1000 <= limit) for limit, value in checks)
 
 
+# No engine step of a served model is this short: two chunks of one stream closer than this arrived together
+# (read in one go by a client behind on its reads, or written at once by a server).
+BURST_GAP_S = 0.0002
+
+
 def distribution_ms(values: list[float]) -> dict[str, float | None]:
     """Mean and percentiles, in milliseconds (None for no values)."""
     if not values:
@@ -90,7 +95,8 @@ def summarize(results: list[RequestResult], duration: float, slo: SLO | None = N
         "total_token_throughput": per_s(prompt_tokens + output_tokens),
         "ttft_ms": distribution_ms([r.ttft for r in done if r.ttft is not None]),
         "tpot_ms": distribution_ms([r.tpot for r in done if r.tpot is not None]),
-        "itl_ms": distribution_ms([gap for r in done for gap in r.itls]),
+        "itl_ms": distribution_ms(gaps := [gap for r in done for gap in r.itls]),
+        "itl_burst_share": sum(g < BURST_GAP_S for g in gaps) / len(gaps) if gaps else 0.0,
         "e2e_ms": distribution_ms([r.e2e for r in done if r.e2e is not None]),
         "slo": {"ttft_ms": slo.ttft_ms, "tpot_ms": slo.tpot_ms, "e2e_ms": slo.e2e_ms},
         "goodput": per_s(sum(slo.met(r) for r in done)) if slo.given else None,

@@ -6,11 +6,12 @@ import json
 from pathlib import Path
 from typing import Any
 
-from kvloom.bench.clients import SATURATED_BUSY
-from kvloom.bench.metrics import LATENCIES, PERCENTILES
+from kvloom.bench.clients import SATURATED_BUSY, SATURATED_LAG_MS
+from kvloom.bench.metrics import BURST_GAP_S, LATENCIES, PERCENTILES
 from kvloom.bench.serve import level_name
 from kvloom.text_table import format_table
 
+BURST_WARN_SHARE = 0.1  # more than this share of ITL gaps in bursts and ITL no longer shows the step time
 LABELS = {"ttft": "TTFT", "tpot": "TPOT", "itl": "ITL", "e2e": "E2E"}
 # (figure, key in a level summary, stat of a latency distribution or None)
 COMPARED = [
@@ -52,14 +53,33 @@ def level_detail(summary: dict[str, Any]) -> str:
     return head + "\n" + "\n".join("  " + line for line in table.splitlines())
 
 
+def level_warnings(s: dict[str, Any]) -> list[str]:
+    """Why a level's latencies may not be the server's: a saturated load-generator process, or tokens that
+    reached the client in bursts."""
+    warnings = []
+    if s.get("client_saturated"):
+        warnings.append(
+            f"a load-generator process was saturated (busiest {s['client_busy_max']:.0%} of a core, event loop "
+            f"late by {s.get('client_lag_p90_ms', 0.0):.1f} ms at p90; limits {SATURATED_BUSY:.0%} and "
+            f"{SATURATED_LAG_MS:g} ms): its TTFT/ITL/TPOT are partly the client's own; rerun with more "
+            "--client-processes")
+    share = s.get("itl_burst_share", 0.0)
+    if share > BURST_WARN_SHARE:
+        warnings.append(
+            f"{share:.0%} of inter-token gaps were under {BURST_GAP_S * 1000:g} ms: tokens reached the client in "
+            "bursts (a client behind on its reads, or a server writing several steps at once), so ITL is not the "
+            "server's step time; compare TPOT, and rerun with more --client-processes")
+    return warnings
+
+
 def client_line(s: dict[str, Any]) -> str:
-    """The load generator's own load at one level, with the warning when a client process was saturated."""
+    """The load generator's own load at one level, with a warning when its timings are not the server's."""
     busy = ", ".join(f"{c['busy']:.0%}" for c in s["clients"])
-    line = f"load generator: {s['client_processes']} client process(es), CPU busy {busy} of a core"
-    if s["client_saturated"]:
-        line += ("\n  WARNING: a client process was saturated (> {:.0%} of a core): the latencies at {} are partly "
-                 "the load generator's own; rerun with more --client-processes").format(
-                     SATURATED_BUSY, level_name(s["level"]))
+    lag = max((c.get("lag_p90_ms", 0.0) for c in s["clients"]), default=0.0)
+    line = (f"load generator: {s['client_processes']} client process(es), CPU busy {busy} of a core, "
+            f"event loop late by {lag:.1f} ms at p90")
+    for warning in level_warnings(s):
+        line += f"\n  WARNING at {level_name(s['level'])}: {warning}"
     return line
 
 
@@ -74,18 +94,16 @@ def sweep_table(levels: list[dict[str, Any]]) -> str:
              _busy(s)] for s in levels]
     text = format_table(header, rows) + ("\n(latencies in ms; goodput in req/s meeting every SLO given; client busy: "
                                          "the busiest load-generator process's CPU time / wall time)")
-    saturated = [level_name(s["level"]) for s in levels if s.get("client_saturated")]
-    if saturated:
-        text += (f"\nWARNING: a load-generator process was saturated (> {SATURATED_BUSY:.0%} of a core, marked !) at "
-                 f"{', '.join(saturated)}: its TTFT/ITL/TPOT are partly the client's own; rerun with more "
-                 "--client-processes.")
+    for s in levels:
+        for warning in level_warnings(s):
+            text += f"\nWARNING at {level_name(s['level'])} (marked !): {warning}."
     return text
 
 
 def _busy(s: dict[str, Any]) -> str:
     if "client_busy_max" not in s:
         return "-"
-    return f"{s['client_busy_max']:.0%}" + (" !" if s["client_saturated"] else "")
+    return f"{s['client_busy_max']:.0%}" + (" !" if level_warnings(s) else "")
 
 
 def engine_stats_line(stats: dict[str, float]) -> str:
@@ -111,9 +129,8 @@ def comparison_table(runs: list[dict[str, Any]], level_index: int = 0) -> str:
         rows.append(row)
     text = f"{level_name(levels[0]['level'])}\n" + format_table(header, rows)
     for name, s in zip(names, levels):
-        if s.get("client_saturated"):
-            text += (f"\nWARNING: {name}: a load-generator process was saturated (busiest {s['client_busy_max']:.0%} of "
-                     "a core): its latencies are partly the client's own; rerun with more --client-processes.")
+        for warning in level_warnings(s):
+            text += f"\nWARNING: {name}: {warning}."
     return text
 
 

@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 from tqdm.auto import tqdm
 
-from kvloom.bench.clients import (MAX_CLIENT_PROCESSES, SATURATED_BUSY, ClientLoad, RequestCounter, client_count,
+from kvloom.bench.clients import (MAX_CLIENT_PROCESSES, ClientLoad, RequestCounter, client_count,
                                   drive, run_level_in_processes, split_level)
 from kvloom.bench.metrics import SLO, RequestResult, summarize
 from kvloom.bench.workloads import BenchRequest, Workload
@@ -225,7 +225,8 @@ def client_report(loads: list[ClientLoad]) -> dict[str, Any]:
     """How busy the load generator was: a client process busy for most of a core times its own work."""
     return {"client_processes": len(loads), "clients": [c.as_dict() for c in loads],
             "client_busy_max": round(max(c.busy for c in loads), 3),
-            "client_saturated": any(c.busy > SATURATED_BUSY for c in loads)}
+            "client_lag_p90_ms": max(c.lag_p90_ms for c in loads),
+            "client_saturated": any(c.saturated for c in loads)}
 
 
 def run_sweep(spec: LoadSpec, workload: Workload, on_level=None) -> dict[str, Any]:
