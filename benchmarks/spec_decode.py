@@ -14,6 +14,11 @@ per-token acceptance. Dummy weights make n-gram acceptance near zero, so replay 
 verification machinery at a known acceptance rate; it is not a real proposer:
 
     python benchmarks/spec_decode.py --shape llama-3-8b --proposer replay --corrupt 0,0.1,0.2,0.4 -k 4
+
+The overhead where speculation cannot help: every draft rejected (``--corrupt 1``) with the adaptive
+policy on, which should back off to plain (graphed, async) decode steps and probe rarely:
+
+    python benchmarks/spec_decode.py --shape llama-3-8b --proposer replay --corrupt 1 -k 4 --adaptive on
 """
 
 from __future__ import annotations
@@ -93,6 +98,8 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--passage-chars", type=int, default=700)
     p.add_argument("--prompt-len", type=int, default=128, help="Prompt tokens with --shape (random ids).")
+    p.add_argument("--adaptive", default="auto", choices=("auto", "on", "off"),
+                   help="The adaptive policy (auto: on for ngram, off for replay, which measures verification).")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--enforce-eager", action="store_true")
@@ -108,7 +115,8 @@ def main() -> None:
     common = dict(load_format=load_format, dtype=args.dtype, enforce_eager=args.enforce_eager,
                   max_num_seqs=max(8, args.batch), max_model_len=args.max_model_len)
     spec_options = {"spec_decode": {"num_speculative_tokens": args.num_speculative_tokens,
-                                    "adaptive": args.proposer == "ngram"}}
+                                    "adaptive": args.adaptive == "on" or (args.adaptive == "auto"
+                                                                          and args.proposer == "ngram")}}
     # One engine for both runs (the same weights and KV cache): the baseline runs with its speculator
     # switched off, which is exactly the engine without the plugin.
     spec = LLM(model, plugins=["spec_decode"], plugin_options=spec_options, **common)
@@ -133,6 +141,7 @@ def main() -> None:
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         "dtype": str(spec.engine.dtype).removeprefix("torch."), "batch": args.batch, "max_tokens": args.max_tokens,
         "prompt_tokens": len(prompts[0]), "proposer": args.proposer, "k": args.num_speculative_tokens,
+        "adaptive": spec_options["spec_decode"]["adaptive"], "cuda_graphs": len(spec.engine.runner.graphs),
         "baseline": {k: v for k, v in base.items() if k != "token_ids"}, "runs": [],
     }
     rates = [float(r) for r in args.corrupt.split(",")] if args.proposer == "replay" else [None]

@@ -256,3 +256,99 @@ def test_combinations_that_cannot_work_fail_at_start_up(tiny_llama, options, nee
     with pytest.raises(ConfigError) as err:
         LLM(str(tiny_llama), plugins=["spec_decode"], plugin_options={"spec_decode": options})
     assert needle in str(err.value)
+
+
+# --- the verify path CUDA graphs replay, and the adaptive policy's back-off --------------------------
+@pytest.mark.parametrize("k", [1, 5])
+def test_verify_steps_as_single_query_rows_give_the_same_greedy_outputs(family_reference, monkeypatch, k):
+    """The layout in which CUDA graphs replay verify steps (one single-query row per token, its causal
+    prefix as its sequence length) run eagerly on the CPU: outputs equal those without speculation."""
+    path, prompts, expected = family_reference
+    llm = LLM(str(path), plugins=["spec_decode"], plugin_options=_spec(k))
+    runner = llm.engine.runner
+    runner.verify_as_decodes = True
+    calls = []
+    prepare = runner._prepare_decode_rows
+    monkeypatch.setattr(runner, "_prepare_decode_rows", lambda seqs: calls.append(len(seqs)) or prepare(seqs))
+    assert _greedy(llm, prompts) == expected
+    assert calls and llm.engine.stats().spec_decode_num_accepted > 0
+
+
+def test_single_query_rows_with_chunked_prefill_and_preemption(llama_reference):
+    path, prompts, expected = llama_reference
+    llm = LLM(str(path), plugins=["spec_decode", "prefix_cache"], plugin_options=_spec(3),
+              block_size=8, num_kv_blocks=16, max_num_batched_tokens=9)
+    llm.engine.runner.verify_as_decodes = True
+    assert _greedy(llm, prompts) == expected
+    assert llm.engine.stats().num_preemptions > 0
+    assert llm.engine.kv.num_free_blocks() == 16
+
+
+def test_graph_sizes_cover_verify_batches():
+    from kvloom.core.model_runner import decode_layout, graph_batch_sizes
+    from kvloom.core.engine.step import ScheduledSeq
+
+    assert graph_batch_sizes(8) == [1, 2, 4, 8]
+    assert graph_batch_sizes(8, 5, 32) == [1, 2, 4, 5, 8, 10, 20, 40]  # b * (k + 1) for b up to 8
+    assert graph_batch_sizes(64, 4, 16)[-1] == 64 and 16 * 4 in graph_batch_sizes(64, 4, 16)
+
+    def seq(n, rows):
+        return ScheduledSeq("r", [1] * n, 10, [0, 1], rows, SP())
+    assert decode_layout([seq(1, 1), seq(4, 4), seq(1, 0)])  # decodes, a verify, a one-token chunk
+    assert not decode_layout([seq(1, 1), seq(4, 1)])  # a prefill chunk needs the prefill kernel
+
+
+class _WrongProposer:
+    """Always proposes k drafts the target never takes (its own next greedy token plus one)."""
+
+    name = "wrong"
+
+    def __init__(self, expected: list[int], prompt_len: int, k: int) -> None:
+        self.expected, self.prompt_len, self.num_speculative_tokens = expected, prompt_len, k
+        self.calls = 0
+
+    def propose(self, requests):
+        self.calls += 1
+        return {r.request_id: [(self.expected[r.num_tokens - self.prompt_len] + 1) % 384] * self.num_speculative_tokens
+                for r in requests}
+
+
+def test_adaptive_policy_backs_off_to_plain_overlapped_steps_and_probes_rarely(llama_reference, monkeypatch):
+    """With drafts that are never accepted, a request stops proposing after three misses, then probes
+    on steps 16, 32 and 64 (the period doubles after each miss); every other step overlaps the previous
+    one (async scheduling), and the output is unchanged."""
+    path, prompts, _ = llama_reference
+    prompt, n = prompts[2], 100
+    plain = _greedy(LLM(str(path)), [prompt], n)[0]
+    llm = LLM(str(path), plugins=["spec_decode"], plugin_options=_spec(3), async_scheduling="on")
+    proposer = _WrongProposer(plain, len(prompt), 3)
+    llm.engine.speculator.proposer = proposer
+    overlapped = []
+    can_overlap = llm.engine._can_overlap
+    monkeypatch.setattr(llm.engine, "_can_overlap", lambda: overlapped.append(can_overlap()) or overlapped[-1])
+    assert _greedy(llm, [prompt], n)[0] == plain
+    stats = llm.engine.stats()
+    assert stats.spec_decode_num_accepted == 0
+    assert stats.spec_decode_num_steps == proposer.calls == 3 + 3
+    assert sum(overlapped) >= n - 2 * proposer.calls - 2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the H200 run)")
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_verify_steps_replay_cuda_graphs_with_greedy_parity(tiny_model, monkeypatch, k):
+    """On the GPU in float32: verify steps of decodes replay captured graphs (counted), and the greedy
+    outputs equal the ones without speculation, with and without async scheduling."""
+    prompts = _prompts()
+    common = dict(dtype="float32", device="cuda", max_num_seqs=8, kv_cache_memory_gib=0.25)
+    expected = _greedy(LLM(str(tiny_model), **common), prompts)
+    for mode in ("on", "off"):
+        llm = LLM(str(tiny_model), plugins=["spec_decode"], plugin_options=_spec(k), async_scheduling=mode, **common)
+        runner = llm.engine.runner
+        assert any(size % (k + 1) == 0 and size > 8 for size in runner.graphs) or k == 1
+        verified = []
+        replay = runner._replay
+        monkeypatch.setattr(runner, "_replay", lambda seqs: verified.append(
+            sum(len(s.draft_token_ids) for s in seqs)) or replay(seqs))
+        assert _greedy(llm, prompts) == expected, mode
+        assert sum(verified) > 0 and llm.engine.stats().spec_decode_num_accepted > 0

@@ -88,7 +88,9 @@ class EngineCore:
         # --- end of plugins ---
         self.runner = ModelRunner(self.model, kv_caches, config.block_size, self.device, config.seed)
         if self.device.type == "cuda" and not config.enforce_eager:
-            self.runner.capture_graphs(config.max_num_seqs, self.max_model_len)
+            spec = self.speculator
+            self.runner.capture_graphs(config.max_num_seqs, self.max_model_len, *(
+                (spec.k + 1, spec.policy.max_batch_size or config.max_num_seqs) if spec is not None else ()))
         self.last_step_tokens = 0
         self.async_scheduling = config.async_scheduling == "on" or (
             config.async_scheduling == "auto" and self.device.type == "cuda")
@@ -216,11 +218,14 @@ class EngineCore:
 
     def _can_overlap(self) -> bool:
         """Penalties need every earlier token on the host, and so does a proposer: such steps wait for
-        the previous one (a step whose batch is too large to speculate overlaps as usual)."""
+        the previous one. Steps where no request proposes (the adaptive policy backed off, or the batch
+        is too large to speculate) overlap as usual."""
         if not self.async_scheduling:
             return False
+        if self._in_flight is not None and self._in_flight[0].num_draft_tokens:
+            return False  # its rejected drafts roll back tokens that the next plan would build on
         running = self.scheduler.running
-        if self.speculator is not None and self.speculator.active(len(running)):
+        if self.speculator is not None and self.speculator.wants_host_tokens(running):
             return False
         return not any(r.sampling.uses_penalties for r in running)
 

@@ -295,6 +295,8 @@ class Scheduler:
         req.num_accepted_tokens += accepted
         req.num_spec_steps += 1
         req.recent_acceptance = 0.5 * req.recent_acceptance + 0.5 * accepted / num_drafts
+        if accepted:
+            req.spec_failed_probes = 0
         self.num_draft_tokens += num_drafts
         self.num_accepted_tokens += accepted
         self.num_spec_steps += 1
