@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from kvloom.core.request import Request
 
-MAX_BACKOFF_DOUBLINGS = 4  # a request that keeps missing probes every 16 * retry_after_steps at most
+MAX_BACKOFF_DOUBLINGS = 6  # a request that keeps missing probes every 64 * retry_after_steps at most
 
 
 @dataclass(frozen=True)
@@ -16,9 +16,10 @@ class SpeculationPolicy:
     """When not to propose, so speculation never makes a workload much slower.
 
     * A request whose recent acceptance (a moving average of accepted / proposed drafts, halving the
-      weight of older steps; a step where the proposer found nothing counts as none accepted) falls
+      weight of older steps, from 0.5 for a new request; a step where the proposer found nothing counts
+      as none accepted) falls
       below ``min_acceptance`` stops proposing. It probes again on the next step that is a multiple of
-      ``retry_after_steps``, doubling that period after each probe that misses (up to 16x). Probes of
+      ``retry_after_steps``, doubling that period after each probe that misses (up to 64x). Probes of
       all requests fall on the same steps, so every other step runs as a plain decode (CUDA graphs,
       async scheduling).
     * A step with more than ``max_batch_size`` running requests proposes nothing: such a step is
@@ -32,8 +33,9 @@ class SpeculationPolicy:
 
 
 class Speculator:
-    def __init__(self, proposer, max_model_len: int, policy: SpeculationPolicy | None = None) -> None:
+    def __init__(self, proposer, max_model_len: int, policy: SpeculationPolicy | None = None, kv=None) -> None:
         self.proposer = proposer
+        self.kv = kv  # the KV-cache manager, for proposers that write KV at the drafts' positions
         self.k = proposer.num_speculative_tokens
         self.max_model_len = max_model_len
         self.policy = policy or getattr(proposer, "policy", None) or SpeculationPolicy()
@@ -68,6 +70,10 @@ class Speculator:
             if p.adaptive and r.recent_acceptance < p.min_acceptance:  # a probe: one more chance
                 r.spec_failed_probes += 1  # until its drafts are accepted (the scheduler resets it)
                 r.recent_acceptance = p.min_acceptance
+        if getattr(self.proposer, "reserves_kv_slots", False) and self.kv is not None:
+            wanted = [r for r in wanted if self._reserve(r, len(running))]
+            if not wanted:
+                return 0
         drafts = self.proposer.propose(wanted)
         total = 0
         for r in wanted:
@@ -78,6 +84,17 @@ class Speculator:
             if not d and room > 0:
                 r.recent_acceptance *= 0.5  # nothing to propose costs a synchronised step all the same
         return total
+
+    def _reserve(self, r: Request, num_running: int) -> bool:
+        """Allocate the blocks that the next step's drafts will need (a draft model writes its KV there
+        first), leaving a block per running request free: drafts never cause a preemption."""
+        room = min(self.k, r.max_tokens - r.num_output_tokens - 1, self.max_model_len - r.num_tokens - 1)
+        if room < 1:
+            return False
+        need = self.kv.blocks_for(r.num_tokens + room) - len(r.block_ids)
+        if need > 0 and self.kv.num_free_blocks() < need + num_running:
+            return False
+        return self.kv.allocate_slots(r, r.num_tokens - r.num_computed_tokens + room)
 
     def _wants(self, r: Request, step: int) -> bool:
         p = self.policy
