@@ -18,9 +18,9 @@ verification machinery at a known acceptance rate; it is not a real proposer:
 The same copy-heavy workload under load, through the server (``--write-prompts`` writes it as jsonl,
 one passage per request from a different part of the docs):
 
-    python benchmarks/spec_decode.py --write-prompts /tmp/copy.jsonl --batch 64
+    python benchmarks/spec_decode.py --write-prompts /tmp/copy.jsonl --batch 32 --max-tokens 64
     engine bench ab --plugins '' --plugins spec_decode --workload jsonl --prompts-file /tmp/copy.jsonl \
-        --concurrency 8,32 --num-prompts 64 --ignore-eos
+        --endpoint chat --concurrency 8,32 --num-requests 32
 
 The overhead where speculation cannot help: every draft rejected (``--corrupt 1``) with the adaptive
 policy on, which should back off to plain (graphed, async) decode steps and probe rarely:

@@ -77,7 +77,7 @@ class Request:
         self.num_accepted_tokens = 0  # of which the target accepted
         self.num_spec_steps = 0  # steps that verified at least one draft
         # Moving average of the accepted fraction, for the adaptive policy: a new request starts at 0.5, so
-        # two steps with nothing accepted stop its drafts.
+        # four steps with nothing accepted stop its drafts.
         self.recent_acceptance = 0.5
         self.spec_failed_probes = 0  # probes in a row since its drafts stopped, for the policy's back-off
         self.first_scheduled_time: float | None = None

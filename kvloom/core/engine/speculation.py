@@ -15,8 +15,8 @@ MAX_BACKOFF_DOUBLINGS = 6  # a request that keeps missing probes every 64 * retr
 class SpeculationPolicy:
     """When not to propose, so speculation never makes a workload much slower.
 
-    * A request whose recent acceptance (a moving average of accepted / proposed drafts, halving the
-      weight of older steps, from 0.5 for a new request; a step where the proposer found nothing counts
+    * A request whose recent acceptance (a moving average of accepted / proposed drafts, the newest
+      step weighing a quarter, from 0.5 for a new request; a step where the proposer found nothing counts
       as none accepted) falls
       below ``min_acceptance`` stops proposing. It probes again on the next step that is a multiple of
       ``retry_after_steps``, doubling that period after each probe that misses (up to 64x). Probes of
@@ -82,7 +82,7 @@ class Speculator:
             r.spec_token_ids = d
             total += len(d)
             if not d and room > 0:
-                r.recent_acceptance *= 0.5  # nothing to propose costs a synchronised step all the same
+                r.recent_acceptance *= 0.75  # nothing to propose costs a synchronised step all the same
         return total
 
     def _reserve(self, r: Request, num_running: int) -> bool:
