@@ -14,6 +14,18 @@ per-token acceptance. Dummy weights make n-gram acceptance near zero, so replay 
 verification machinery at a known acceptance rate; it is not a real proposer:
 
     python benchmarks/spec_decode.py --shape llama-3-8b --proposer replay --corrupt 0,0.1,0.2,0.4 -k 4
+
+The same copy-heavy workload under load, through the server (``--write-prompts`` writes it as jsonl,
+one passage per request from a different part of the docs):
+
+    python benchmarks/spec_decode.py --write-prompts /tmp/copy.jsonl --batch 32 --max-tokens 64
+    engine bench ab --plugins '' --plugins spec_decode --workload jsonl --prompts-file /tmp/copy.jsonl \
+        --endpoint chat --concurrency 8,32 --num-requests 32
+
+The overhead where speculation cannot help: every draft rejected (``--corrupt 1``) with the adaptive
+policy on, which should back off to plain (graphed, async) decode steps and probe rarely:
+
+    python benchmarks/spec_decode.py --shape llama-3-8b --proposer replay --corrupt 1 -k 4 --adaptive on
 """
 
 from __future__ import annotations
@@ -29,11 +41,19 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
-def passage(chars: int) -> str:
-    """Real prose from the repository's docs: the opening of docs/plugins.md."""
+def passage(chars: int, start: int = 0) -> str:
+    """Real prose from the repository's docs: docs/plugins.md from about character ``start``."""
     text = (REPO / "docs" / "plugins.md").read_text()
     body = " ".join(line for line in text.splitlines() if line and not line.startswith(("#", "|", "`", "-")))
-    return body[:chars].rsplit(" ", 1)[0]
+    start = start % max(1, len(body) - chars)
+    if start:
+        start = body.find(" ", start) + 1
+    return body[start: start + chars].rsplit(" ", 1)[0]
+
+
+def copy_request(chars: int, start: int = 0) -> list[dict]:
+    return [{"role": "user", "content": "Repeat the following passage exactly, word for word:\n\n"
+             + passage(chars, start)}]
 
 
 class ReplayProposer:
@@ -93,11 +113,21 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--passage-chars", type=int, default=700)
     p.add_argument("--prompt-len", type=int, default=128, help="Prompt tokens with --shape (random ids).")
+    p.add_argument("--adaptive", default="auto", choices=("auto", "on", "off"),
+                   help="The adaptive policy (auto: on for ngram, off for replay, which measures verification).")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--output", default=None, help="Also write the JSON here.")
+    p.add_argument("--write-prompts", metavar="FILE.jsonl", default=None,
+                   help="Only write --batch copy requests (messages, output_len=--max-tokens) for engine bench.")
     args = p.parse_args()
+    if args.write_prompts:
+        with open(args.write_prompts, "w") as f:
+            for i in range(args.batch):
+                f.write(json.dumps({"messages": copy_request(args.passage_chars, 997 * i),
+                                    "output_len": args.max_tokens}) + "\n")
+        return
 
     import torch
 
@@ -108,7 +138,8 @@ def main() -> None:
     common = dict(load_format=load_format, dtype=args.dtype, enforce_eager=args.enforce_eager,
                   max_num_seqs=max(8, args.batch), max_model_len=args.max_model_len)
     spec_options = {"spec_decode": {"num_speculative_tokens": args.num_speculative_tokens,
-                                    "adaptive": args.proposer == "ngram"}}
+                                    "adaptive": args.adaptive == "on" or (args.adaptive == "auto"
+                                                                          and args.proposer == "ngram")}}
     # One engine for both runs (the same weights and KV cache): the baseline runs with its speculator
     # switched off, which is exactly the engine without the plugin.
     spec = LLM(model, plugins=["spec_decode"], plugin_options=spec_options, **common)
@@ -117,22 +148,20 @@ def main() -> None:
         rng = random.Random(0)
         prompts = [[rng.randrange(10, vocab - 10) for _ in range(args.prompt_len)] for _ in range(args.batch)]
     else:
-        chat = [{"role": "user", "content": "Repeat the following passage exactly, word for word:\n\n"
-                 + passage(args.passage_chars)}]
         from kvloom.frontends.text import apply_chat_template
 
-        ids = apply_chat_template(spec.tokenizer, chat, True)
+        ids = apply_chat_template(spec.tokenizer, copy_request(args.passage_chars), True)
         prompts = [ids] * args.batch
     spec.engine.speculator = None
     run(spec, [prompts[0]], 8)  # warm-up
     base = run(spec, prompts, args.max_tokens)
     spec.engine.speculator = speculator
-    run(spec, [prompts[0]], 8)
     result = {
         "benchmark": "spec_decode", "model": args.shape or model,
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         "dtype": str(spec.engine.dtype).removeprefix("torch."), "batch": args.batch, "max_tokens": args.max_tokens,
         "prompt_tokens": len(prompts[0]), "proposer": args.proposer, "k": args.num_speculative_tokens,
+        "adaptive": spec_options["spec_decode"]["adaptive"], "cuda_graphs": len(spec.engine.runner.graphs),
         "baseline": {k: v for k, v in base.items() if k != "token_ids"}, "runs": [],
     }
     rates = [float(r) for r in args.corrupt.split(",")] if args.proposer == "replay" else [None]
@@ -140,6 +169,7 @@ def main() -> None:
         if rate is not None:
             recorded = {tuple(pr): out for pr, out in zip(prompts, base["token_ids"])}
             spec.engine.speculator.proposer = ReplayProposer(recorded, args.num_speculative_tokens, rate, vocab)
+        run(spec, [prompts[0]], 8)  # warm-up of the verify path
         r = run(spec, prompts, args.max_tokens)
         row = {k: v for k, v in r.items() if k != "token_ids"}
         row.update(corrupt=rate, speedup=round(r["output_tok_s"] / base["output_tok_s"], 3),

@@ -250,9 +250,207 @@ def test_rejected_drafts_roll_back_computed_tokens_and_free_their_blocks():
     ({"num_speculative_tokens": 0}, "num_speculative_tokens=0 must be in [1, 16]"),
     ({"prompt_lookup_min": 4, "prompt_lookup_max": 2}, "prompt_lookup_min=4 and prompt_lookup_max=2"),
     ({"method": "draft"}, "method='draft' needs draft_model"),
+    ({"method": "draft", "draft_model": "/no/such/model"}, "model '/no/such/model' not found"),
+    ({"draft_model": "/some/model"}, "draft_model='/some/model' cannot be used with method='ngram'"),
     ({"method": "nope"}, "option method='nope' of plugin 'spec_decode' is not one of"),
 ])
 def test_combinations_that_cannot_work_fail_at_start_up(tiny_llama, options, needle):
     with pytest.raises(ConfigError) as err:
         LLM(str(tiny_llama), plugins=["spec_decode"], plugin_options={"spec_decode": options})
     assert needle in str(err.value)
+
+
+# --- the verify path CUDA graphs replay, and the adaptive policy's back-off --------------------------
+@pytest.mark.parametrize("k", [1, 5])
+def test_verify_steps_as_single_query_rows_give_the_same_greedy_outputs(family_reference, monkeypatch, k):
+    """The layout in which CUDA graphs replay verify steps (one single-query row per token, its causal
+    prefix as its sequence length) run eagerly on the CPU: outputs equal those without speculation."""
+    path, prompts, expected = family_reference
+    llm = LLM(str(path), plugins=["spec_decode"], plugin_options=_spec(k))
+    runner = llm.engine.runner
+    runner.verify_as_decodes = True
+    calls = []  # verify steps laid out as single-query rows (eager on the CPU, graph replays on CUDA)
+    rows = runner._decode_rows
+    monkeypatch.setattr(runner, "_decode_rows", lambda seqs: calls.append(
+        sum(len(s.draft_token_ids) for s in seqs)) or rows(seqs))
+    assert _greedy(llm, prompts) == expected
+    assert sum(calls) and llm.engine.stats().spec_decode_num_accepted > 0
+
+
+def test_single_query_rows_with_chunked_prefill_and_preemption(llama_reference):
+    path, prompts, expected = llama_reference
+    llm = LLM(str(path), plugins=["spec_decode", "prefix_cache"], plugin_options=_spec(3),
+              block_size=8, num_kv_blocks=16, max_num_batched_tokens=9)
+    llm.engine.runner.verify_as_decodes = True
+    assert _greedy(llm, prompts) == expected
+    assert llm.engine.stats().num_preemptions > 0
+    assert llm.engine.kv.num_free_blocks() == 16
+
+
+def test_graph_sizes_cover_verify_batches():
+    from kvloom.core.model_runner import decode_layout, graph_batch_sizes
+    from kvloom.core.engine.step import ScheduledSeq
+
+    assert graph_batch_sizes(8) == [1, 2, 4, 8]
+    assert graph_batch_sizes(8, 5, 32) == [1, 2, 4, 5, 8, 10, 20, 40]  # b * (k + 1) for b up to 8
+    assert graph_batch_sizes(64, 4, 16)[-1] == 64 and 16 * 4 in graph_batch_sizes(64, 4, 16)
+
+    def seq(n, rows):
+        return ScheduledSeq("r", [1] * n, 10, [0, 1], rows, SP())
+    assert decode_layout([seq(1, 1), seq(4, 4), seq(1, 0)])  # decodes, a verify, a one-token chunk
+    assert not decode_layout([seq(1, 1), seq(4, 1)])  # a prefill chunk needs the prefill kernel
+
+
+class _WrongProposer:
+    """Always proposes k drafts the target never takes (its own next greedy token plus one)."""
+
+    name = "wrong"
+
+    def __init__(self, expected: list[int], prompt_len: int, k: int) -> None:
+        self.expected, self.prompt_len, self.num_speculative_tokens = expected, prompt_len, k
+        self.calls = 0
+
+    def propose(self, requests):
+        self.calls += 1
+        return {r.request_id: [(self.expected[r.num_tokens - self.prompt_len] + 1) % 384] * self.num_speculative_tokens
+                for r in requests}
+
+
+def test_adaptive_policy_backs_off_to_plain_overlapped_steps_and_probes_rarely(llama_reference, monkeypatch):
+    """With drafts that are never accepted, a request stops proposing after four misses, then probes
+    on steps 16, 32 and 64 (the period doubles after each miss); every other step overlaps the previous
+    one (async scheduling), and the output is unchanged."""
+    path, prompts, _ = llama_reference
+    prompt, n = prompts[2], 100
+    plain = _greedy(LLM(str(path)), [prompt], n)[0]
+    llm = LLM(str(path), plugins=["spec_decode"], plugin_options=_spec(3), async_scheduling="on")
+    proposer = _WrongProposer(plain, len(prompt), 3)
+    llm.engine.speculator.proposer = proposer
+    overlapped = []
+    can_overlap = llm.engine._can_overlap
+    monkeypatch.setattr(llm.engine, "_can_overlap", lambda: overlapped.append(can_overlap()) or overlapped[-1])
+    assert _greedy(llm, [prompt], n)[0] == plain
+    stats = llm.engine.stats()
+    assert stats.spec_decode_num_accepted == 0
+    assert stats.spec_decode_num_steps == proposer.calls == 4 + 3
+    assert sum(overlapped) >= n - 2 * proposer.calls - 2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the H200 run)")
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_verify_steps_replay_cuda_graphs_with_greedy_parity(tiny_model, monkeypatch, k):
+    """On the GPU in float32: verify steps of decodes replay captured graphs (counted), and the greedy
+    outputs equal the ones without speculation, with and without async scheduling."""
+    prompts = _prompts()
+    common = dict(dtype="float32", device="cuda", max_num_seqs=8, kv_cache_memory_gib=0.25)
+    expected = _greedy(LLM(str(tiny_model), **common), prompts)
+    for mode in ("on", "off"):
+        llm = LLM(str(tiny_model), plugins=["spec_decode"], plugin_options=_spec(k), async_scheduling=mode, **common)
+        runner = llm.engine.runner
+        assert any(size % (k + 1) == 0 and size > 8 for size in runner.graphs) or k == 1
+        verified = []
+        replay = runner._replay
+        monkeypatch.setattr(runner, "_replay", lambda seqs: verified.append(
+            sum(len(s.draft_token_ids) for s in seqs)) or replay(seqs))
+        assert _greedy(llm, prompts) == expected, mode
+        assert sum(verified) > 0 and llm.engine.stats().spec_decode_num_accepted > 0
+
+
+# --- the draft-model proposer --------------------------------------------------------------------
+def _make_draft(path, family: str, **changes):
+    """A smaller random model of the family (one layer, narrower MLP) with the targets' vocabulary."""
+    import transformers
+
+    from tests.conftest import TINY_COMMON, TINY_FAMILIES, make_tokenizer
+
+    cls_name, arch, extra = TINY_FAMILIES[family]
+    config = getattr(transformers, cls_name)(**{**TINY_COMMON, **extra, "num_hidden_layers": 1,
+                                                "intermediate_size": 64, **changes}, architectures=[arch])
+    torch.manual_seed(7)
+    getattr(transformers, arch)(config).eval().save_pretrained(str(path), safe_serialization=True)
+    make_tokenizer(path)
+    return path
+
+
+def _family(path) -> str:
+    import json
+
+    return json.loads((path / "config.json").read_text())["model_type"]
+
+
+@pytest.fixture(scope="module")
+def family_draft(family_reference, tmp_path_factory):
+    path, prompts, expected = family_reference
+    return path, _make_draft(tmp_path_factory.mktemp("draft"), _family(path)), prompts, expected
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_draft_model_greedy_outputs_equal_without_spec_decode(family_draft, k):
+    path, draft, prompts, expected = family_draft
+    llm = LLM(str(path), plugins=["spec_decode"], plugin_options=_spec(k, method="draft", draft_model=str(draft),
+                                                                       adaptive=False))
+    assert _greedy(llm, prompts) == expected
+    assert llm.engine.stats().spec_decode_num_drafts > 0
+    assert llm.engine.kv.num_free_blocks() == llm.engine.kv.num_blocks
+
+
+def test_target_as_its_own_draft_is_always_accepted(family_reference):
+    path, prompts, expected = family_reference
+    llm = LLM(str(path), plugins=["spec_decode"], plugin_options=_spec(3, method="draft", draft_model=str(path)))
+    assert _greedy(llm, prompts) == expected
+    stats = llm.engine.stats()
+    assert stats.spec_decode_num_drafts > 0 and stats.spec_decode_num_accepted == stats.spec_decode_num_drafts
+    assert stats.spec_decode_mean_acceptance_length > 3.0
+
+
+@pytest.mark.parametrize("scheduler", SCHEDULERS)
+def test_draft_model_with_chunked_prefill_preemption_prefix_cache_and_async(llama_reference, scheduler):
+    path, prompts, expected = llama_reference
+    # The target as its own draft: every draft is accepted, so a wrong draft KV (a block table shared
+    # wrongly, a rollback missed after preemption) would show as a rejected draft.
+    llm = LLM(str(path), plugins=["spec_decode", "prefix_cache", scheduler],
+              plugin_options=_spec(3, method="draft", draft_model=str(path)),
+              block_size=8, num_kv_blocks=12, max_num_batched_tokens=9, async_scheduling="on")
+    assert _greedy(llm, prompts) == expected
+    assert _greedy(llm, prompts) == expected
+    stats = llm.engine.stats()
+    assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
+    assert stats.spec_decode_num_drafts > 0 and stats.spec_decode_num_accepted == stats.spec_decode_num_drafts
+    assert llm.engine.kv.num_free_blocks() == 12
+
+
+def test_draft_model_shares_the_kv_budget_and_rejects_another_vocabulary(tiny_llama, tmp_path):
+    plain = LLM(str(tiny_llama), kv_cache_memory_gib=0.01)
+    draft = _make_draft(tmp_path / "small", "llama")
+    llm = LLM(str(tiny_llama), kv_cache_memory_gib=0.01, plugins=["spec_decode"],
+              plugin_options=_spec(3, method="draft", draft_model=str(draft)))
+    # Target 2 layers + draft 1 layer of the same width: two thirds of the blocks.
+    assert llm.engine.kv.num_blocks == plain.engine.kv.num_blocks * 2 // 3
+    other = _make_draft(tmp_path / "other", "llama", vocab_size=400)
+    with pytest.raises(ConfigError) as err:
+        LLM(str(tiny_llama), plugins=["spec_decode"], plugin_options=_spec(3, method="draft", draft_model=str(other)))
+    assert "vocab_size=400 but the target model has vocab_size=384" in str(err.value)
+
+
+# --- the real model ------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_smollm2_greedy_outputs_equal_without_spec_decode_in_one_mixed_batch():
+    """SmolLM2-135M-Instruct in float32: a batch of mixed lengths (a copy-heavy chat over this
+    repository's docs, which ngram drafts well, and short free-form prompts) gives the same tokens with
+    ngram speculation as without."""
+    from pathlib import Path
+
+    from kvloom.frontends.text import apply_chat_template
+
+    plain = LLM(dtype="float32")
+    spec = LLM(dtype="float32", plugins=["spec_decode"], plugin_options={"spec_decode": {"num_speculative_tokens": 4}})
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "plugins.md").read_text()
+    passage = " ".join(line for line in doc.splitlines() if line and not line.startswith(("#", "|", "`", "-")))[:500]
+    tok = plain.tokenizer
+    prompts = [apply_chat_template(tok, [{"role": "user", "content": "Repeat this passage exactly:\n\n" + passage}], True),
+               tok.encode("The capital of Italy is"), tok.encode("def fibonacci(n):"),
+               apply_chat_template(tok, [{"role": "user", "content": "Count from 1 to 20."}], True)]
+    assert _greedy(spec, prompts, 40) == _greedy(plain, prompts, 40)
+    stats = spec.engine.stats()
+    assert stats.spec_decode_num_accepted > 20  # the copy was drafted and accepted

@@ -4,6 +4,7 @@ values the scheduler and the runner exchange."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 
@@ -52,6 +53,8 @@ class EngineCore:
         if self.device.type == "cpu":
             keep_freed_memory()
             configure_threads(config.threads)
+        # Before any weights load, so that a bad draft model fails fast.
+        proposer = self.plugins.make_spec_proposer(self.hf_config, config)
         t0 = time.perf_counter()
         self.attention_backend = get_attention_backend(self.device)
         self.quantization = self.plugins.make_quantization(self.hf_config, config)  # None: dense
@@ -64,7 +67,16 @@ class EngineCore:
         if self.quantization is not None:
             logger.info(self.quantization.describe())
 
+        draft_kv = getattr(proposer, "allocate_kv", None)
+        if draft_kv is not None:  # the draft model's weights count in the memory profile below
+            proposer.load(device=self.device, dtype=self.dtype, load_format=config.load_format,
+                          max_model_len=self.max_model_len, seed=config.seed)
         self.capacity = self._kv_capacity()
+        if draft_kv is not None and config.num_kv_blocks is None:
+            # The draft's blocks (the same ids as the target's) come out of the same budget.
+            per_token = self.capacity.bytes_per_token
+            blocks = self.capacity.num_blocks * per_token // (per_token + proposer.kv_bytes_per_token)
+            self.capacity = dataclasses.replace(self.capacity, num_blocks=max(1, blocks))
         logger.info(self.capacity.describe())
         layers, kv_heads, head_dim = capacity.model_dims(self.hf_config)
         shape = self.attention_backend.kv_cache_shape(self.capacity.num_blocks, config.block_size, kv_heads, head_dim)
@@ -82,13 +94,18 @@ class EngineCore:
             self.kv, self.plugins.make_scheduler_policy(config), max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=self.max_model_len,
         )
-        proposer = self.plugins.make_spec_proposer(self.hf_config, config)
-        self.speculator = Speculator(proposer, self.max_model_len) if proposer is not None else None
+        if draft_kv is not None:
+            draft_kv(self.capacity.num_blocks, config.block_size, config.seed)
+        self.speculator = Speculator(proposer, self.max_model_len, kv=self.kv) if proposer is not None else None
         logger.info("Plugins: %s", ", ".join(f"{kind}={name}" for kind, name in self.plugins.enabled.items()))
         # --- end of plugins ---
         self.runner = ModelRunner(self.model, kv_caches, config.block_size, self.device, config.seed)
         if self.device.type == "cuda" and not config.enforce_eager:
-            self.runner.capture_graphs(config.max_num_seqs, self.max_model_len)
+            spec = self.speculator
+            self.runner.capture_graphs(config.max_num_seqs, self.max_model_len, *(
+                (spec.k + 1, spec.policy.max_batch_size or config.max_num_seqs) if spec is not None else ()))
+            if draft_kv is not None:
+                proposer.capture_graphs(config.max_num_seqs, self.max_model_len)
         self.last_step_tokens = 0
         self.async_scheduling = config.async_scheduling == "on" or (
             config.async_scheduling == "auto" and self.device.type == "cuda")
@@ -216,11 +233,14 @@ class EngineCore:
 
     def _can_overlap(self) -> bool:
         """Penalties need every earlier token on the host, and so does a proposer: such steps wait for
-        the previous one (a step whose batch is too large to speculate overlaps as usual)."""
+        the previous one. Steps where no request proposes (the adaptive policy backed off, or the batch
+        is too large to speculate) overlap as usual."""
         if not self.async_scheduling:
             return False
+        if self._in_flight is not None and self._in_flight[0].num_draft_tokens:
+            return False  # its rejected drafts roll back tokens that the next plan would build on
         running = self.scheduler.running
-        if self.speculator is not None and self.speculator.active(len(running)):
+        if self.speculator is not None and self.speculator.wants_host_tokens(running):
             return False
         return not any(r.sampling.uses_penalties for r in running)
 

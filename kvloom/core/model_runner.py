@@ -1,6 +1,8 @@
 """Turns a ``SchedulerOutput`` into flat tensors, runs the model over the paged KV cache, samples and
 verifies drafts, and returns a ``RunnerOutput``: values in, values out, no live request objects.
-On CUDA, pure-decode steps replay CUDA graphs captured for a ladder of batch sizes."""
+On CUDA, decode steps and verify steps (a decode with drafts) replay CUDA graphs captured for a ladder of
+token counts: a verify step is laid out as one single-query "decode row" per token (its causal prefix as
+its sequence length), so the graphed decode shape carries several query tokens per request."""
 
 from __future__ import annotations
 
@@ -16,13 +18,23 @@ from kvloom.core.sampler import SampleResult, Sampler
 logger = logging.getLogger("kvloom")
 
 
-def graph_batch_sizes(max_num_seqs: int) -> list[int]:
-    """Batch sizes to capture: 1, 2, 4, 8, then every 16 up to max_num_seqs (and max_num_seqs itself)."""
+def graph_batch_sizes(max_num_seqs: int, verify_width: int = 1, max_verify_seqs: int = 0) -> list[int]:
+    """Token counts to capture: 1, 2, 4, 8, then every 16 up to max_num_seqs (and max_num_seqs itself);
+    with speculation (``verify_width`` = k + 1 tokens per request), also ``b * verify_width`` for that
+    ladder's sizes ``b`` up to ``max_verify_seqs``, so a verify batch pads little."""
     sizes = [b for b in (1, 2, 4, 8) if b <= max_num_seqs]
     sizes += list(range(16, max_num_seqs + 1, 16))
     if max_num_seqs not in sizes:
         sizes.append(max_num_seqs)
+    if verify_width > 1 and max_verify_seqs:
+        sizes += [b * verify_width for b in graph_batch_sizes(min(max_verify_seqs, max_num_seqs))]
     return sorted(set(sizes))
+
+
+def decode_layout(seqs: list[ScheduledSeq]) -> bool:
+    """Whether a step can run as single-query rows: every sequence is one token (a decode, or a
+    one-token chunk) or samples every token it feeds (a decode with drafts to verify)."""
+    return all(s.num_new_tokens == 1 or s.num_sample_rows == s.num_new_tokens for s in seqs)
 
 
 class ModelRunner:
@@ -34,6 +46,9 @@ class ModelRunner:
         self.device = device
         self.sampler = Sampler(device, seed)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        # Run eager verify steps as single-query rows too (what the graphs do; on by default where
+        # graphs are captured, and for tests of that layout on the CPU).
+        self.verify_as_decodes = False
         self._pin = device.type == "cuda"
         # The previous step's sampled tokens on the device, and each request's row in them: inputs that
         # are still placeholders on the host are filled from here without waiting for the copy back.
@@ -64,6 +79,44 @@ class ModelRunner:
         max_blocks = max(len(s.block_ids) for s in order)
         table = [s.block_ids + [0] * (max_blocks - len(s.block_ids)) for s in order]
         return input_ids, positions, slots, query_start, seq_lens, query_lens, logits_rows, table
+
+    def _decode_rows(self, seqs: list[ScheduledSeq]):
+        """Host inputs of a step in the decode layout: one row per token, whose sequence length is its
+        position + 1 and whose block table is its request's (so each draft attends causally); the
+        rows to sample are every sampling sequence's tokens."""
+        bs = self.block_size
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        rows: list[int] = []
+        tables: list[list[int]] = []
+        for s in seqs:
+            if s.samples:
+                rows.extend(range(len(ids), len(ids) + s.num_new_tokens))
+            blocks = s.block_ids
+            for i, t in enumerate(s.token_ids):
+                p = s.start_pos + i
+                ids.append(max(t, 0))
+                pos.append(p)
+                slots.append(blocks[p // bs] * bs + p % bs)
+                tables.append(blocks)
+        width = max(len(t) for t in tables)
+        table = [t + [0] * (width - len(t)) for t in tables]
+        return ids, pos, slots, [p + 1 for p in pos], table, rows
+
+    def _prepare_decode_rows(self, seqs: list[ScheduledSeq]):
+        ids, pos, slots, seq_lens, table, rows = self._decode_rows(seqs)
+        n = len(ids)
+        meta = AttentionMetadata(
+            slot_mapping=self._to_device(slots, torch.int64), block_tables=self._to_device(table, torch.int32),
+            seq_lens=self._to_device(seq_lens, torch.int32),
+            query_start_loc=self._to_device(list(range(n + 1)), torch.int32),
+            num_decodes=n, max_query_len=1, max_seq_len=max(seq_lens), query_lens_cpu=[1] * n, seq_lens_cpu=seq_lens,
+        )
+        ids_dev = self._to_device(ids, torch.int64)
+        self._fill_placeholders(seqs, ids_dev)
+        return ids_dev, self._to_device(pos, torch.int64), meta, self._to_device(rows, torch.int64), \
+            [s for s in seqs if s.samples]
 
     def _to_device(self, data, dtype) -> torch.Tensor:
         t = torch.tensor(data, dtype=dtype)
@@ -98,11 +151,11 @@ class ModelRunner:
         gives the ``RunnerOutput``."""
         self.sampler.remove(plan.finished_request_ids)
         seqs = plan.seqs
-        batch = len(seqs)
-        if self.graphs and batch <= self._max_graph_batch and all(s.num_new_tokens == 1 for s in seqs):
+        if self.graphs and plan.num_tokens <= self._max_graph_batch and decode_layout(seqs):
             logits, sampling = self._replay(seqs)
         else:
-            ids, pos, meta, rows, sampling = self.prepare(seqs)
+            as_decodes = self.verify_as_decodes and plan.num_draft_tokens and decode_layout(seqs)
+            ids, pos, meta, rows, sampling = (self._prepare_decode_rows if as_decodes else self.prepare)(seqs)
             hidden = self.model(ids, pos, meta, self.kv_caches, keep=rows)  # the sampled rows' states
             logits = self.model.compute_logits(hidden) if sampling else None
         if not sampling:
@@ -139,10 +192,12 @@ class ModelRunner:
 
     # --- CUDA graphs ---------------------------------------------------------------------------
     @torch.inference_mode()
-    def capture_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
-        """Capture one graph per decode batch size (model forward + logits), largest first so the
-        smaller ones reuse its memory pool."""
-        sizes = graph_batch_sizes(max_num_seqs)
+    def capture_graphs(self, max_num_seqs: int, max_model_len: int, verify_width: int = 1,
+                       max_verify_seqs: int = 0) -> None:
+        """Capture one graph per token count of a decode-layout step (model forward + logits), largest
+        first so the smaller ones reuse its memory pool."""
+        self.verify_as_decodes = True
+        sizes = graph_batch_sizes(max_num_seqs, verify_width, max_verify_seqs)
         max_b = sizes[-1]
         max_blocks = -(-max_model_len // self.block_size)
         dev = self.device
@@ -171,7 +226,7 @@ class ModelRunner:
                 self._logits[b] = self.model.compute_logits(hidden)
             self.graphs[b] = graph
         torch.cuda.synchronize()
-        logger.info("Captured CUDA graphs for %d decode batch sizes (1..%d) in %.1fs",
+        logger.info("Captured CUDA graphs for %d decode-layout token counts (1..%d) in %.1fs",
                     len(sizes), max_b, time.perf_counter() - t0)
 
     def _static_meta(self, b: int) -> AttentionMetadata:
@@ -183,22 +238,21 @@ class ModelRunner:
         )
 
     def _replay(self, seqs: list[ScheduledSeq]):
-        batch = len(seqs)
-        b = next(size for size in sorted(self.graphs) if size >= batch)
-        ids, pos, slots, _, seq_lens, _, _, table = self._host_inputs(seqs)
-        pad = b - batch
+        ids, pos, slots, seq_lens, table, rows = self._decode_rows(seqs)
+        n = len(ids)
+        b = next(size for size in sorted(self.graphs) if size >= n)
+        pad = b - n
         s = self._static
-        s["ids"][:b].copy_(self._to_device([max(t, 0) for t in ids] + [0] * pad, torch.int64), non_blocking=True)
+        s["ids"][:b].copy_(self._to_device(ids + [0] * pad, torch.int64), non_blocking=True)
         self._fill_placeholders(seqs, s["ids"])
         s["pos"][:b].copy_(self._to_device(pos + [0] * pad, torch.int64), non_blocking=True)
         s["slots"][:b].copy_(self._to_device(slots + [-1] * pad, torch.int64), non_blocking=True)
         s["seq_lens"][:b].copy_(self._to_device(seq_lens + [0] * pad, torch.int32), non_blocking=True)
         width = len(table[0])
-        s["table"][:batch, :width].copy_(self._to_device(table, torch.int32), non_blocking=True)
+        s["table"][:n, :width].copy_(self._to_device(table, torch.int32), non_blocking=True)
         self.graphs[b].replay()
-        rows = [i for i, sc in enumerate(seqs) if sc.samples]
-        logits = self._logits[b][:batch] if len(rows) == batch else self._logits[b][rows]
-        return logits, [seqs[i] for i in rows]
+        logits = self._logits[b][:n] if len(rows) == n else self._logits[b][self._to_device(rows, torch.int64)]
+        return logits, [sc for sc in seqs if sc.samples]
 
 
 class LaunchedStep:

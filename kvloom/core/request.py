@@ -76,8 +76,10 @@ class Request:
         self.num_draft_tokens = 0  # drafts verified so far (speculative decoding)
         self.num_accepted_tokens = 0  # of which the target accepted
         self.num_spec_steps = 0  # steps that verified at least one draft
-        self.recent_acceptance = 1.0  # moving average of the accepted fraction, for the adaptive policy
-        self.spec_cooldown = 0  # steps skipped since the adaptive policy stopped its drafts
+        # Moving average of the accepted fraction, for the adaptive policy: a new request starts at 0.5, so
+        # four steps with nothing accepted stop its drafts.
+        self.recent_acceptance = 0.5
+        self.spec_failed_probes = 0  # probes in a row since its drafts stopped, for the policy's back-off
         self.first_scheduled_time: float | None = None
         self.awaiting_final_token = False  # its last possible token is in flight: schedule it no more
 

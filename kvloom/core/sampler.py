@@ -105,8 +105,9 @@ class Sampler:
                 tokens = rejection_sampler.greedy_or_sample(logits, probs, noise, row_params)
             accepted, chosen_tokens = None, tokens
         else:
-            draft_rows = torch.tensor([t for s in seqs for t in (s.draft_token_ids + [-1] if s.draft_token_ids
-                                                                  else [-1])], device=logits.device)
+            draft_rows = rejection_sampler.host_to_device(
+                [t for s in seqs for t in (s.draft_token_ids + [-1] if s.draft_token_ids else [-1])],
+                torch.int64, logits.device)
             probs = None if all(p.greedy for p in params) else target_probs(logits, row_params)
             noise = uniform = None
             if probs is not None:

@@ -294,7 +294,11 @@ class Scheduler:
         req.num_draft_tokens += num_drafts
         req.num_accepted_tokens += accepted
         req.num_spec_steps += 1
-        req.recent_acceptance = 0.5 * req.recent_acceptance + 0.5 * accepted / num_drafts
+        # A quarter weight for the newest step: at 80% per-token acceptance, a run of unlucky steps rarely
+        # stops a request's drafts (a half weight stopped them often enough to cost a fifth of the speed-up).
+        req.recent_acceptance = 0.75 * req.recent_acceptance + 0.25 * accepted / num_drafts
+        if accepted:
+            req.spec_failed_probes = 0
         self.num_draft_tokens += num_drafts
         self.num_accepted_tokens += accepted
         self.num_spec_steps += 1

@@ -18,6 +18,15 @@ import torch
 from kvloom.core.sampling_params import SamplingParams
 
 
+def host_to_device(data, dtype, device) -> torch.Tensor:
+    """A small host list on the device without stalling: a pageable copy would wait for the forward
+    queued before it, leaving the GPU idle while the sampler's kernels are launched after it."""
+    t = torch.tensor(data, dtype=dtype)
+    if torch.device(device).type == "cuda":
+        t = t.pin_memory()
+    return t.to(device, non_blocking=True)
+
+
 def greedy_or_sample(logits: torch.Tensor, probs: torch.Tensor, noise: torch.Tensor,
                      row_params: list[SamplingParams]) -> torch.Tensor:
     """One token per row: argmax for greedy rows, a draw from ``probs`` for the others. Drawing is
@@ -25,7 +34,7 @@ def greedy_or_sample(logits: torch.Tensor, probs: torch.Tensor, noise: torch.Ten
     sampled = (probs / noise).argmax(dim=-1)
     if not any(p.greedy for p in row_params):
         return sampled
-    greedy = torch.tensor([p.greedy for p in row_params], device=logits.device)
+    greedy = host_to_device([p.greedy for p in row_params], torch.bool, logits.device)
     return torch.where(greedy, logits.argmax(dim=-1), sampled)
 
 
@@ -56,7 +65,7 @@ def verify(logits: torch.Tensor, probs: torch.Tensor | None, drafts: torch.Tenso
     empty = residual.sum(dim=-1) <= 0
     residual = torch.where(empty[:, None], probs, residual)
     drawn = (residual / noise).argmax(dim=-1)
-    greedy = torch.tensor([p.greedy for p in row_params], device=logits.device)
+    greedy = host_to_device([p.greedy for p in row_params], torch.bool, logits.device)
     tokens = torch.where(greedy, greedy_tokens, drawn)
     accepted = torch.where(greedy, has_draft & (greedy_tokens == drafts), accepted_random)
     return tokens, accepted

@@ -58,8 +58,13 @@ def kvloom_spec_proposer(hf_config: Any, config: Any, options: dict[str, Any]):
 
         proposer = NgramProposer(k, options["prompt_lookup_min"], options["prompt_lookup_max"])
     else:
-        raise SpecDecodeOptionError(
-            "spec_decode method='draft' is not available in this build: use method='ngram'")
+        from kvloom.core.worker.draft_proposer import DraftModelProposer, DraftVocabularyError
+
+        proposer = DraftModelProposer(k, options["draft_model"], options["draft_dtype"])
+        try:
+            proposer.check_vocabulary(hf_config)
+        except (DraftVocabularyError, FileNotFoundError) as e:
+            raise SpecDecodeOptionError(str(e)) from None
     proposer.policy = policy
     return proposer
 
@@ -81,3 +86,8 @@ def check_options(options: dict[str, Any]) -> None:
         raise SpecDecodeOptionError(f"spec_decode max_batch_size={options['max_batch_size']} must be >= 0")
     if options["method"] == "draft" and not options["draft_model"]:
         raise SpecDecodeOptionError("spec_decode method='draft' needs draft_model (a model path)")
+    if options["method"] == "ngram":
+        for name, default in (("draft_model", ""), ("draft_dtype", "auto")):
+            if options[name] != default:
+                raise SpecDecodeOptionError(f"spec_decode {name}={options[name]!r} cannot be used with method='ngram': "
+                                            "it only applies to method='draft'")
