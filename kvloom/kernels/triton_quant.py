@@ -5,6 +5,8 @@ which AWQ and GPTQ checkpoints are repacked into at load), uint8 zero points and
 Two tile shapes: for few rows (decode) a GEMV-shaped tile with split-K, so that the K loop of a single
 row is spread over many programs and the whole GPU streams the packed weight; for many rows, larger M/N
 tiles without split-K. Both accumulate in float32 with the reference's dequantization ``(q - z) * s``.
+
+Also the FP8 weight-only GEMV that FP8 layers use for decode-sized batches (``fp8_weight_only_linear``).
 """
 
 from __future__ import annotations
@@ -22,31 +24,44 @@ def _int_matmul_kernel(
     M, N, K, group_size,
     stride_xm, stride_om,
     BITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    SPLIT_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    SPLIT_K: tl.constexpr, DOT_PRECISION: tl.constexpr, GROUP_ALIGNED: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
     PER: tl.constexpr = 32 // BITS
+    WORDS: tl.constexpr = BLOCK_K // PER
     MASK: tl.constexpr = (1 << BITS) - 1
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
+    rw = tl.arange(0, WORDS)
+    shifts = tl.arange(0, PER) * BITS
     m_ok = rm < M
     n_ok = rn < N
+    x_rows = x_ptr + rm[:, None].to(tl.int64) * stride_xm
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     k_tiles = tl.cdiv(K, BLOCK_K)
     for t in range(pid_k, k_tiles, SPLIT_K):
         k = t * BLOCK_K + rk
         k_ok = k < K
-        x = tl.load(x_ptr + rm[:, None].to(tl.int64) * stride_xm + k[None, :],
-                    mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        words = tl.load(qw_ptr + (k // PER)[:, None].to(tl.int64) * N + rn[None, :],
-                        mask=k_ok[:, None] & n_ok[None, :], other=0)
-        q = (words >> ((k % PER) * BITS)[:, None]) & MASK
-        g = (k // group_size)[:, None].to(tl.int64) * N + rn[None, :]
-        z = tl.load(z_ptr + g, mask=k_ok[:, None] & n_ok[None, :], other=0)
-        s = tl.load(s_ptr + g, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        x = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        # Each int32 word once ([WORDS, BLOCK_N]), unpacked to its PER rows of K by shifts: the word at
+        # row w holds inputs w * PER .. w * PER + PER - 1 (K-packed layout).
+        w_rows = t * WORDS + rw
+        words = tl.load(qw_ptr + w_rows[:, None].to(tl.int64) * N + rn[None, :],
+                        mask=(w_rows < K // PER)[:, None] & n_ok[None, :], other=0)
+        q = tl.reshape((words[:, None, :] >> shifts[None, :, None]) & MASK, (BLOCK_K, BLOCK_N))
+        if GROUP_ALIGNED:
+            # A K tile lies inside one group (the host picks BLOCK_K dividing group_size): its zero point
+            # and scale are one row of [G, N], loaded once per tile rather than per element.
+            g = ((t * BLOCK_K) // group_size).to(tl.int64) * N + rn
+            z = tl.load(z_ptr + g, mask=n_ok, other=0)[None, :]
+            s = tl.load(s_ptr + g, mask=n_ok, other=0.0)[None, :]
+        else:  # ragged groups (a group of all K inputs that no tile divides): per element
+            g = (k // group_size)[:, None].to(tl.int64) * N + rn[None, :]
+            z = tl.load(z_ptr + g, mask=k_ok[:, None] & n_ok[None, :], other=0)
+            s = tl.load(s_ptr + g, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
         w = ((q - z.to(tl.int32)).to(tl.float32) * s.to(tl.float32)).to(x.dtype)
         acc += tl.dot(x, w, input_precision=DOT_PRECISION)
     out = out_ptr + rm[:, None].to(tl.int64) * stride_om + rn[None, :]
@@ -57,13 +72,27 @@ def _int_matmul_kernel(
 
 
 def tile_config(m: int, n: int, k: int) -> dict:
-    """Tiles by row count: GEMV-shaped with split-K for decode, square-ish for batched steps."""
+    """Tiles by row count: GEMV-shaped with split-K for decode (enough programs to stream the packed
+    weight with the whole GPU), larger and pipelined tiles for batched steps."""
     if m <= 16:
-        split = max(1, min(8, k // 512))
-        return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, SPLIT_K=split, num_warps=4)
+        programs = triton.cdiv(n, 64)
+        split = max(1, min(16, k // 256, triton.cdiv(4 * 132, programs)))
+        return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, SPLIT_K=split, num_warps=4, num_stages=4)
     if m <= 64:
-        return dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=64, SPLIT_K=1, num_warps=4)
-    return dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, SPLIT_K=1, num_warps=8)
+        return dict(BLOCK_M=32 if m <= 32 else 64, BLOCK_N=128, BLOCK_K=64, SPLIT_K=1, num_warps=4, num_stages=4)
+    if m <= 128:
+        return dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, SPLIT_K=1, num_warps=4, num_stages=4)
+    return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, SPLIT_K=1, num_warps=8, num_stages=3)
+
+
+def _fit_block_k(block_k: int, group_size: int) -> tuple[int, bool]:
+    """``(BLOCK_K, aligned)``: the largest power of two ``<= block_k`` and ``>= 16`` (``tl.dot``'s minimum)
+    that divides ``group_size``, so that a tile needs one row of scales and zeros; else ``block_k``,
+    not aligned."""
+    b = block_k
+    while b > 16 and group_size % b:
+        b //= 2
+    return (b, True) if group_size % b == 0 else (block_k, False)
 
 
 def int_matmul(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor,
@@ -77,13 +106,91 @@ def int_matmul(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor, scal
     n = qweight.shape[1]
     qweight, zeros, scales = qweight.contiguous(), zeros.contiguous(), scales.contiguous()  # row-major [.., N]
     cfg = dict(config or tile_config(m, n, k))
+    cfg["BLOCK_K"], aligned = _fit_block_k(cfg["BLOCK_K"], group_size)
     split = cfg["SPLIT_K"]
     out = (torch.zeros if split > 1 else torch.empty)((m, n), device=x.device,
                                                       dtype=torch.float32 if split > 1 else x.dtype)
     grid = (triton.cdiv(m, cfg["BLOCK_M"]), triton.cdiv(n, cfg["BLOCK_N"]), split)
     _int_matmul_kernel[grid](x2, qweight, zeros, scales, out, m, n, k, group_size, x2.stride(0), out.stride(0),
-                             BITS=bits, DOT_PRECISION=_dot_precision(x2.dtype), **cfg)
+                             BITS=bits, DOT_PRECISION=_dot_precision(x2.dtype),
+                             GROUP_ALIGNED=aligned, **cfg)
     out = out.to(x.dtype)
+    if bias is not None:
+        out = out + bias
+    return out.reshape(*shape[:-1], n)
+
+
+# --------------------------------------------------------------------------------------------------
+# FP8 weight-only GEMV for decode-sized batches
+# --------------------------------------------------------------------------------------------------
+
+# Up to this many rows an FP8 layer runs weight-only here (bf16 activations, FP8 weight converted in
+# registers): a decode step is bound by reading the weight, which is half of bf16's bytes, while the
+# W8A8 path pays an activation quantization pass and cuBLASLt's padded 16-row tile.
+FP8_GEMV_MAX_ROWS = 16
+
+
+@triton.jit
+def _fp8_weight_only_kernel(
+    x_ptr, w_ptr, ws_ptr, out_ptr,
+    M, N, K,
+    stride_xm, stride_wn, stride_om,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    m_ok = rm < M
+    n_ok = rn < N
+    x_rows = x_ptr + rm[:, None].to(tl.int64) * stride_xm
+    w_cols = w_ptr + rn[None, :].to(tl.int64) * stride_wn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for t in range(pid_k, tl.cdiv(K, BLOCK_K), SPLIT_K):
+        k = t * BLOCK_K + rk
+        k_ok = k < K
+        x = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_cols + k[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)  # [BLOCK_K, BLOCK_N]
+        acc += tl.dot(x, w.to(x.dtype), input_precision=DOT_PRECISION)
+    # the per-output-channel scale commutes with the sum over K: applied once, to the accumulator
+    acc = acc * tl.load(ws_ptr + rn, mask=n_ok, other=0.0)[None, :]
+    out = out_ptr + rm[:, None].to(tl.int64) * stride_om + rn[None, :]
+    if SPLIT_K == 1:
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+    else:
+        tl.atomic_add(out, acc, mask=m_ok[:, None] & n_ok[None, :])
+
+
+def fp8_gemv_config(m: int, n: int, k: int) -> dict:
+    """Narrow N tiles so that even a 4096-wide output gives every SM a couple of programs without split-K
+    (whose float32 buffer and extra passes cost more than they save at these sizes)."""
+    block_n = 16 if n <= 8192 else 64
+    return dict(BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=256, SPLIT_K=1, num_warps=4, num_stages=4)
+
+
+def fp8_weight_only_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                           bias: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
+    """``x @ (W * s).T + b`` for an FP8 ``weight [N, K]`` (rows contiguous) with ``weight_scale [N, 1]``
+    float32, ``x`` in its own dtype (no activation quantization)."""
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    m, k = x2.shape
+    n = weight.shape[0]
+    cfg = dict(config or fp8_gemv_config(m, n, k))
+    split = cfg["SPLIT_K"]
+    out = (torch.zeros if split > 1 else torch.empty)((m, n), device=x.device,
+                                                      dtype=torch.float32 if split > 1 else x.dtype)
+    grid = (triton.cdiv(m, cfg["BLOCK_M"]), triton.cdiv(n, cfg["BLOCK_N"]), split)
+    _fp8_weight_only_kernel[grid](x2, weight, weight_scale.reshape(-1), out, m, n, k,
+                                  x2.stride(0), weight.stride(0), out.stride(0),
+                                  DOT_PRECISION=_dot_precision(x2.dtype), **cfg)
+    if split > 1:
+        out = out.to(x.dtype)
     if bias is not None:
         out = out + bias
     return out.reshape(*shape[:-1], n)

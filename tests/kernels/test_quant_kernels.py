@@ -22,7 +22,7 @@ def random_packed(k: int, n: int, bits: int, group: int, seed: int = 0):
 
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("rows", [1, 5, 70])
-@pytest.mark.parametrize("group", [32, 256])
+@pytest.mark.parametrize("group", [32, 256, 40])  # 40: no K tile divides it, per-element scales
 def test_int_matmul_kernel_matches_the_reference(tk, bits, rows, group):
     k, n = 256, 96  # n not a multiple of the 64-wide tiles: the masks are exercised
     qweight, zeros, scales = random_packed(k, n, bits, group)
@@ -44,7 +44,7 @@ def test_decode_and_batched_tiles_differ():
     from kvloom.kernels.triton_quant import tile_config
 
     assert tile_config(1, 4096, 4096)["SPLIT_K"] > 1 and tile_config(1, 4096, 4096)["BLOCK_M"] == 16
-    assert tile_config(256, 4096, 4096)["SPLIT_K"] == 1 and tile_config(256, 4096, 4096)["BLOCK_M"] == 64
+    assert tile_config(256, 4096, 4096)["SPLIT_K"] == 1 and tile_config(256, 4096, 4096)["BLOCK_M"] == 128
 
 
 def test_awq_repacked_along_the_inputs_is_the_same_weight():
@@ -108,3 +108,24 @@ def test_int_matmul_on_the_gpu_at_llama_shapes(rows):
     want = qr.int_matmul(x.float(), qweight, zeros, scales, 128, 4)
     got = triton_quant.int_matmul(x.cuda(), qweight.cuda(), zeros.cuda(), scales.cuda(), 128, 4)
     torch.testing.assert_close(got.float().cpu(), want, atol=0.05, rtol=0.02)
+
+
+@pytest.mark.parametrize("rows", [1, 7, 16])
+@pytest.mark.parametrize("split", [1, 3])
+def test_fp8_weight_only_gemv_matches_the_dequantized_product(tk, rows, split):
+    """The decode path of FP8 layers: bf16/float32 activations times the FP8 weight with its per-channel
+    scales, no activation quantization."""
+    gen = torch.Generator().manual_seed(0)
+    n, k = 80, 300  # neither a multiple of the tiles: the masks are exercised
+    w = torch.randn(n, k, generator=gen) * 0.05
+    scale = qr.fp8_scale_per_row(w)
+    wq = qr.fp8_quantize(w, scale)
+    x = torch.randn(rows, k, generator=gen)
+    bias = torch.randn(n, generator=gen)
+    want = x @ (wq.float() * scale).t() + bias
+    dev = tk.device
+    cfg = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=64, SPLIT_K=split, num_warps=4)
+    got = tk.quant.fp8_weight_only_linear(x.to(dev), wq.to(dev), scale.to(dev), bias.to(dev), config=cfg)
+    torch.testing.assert_close(got.cpu(), want, atol=1e-4, rtol=1e-4)
+    got = tk.quant.fp8_weight_only_linear(x.to(dev), wq.to(dev), scale.to(dev), bias.to(dev))  # its own tiles
+    torch.testing.assert_close(got.cpu(), want, atol=1e-4, rtol=1e-4)

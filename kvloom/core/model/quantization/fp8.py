@@ -4,7 +4,8 @@ compressed-tensors FP8 checkpoints (channel or tensor weights, dynamic per-token
 and online quantization of a dense checkpoint (per-channel weight scales, dynamic per-token activations).
 
 Where the GPU has FP8 matmuls (Ada, Hopper and later) the layer runs W8A8 through ``torch._scaled_mm``
-with row-wise scales; elsewhere (the CPU, older GPUs) and for block-wise scales, weight-only: the FP8
+with row-wise scales, and decode-sized batches (up to 16 rows) weight-only through a Triton FP8 GEMV
+(bf16 activations: reading the FP8 weight is the whole cost there); elsewhere (the CPU, older GPUs) and for block-wise scales, weight-only: the FP8
 weight is dequantized at load, so its rounding is kept and the matmul is dense.
 """
 
@@ -20,6 +21,12 @@ from kvloom.kernels.quant_reference import (FP8_DTYPE, fp8_dequantize_blocks, fp
 
 FP8_ACTIVATION_SCHEMES = ("dynamic", "static")
 CT_WEIGHT_STRATEGIES = ("channel", "tensor")
+
+
+def _gemv_rows() -> int:
+    from kvloom.kernels.triton_quant import FP8_GEMV_MAX_ROWS
+
+    return FP8_GEMV_MAX_ROWS
 
 
 def fp8_matmul_supported(device: torch.device) -> bool:
@@ -176,9 +183,14 @@ class FP8LinearMethod:
         if input_scale is not None:  # one scale for the fused input: the largest shard's, as vLLM does
             layer.add_param("input_scale", input_scale)
         self.w8a8 = True
-        m.kernel = "W8A8 torch._scaled_mm, row-wise scales"
+        m.kernel = ("W8A8 torch._scaled_mm, row-wise scales; up to "
+                    f"{_gemv_rows()} rows weight-only FP8 GEMV (Triton)")
 
     def apply(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
+        from kvloom.kernels import triton_quant
+
+        if x.numel() <= triton_quant.FP8_GEMV_MAX_ROWS * x.shape[-1]:  # decode-sized: weight-only GEMV
+            return triton_quant.fp8_weight_only_linear(x, layer.weight, layer.weight_scale, layer.bias)
         return fp8_w8a8_linear(x, layer.weight, layer.weight_scale, getattr(layer, "input_scale", None), layer.bias)
 
     def held_bytes(self, layer: LinearBase, device_type: str) -> int:
