@@ -23,9 +23,10 @@ MIN_AGREEMENT = 0.9
 
 
 def _meta(slots, table, seq_len, q_len, decode):
+    dev = table.device
     return AttentionMetadata(
-        slot_mapping=slots, block_tables=table, seq_lens=torch.tensor([seq_len], dtype=torch.int32),
-        query_start_loc=torch.tensor([0, q_len], dtype=torch.int32), num_decodes=1 if decode else 0,
+        slot_mapping=slots, block_tables=table, seq_lens=torch.tensor([seq_len], dtype=torch.int32, device=dev),
+        query_start_loc=torch.tensor([0, q_len], dtype=torch.int32, device=dev), num_decodes=1 if decode else 0,
         max_query_len=q_len, max_seq_len=seq_len, query_lens_cpu=[q_len], seq_lens_cpu=[seq_len])
 
 
@@ -38,17 +39,20 @@ def greedy_choices_through_the_cache(llm, ids: list[int], chunk: int) -> tuple[t
     n, bs = len(ids), engine.config.block_size
     blocks = -(-n // bs)
     shape = engine.attention_backend.kv_cache_shape(blocks, bs, engine.model.num_kv_heads, engine.model.head_dim)
-    caches = [(torch.zeros(shape, dtype=engine.kv_cache_dtype), torch.zeros(shape, dtype=engine.kv_cache_dtype))
+    dev = engine.device
+    caches = [tuple(torch.zeros(shape, dtype=engine.kv_cache_dtype, device=dev) for _ in range(2))
               for _ in engine.model.layers]
-    table = torch.arange(blocks, dtype=torch.int32)[None]
+    table = torch.arange(blocks, dtype=torch.int32, device=dev)[None]
     logits = []
     for start in range(0, n, chunk):
         end = min(start + chunk, n)
-        meta = _meta(torch.arange(start, end), table, end, end - start, decode=end - start == 1 and start > 0)
-        hidden = engine.model(torch.tensor(ids[start:end]), torch.arange(start, end), meta, caches)
+        meta = _meta(torch.arange(start, end, device=dev), table, end, end - start,
+                     decode=end - start == 1 and start > 0)
+        hidden = engine.model(torch.tensor(ids[start:end], device=dev), torch.arange(start, end, device=dev), meta,
+                              caches)
         if start > 0:  # the first chunk attends to its fresh K/V only
             logits.append(engine.model.compute_logits(hidden).float())
-    out = torch.cat(logits)
+    out = torch.cat(logits).cpu()
     return out.argmax(-1), out
 
 
