@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvloom.kernels.triton_attention import _dot_precision
+from kvloom.kernels.triton_attention import _dot_precision, _round_to_e4m3
 
 
 @triton.jit
@@ -194,3 +194,47 @@ def fp8_weight_only_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: 
     if bias is not None:
         out = out + bias
     return out.reshape(*shape[:-1], n)
+
+
+# --------------------------------------------------------------------------------------------------
+# Dynamic per-token FP8 activation quantization in one pass
+# --------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _fp8_quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, M, K, stride_xm, stride_qm,
+                              BLOCK_K: tl.constexpr, min_scale: tl.constexpr):
+    row = tl.program_id(0)
+    offs = tl.arange(0, BLOCK_K)
+    x_row = x_ptr + row.to(tl.int64) * stride_xm
+    q_row = q_ptr + row.to(tl.int64) * stride_qm
+    live = row < M  # rows past M are cuBLASLt's padding: zeros with scale 1
+    # (folded into the bound because the interpreter mishandles `scalar_bool & tensor_bool`)
+    k_read = tl.where(live, K, 0)
+    amax = tl.zeros([BLOCK_K], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + offs
+        x = tl.load(x_row + k, mask=k < k_read, other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.abs(x))
+    scale = tl.maximum(tl.max(amax, 0) / 448.0, min_scale)
+    scale = tl.where(live, scale, 1.0)
+    tl.store(scale_ptr + row, scale)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + offs
+        x = tl.load(x_row + k, mask=k < k_read, other=0.0).to(tl.float32)
+        tl.store(q_row + k, _round_to_e4m3(x / scale).to(q_ptr.dtype.element_ty), mask=k < K)
+
+
+def fp8_quantize_rows(x: torch.Tensor, pad_to: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(xq, scale)``: each row of ``x [M, K]`` over its own scale ``amax / 448`` in FP8, as
+    ``quant_reference.fp8_scale_per_row`` and ``fp8_quantize`` compute it, in one kernel instead of a
+    chain of elementwise passes; rows padded with zeros (scale 1) to a multiple of ``pad_to``."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    m, k = x.shape
+    rows = -(-m // pad_to) * pad_to
+    xq = torch.empty(rows, k, dtype=torch.float8_e4m3fn, device=x.device)
+    scale = torch.empty(rows, 1, dtype=torch.float32, device=x.device)
+    _fp8_quantize_rows_kernel[(rows,)](x, xq, scale, m, k, x.stride(0), xq.stride(0),
+                                       BLOCK_K=min(1024, triton.next_power_of_2(k)), min_scale=1e-12)
+    return xq, scale

@@ -129,3 +129,22 @@ def test_fp8_weight_only_gemv_matches_the_dequantized_product(tk, rows, split):
     torch.testing.assert_close(got.cpu(), want, atol=1e-4, rtol=1e-4)
     got = tk.quant.fp8_weight_only_linear(x.to(dev), wq.to(dev), scale.to(dev), bias.to(dev))  # its own tiles
     torch.testing.assert_close(got.cpu(), want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("rows,k", [(1, 64), (5, 300), (17, 2500)])
+def test_fp8_per_token_activation_quantization_in_one_kernel(tk, rows, k):
+    """The W8A8 path's activation quantization (per-row amax / 448, round to e4m3) equals the reference's,
+    with the rows padded to 16 for cuBLASLt (zeros, scale 1)."""
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(3)) * torch.logspace(-3, 2, rows)[:, None]
+    want_scale = qr.fp8_scale_per_row(x)
+    want = qr.fp8_quantize(x, want_scale)
+    xq, scale = tk.quant.fp8_quantize_rows(x.to(tk.device))
+    padded = -(-rows // 16) * 16
+    assert xq.shape == (padded, k) and scale.shape == (padded, 1)
+    torch.testing.assert_close(scale[:rows].cpu(), want_scale, rtol=1e-6, atol=0)
+    close = (xq[:rows].cpu().float() - want.float()).abs() <= 2.0 ** -3 * want.float().abs()  # at most one step
+    assert close.all()
+    if tk.device == "cpu":  # the interpreter divides exactly, as torch does: the same bytes
+        assert torch.equal(xq[:rows].view(torch.uint8), want.view(torch.uint8))
+    assert torch.equal(xq[rows:].cpu().float(), torch.zeros(padded - rows, k))
+    assert torch.equal(scale[rows:].cpu(), torch.ones(padded - rows, 1))

@@ -41,12 +41,17 @@ def fp8_w8a8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.T
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
     rows = x2.shape[0]
-    scale = fp8_scale_per_row(x2) if input_scale is None else input_scale.float().reshape(1, 1).expand(rows, 1)
-    xq = fp8_quantize(x2, scale)
-    pad = -rows % 16  # cuBLASLt's FP8 kernels want 16-aligned dims
-    if pad:
-        xq = F.pad(xq.view(torch.uint8), (0, 0, 0, pad)).view(FP8_DTYPE)
-        scale = F.pad(scale, (0, 0, 0, pad), value=1.0)
+    if input_scale is None and x2.is_cuda:  # one fused kernel: amax, scale, quantize, pad
+        from kvloom.kernels.triton_quant import fp8_quantize_rows
+
+        xq, scale = fp8_quantize_rows(x2)
+    else:
+        scale = fp8_scale_per_row(x2) if input_scale is None else input_scale.float().reshape(1, 1).expand(rows, 1)
+        xq = fp8_quantize(x2, scale)
+        pad = -rows % 16  # cuBLASLt's FP8 kernels want 16-aligned dims
+        if pad:
+            xq = F.pad(xq.view(torch.uint8), (0, 0, 0, pad)).view(FP8_DTYPE)
+            scale = F.pad(scale, (0, 0, 0, pad), value=1.0)
     out = torch._scaled_mm(xq, weight.t(), scale_a=scale.contiguous(), scale_b=weight_scale.reshape(1, -1),
                            out_dtype=x.dtype)[:rows]
     if bias is not None:
