@@ -21,7 +21,7 @@ from kvloom.kernels.triton_attention import _dot_precision, _round_to_e4m3
 @triton.jit
 def _int_matmul_kernel(
     x_ptr, qw_ptr, z_ptr, s_ptr, out_ptr,
-    M, N, K, group_size,
+    M, N, K, group_size, M_BUCKET,
     stride_xm, stride_om,
     BITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr, DOT_PRECISION: tl.constexpr, GROUP_ALIGNED: tl.constexpr,
@@ -95,9 +95,74 @@ def _fit_block_k(block_k: int, group_size: int) -> tuple[int, bool]:
     return (b, True) if group_size % b == 0 else (block_k, False)
 
 
+# --------------------------------------------------------------------------------------------------
+# Autotuning on CUDA: a few tile configs per (row bucket, N, K), tried once outside any CUDA graph (the
+# model runner warms every graph size up first). Two families: decode-sized row counts with split-K
+# into a zeroed float32 buffer, and batches without split-K, written in the model dtype directly.
+# --------------------------------------------------------------------------------------------------
+
+SMALL_M = 16
+
+
+def _cfg(bm, bn, bk, split, warps, stages):
+    return triton.Config(dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split), num_warps=warps, num_stages=stages)
+
+
+_INT_SMALL = [_cfg(16, bn, bk, sp, w, st) for bn, bk, sp, w, st in (
+    (32, 128, 4, 4, 4), (64, 128, 4, 4, 4), (64, 128, 8, 4, 3), (128, 128, 4, 4, 3), (64, 256, 4, 4, 3),
+    (128, 64, 8, 4, 4), (32, 256, 8, 4, 3), (64, 64, 16, 4, 4), (128, 128, 1, 4, 4))]
+_INT_LARGE = [_cfg(bm, bn, bk, 1, w, st) for bm, bn, bk, w, st in (
+    (32, 128, 64, 4, 4), (64, 128, 64, 4, 4), (128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (64, 256, 64, 8, 3),
+    (128, 128, 128, 8, 3), (64, 64, 128, 4, 4))]
+_FP8_SMALL = [_cfg(16, bn, bk, sp, w, st) for bn, bk, sp, w, st in (
+    (64, 256, 1, 4, 4), (64, 256, 4, 4, 4), (32, 256, 4, 4, 4), (128, 128, 4, 4, 4), (64, 512, 2, 4, 3),
+    (128, 256, 2, 8, 3), (32, 512, 2, 4, 3), (16, 256, 1, 4, 4), (64, 128, 8, 4, 4))]
+
+
+def _row_bucket(m: int) -> int:
+    return min(triton.next_power_of_2(m), 4096)
+
+
+def _int_prune(configs, named_args, **kwargs):
+    """Tiles whose K size divides the group (one scale row per tile) and that the K loop can split."""
+    g, k = named_args["group_size"], named_args["K"]
+    return [c for c in configs if g % c.kwargs["BLOCK_K"] == 0
+            and triton.cdiv(k, c.kwargs["BLOCK_K"]) >= c.kwargs["SPLIT_K"]]
+
+
+def _autotuned(kernel, configs, prune=None, restore=()):
+    quick = dict(do_bench=lambda fn, quantiles: triton.testing.do_bench(fn, warmup=5, rep=20, quantiles=quantiles))
+    kw = dict(key=["M_BUCKET", "N", "K"], restore_value=list(restore) or None,
+              prune_configs_by={"early_config_prune": prune} if prune else None)
+    try:
+        return triton.autotune(configs, **kw, **quick)(kernel)
+    except TypeError:  # a Triton without the do_bench argument
+        return triton.autotune(configs, **kw)(kernel)
+
+
+_TUNED: dict[str, object] = {}
+
+
+def _tuned(name: str):
+    if name not in _TUNED:
+        kernel, configs, prune, restore = {
+            "int_small": (_int_matmul_kernel, _INT_SMALL, _int_prune, ("out_ptr",)),
+            "int_large": (_int_matmul_kernel, _INT_LARGE, _int_prune, ()),
+            "fp8_small": (_fp8_weight_only_kernel, _FP8_SMALL, None, ("out_ptr",)),
+        }[name]
+        _TUNED[name] = _autotuned(kernel, configs, prune, restore)
+    return _TUNED[name]
+
+
+def _grid(m, n):
+    return lambda meta: (triton.cdiv(m, meta["BLOCK_M"]), triton.cdiv(n, meta["BLOCK_N"]), meta["SPLIT_K"])
+
+
 def int_matmul(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor,
                group_size: int, bits: int, bias: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
-    """``x [.., K] @ W.T`` for ``qweight [K * bits // 32, N]`` int32, ``zeros [G, N]`` uint8, ``scales [G, N]``."""
+    """``x [.., K] @ W.T`` for ``qweight [K * bits // 32, N]`` int32, ``zeros [G, N]`` uint8, ``scales [G, N]``.
+    ``config`` fixes the tiles; without it, autotuned on CUDA (groups of a multiple of 64), else
+    ``tile_config``'s."""
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
     if x2.stride(-1) != 1:
@@ -105,13 +170,25 @@ def int_matmul(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor, scal
     m, k = x2.shape
     n = qweight.shape[1]
     qweight, zeros, scales = qweight.contiguous(), zeros.contiguous(), scales.contiguous()  # row-major [.., N]
+    if config is None and x2.is_cuda and group_size % 64 == 0:
+        small = m <= SMALL_M
+        out = torch.zeros((m, n), device=x.device, dtype=torch.float32) if small else \
+            torch.empty((m, n), device=x.device, dtype=x.dtype)
+        _tuned("int_small" if small else "int_large")[_grid(m, n)](
+            x2, qweight, zeros, scales, out, m, n, k, group_size, _row_bucket(m), x2.stride(0), out.stride(0),
+            BITS=bits, DOT_PRECISION=_dot_precision(x2.dtype), GROUP_ALIGNED=True)
+        out = out.to(x.dtype)
+        if bias is not None:
+            out = out + bias
+        return out.reshape(*shape[:-1], n)
     cfg = dict(config or tile_config(m, n, k))
     cfg["BLOCK_K"], aligned = _fit_block_k(cfg["BLOCK_K"], group_size)
     split = cfg["SPLIT_K"]
     out = (torch.zeros if split > 1 else torch.empty)((m, n), device=x.device,
                                                       dtype=torch.float32 if split > 1 else x.dtype)
     grid = (triton.cdiv(m, cfg["BLOCK_M"]), triton.cdiv(n, cfg["BLOCK_N"]), split)
-    _int_matmul_kernel[grid](x2, qweight, zeros, scales, out, m, n, k, group_size, x2.stride(0), out.stride(0),
+    _int_matmul_kernel[grid](x2, qweight, zeros, scales, out, m, n, k, group_size, _row_bucket(m),
+                             x2.stride(0), out.stride(0),
                              BITS=bits, DOT_PRECISION=_dot_precision(x2.dtype),
                              GROUP_ALIGNED=aligned, **cfg)
     out = out.to(x.dtype)
@@ -133,7 +210,7 @@ FP8_GEMV_MAX_ROWS = 16
 @triton.jit
 def _fp8_weight_only_kernel(
     x_ptr, w_ptr, ws_ptr, out_ptr,
-    M, N, K,
+    M, N, K, M_BUCKET,
     stride_xm, stride_wn, stride_om,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
@@ -181,12 +258,19 @@ def fp8_weight_only_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: 
         x2 = x2.contiguous()
     m, k = x2.shape
     n = weight.shape[0]
+    if config is None and x2.is_cuda:
+        out = torch.zeros((m, n), device=x.device, dtype=torch.float32)
+        _tuned("fp8_small")[_grid(m, n)](x2, weight, weight_scale.reshape(-1), out, m, n, k, _row_bucket(m),
+                                         x2.stride(0), weight.stride(0), out.stride(0),
+                                         DOT_PRECISION=_dot_precision(x2.dtype))
+        out = out.to(x.dtype)
+        return (out if bias is None else out + bias).reshape(*shape[:-1], n)
     cfg = dict(config or fp8_gemv_config(m, n, k))
     split = cfg["SPLIT_K"]
     out = (torch.zeros if split > 1 else torch.empty)((m, n), device=x.device,
                                                       dtype=torch.float32 if split > 1 else x.dtype)
     grid = (triton.cdiv(m, cfg["BLOCK_M"]), triton.cdiv(n, cfg["BLOCK_N"]), split)
-    _fp8_weight_only_kernel[grid](x2, weight, weight_scale.reshape(-1), out, m, n, k,
+    _fp8_weight_only_kernel[grid](x2, weight, weight_scale.reshape(-1), out, m, n, k, _row_bucket(m),
                                   x2.stride(0), weight.stride(0), out.stride(0),
                                   DOT_PRECISION=_dot_precision(x2.dtype), **cfg)
     if split > 1:
