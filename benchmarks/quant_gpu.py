@@ -117,6 +117,32 @@ def kernel_times(hf_config: dict, rows_list=(1, 16, 256, 2048), group_size: int 
     return out
 
 
+def kv_write_check(n: int = 1 << 20) -> dict:
+    """Where the Triton cache write's fp8 bytes differ from torch's cast (CUDA and CPU), over values from
+    1e-5 to 2e3: a count and the first examples (input, Triton, torch)."""
+    from kvloom.kernels import reference as ref
+    from kvloom.kernels import triton_attention
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(n, 1, 16, generator=gen) * torch.logspace(-5, 3.3, n)[:, None, None]
+    cache = torch.zeros(n // 16, 16, 1, 16, dtype=torch.float8_e4m3fn, device="cuda")
+    other = torch.zeros_like(cache)
+    slots = torch.arange(n, device="cuda")
+    xc = x.cuda()
+    triton_attention.write_kv_cache(xc, xc, cache, other, slots)
+    got = cache.view(-1).cpu()
+    out = {}
+    for where, want in (("torch_cuda", ref.quantize_kv(xc, torch.float8_e4m3fn).view(-1).cpu()),
+                        ("torch_cpu", ref.quantize_kv(x, torch.float8_e4m3fn).view(-1))):
+        differ = (got.view(torch.uint8) != want.view(torch.uint8)).nonzero().flatten()
+        out[where] = {"differ": int(differ.numel()), "of": int(got.numel()),
+                      "examples": [(float(x.view(-1)[i]), float(got[i].float()), float(want[i].float()),
+                                    int(got.view(torch.uint8)[i]), int(want.view(torch.uint8)[i]))
+                                   for i in differ[:6].tolist()]}
+    print(json.dumps({"kv_write_check": out}), flush=True)
+    return out
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", default="llama-3-8b", help="A known shape (benchmarks/shapes.py), or 'tiny'.")
@@ -139,6 +165,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.kernels or args.kernels_only:
         from shapes import SHAPES
 
+        kv_write_check()
         kernels = kernel_times(TINY if args.shape == "tiny" else SHAPES[args.shape])
         if args.kernels_only:
             return {"benchmark": "quant_gpu", "shape": args.shape, "kernels": kernels}

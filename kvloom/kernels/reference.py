@@ -18,11 +18,11 @@ def is_fp8(dtype: torch.dtype) -> bool:
 
 
 def quantize_kv(x: torch.Tensor, cache_dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
-    """``x`` as the cache stores it. An fp8 cache holds ``x / scale`` rounded to nearest and saturated at
-    +-448 (an overflow would otherwise become NaN); other caches hold ``x`` cast."""
+    """``x`` as the cache stores it. An fp8 cache holds ``x * (1 / scale)`` rounded to nearest (ties to even)
+    and saturated at +-448 (an overflow would otherwise become NaN); other caches hold ``x`` cast."""
     if not is_fp8(cache_dtype):
         return x.to(cache_dtype)
-    return (x.float() / scale).clamp_(-FP8_MAX, FP8_MAX).to(cache_dtype)
+    return (x.float() * (1.0 / scale)).clamp_(-FP8_MAX, FP8_MAX).to(cache_dtype)
 
 
 def dequantize_kv(x: torch.Tensor, dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:

@@ -77,7 +77,7 @@ def _write_kv_cache_kernel(
     k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
     stride_kt, stride_kh, stride_vt, stride_vh,
     stride_cb, stride_cs, stride_ch,
-    num_heads, k_scale, v_scale,
+    num_heads, k_inv_scale, v_inv_scale,
     BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
     FP8: tl.constexpr,
 ):
@@ -94,9 +94,9 @@ def _write_kv_cache_kernel(
     slot = tl.maximum(slot, 0)
     cache_off = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs
     cache_off = cache_off + offs_h[:, None] * stride_ch + offs_d[None, :]
-    if FP8:
-        k = _round_to_e4m3(k.to(tl.float32) / k_scale)
-        v = _round_to_e4m3(v.to(tl.float32) / v_scale)
+    if FP8:  # times the reciprocal scales: an IEEE-rounded product, where Triton's division is approximate
+        k = _round_to_e4m3(k.to(tl.float32) * k_inv_scale)
+        v = _round_to_e4m3(v.to(tl.float32) * v_inv_scale)
     tl.store(k_cache_ptr + cache_off, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
     tl.store(v_cache_ptr + cache_off, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
@@ -118,7 +118,7 @@ def write_kv_cache(
         k, v, k_cache, v_cache, slot_mapping,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        num_heads, k_scale, v_scale,
+        num_heads, 1.0 / k_scale, 1.0 / v_scale,
         BLOCK_SIZE=k_cache.shape[1], HEAD_DIM=head_dim,
         BLOCK_H=triton.next_power_of_2(num_heads), BLOCK_D=triton.next_power_of_2(head_dim),
         FP8=k_cache.dtype == torch.float8_e4m3fn,
