@@ -69,7 +69,10 @@ def _round_to_e4m3(x):
     bits = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576  # keep 3 of float32's 23 mantissa bits
     r = bits.to(tl.float32, bitcast=True)
     r = tl.minimum(tl.where(small, r - 0.015625, r), 448.0)
-    return tl.where(x < 0, -r, r)
+    # The sign bit copied, not ``-r``: compiled, a negation is ``0 - r``, which turns -0.0 into +0.0 (the
+    # H200 wrote byte 0 where torch writes 128 for tiny negative values).
+    sign = x.to(tl.int32, bitcast=True) & -2147483648
+    return (r.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
 
 
 @triton.jit
