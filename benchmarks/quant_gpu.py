@@ -2,7 +2,11 @@
 (prompt + output) tokens and batch-1 decode, for each of ``--formats`` (dense first), with dummy weights
 of a real shape in each format. Prints JSON: every run, and each format's ratios to the dense one.
 
-    python benchmarks/quant_gpu.py --shape llama-3-8b --formats bf16,fp8,awq          # the H200 run
+    python benchmarks/quant_gpu.py --shape llama-3-8b --formats bf16,fp8,awq,kvfp8    # the H200 run
+    python benchmarks/quant_gpu.py --kernels-only                                     # the GEMMs alone
+
+``kvfp8`` is the dense model with ``kv_cache_dtype="fp8"``. ``--kernels`` first times each quantized
+GEMM against the bf16 one (``torch.matmul``) at the shape's projection sizes, for a few row counts.
     python benchmarks/quant_gpu.py --shape tiny --num-requests 4 --prompt-len 16 \\
         --output-len 8 --decode-tokens 8 --device cpu --dtype float32                 # code paths on a CPU
 """
@@ -41,8 +45,9 @@ def run_format(args, model: str, fmt: str, vocab: int) -> dict:
 
     rng = random.Random(args.seed)
     prompts = [[rng.randrange(10, vocab - 10) for _ in range(args.prompt_len)] for _ in range(args.num_requests)]
-    quantization = None if fmt in ("bf16", "dense") else fmt
+    quantization = None if fmt in ("bf16", "dense", "kvfp8") else fmt
     llm = LLM(model, load_format="dummy", dtype=args.dtype, device=args.device, quantization=quantization,
+              kv_cache_dtype="fp8" if fmt == "kvfp8" else "auto",
               max_num_seqs=args.num_requests, max_model_len=args.prompt_len + max(args.output_len, args.decode_tokens) + 16,
               enforce_eager=args.enforce_eager)
     engine = llm.engine
@@ -73,6 +78,71 @@ def run_format(args, model: str, fmt: str, vocab: int) -> dict:
     return result
 
 
+def kernel_times(hf_config: dict, rows_list=(1, 16, 256, 2048), group_size: int = 128) -> list[dict]:
+    """Microseconds per GEMM (``triton.testing.do_bench``) at each projection of the shape: bf16
+    ``torch.matmul``, the W4A16 kernel, FP8 W8A8 ``_scaled_mm`` and the FP8 weight-only GEMV (small rows)."""
+    import triton
+
+    from kvloom.core.model.quantization.fp8 import fp8_w8a8_linear
+    from kvloom.kernels import quant_reference as qr
+    from kvloom.kernels import triton_quant
+
+    h, inter = hf_config["hidden_size"], hf_config["intermediate_size"]
+    heads, kv = hf_config["num_attention_heads"], hf_config["num_key_value_heads"]
+    d = h // heads
+    shapes = {"qkv": (h, (heads + 2 * kv) * d), "o": (heads * d, h), "gate_up": (h, 2 * inter), "down": (inter, h)}
+    out = []
+    for name, (k, n) in shapes.items():
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+        q = torch.randint(0, 16, (k, n), device="cuda")
+        qweight = qr.pack_int32(q, 4, 0)
+        zeros = torch.full((k // group_size, n), 8, dtype=torch.uint8, device="cuda")
+        scales = torch.full((k // group_size, n), 0.01, dtype=torch.float16, device="cuda")
+        ws = qr.fp8_scale_per_row(w)
+        wq = qr.fp8_quantize(w, ws)
+        for rows in rows_list:
+            x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+            r = {"proj": name, "rows": rows, "n": n, "k": k,
+                 "bf16_us": triton.testing.do_bench(lambda: x @ w.t()) * 1e3,
+                 "int4_us": triton.testing.do_bench(lambda: triton_quant.int_matmul(x, qweight, zeros, scales,
+                                                                                   group_size, 4)) * 1e3,
+                 "fp8_w8a8_us": triton.testing.do_bench(lambda: fp8_w8a8_linear(x, wq, ws, None, None)) * 1e3}
+            if rows <= triton_quant.FP8_GEMV_MAX_ROWS:
+                r["fp8_gemv_us"] = triton.testing.do_bench(lambda: triton_quant.fp8_weight_only_linear(x, wq, ws)) * 1e3
+            for key in ("int4_us", "fp8_w8a8_us", "fp8_gemv_us"):
+                if key in r:
+                    r[key.replace("_us", "_speedup")] = round(r["bf16_us"] / r[key], 3)
+            out.append(r)
+            print(json.dumps(r), flush=True)
+    return out
+
+
+def kv_write_check(n: int = 1 << 20) -> dict:
+    """Where the Triton cache write's fp8 bytes differ from torch's cast (CUDA and CPU), over values from
+    1e-5 to 2e3: a count and the first examples (input, Triton, torch)."""
+    from kvloom.kernels import reference as ref
+    from kvloom.kernels import triton_attention
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(n, 1, 16, generator=gen) * torch.logspace(-5, 3.3, n)[:, None, None]
+    cache = torch.zeros(n // 16, 16, 1, 16, dtype=torch.float8_e4m3fn, device="cuda")
+    other = torch.zeros_like(cache)
+    slots = torch.arange(n, device="cuda")
+    xc = x.cuda()
+    triton_attention.write_kv_cache(xc, xc, cache, other, slots)
+    got = cache.view(-1).cpu()
+    out = {}
+    for where, want in (("torch_cuda", ref.quantize_kv(xc, torch.float8_e4m3fn).view(-1).cpu()),
+                        ("torch_cpu", ref.quantize_kv(x, torch.float8_e4m3fn).view(-1))):
+        differ = (got.view(torch.uint8) != want.view(torch.uint8)).nonzero().flatten()
+        out[where] = {"differ": int(differ.numel()), "of": int(got.numel()),
+                      "examples": [(float(x.view(-1)[i]), float(got[i].float()), float(want[i].float()),
+                                    int(got.view(torch.uint8)[i]), int(want.view(torch.uint8)[i]))
+                                   for i in differ[:6].tolist()]}
+    print(json.dumps({"kv_write_check": out}), flush=True)
+    return out
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", default="llama-3-8b", help="A known shape (benchmarks/shapes.py), or 'tiny'.")
@@ -88,7 +158,17 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output", default=None, help="Also write the JSON here.")
+    p.add_argument("--kernels", action="store_true", help="Also time the GEMMs alone first (CUDA).")
+    p.add_argument("--kernels-only", action="store_true", help="Only time the GEMMs alone (CUDA).")
     args = p.parse_args(argv)
+    kernels = None
+    if args.kernels or args.kernels_only:
+        from shapes import SHAPES
+
+        kv_write_check()
+        kernels = kernel_times(TINY if args.shape == "tiny" else SHAPES[args.shape])
+        if args.kernels_only:
+            return {"benchmark": "quant_gpu", "shape": args.shape, "kernels": kernels}
     if args.shape == "tiny":
         folder = Path(__import__("tempfile").gettempdir()) / "kvloom-shapes" / "tiny-quant"
         folder.mkdir(parents=True, exist_ok=True)
@@ -97,7 +177,12 @@ def main(argv: list[str] | None = None) -> dict:
     else:
         model, _, vocab = model_for_benchmark(None, args.shape)
     formats = [f.strip() for f in args.formats.split(",") if f.strip()]
-    runs = {fmt: run_format(args, model, fmt, vocab) for fmt in formats}
+    runs = {}
+    for fmt in formats:  # each run printed as it ends, so a cut-short run still reports the others
+        runs[fmt] = run_format(args, model, fmt, vocab)
+        print(json.dumps({"run": fmt, "offline_output_tok_s": round(runs[fmt]["offline"]["output_tok_s"], 1),
+                          "batch1_decode_tok_s": round(runs[fmt]["batch1"]["decode_tok_s"], 1),
+                          "kv_cache": runs[fmt]["kv_cache"]}), flush=True)
     base = runs[formats[0]]
     ratios = {fmt: {"offline_output_tok_s": r["offline"]["output_tok_s"] / base["offline"]["output_tok_s"],
                     "batch1_decode_tok_s": r["batch1"]["decode_tok_s"] / base["batch1"]["decode_tok_s"],
@@ -105,7 +190,7 @@ def main(argv: list[str] | None = None) -> dict:
               for fmt, r in runs.items() if fmt != formats[0]}
     result = {"benchmark": "quant_gpu", "shape": args.shape,
               "device": torch.cuda.get_device_name() if torch.cuda.is_available() and args.device != "cpu" else "cpu",
-              "baseline": formats[0], "runs": runs, "ratios_to_baseline": ratios}
+              "baseline": formats[0], "runs": runs, "ratios_to_baseline": ratios, "kernels": kernels}
     text = json.dumps(result, indent=2)
     print(text)
     if args.output:

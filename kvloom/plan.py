@@ -87,7 +87,8 @@ def activation_bytes(hf_config, config: EngineConfig, dtype: torch.dtype, max_mo
     q = hf_config.num_attention_heads * head_dim
     per_token = (2 * hidden + 2 * q + 2 * kv_heads * head_dim + 3 * inter) * capacity.dtype_size(dtype)
     logits = 2 * min(config.max_num_seqs, n) * hf_config.vocab_size * 4
-    profile_kv = -(-n // config.block_size) * config.block_size * capacity.kv_bytes_per_token(hf_config, dtype)
+    profile_kv = -(-n // config.block_size) * config.block_size * capacity.kv_bytes_per_token(
+        hf_config, capacity.kv_cache_dtype(config, dtype))
     return n * per_token + logits + profile_kv
 
 
@@ -192,8 +193,8 @@ def make_plan(config: EngineConfig, hf_config, model_name: str, *, gpu_memory_gi
             try:
                 kv = capacity.kv_capacity(config, hf_config, dtype, max_len, lambda: max(0, budget), tp)
             except ConfigError:
-                kv = capacity.KVCapacity(0, config.block_size, capacity.kv_bytes_per_token(hf_config, dtype, tp),
-                                         max_len)
+                kv = capacity.KVCapacity(0, config.block_size, capacity.kv_bytes_per_token(
+                    hf_config, capacity.kv_cache_dtype(config, dtype), tp), max_len)
             rows.append(PlanRow(tp, weights // tp, act, budget, kv))
         notes.append(f"GPU: an estimate. The engine measures weights + activations at start-up; here the "
                      f"activations are estimated and {CUDA_CONTEXT_GIB:g} GiB is set aside for the CUDA context")
@@ -247,7 +248,8 @@ def format_plan(plan: Plan) -> str:
         f"Parameters: {plan.parameters.total:,} ({plan.parameters.linear_weights:,} in linear layers)",
         f"Weights: {_gib(plan.weight_bytes)}" + (f" ({plan.quantization})" if plan.quantization else ""),
         f"KV bytes per token: {plan.rows[0].kv.bytes_per_token:,} = 2 (K, V) x {d['layers']} layers x "
-        f"{d['kv_heads']} KV heads x {d['head_dim']} x {size} bytes",
+        f"{d['kv_heads']} KV heads x {d['head_dim']} x {size} bytes"
+        + (f" ({plan.rows[0].kv.dtype})" if plan.rows[0].kv.dtype else ""),
     ]
     if plan.device == "cpu":
         lines.append(plan.rows[0].kv.describe())

@@ -30,6 +30,24 @@ def model_dims(hf_config) -> tuple[int, int, int]:
     return hf_config.num_hidden_layers, kv_heads, head_dim
 
 
+# e4m3 (3 mantissa bits, range +-448) rather than e5m2: K and V need precision more than range.
+FP8_KV_DTYPE = torch.float8_e4m3fn
+
+
+def kv_cache_dtype(config: EngineConfig, dtype: torch.dtype, device: torch.device | None = None) -> torch.dtype:
+    """The KV cache's element type: the model dtype, or float8 e4m3 for ``kv_cache_dtype="fp8"``. On a CUDA
+    device without float8 conversions (before compute capability 8.9) fp8 is a ConfigError."""
+    if config.kv_cache_dtype == "auto":
+        return dtype
+    if config.kv_cache_dtype != "fp8":
+        raise ConfigError(f"kv_cache_dtype={config.kv_cache_dtype!r} is not one of ['auto', 'fp8']")
+    if device is not None and device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+        major, minor = torch.cuda.get_device_capability(device)
+        raise ConfigError(f"kv_cache_dtype='fp8' needs a GPU of compute capability >= 8.9 (Ada, Hopper); "
+                          f"this one is {major}.{minor}: use kv_cache_dtype='auto'")
+    return FP8_KV_DTYPE
+
+
 def kv_bytes_per_token(hf_config, dtype: torch.dtype, tensor_parallel: int = 1) -> int:
     """K and V of every layer for one token (per GPU when the KV heads are split ``tensor_parallel`` ways)."""
     layers, kv_heads, head_dim = model_dims(hf_config)
@@ -43,6 +61,7 @@ class KVCapacity:
     block_size: int
     bytes_per_token: int
     max_model_len: int
+    dtype: str = ""  # the cache's element type, for the log line
 
     @property
     def num_tokens(self) -> int:
@@ -61,7 +80,8 @@ class KVCapacity:
     def describe(self) -> str:
         return (
             f"KV cache: {self.num_blocks} blocks x {self.block_size} tokens = {self.num_tokens} tokens "
-            f"({self.bytes / GiB:.2f} GiB, {self.bytes_per_token} bytes/token); "
+            f"({self.bytes / GiB:.2f} GiB, {self.bytes_per_token} bytes/token"
+            f"{', ' + self.dtype if self.dtype else ''}); "
             f"maximum concurrency at max_model_len {self.max_model_len}: {self.max_concurrency:.2f}x"
         )
 
@@ -93,8 +113,10 @@ def kv_capacity(config: EngineConfig, hf_config, dtype: torch.dtype, max_model_l
                 gpu_kv_budget: Callable[[], int] | None = None, tensor_parallel: int = 1) -> KVCapacity:
     """The KV cache the engine allocates: ``num_kv_blocks`` if given, else ``kv_cache_memory_gib``, else
     on a GPU ``gpu_kv_budget()`` bytes (the engine profiles, ``engine plan`` estimates), else
-    DEFAULT_CPU_KV_GIB. Raises ConfigError when not even one block fits."""
-    per_token = kv_bytes_per_token(hf_config, dtype, tensor_parallel)
+    DEFAULT_CPU_KV_GIB. ``dtype`` is the model's; the cache's follows ``config.kv_cache_dtype`` (fp8 halves
+    the bytes per token of bf16, so twice the tokens fit). Raises ConfigError when not even one block fits."""
+    cache_dtype = kv_cache_dtype(config, dtype)
+    per_token = kv_bytes_per_token(hf_config, cache_dtype, tensor_parallel)
     if config.num_kv_blocks is not None:
         blocks = config.num_kv_blocks
     elif config.kv_cache_memory_gib is not None:
@@ -106,4 +128,4 @@ def kv_capacity(config: EngineConfig, hf_config, dtype: torch.dtype, max_model_l
     if blocks < 1:
         raise ConfigError("no memory is left for the KV cache: lower max_num_batched_tokens or raise "
                           f"gpu_memory_utilization={config.gpu_memory_utilization}")
-    return KVCapacity(blocks, config.block_size, per_token, max_model_len)
+    return KVCapacity(blocks, config.block_size, per_token, max_model_len, str(cache_dtype).removeprefix("torch."))

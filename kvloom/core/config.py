@@ -40,6 +40,9 @@ class EngineConfig:
     quantization: str | None = _opt(None, "Weight format of the linear layers (default: the checkpoint's "
                                     "quantization_config; fp8 also quantizes a dense checkpoint at load).",
                                     choices=("fp8", "awq", "gptq"))
+    kv_cache_dtype: str = _opt("auto", "KV-cache element type (auto: the model dtype; fp8: float8 e4m3 with a "
+                               "per-tensor scale of 1.0, half the bytes per token of bf16, dequantized on read).",
+                               choices=("auto", "fp8"))
     device: str = _opt("auto", "Device to run on (auto: cuda if available).", choices=("auto", "cpu", "cuda"))
     block_size: int | None = _opt(None, "Tokens per KV-cache block (default: 16 on CUDA; 32 on CPU, where "
                                   "larger blocks make the decode gathers cheaper).", choices=(8, 16, 32, 64, 128))

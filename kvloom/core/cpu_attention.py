@@ -16,6 +16,10 @@ are batched together (as views when they are adjacent in the batch), and a promp
 directly when nothing is cached before it. A chunk after a cached prefix goes through the same formula
 as a whole prompt, so in bf16 prefix caching changes outputs only as far as its smaller matmuls round
 differently (1 of 32 greedy sequences in ``benchmarks/prefix_cache_ab.py``, 15 with two formulas).
+
+An fp8 cache (``kv_cache_dtype="fp8"``) is quantized on write and dequantized on read: the gathers move
+half the bytes, then one conversion per gathered tensor gives the model dtype; a prompt with nothing
+cached before it attends to its fresh, unquantized K/V.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from kvloom.core.attention import AttentionMetadata
+from kvloom.kernels.reference import dequantize_kv, is_fp8, quantize_kv
 
 
 @dataclass
@@ -59,7 +64,7 @@ class CPUAttentionBackend:
     def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
         return (num_blocks, num_kv_heads, block_size, head_dim)
 
-    def _index(self, meta: AttentionMetadata, k_cache: torch.Tensor) -> _StepIndex:
+    def _index(self, meta: AttentionMetadata, k_cache: torch.Tensor, dtype: torch.dtype) -> _StepIndex:
         _, num_kv_heads, bs, _ = k_cache.shape
         slots = meta.slot_mapping.long()
         heads = torch.arange(num_kv_heads, device=slots.device)
@@ -73,7 +78,7 @@ class CPUAttentionBackend:
             nblk = -(-max_len // bs)
             decode_rows = _block_rows(meta.block_tables[:nd], nblk, num_kv_heads)
             pad = torch.arange(nblk * bs, device=slots.device)[None, :] >= meta.seq_lens[:nd, None]
-            decode_bias = torch.zeros(pad.shape, dtype=k_cache.dtype, device=slots.device)
+            decode_bias = torch.zeros(pad.shape, dtype=dtype, device=slots.device)
             decode_bias.masked_fill_(pad, float("-inf"))
             decode_bias = decode_bias[:, None, None, :]
         groups: dict[tuple[int, int], list[int]] = {}
@@ -100,10 +105,15 @@ class CPUAttentionBackend:
         k_cache, v_cache = kv_cache
         index = meta.backend_data
         if index is None:  # first layer of the step
-            index = meta.backend_data = self._index(meta, k_cache)
+            index = meta.backend_data = self._index(meta, k_cache, q.dtype)
         head_dim = k_cache.shape[-1]
-        k_cache.view(-1, head_dim).index_copy_(0, index.write_rows, k.reshape(-1, head_dim))
-        v_cache.view(-1, head_dim).index_copy_(0, index.write_rows, v.reshape(-1, head_dim))
+        if is_fp8(k_cache.dtype):  # index_copy_ has no float8 kernels: copy the quantized bytes
+            for x, cache in ((k, k_cache), (v, v_cache)):
+                rows = quantize_kv(x.reshape(-1, head_dim), cache.dtype).view(torch.uint8)
+                cache.view(torch.uint8).view(-1, head_dim).index_copy_(0, index.write_rows, rows)
+        else:
+            k_cache.view(-1, head_dim).index_copy_(0, index.write_rows, k.reshape(-1, head_dim))
+            v_cache.view(-1, head_dim).index_copy_(0, index.write_rows, v.reshape(-1, head_dim))
         nd = meta.num_decodes
         if nd == meta.num_seqs:
             return self._decode(q, k_cache, v_cache, index, scale)
@@ -130,7 +140,7 @@ class CPUAttentionBackend:
                     vs = torch.stack([v[starts[i]: starts[i] + q_len] for i in seqs])
                 keys, values = ks.transpose(1, 2), vs.transpose(1, 2)  # [n, Hkv, Q, D] views
             else:  # a chunk after a cached prefix: gather the sequence's whole history
-                keys, values = self._gather_prefix(k_cache, v_cache, meta.block_tables[seqs], s_len)
+                keys, values = self._gather_prefix(k_cache, v_cache, meta.block_tables[seqs], s_len, q.dtype)
             if q.dtype != torch.float32:
                 o = self._prefill_grouped(qs, keys, values, scale)
             elif q_len == s_len:
@@ -157,6 +167,7 @@ class CPUAttentionBackend:
         length = index.decode_blocks * bs
         keys = k_cache.view(-1, bs, head_dim).index_select(0, index.decode_rows).view(batch, num_kv_heads, length, head_dim)
         values = v_cache.view(-1, bs, head_dim).index_select(0, index.decode_rows).view(batch, num_kv_heads, length, head_dim)
+        keys, values = dequantize_kv(keys, q.dtype), dequantize_kv(values, q.dtype)
         grouped = q.view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
         if q.dtype == torch.float32:
             # float32 batched matmuls this small run in MKL at a fraction of the fused kernel's speed
@@ -191,7 +202,7 @@ class CPUAttentionBackend:
             n, length, num_heads, head_dim)
 
     @staticmethod
-    def _gather_prefix(k_cache, v_cache, block_tables: torch.Tensor, length: int):
+    def _gather_prefix(k_cache, v_cache, block_tables: torch.Tensor, length: int, dtype: torch.dtype):
         """K and V of the first ``length`` cached tokens of each table row: ``[n, Hkv, length, D]``."""
         _, num_kv_heads, bs, head_dim = k_cache.shape
         nblk = -(-length // bs)
@@ -199,4 +210,4 @@ class CPUAttentionBackend:
         n = block_tables.shape[0]
         keys = k_cache.view(-1, bs, head_dim).index_select(0, rows).view(n, num_kv_heads, nblk * bs, head_dim)
         values = v_cache.view(-1, bs, head_dim).index_select(0, rows).view(n, num_kv_heads, nblk * bs, head_dim)
-        return keys[:, :, :length], values[:, :, :length]
+        return dequantize_kv(keys[:, :, :length], dtype), dequantize_kv(values[:, :, :length], dtype)

@@ -47,6 +47,7 @@ class EngineCore:
         self.hf_config = load_hf_config(self.model_path, config.hf_overrides)
         self.dtype = resolve_dtype(config.dtype, self.device, self.hf_config)
         self.max_model_len = self._resolve_max_model_len()
+        self.kv_cache_dtype = capacity.kv_cache_dtype(config, self.dtype, self.device)
         self.eos_token_ids = _eos_ids(self.hf_config)
         self.vocab_size = self.hf_config.vocab_size
 
@@ -81,8 +82,8 @@ class EngineCore:
         layers, kv_heads, head_dim = capacity.model_dims(self.hf_config)
         shape = self.attention_backend.kv_cache_shape(self.capacity.num_blocks, config.block_size, kv_heads, head_dim)
         kv_caches = [
-            (torch.zeros(shape, dtype=self.dtype, device=self.device),
-             torch.zeros(shape, dtype=self.dtype, device=self.device))
+            (torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device),
+             torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device))
             for _ in range(layers)
         ]
         # --- plugins: KV allocator, prefix cache, scheduling policy ---
@@ -131,7 +132,7 @@ class EngineCore:
         layers, kv_heads, head_dim = capacity.model_dims(self.hf_config)
         blocks = -(-n // cfg.block_size)
         shape = self.attention_backend.kv_cache_shape(blocks, cfg.block_size, kv_heads, head_dim)
-        caches = [(torch.empty(shape, dtype=self.dtype, device=self.device),) * 2 for _ in range(layers)]
+        caches = [(torch.empty(shape, dtype=self.kv_cache_dtype, device=self.device),) * 2 for _ in range(layers)]
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         dev = self.device

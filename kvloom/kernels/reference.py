@@ -10,15 +10,41 @@ import torch
 import torch.nn.functional as F
 
 
+FP8_MAX = 448.0  # the largest finite float8 e4m3fn value
+
+
+def is_fp8(dtype: torch.dtype) -> bool:
+    return dtype == torch.float8_e4m3fn
+
+
+def quantize_kv(x: torch.Tensor, cache_dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
+    """``x`` as the cache stores it. An fp8 cache holds ``x * (1 / scale)`` rounded to nearest (ties to even)
+    and saturated at +-448 (an overflow would otherwise become NaN); other caches hold ``x`` cast."""
+    if not is_fp8(cache_dtype):
+        return x.to(cache_dtype)
+    return (x.float() * (1.0 / scale)).clamp_(-FP8_MAX, FP8_MAX).to(cache_dtype)
+
+
+def dequantize_kv(x: torch.Tensor, dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
+    """Cached K or V back in the compute ``dtype`` (``x * scale`` for an fp8 cache)."""
+    if not is_fp8(x.dtype):
+        return x.to(dtype)
+    out = x.to(dtype)
+    return out if scale == 1.0 else out.mul_(scale)
+
+
 def write_kv_cache(
-    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+    k_scale: float = 1.0, v_scale: float = 1.0,
 ) -> None:
-    """Store ``k``/``v`` (``[T, Hkv, D]``) at ``slot_mapping`` (``[T]``, all valid) in the paged caches."""
-    flat_k = k_cache.view(-1, k_cache.shape[-2], k_cache.shape[-1])
-    flat_v = v_cache.view(-1, v_cache.shape[-2], v_cache.shape[-1])
+    """Store ``k``/``v`` (``[T, Hkv, D]``) at ``slot_mapping`` (``[T]``, all valid) in the paged caches,
+    quantized when the caches are fp8 (per-tensor ``k_scale``/``v_scale``)."""
     idx = slot_mapping.long()
-    flat_k.index_copy_(0, idx, k.to(k_cache.dtype))
-    flat_v.index_copy_(0, idx, v.to(v_cache.dtype))
+    for x, cache, scale in ((k, k_cache, k_scale), (v, v_cache, v_scale)):
+        q = quantize_kv(x, cache.dtype, scale)
+        if is_fp8(cache.dtype):  # index_copy_ has no float8 kernels: copy the bytes
+            cache, q = cache.view(torch.uint8), q.view(torch.uint8)
+        cache.view(-1, cache.shape[-2], cache.shape[-1]).index_copy_(0, idx, q)
 
 
 def _gather(
@@ -51,15 +77,17 @@ def paged_decode_attention(
     max_seq_len: int,
     scale: float,
     workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """One query token per sequence. ``q`` is ``[B, Hq, D]``; ``seq_lens[b]`` counts cached tokens
     (the query's own included); returns ``[B, Hq, D]``. ``workspace``: optional reusable buffers for
-    the gathered K and V (see ``_gather``)."""
+    the gathered K and V (see ``_gather``). An fp8 cache is dequantized with ``k_scale``/``v_scale``."""
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     k_ws, v_ws = workspace if workspace is not None else (None, None)
-    keys = _gather(k_cache, block_tables, max_seq_len, k_ws).transpose(1, 2).to(q.dtype)  # [B, Hkv, L, D]
-    values = _gather(v_cache, block_tables, max_seq_len, v_ws).transpose(1, 2).to(q.dtype)
+    keys = dequantize_kv(_gather(k_cache, block_tables, max_seq_len, k_ws).transpose(1, 2), q.dtype, k_scale)
+    values = dequantize_kv(_gather(v_cache, block_tables, max_seq_len, v_ws).transpose(1, 2), q.dtype, v_scale)
     mask = torch.arange(max_seq_len, device=q.device)[None, :] < seq_lens[:, None].to(q.device)
     # The query heads sharing a KV head act as that head's queries: no K/V expansion for GQA.
     grouped = q.view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
@@ -75,6 +103,8 @@ def paged_prefill_attention(
     query_lens: list[int],
     seq_lens: list[int],
     scale: float,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Causal attention for chunks of queries over paged caches (prefill, chunked prefill, prefix hits).
 
@@ -86,8 +116,8 @@ def paged_prefill_attention(
     out = torch.empty_like(q)
     start = 0
     for b, (q_len, s_len) in enumerate(zip(query_lens, seq_lens)):
-        keys = _gather(k_cache, block_tables[b : b + 1], s_len)[0].transpose(0, 1).to(q.dtype)  # [Hkv, S, D]
-        values = _gather(v_cache, block_tables[b : b + 1], s_len)[0].transpose(0, 1).to(q.dtype)
+        keys = dequantize_kv(_gather(k_cache, block_tables[b : b + 1], s_len)[0].transpose(0, 1), q.dtype, k_scale)
+        values = dequantize_kv(_gather(v_cache, block_tables[b : b + 1], s_len)[0].transpose(0, 1), q.dtype, v_scale)
         qb = q[start : start + q_len].transpose(0, 1)  # [Hq, Q, D]
         if q_len == s_len:
             o = F.scaled_dot_product_attention(qb, keys, values, is_causal=True, scale=scale, enable_gqa=True)

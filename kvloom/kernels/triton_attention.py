@@ -14,6 +14,9 @@ Design notes:
 * Decode reads the sequence lengths from the ``seq_lens`` tensor only; the host ``max_seq_len`` merely
   sizes the split-K partition. That keeps the launch shape fixed for CUDA-graph capture.
 * Softmax runs in base 2 (``exp2``) with ``log2(e)`` folded into the scale; statistics are float32.
+* An fp8 (e4m3) cache is quantized in the write kernel (``x / scale``, saturated at +-448) and read by the
+  same attention kernels: each tile is converted to the query dtype on load, the per-tensor K scale is
+  folded into the softmax scale and the V scale multiplies the output, so the key loop is unchanged.
 """
 
 from __future__ import annotations
@@ -53,12 +56,33 @@ def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
 
 
 @triton.jit
+def _round_to_e4m3(x):
+    """``x`` (float32) rounded to the nearest float8 e4m3 value, ties to even, saturated at +-448 (an
+    out-of-range value would otherwise become NaN), so that the cast to fp8 is exact. Done here rather
+    than by the cast because Triton's interpreter rounds half up without carrying into the exponent
+    (7.9 -> 4.0); on the GPU the result is the hardware's. Values below 2**-6 (e4m3's subnormals, spaced
+    2**-9 like the normals of [2**-6, 2**-5)) are rounded after adding 2**-6, which is exact in float32."""
+    a = tl.abs(x)
+    small = a < 0.015625
+    a = tl.where(small, a + 0.015625, a)
+    bits = a.to(tl.int32, bitcast=True)
+    bits = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576  # keep 3 of float32's 23 mantissa bits
+    r = bits.to(tl.float32, bitcast=True)
+    r = tl.minimum(tl.where(small, r - 0.015625, r), 448.0)
+    # The sign bit copied, not ``-r``: compiled, a negation is ``0 - r``, which turns -0.0 into +0.0 (the
+    # H200 wrote byte 0 where torch writes 128 for tiny negative values).
+    sign = x.to(tl.int32, bitcast=True) & -2147483648
+    return (r.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _write_kv_cache_kernel(
     k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
     stride_kt, stride_kh, stride_vt, stride_vh,
     stride_cb, stride_cs, stride_ch,
-    num_heads,
+    num_heads, k_inv_scale, v_inv_scale,
     BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    FP8: tl.constexpr,
 ):
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t).to(tl.int64)
@@ -73,15 +97,19 @@ def _write_kv_cache_kernel(
     slot = tl.maximum(slot, 0)
     cache_off = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs
     cache_off = cache_off + offs_h[:, None] * stride_ch + offs_d[None, :]
-    # tl.store casts to the cache's element type.
-    tl.store(k_cache_ptr + cache_off, k, mask=mask)
-    tl.store(v_cache_ptr + cache_off, v, mask=mask)
+    if FP8:  # times the reciprocal scales: an IEEE-rounded product, where Triton's division is approximate
+        k = _round_to_e4m3(k.to(tl.float32) * k_inv_scale)
+        v = _round_to_e4m3(v.to(tl.float32) * v_inv_scale)
+    tl.store(k_cache_ptr + cache_off, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_cache_ptr + cache_off, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
 def write_kv_cache(
-    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+    k_scale: float = 1.0, v_scale: float = 1.0,
 ) -> None:
-    """Store ``k``/``v`` (``[T, Hkv, D]``, strided views allowed) at ``slot_mapping`` (``[T]``).
+    """Store ``k``/``v`` (``[T, Hkv, D]``, strided views allowed) at ``slot_mapping`` (``[T]``), quantized
+    with the per-tensor ``k_scale``/``v_scale`` when the caches are fp8 (see ``reference.quantize_kv``).
 
     Negative slots are padding and skipped."""
     _check_cache(k_cache, v_cache)
@@ -93,9 +121,10 @@ def write_kv_cache(
         k, v, k_cache, v_cache, slot_mapping,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        num_heads,
+        num_heads, 1.0 / k_scale, 1.0 / v_scale,
         BLOCK_SIZE=k_cache.shape[1], HEAD_DIM=head_dim,
         BLOCK_H=triton.next_power_of_2(num_heads), BLOCK_D=triton.next_power_of_2(head_dim),
+        FP8=k_cache.dtype == torch.float8_e4m3fn,
     )
 
 
@@ -154,7 +183,7 @@ def _decode_kernel(
     stride_cb, stride_cs, stride_ch,
     stride_bt,
     stride_ob, stride_oh,
-    qk_scale, num_q_heads,
+    qk_scale, v_scale, num_q_heads,
     NUM_SPLITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
@@ -196,7 +225,7 @@ def _decode_kernel(
     )
     # Empty ranges (padding rows with seq_len 0, or splits past the end) leave l_i == 0: emit zeros.
     empty = l_i == 0.0
-    o = acc / tl.where(empty, 1.0, l_i)[:, None]
+    o = acc * (v_scale / tl.where(empty, 1.0, l_i))[:, None]
     if NUM_SPLITS == 1:
         tl.store(
             out_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
@@ -255,12 +284,15 @@ def paged_decode_attention(
     max_seq_len: int,
     scale: float,
     num_splits: int | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """One query token per sequence: ``q`` ``[B, Hq, D]`` -> ``[B, Hq, D]`` (see ``reference.paged_decode_attention``).
 
     ``seq_lens`` (int32 ``[B]``, on the device) is authoritative; ``max_seq_len`` is only a hint (any value
     >= the true maximum) used to choose ``num_splits``, the number of programs the keys of one sequence are
-    split across (flash-decoding). Pass ``num_splits`` to override the heuristic.
+    split across (flash-decoding). Pass ``num_splits`` to override the heuristic. ``k_scale``/``v_scale``
+    dequantize an fp8 cache.
     """
     _check_cache(k_cache, v_cache)
     batch, num_q_heads, head_dim = q.shape
@@ -286,7 +318,7 @@ def paged_decode_attention(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0),
         out.stride(0), out.stride(1),
-        scale * _LOG2E, num_q_heads,
+        scale * k_scale * _LOG2E, v_scale, num_q_heads,
         NUM_SPLITS=num_splits, GROUP=group,
         BLOCK_G=max(16, triton.next_power_of_2(group)),  # tl.dot needs M >= 16
         BLOCK_SIZE=block_size, HEAD_DIM=head_dim, BLOCK_D=block_d,
@@ -317,7 +349,7 @@ def _prefill_kernel(
     stride_cb, stride_cs, stride_ch,
     stride_bt,
     stride_ot, stride_oh,
-    qk_scale,
+    qk_scale, v_scale,
     GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
@@ -368,7 +400,7 @@ def _prefill_kernel(
         DOT_PRECISION=DOT_PRECISION,
     )
 
-    o = acc / l_i[:, None]
+    o = acc * (v_scale / l_i)[:, None]
     tl.store(
         out_ptr + q_rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
         o.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :],
@@ -396,6 +428,8 @@ def paged_prefill_attention(
     seq_lens: torch.Tensor,
     max_query_len: int,
     scale: float,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Causal attention for chunks of queries over the paged cache (see ``reference.paged_prefill_attention``).
 
@@ -421,7 +455,7 @@ def paged_prefill_attention(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0),
         out.stride(0), out.stride(1),
-        scale * _LOG2E,
+        scale * k_scale * _LOG2E, v_scale,
         GROUP=num_q_heads // num_kv_heads, BLOCK_SIZE=block_size, HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_M=block_m, BLOCK_N=block_n, DOT_PRECISION=_dot_precision(q.dtype),
         num_warps=num_warps, num_stages=num_stages,

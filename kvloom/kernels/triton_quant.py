@@ -5,6 +5,8 @@ which AWQ and GPTQ checkpoints are repacked into at load), uint8 zero points and
 Two tile shapes: for few rows (decode) a GEMV-shaped tile with split-K, so that the K loop of a single
 row is spread over many programs and the whole GPU streams the packed weight; for many rows, larger M/N
 tiles without split-K. Both accumulate in float32 with the reference's dequantization ``(q - z) * s``.
+
+Also the FP8 weight-only GEMV that FP8 layers use for decode-sized batches (``fp8_weight_only_linear``).
 """
 
 from __future__ import annotations
@@ -13,40 +15,53 @@ import torch
 import triton
 import triton.language as tl
 
-from kvloom.kernels.triton_attention import _dot_precision
+from kvloom.kernels.triton_attention import _dot_precision, _round_to_e4m3
 
 
 @triton.jit
 def _int_matmul_kernel(
     x_ptr, qw_ptr, z_ptr, s_ptr, out_ptr,
-    M, N, K, group_size,
+    M, N, K, group_size, M_BUCKET,
     stride_xm, stride_om,
     BITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    SPLIT_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    SPLIT_K: tl.constexpr, DOT_PRECISION: tl.constexpr, GROUP_ALIGNED: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
     PER: tl.constexpr = 32 // BITS
+    WORDS: tl.constexpr = BLOCK_K // PER
     MASK: tl.constexpr = (1 << BITS) - 1
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
+    rw = tl.arange(0, WORDS)
+    shifts = tl.arange(0, PER) * BITS
     m_ok = rm < M
     n_ok = rn < N
+    x_rows = x_ptr + rm[:, None].to(tl.int64) * stride_xm
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     k_tiles = tl.cdiv(K, BLOCK_K)
     for t in range(pid_k, k_tiles, SPLIT_K):
         k = t * BLOCK_K + rk
         k_ok = k < K
-        x = tl.load(x_ptr + rm[:, None].to(tl.int64) * stride_xm + k[None, :],
-                    mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        words = tl.load(qw_ptr + (k // PER)[:, None].to(tl.int64) * N + rn[None, :],
-                        mask=k_ok[:, None] & n_ok[None, :], other=0)
-        q = (words >> ((k % PER) * BITS)[:, None]) & MASK
-        g = (k // group_size)[:, None].to(tl.int64) * N + rn[None, :]
-        z = tl.load(z_ptr + g, mask=k_ok[:, None] & n_ok[None, :], other=0)
-        s = tl.load(s_ptr + g, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        x = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        # Each int32 word once ([WORDS, BLOCK_N]), unpacked to its PER rows of K by shifts: the word at
+        # row w holds inputs w * PER .. w * PER + PER - 1 (K-packed layout).
+        w_rows = t * WORDS + rw
+        words = tl.load(qw_ptr + w_rows[:, None].to(tl.int64) * N + rn[None, :],
+                        mask=(w_rows < K // PER)[:, None] & n_ok[None, :], other=0)
+        q = tl.reshape((words[:, None, :] >> shifts[None, :, None]) & MASK, (BLOCK_K, BLOCK_N))
+        if GROUP_ALIGNED:
+            # A K tile lies inside one group (the host picks BLOCK_K dividing group_size): its zero point
+            # and scale are one row of [G, N], loaded once per tile rather than per element.
+            g = ((t * BLOCK_K) // group_size).to(tl.int64) * N + rn
+            z = tl.load(z_ptr + g, mask=n_ok, other=0)[None, :]
+            s = tl.load(s_ptr + g, mask=n_ok, other=0.0)[None, :]
+        else:  # ragged groups (a group of all K inputs that no tile divides): per element
+            g = (k // group_size)[:, None].to(tl.int64) * N + rn[None, :]
+            z = tl.load(z_ptr + g, mask=k_ok[:, None] & n_ok[None, :], other=0)
+            s = tl.load(s_ptr + g, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
         w = ((q - z.to(tl.int32)).to(tl.float32) * s.to(tl.float32)).to(x.dtype)
         acc += tl.dot(x, w, input_precision=DOT_PRECISION)
     out = out_ptr + rm[:, None].to(tl.int64) * stride_om + rn[None, :]
@@ -57,18 +72,97 @@ def _int_matmul_kernel(
 
 
 def tile_config(m: int, n: int, k: int) -> dict:
-    """Tiles by row count: GEMV-shaped with split-K for decode, square-ish for batched steps."""
+    """Tiles by row count: GEMV-shaped with split-K for decode (enough programs to stream the packed
+    weight with the whole GPU), larger and pipelined tiles for batched steps."""
     if m <= 16:
-        split = max(1, min(8, k // 512))
-        return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, SPLIT_K=split, num_warps=4)
+        programs = triton.cdiv(n, 64)
+        split = max(1, min(16, k // 256, triton.cdiv(4 * 132, programs)))
+        return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, SPLIT_K=split, num_warps=4, num_stages=4)
     if m <= 64:
-        return dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=64, SPLIT_K=1, num_warps=4)
-    return dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, SPLIT_K=1, num_warps=8)
+        return dict(BLOCK_M=32 if m <= 32 else 64, BLOCK_N=128, BLOCK_K=64, SPLIT_K=1, num_warps=4, num_stages=4)
+    if m <= 128:
+        return dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, SPLIT_K=1, num_warps=4, num_stages=4)
+    return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, SPLIT_K=1, num_warps=8, num_stages=3)
+
+
+def _fit_block_k(block_k: int, group_size: int) -> tuple[int, bool]:
+    """``(BLOCK_K, aligned)``: the largest power of two ``<= block_k`` and ``>= 16`` (``tl.dot``'s minimum)
+    that divides ``group_size``, so that a tile needs one row of scales and zeros; else ``block_k``,
+    not aligned."""
+    b = block_k
+    while b > 16 and group_size % b:
+        b //= 2
+    return (b, True) if group_size % b == 0 else (block_k, False)
+
+
+# --------------------------------------------------------------------------------------------------
+# Autotuning on CUDA: a few tile configs per (row bucket, N, K), tried once outside any CUDA graph (the
+# model runner warms every graph size up first). Two families: decode-sized row counts with split-K
+# into a zeroed float32 buffer, and batches without split-K, written in the model dtype directly.
+# --------------------------------------------------------------------------------------------------
+
+SMALL_M = 16
+
+
+def _cfg(bm, bn, bk, split, warps, stages):
+    return triton.Config(dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split), num_warps=warps, num_stages=stages)
+
+
+_INT_SMALL = [_cfg(16, bn, bk, sp, w, st) for bn, bk, sp, w, st in (
+    (32, 128, 4, 4, 4), (64, 128, 4, 4, 4), (64, 128, 8, 4, 3), (128, 128, 4, 4, 3), (64, 256, 4, 4, 3),
+    (128, 64, 8, 4, 4), (32, 256, 8, 4, 3), (64, 64, 16, 4, 4), (128, 128, 1, 4, 4))]
+_INT_LARGE = [_cfg(bm, bn, bk, 1, w, st) for bm, bn, bk, w, st in (
+    (32, 128, 64, 4, 4), (64, 128, 64, 4, 4), (128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (64, 256, 64, 8, 3),
+    (128, 128, 128, 8, 3), (64, 64, 128, 4, 4))]
+_FP8_SMALL = [_cfg(16, bn, bk, sp, w, st) for bn, bk, sp, w, st in (
+    (64, 256, 1, 4, 4), (64, 256, 4, 4, 4), (32, 256, 4, 4, 4), (128, 128, 4, 4, 4), (64, 512, 2, 4, 3),
+    (128, 256, 2, 8, 3), (32, 512, 2, 4, 3), (16, 256, 1, 4, 4), (64, 128, 8, 4, 4))]
+
+
+def _row_bucket(m: int) -> int:
+    return min(triton.next_power_of_2(m), 4096)
+
+
+def _int_prune(configs, named_args, **kwargs):
+    """Tiles whose K size divides the group (one scale row per tile) and that the K loop can split."""
+    g, k = named_args["group_size"], named_args["K"]
+    return [c for c in configs if g % c.kwargs["BLOCK_K"] == 0
+            and triton.cdiv(k, c.kwargs["BLOCK_K"]) >= c.kwargs["SPLIT_K"]]
+
+
+def _autotuned(kernel, configs, prune=None, restore=()):
+    quick = dict(do_bench=lambda fn, quantiles: triton.testing.do_bench(fn, warmup=5, rep=20, quantiles=quantiles))
+    kw = dict(key=["M_BUCKET", "N", "K"], restore_value=list(restore) or None,
+              prune_configs_by={"early_config_prune": prune} if prune else None)
+    try:
+        return triton.autotune(configs, **kw, **quick)(kernel)
+    except TypeError:  # a Triton without the do_bench argument
+        return triton.autotune(configs, **kw)(kernel)
+
+
+_TUNED: dict[str, object] = {}
+
+
+def _tuned(name: str):
+    if name not in _TUNED:
+        kernel, configs, prune, restore = {
+            "int_small": (_int_matmul_kernel, _INT_SMALL, _int_prune, ("out_ptr",)),
+            "int_large": (_int_matmul_kernel, _INT_LARGE, _int_prune, ()),
+            "fp8_small": (_fp8_weight_only_kernel, _FP8_SMALL, None, ("out_ptr",)),
+        }[name]
+        _TUNED[name] = _autotuned(kernel, configs, prune, restore)
+    return _TUNED[name]
+
+
+def _grid(m, n):
+    return lambda meta: (triton.cdiv(m, meta["BLOCK_M"]), triton.cdiv(n, meta["BLOCK_N"]), meta["SPLIT_K"])
 
 
 def int_matmul(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor,
                group_size: int, bits: int, bias: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
-    """``x [.., K] @ W.T`` for ``qweight [K * bits // 32, N]`` int32, ``zeros [G, N]`` uint8, ``scales [G, N]``."""
+    """``x [.., K] @ W.T`` for ``qweight [K * bits // 32, N]`` int32, ``zeros [G, N]`` uint8, ``scales [G, N]``.
+    ``config`` fixes the tiles; without it, autotuned on CUDA (groups of a multiple of 64), else
+    ``tile_config``'s."""
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
     if x2.stride(-1) != 1:
@@ -76,14 +170,155 @@ def int_matmul(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor, scal
     m, k = x2.shape
     n = qweight.shape[1]
     qweight, zeros, scales = qweight.contiguous(), zeros.contiguous(), scales.contiguous()  # row-major [.., N]
+    if config is None and x2.is_cuda and group_size % 64 == 0:
+        small = m <= SMALL_M
+        out = torch.zeros((m, n), device=x.device, dtype=torch.float32) if small else \
+            torch.empty((m, n), device=x.device, dtype=x.dtype)
+        _tuned("int_small" if small else "int_large")[_grid(m, n)](
+            x2, qweight, zeros, scales, out, m, n, k, group_size, _row_bucket(m), x2.stride(0), out.stride(0),
+            BITS=bits, DOT_PRECISION=_dot_precision(x2.dtype), GROUP_ALIGNED=True)
+        out = out.to(x.dtype)
+        if bias is not None:
+            out = out + bias
+        return out.reshape(*shape[:-1], n)
     cfg = dict(config or tile_config(m, n, k))
+    cfg["BLOCK_K"], aligned = _fit_block_k(cfg["BLOCK_K"], group_size)
     split = cfg["SPLIT_K"]
     out = (torch.zeros if split > 1 else torch.empty)((m, n), device=x.device,
                                                       dtype=torch.float32 if split > 1 else x.dtype)
     grid = (triton.cdiv(m, cfg["BLOCK_M"]), triton.cdiv(n, cfg["BLOCK_N"]), split)
-    _int_matmul_kernel[grid](x2, qweight, zeros, scales, out, m, n, k, group_size, x2.stride(0), out.stride(0),
-                             BITS=bits, DOT_PRECISION=_dot_precision(x2.dtype), **cfg)
+    _int_matmul_kernel[grid](x2, qweight, zeros, scales, out, m, n, k, group_size, _row_bucket(m),
+                             x2.stride(0), out.stride(0),
+                             BITS=bits, DOT_PRECISION=_dot_precision(x2.dtype),
+                             GROUP_ALIGNED=aligned, **cfg)
     out = out.to(x.dtype)
     if bias is not None:
         out = out + bias
     return out.reshape(*shape[:-1], n)
+
+
+# --------------------------------------------------------------------------------------------------
+# FP8 weight-only GEMV for decode-sized batches
+# --------------------------------------------------------------------------------------------------
+
+# Up to this many rows an FP8 layer runs weight-only here (bf16 activations, FP8 weight converted in
+# registers): a decode step is bound by reading the weight, which is half of bf16's bytes, while the
+# W8A8 path pays an activation quantization pass and cuBLASLt's padded 16-row tile.
+FP8_GEMV_MAX_ROWS = 16
+
+
+@triton.jit
+def _fp8_weight_only_kernel(
+    x_ptr, w_ptr, ws_ptr, out_ptr,
+    M, N, K, M_BUCKET,
+    stride_xm, stride_wn, stride_om,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    m_ok = rm < M
+    n_ok = rn < N
+    x_rows = x_ptr + rm[:, None].to(tl.int64) * stride_xm
+    w_cols = w_ptr + rn[None, :].to(tl.int64) * stride_wn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for t in range(pid_k, tl.cdiv(K, BLOCK_K), SPLIT_K):
+        k = t * BLOCK_K + rk
+        k_ok = k < K
+        x = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_cols + k[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)  # [BLOCK_K, BLOCK_N]
+        acc += tl.dot(x, w.to(x.dtype), input_precision=DOT_PRECISION)
+    # the per-output-channel scale commutes with the sum over K: applied once, to the accumulator
+    acc = acc * tl.load(ws_ptr + rn, mask=n_ok, other=0.0)[None, :]
+    out = out_ptr + rm[:, None].to(tl.int64) * stride_om + rn[None, :]
+    if SPLIT_K == 1:
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+    else:
+        tl.atomic_add(out, acc, mask=m_ok[:, None] & n_ok[None, :])
+
+
+def fp8_gemv_config(m: int, n: int, k: int) -> dict:
+    """Narrow N tiles so that even a 4096-wide output gives every SM a couple of programs without split-K
+    (whose float32 buffer and extra passes cost more than they save at these sizes)."""
+    block_n = 16 if n <= 8192 else 64
+    return dict(BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=256, SPLIT_K=1, num_warps=4, num_stages=4)
+
+
+def fp8_weight_only_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                           bias: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
+    """``x @ (W * s).T + b`` for an FP8 ``weight [N, K]`` (rows contiguous) with ``weight_scale [N, 1]``
+    float32, ``x`` in its own dtype (no activation quantization)."""
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    m, k = x2.shape
+    n = weight.shape[0]
+    if config is None and x2.is_cuda:
+        out = torch.zeros((m, n), device=x.device, dtype=torch.float32)
+        _tuned("fp8_small")[_grid(m, n)](x2, weight, weight_scale.reshape(-1), out, m, n, k, _row_bucket(m),
+                                         x2.stride(0), weight.stride(0), out.stride(0),
+                                         DOT_PRECISION=_dot_precision(x2.dtype))
+        out = out.to(x.dtype)
+        return (out if bias is None else out + bias).reshape(*shape[:-1], n)
+    cfg = dict(config or fp8_gemv_config(m, n, k))
+    split = cfg["SPLIT_K"]
+    out = (torch.zeros if split > 1 else torch.empty)((m, n), device=x.device,
+                                                      dtype=torch.float32 if split > 1 else x.dtype)
+    grid = (triton.cdiv(m, cfg["BLOCK_M"]), triton.cdiv(n, cfg["BLOCK_N"]), split)
+    _fp8_weight_only_kernel[grid](x2, weight, weight_scale.reshape(-1), out, m, n, k, _row_bucket(m),
+                                  x2.stride(0), weight.stride(0), out.stride(0),
+                                  DOT_PRECISION=_dot_precision(x2.dtype), **cfg)
+    if split > 1:
+        out = out.to(x.dtype)
+    if bias is not None:
+        out = out + bias
+    return out.reshape(*shape[:-1], n)
+
+
+# --------------------------------------------------------------------------------------------------
+# Dynamic per-token FP8 activation quantization in one pass
+# --------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _fp8_quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, M, K, stride_xm, stride_qm,
+                              BLOCK_K: tl.constexpr, min_scale: tl.constexpr):
+    row = tl.program_id(0)
+    offs = tl.arange(0, BLOCK_K)
+    x_row = x_ptr + row.to(tl.int64) * stride_xm
+    q_row = q_ptr + row.to(tl.int64) * stride_qm
+    live = row < M  # rows past M are cuBLASLt's padding: zeros with scale 1
+    # (folded into the bound because the interpreter mishandles `scalar_bool & tensor_bool`)
+    k_read = tl.where(live, K, 0)
+    amax = tl.zeros([BLOCK_K], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + offs
+        x = tl.load(x_row + k, mask=k < k_read, other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.abs(x))
+    scale = tl.maximum(tl.max(amax, 0) / 448.0, min_scale)
+    scale = tl.where(live, scale, 1.0)
+    tl.store(scale_ptr + row, scale)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + offs
+        x = tl.load(x_row + k, mask=k < k_read, other=0.0).to(tl.float32)
+        tl.store(q_row + k, _round_to_e4m3(x / scale).to(q_ptr.dtype.element_ty), mask=k < K)
+
+
+def fp8_quantize_rows(x: torch.Tensor, pad_to: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(xq, scale)``: each row of ``x [M, K]`` over its own scale ``amax / 448`` in FP8, as
+    ``quant_reference.fp8_scale_per_row`` and ``fp8_quantize`` compute it, in one kernel instead of a
+    chain of elementwise passes; rows padded with zeros (scale 1) to a multiple of ``pad_to``."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    m, k = x.shape
+    rows = -(-m // pad_to) * pad_to
+    xq = torch.empty(rows, k, dtype=torch.float8_e4m3fn, device=x.device)
+    scale = torch.empty(rows, 1, dtype=torch.float32, device=x.device)
+    _fp8_quantize_rows_kernel[(rows,)](x, xq, scale, m, k, x.stride(0), xq.stride(0),
+                                       BLOCK_K=min(1024, triton.next_power_of_2(k)), min_scale=1e-12)
+    return xq, scale

@@ -22,7 +22,7 @@ def random_packed(k: int, n: int, bits: int, group: int, seed: int = 0):
 
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("rows", [1, 5, 70])
-@pytest.mark.parametrize("group", [32, 256])
+@pytest.mark.parametrize("group", [32, 256, 40])  # 40: no K tile divides it, per-element scales
 def test_int_matmul_kernel_matches_the_reference(tk, bits, rows, group):
     k, n = 256, 96  # n not a multiple of the 64-wide tiles: the masks are exercised
     qweight, zeros, scales = random_packed(k, n, bits, group)
@@ -44,7 +44,7 @@ def test_decode_and_batched_tiles_differ():
     from kvloom.kernels.triton_quant import tile_config
 
     assert tile_config(1, 4096, 4096)["SPLIT_K"] > 1 and tile_config(1, 4096, 4096)["BLOCK_M"] == 16
-    assert tile_config(256, 4096, 4096)["SPLIT_K"] == 1 and tile_config(256, 4096, 4096)["BLOCK_M"] == 64
+    assert tile_config(256, 4096, 4096)["SPLIT_K"] == 1 and tile_config(256, 4096, 4096)["BLOCK_M"] == 128
 
 
 def test_awq_repacked_along_the_inputs_is_the_same_weight():
@@ -108,3 +108,43 @@ def test_int_matmul_on_the_gpu_at_llama_shapes(rows):
     want = qr.int_matmul(x.float(), qweight, zeros, scales, 128, 4)
     got = triton_quant.int_matmul(x.cuda(), qweight.cuda(), zeros.cuda(), scales.cuda(), 128, 4)
     torch.testing.assert_close(got.float().cpu(), want, atol=0.05, rtol=0.02)
+
+
+@pytest.mark.parametrize("rows", [1, 7, 16])
+@pytest.mark.parametrize("split", [1, 3])
+def test_fp8_weight_only_gemv_matches_the_dequantized_product(tk, rows, split):
+    """The decode path of FP8 layers: bf16/float32 activations times the FP8 weight with its per-channel
+    scales, no activation quantization."""
+    gen = torch.Generator().manual_seed(0)
+    n, k = 80, 300  # neither a multiple of the tiles: the masks are exercised
+    w = torch.randn(n, k, generator=gen) * 0.05
+    scale = qr.fp8_scale_per_row(w)
+    wq = qr.fp8_quantize(w, scale)
+    x = torch.randn(rows, k, generator=gen)
+    bias = torch.randn(n, generator=gen)
+    want = x @ (wq.float() * scale).t() + bias
+    dev = tk.device
+    cfg = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=64, SPLIT_K=split, num_warps=4)
+    got = tk.quant.fp8_weight_only_linear(x.to(dev), wq.to(dev), scale.to(dev), bias.to(dev), config=cfg)
+    torch.testing.assert_close(got.cpu(), want, atol=1e-4, rtol=1e-4)
+    got = tk.quant.fp8_weight_only_linear(x.to(dev), wq.to(dev), scale.to(dev), bias.to(dev))  # its own tiles
+    torch.testing.assert_close(got.cpu(), want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("rows,k", [(1, 64), (5, 300), (17, 2500)])
+def test_fp8_per_token_activation_quantization_in_one_kernel(tk, rows, k):
+    """The W8A8 path's activation quantization (per-row amax / 448, round to e4m3) equals the reference's,
+    with the rows padded to 16 for cuBLASLt (zeros, scale 1)."""
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(3)) * torch.logspace(-3, 2, rows)[:, None]
+    want_scale = qr.fp8_scale_per_row(x)
+    want = qr.fp8_quantize(x, want_scale)
+    xq, scale = tk.quant.fp8_quantize_rows(x.to(tk.device))
+    padded = -(-rows // 16) * 16
+    assert xq.shape == (padded, k) and scale.shape == (padded, 1)
+    torch.testing.assert_close(scale[:rows].cpu(), want_scale, rtol=1e-6, atol=0)
+    close = (xq[:rows].cpu().float() - want.float()).abs() <= 2.0 ** -3 * want.float().abs()  # at most one step
+    assert close.all()
+    if tk.device == "cpu":  # the interpreter divides exactly, as torch does: the same bytes
+        assert torch.equal(xq[:rows].view(torch.uint8), want.view(torch.uint8))
+    assert torch.equal(xq[rows:].cpu().float(), torch.zeros(padded - rows, k))
+    assert torch.equal(scale[rows:].cpu(), torch.ones(padded - rows, 1))

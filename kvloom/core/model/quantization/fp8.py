@@ -4,7 +4,8 @@ compressed-tensors FP8 checkpoints (channel or tensor weights, dynamic per-token
 and online quantization of a dense checkpoint (per-channel weight scales, dynamic per-token activations).
 
 Where the GPU has FP8 matmuls (Ada, Hopper and later) the layer runs W8A8 through ``torch._scaled_mm``
-with row-wise scales; elsewhere (the CPU, older GPUs) and for block-wise scales, weight-only: the FP8
+with row-wise scales, and decode-sized batches (up to 16 rows) weight-only through a Triton FP8 GEMV
+(bf16 activations: reading the FP8 weight is the whole cost there); elsewhere (the CPU, older GPUs) and for block-wise scales, weight-only: the FP8
 weight is dequantized at load, so its rounding is kept and the matmul is dense.
 """
 
@@ -22,6 +23,12 @@ FP8_ACTIVATION_SCHEMES = ("dynamic", "static")
 CT_WEIGHT_STRATEGIES = ("channel", "tensor")
 
 
+def _gemv_rows() -> int:
+    from kvloom.kernels.triton_quant import FP8_GEMV_MAX_ROWS
+
+    return FP8_GEMV_MAX_ROWS
+
+
 def fp8_matmul_supported(device: torch.device) -> bool:
     """cuBLASLt FP8 GEMMs: compute capability 8.9 (Ada) and later."""
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
@@ -34,12 +41,17 @@ def fp8_w8a8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.T
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
     rows = x2.shape[0]
-    scale = fp8_scale_per_row(x2) if input_scale is None else input_scale.float().reshape(1, 1).expand(rows, 1)
-    xq = fp8_quantize(x2, scale)
-    pad = -rows % 16  # cuBLASLt's FP8 kernels want 16-aligned dims
-    if pad:
-        xq = F.pad(xq.view(torch.uint8), (0, 0, 0, pad)).view(FP8_DTYPE)
-        scale = F.pad(scale, (0, 0, 0, pad), value=1.0)
+    if input_scale is None and x2.is_cuda:  # one fused kernel: amax, scale, quantize, pad
+        from kvloom.kernels.triton_quant import fp8_quantize_rows
+
+        xq, scale = fp8_quantize_rows(x2)
+    else:
+        scale = fp8_scale_per_row(x2) if input_scale is None else input_scale.float().reshape(1, 1).expand(rows, 1)
+        xq = fp8_quantize(x2, scale)
+        pad = -rows % 16  # cuBLASLt's FP8 kernels want 16-aligned dims
+        if pad:
+            xq = F.pad(xq.view(torch.uint8), (0, 0, 0, pad)).view(FP8_DTYPE)
+            scale = F.pad(scale, (0, 0, 0, pad), value=1.0)
     out = torch._scaled_mm(xq, weight.t(), scale_a=scale.contiguous(), scale_b=weight_scale.reshape(1, -1),
                            out_dtype=x.dtype)[:rows]
     if bias is not None:
@@ -176,9 +188,14 @@ class FP8LinearMethod:
         if input_scale is not None:  # one scale for the fused input: the largest shard's, as vLLM does
             layer.add_param("input_scale", input_scale)
         self.w8a8 = True
-        m.kernel = "W8A8 torch._scaled_mm, row-wise scales"
+        m.kernel = ("W8A8 torch._scaled_mm, row-wise scales; up to "
+                    f"{_gemv_rows()} rows weight-only FP8 GEMV (Triton)")
 
     def apply(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
+        from kvloom.kernels import triton_quant
+
+        if x.numel() <= triton_quant.FP8_GEMV_MAX_ROWS * x.shape[-1]:  # decode-sized: weight-only GEMV
+            return triton_quant.fp8_weight_only_linear(x, layer.weight, layer.weight_scale, layer.bias)
         return fp8_w8a8_linear(x, layer.weight, layer.weight_scale, getattr(layer, "input_scale", None), layer.bias)
 
     def held_bytes(self, layer: LinearBase, device_type: str) -> int:
