@@ -184,3 +184,32 @@ def test_server_with_tensor_parallel_2_answers_and_a_killed_worker_ends_it(tiny_
     finally:
         server.stop(timeout=60)
     assert not alive(worker)
+
+
+@pytest.mark.parametrize("name,family,fmt,settings", [
+    ("awq-g32", "llama", "awq", dict(group_size=32)),
+    ("gptq-8bit-g64", "qwen2", "gptq", dict(bits=8, group_size=64, sym=False, desc_act=False)),
+    ("fp8-block32", "qwen3", "fp8", dict(strategy="block", block=32)),
+])
+def test_tp2_quantized_checkpoints_decode_like_transformers(tmp_path, name, family, fmt, settings):
+    from tests.quant_checkpoints import write_checkpoint
+
+    # Every rank's share of the inputs is whole groups (blocks): 64 or 128 inputs per rank, groups of 32/64.
+    quant, ref = write_checkpoint(tmp_path, family, fmt, **settings)
+    prompts = _prompts()
+    llm = LLM(config=_tp_config(quant))
+    try:
+        got = [o.token_ids for o in llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=MAX_NEW,
+                                                                         ignore_eos=True), use_tqdm=False)]
+    finally:
+        llm.engine.shutdown()
+    assert got == hf_greedy(ref, prompts, MAX_NEW)
+
+
+def test_gptq_desc_act_cannot_split_its_row_parallel_inputs(tmp_path):
+    from tests.quant_checkpoints import write_checkpoint
+
+    quant, _ = write_checkpoint(tmp_path, "llama", "gptq", bits=4, group_size=32, sym=True, desc_act=True)
+    with pytest.raises(ValueError, match=r"(o_proj|down_proj).*GPTQ with desc_act=True cannot split a row-parallel layer's "
+                                         r"inputs over tensor_parallel_size=2"):
+        LLM(config=_tp_config(quant))

@@ -40,6 +40,9 @@ logger = logging.getLogger("kvloom")
 STARTUP_TIMEOUT_S = 300.0  # workers import torch and load their shard; a loaded CI machine is slow
 WATCHDOG_GRACE_S = 10.0  # a step still running this long after a worker died is stuck in a collective
 STEP, STOP = b"step", b"stop"
+# The driver of this process, until shut down: an engine that failed to start after its workers did
+# (a bad checkpoint, say) leaves one behind, which the next start in the same process stops first.
+_live: list["TPDriver"] = []
 
 
 class WorkerDied(RuntimeError):
@@ -59,6 +62,8 @@ class TPDriver:
         from kvloom.frontends.config import ServerConfig
         from kvloom.launcher import launch_payload
 
+        for stale in list(_live):
+            stale.shutdown()
         self.size = config.tensor_parallel_size
         self.device = device
         self.procs: list[subprocess.Popen] = []
@@ -86,6 +91,7 @@ class TPDriver:
             proc.stdin.close()
             self.procs.append(proc)
         atexit.register(self.shutdown)
+        _live.append(self)
         try:
             self._wait_for_workers(store)
             self.tp = init_group(0, self.size, store.port, device, store=store)
@@ -175,6 +181,8 @@ class TPDriver:
         if self._closed:
             return
         self._closed = True
+        if self in _live:
+            _live.remove(self)
         for sock in self.sockets:
             try:
                 sock.send_multipart([STOP], zmq.NOBLOCK)
