@@ -262,7 +262,9 @@ def _gib(n: int | None) -> str:
 
 def format_plan(plan: Plan) -> str:
     d = plan.dims
-    size = plan.rows[0].kv.bytes_per_token // (2 * d["layers"] * d["kv_heads"] * d["head_dim"])
+    first = plan.rows[0]
+    kv_heads = max(1, d["kv_heads"] // first.tensor_parallel)  # per rank
+    size = first.kv.bytes_per_token // (2 * d["layers"] * kv_heads * d["head_dim"])
     lines = [
         f"Model: {plan.model} ({plan.architecture}): {d['layers']} layers, hidden {d['hidden_size']}, "
         f"{d['heads']} heads, {d['kv_heads']} KV heads x {d['head_dim']}, vocab {d['vocab_size']}"
@@ -271,9 +273,12 @@ def format_plan(plan: Plan) -> str:
         + (f", {plan.gpu_memory_gib:g} GiB x {plan.gpu_memory_utilization:g} per GPU" if plan.gpu_memory_gib else ""),
         f"Parameters: {plan.parameters.total:,} ({plan.parameters.linear_weights:,} in linear layers)",
         f"Weights: {_gib(plan.weight_bytes)}" + (f" ({plan.quantization})" if plan.quantization else ""),
-        f"KV bytes per token: {plan.rows[0].kv.bytes_per_token:,} = 2 (K, V) x {d['layers']} layers x "
-        f"{d['kv_heads']} KV heads x {d['head_dim']} x {size} bytes",
+        f"KV bytes per token{' per rank' if first.tensor_parallel > 1 else ''}: {first.kv.bytes_per_token:,} = "
+        f"2 (K, V) x {d['layers']} layers x {kv_heads} KV heads x {d['head_dim']} x {size} bytes",
     ]
+    if plan.device == "cpu" and first.tensor_parallel > 1:
+        lines.append(f"Weights per rank ({first.tensor_parallel} ranks): {_gib(first.weight_bytes_per_gpu)} "
+                     f"({first.weight_bytes_per_gpu:,} bytes)")
     if plan.device == "cpu":
         lines.append(plan.rows[0].kv.describe())
     else:
