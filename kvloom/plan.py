@@ -60,14 +60,15 @@ def quantization_method(hf_config, quantization: str | None):
     return None if quantization is None else make_method(quantization, hf_config, plan_defaults=True)
 
 
-def weight_bytes(hf_config, dtype: torch.dtype, method, device_type: str) -> int:
+def weight_bytes(hf_config, dtype: torch.dtype, method, device_type: str, tp=None) -> int:
     """The bytes the engine's model holds on ``device_type`` after loading: the same layers, built on the
-    meta device, each sized by its format (a format dequantized at load counts as dense)."""
+    meta device, each sized by its format (a format dequantized at load counts as dense). With ``tp`` (a
+    ``TensorParallel``), rank ``tp.rank``'s share: its heads, MLP and vocabulary, and the replicated norms."""
     from kvloom.core.attention import AttentionBackend
     from kvloom.core.loader import make_model
     from kvloom.core.model.linear import LinearBase
 
-    model = make_model(hf_config, AttentionBackend(), dtype, method)
+    model = make_model(hf_config, AttentionBackend(), dtype, method, tp)
     total = 0
     for module in model.modules():
         if isinstance(module, LinearBase):
@@ -97,6 +98,19 @@ def valid_tp_sizes(hf_config, sizes) -> list[int]:
     _, kv_heads, _ = capacity.model_dims(hf_config)
     heads = hf_config.num_attention_heads
     return [tp for tp in sizes if heads % tp == 0 and (kv_heads % tp == 0 or tp % kv_heads == 0)]
+
+
+def rank_weight_bytes(hf_config, dtype: torch.dtype, method, device_type: str, tp: int) -> tuple[int, str | None]:
+    """(bytes of weights one rank holds, None), or (0, why the engine refuses to split ``tp`` ways)."""
+    from kvloom.core.distributed import TensorParallel, tp_refusal
+
+    refusal = tp_refusal(hf_config, tp)
+    if refusal is not None:
+        return 0, refusal
+    try:
+        return weight_bytes(hf_config, dtype, method, device_type, TensorParallel(0, tp) if tp > 1 else None), None
+    except ValueError as e:  # a quantized format whose groups do not split (ConfigError is a ValueError)
+        return 0, str(e)
 
 
 @dataclass
@@ -171,8 +185,15 @@ def make_plan(config: EngineConfig, hf_config, model_name: str, *, gpu_memory_gi
                      f"is dequantized to {str(dtype).removeprefix('torch.')} at load")
     rows = []
     if not on_gpu:
-        kv = capacity.kv_capacity(config, hf_config, dtype, max_len)
-        rows.append(PlanRow(1, weights, None, None, kv))
+        tp = config.tensor_parallel_size
+        share, refusal = rank_weight_bytes(hf_config, dtype, method, device.type, tp)
+        if refusal:
+            raise ConfigError(refusal)
+        kv = capacity.kv_capacity(config, hf_config, dtype, max_len, None, tp)
+        rows.append(PlanRow(tp, share, None, None, kv))
+        if tp > 1:
+            notes.append(f"tensor parallel {tp} on the CPU (gloo): weights/KV are per rank; each rank holds its "
+                         "heads' share of every token")
         notes.append("CPU: the KV cache is sized by --kv-cache-memory-gib (default "
                      f"{capacity.DEFAULT_CPU_KV_GIB:g} GiB) or --num-kv-blocks, exactly as the engine sizes it")
         from kvloom.core.cpu_linear import packing_supported
@@ -188,20 +209,24 @@ def make_plan(config: EngineConfig, hf_config, model_name: str, *, gpu_memory_gi
                               f"num_attention_heads={hf_config.num_attention_heads} and the {kv_heads} KV heads")
         act = activation_bytes(hf_config, config, dtype, max_len)
         for tp in tps:
-            budget = int(config.gpu_memory_utilization * gpu_memory_gib * GiB) - weights // tp - act \
+            share, refusal = rank_weight_bytes(hf_config, dtype, method, device.type, tp)
+            if refusal:
+                share = weights // tp
+                notes.append(f"TP={tp}: an even split of the weights; the engine refuses this size: {refusal}")
+            budget = int(config.gpu_memory_utilization * gpu_memory_gib * GiB) - share - act \
                 - int(CUDA_CONTEXT_GIB * GiB)
             try:
                 kv = capacity.kv_capacity(config, hf_config, dtype, max_len, lambda: max(0, budget), tp)
             except ConfigError:
                 kv = capacity.KVCapacity(0, config.block_size, capacity.kv_bytes_per_token(
                     hf_config, capacity.kv_cache_dtype(config, dtype), tp), max_len)
-            rows.append(PlanRow(tp, weights // tp, act, budget, kv))
+            rows.append(PlanRow(tp, share, act, budget, kv))
         notes.append(f"GPU: an estimate. The engine measures weights + activations at start-up; here the "
                      f"activations are estimated and {CUDA_CONTEXT_GIB:g} GiB is set aside for the CUDA context")
         if tps != [1]:
-            notes.append("tensor parallel > 1: weights split evenly and KV heads split (or replicated) across the "
-                         "GPUs; each GPU holds its share of every token, so KV tokens is the whole group's capacity "
-                         "(kvloom itself runs on one GPU today: these rows are for planning)")
+            notes.append("tensor parallel > 1: each GPU holds its heads, its share of the MLP and vocabulary and "
+                         "the replicated norms, and its heads' share of every token, so KV tokens is the whole "
+                         "group's capacity (--tensor-parallel-size N runs it)")
         for r in rows:
             if r.kv.num_blocks == 0:
                 notes.append(f"TP={r.tensor_parallel}: the weights and activations leave no room for a KV cache")
@@ -238,7 +263,9 @@ def _gib(n: int | None) -> str:
 
 def format_plan(plan: Plan) -> str:
     d = plan.dims
-    size = plan.rows[0].kv.bytes_per_token // (2 * d["layers"] * d["kv_heads"] * d["head_dim"])
+    first = plan.rows[0]
+    kv_heads = max(1, d["kv_heads"] // first.tensor_parallel)  # per rank
+    size = first.kv.bytes_per_token // (2 * d["layers"] * kv_heads * d["head_dim"])
     lines = [
         f"Model: {plan.model} ({plan.architecture}): {d['layers']} layers, hidden {d['hidden_size']}, "
         f"{d['heads']} heads, {d['kv_heads']} KV heads x {d['head_dim']}, vocab {d['vocab_size']}"
@@ -247,10 +274,13 @@ def format_plan(plan: Plan) -> str:
         + (f", {plan.gpu_memory_gib:g} GiB x {plan.gpu_memory_utilization:g} per GPU" if plan.gpu_memory_gib else ""),
         f"Parameters: {plan.parameters.total:,} ({plan.parameters.linear_weights:,} in linear layers)",
         f"Weights: {_gib(plan.weight_bytes)}" + (f" ({plan.quantization})" if plan.quantization else ""),
-        f"KV bytes per token: {plan.rows[0].kv.bytes_per_token:,} = 2 (K, V) x {d['layers']} layers x "
-        f"{d['kv_heads']} KV heads x {d['head_dim']} x {size} bytes"
-        + (f" ({plan.rows[0].kv.dtype})" if plan.rows[0].kv.dtype else ""),
+        f"KV bytes per token{' per rank' if first.tensor_parallel > 1 else ''}: {first.kv.bytes_per_token:,} = "
+        f"2 (K, V) x {d['layers']} layers x {kv_heads} KV heads x {d['head_dim']} x {size} bytes"
+        + (f" ({first.kv.dtype})" if first.kv.dtype else ""),
     ]
+    if plan.device == "cpu" and first.tensor_parallel > 1:
+        lines.append(f"Weights per rank ({first.tensor_parallel} ranks): {_gib(first.weight_bytes_per_gpu)} "
+                     f"({first.weight_bytes_per_gpu:,} bytes)")
     if plan.device == "cpu":
         lines.append(plan.rows[0].kv.describe())
     else:

@@ -16,7 +16,7 @@ from tests.server_utils import REPO_ROOT
 
 @pytest.mark.parametrize("argv,flag", [
     (["--max-loras", "2"], "--max-loras"),
-    (["--tensor-parallel-size", "2"], "--tensor-parallel-size"),
+    (["--pipeline-parallel-size", "2"], "--pipeline-parallel-size"),
     (["--speculative-config", '{"method": "ngram"}'], "--speculative-config"),
     (["--model", "m", "generate", "--prompt", "hi", "--no-such-flag", "3"], "--no-such-flag"),
 ])

@@ -37,7 +37,9 @@ def test_llama2_7b_fp16_has_512_kib_of_kv_per_token(llama2_7b, capsys):
     assert plan["parameters"]["total"] == 6_738_415_616  # the published Llama-2-7B size
     assert plan["weight_bytes"] == 2 * 6_738_415_616
     for r in plan["rows"]:
-        assert r["weight_bytes_per_gpu"] == plan["weight_bytes"] // r["tensor_parallel"]
+        # Each GPU holds its share of the matrices and the embeddings, and every norm whole.
+        norms = (2 * 32 + 1) * 4096 * 2
+        assert r["weight_bytes_per_gpu"] == (plan["weight_bytes"] - norms) // r["tensor_parallel"] + norms
         assert r["kv_tokens"] == r["kv_blocks"] * 16 and r["kv_blocks"] * 16 * r["kv_bytes_per_token"] <= r["kv_budget_bytes"]
         assert r["max_concurrency"] == pytest.approx(r["kv_blocks"] / (4096 // 16), abs=1e-4)
     assert main(["plan", "--config-json", str(llama2_7b), "--dtype", "float16", "--gpu-memory", "80"]) == 0

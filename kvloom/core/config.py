@@ -44,6 +44,9 @@ class EngineConfig:
                                "per-tensor scale of 1.0, half the bytes per token of bf16, dequantized on read).",
                                choices=("auto", "fp8"))
     device: str = _opt("auto", "Device to run on (auto: cuda if available).", choices=("auto", "cpu", "cuda"))
+    tensor_parallel_size: int = _opt(1, "Split the model over this many ranks (one process each, torch.distributed: "
+                                     "NCCL, one GPU per rank, on CUDA; gloo on the CPU). Must divide the model's "
+                                     "attention and KV heads, intermediate size and vocabulary.")
     block_size: int | None = _opt(None, "Tokens per KV-cache block (default: 16 on CUDA; 32 on CPU, where "
                                   "larger blocks make the decode gathers cheaper).", choices=(8, 16, 32, 64, 128))
     max_model_len: int | None = _opt(None, "Longest sequence (prompt + output) in tokens (default: the model's).")
@@ -74,7 +77,7 @@ class EngineConfig:
             value = getattr(self, f.name)
             if choices and value is not None and value not in choices:
                 raise ConfigError(f"{f.name}={value!r} is not one of {list(choices)}")
-        positive = ["max_num_seqs", "max_num_batched_tokens"]
+        positive = ["max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size"]
         for name in positive:
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}={getattr(self, name)} must be >= 1")

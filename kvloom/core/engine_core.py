@@ -16,6 +16,7 @@ from kvloom.core.config import ConfigError, EngineConfig
 from kvloom.core.cpu_linear import cpu_has_native_bf16
 from kvloom.core.cpu_malloc import keep_freed_memory
 from kvloom.core.cpu_threads import configure_threads
+from kvloom.core.distributed import check_tp_size, threads_per_rank
 from kvloom.core.kv_cache import KVCacheManager
 from kvloom.core.loader import build_model, load_hf_config
 from kvloom.core.engine.speculation import Speculator
@@ -51,18 +52,25 @@ class EngineCore:
         self.eos_token_ids = _eos_ids(self.hf_config)
         self.vocab_size = self.hf_config.vocab_size
 
+        check_tp_size(self.hf_config, config.tensor_parallel_size)
         if self.device.type == "cpu":
             keep_freed_memory()
-            configure_threads(config.threads)
+            configure_threads(threads_per_rank(config))
         # Before any weights load, so that a bad draft model fails fast.
         proposer = self.plugins.make_spec_proposer(self.hf_config, config)
+        self.tp_driver = None  # tensor parallelism: this process is rank 0 of the group
+        if config.tensor_parallel_size > 1:
+            from kvloom.core.worker.tp_executor import TPDriver
+
+            self.tp_driver = TPDriver(config, self.device)
+        tp = self.tp_driver.tp if self.tp_driver is not None else None
         t0 = time.perf_counter()
         self.attention_backend = get_attention_backend(self.device)
         self.quantization = self.plugins.make_quantization(self.hf_config, config)  # None: dense
         self.model = build_model(
             self.model_path, self.hf_config, load_format=config.load_format, device=self.device,
             dtype=self.dtype, backend=self.attention_backend, max_positions=self.max_model_len, seed=config.seed,
-            quantization=self.quantization,
+            quantization=self.quantization, tp=tp,
         )
         logger.info("Loaded %s (%s, %s) in %.1fs", config.model, self.dtype, self.device, time.perf_counter() - t0)
         if self.quantization is not None:
@@ -73,13 +81,15 @@ class EngineCore:
             proposer.load(device=self.device, dtype=self.dtype, load_format=config.load_format,
                           max_model_len=self.max_model_len, seed=config.seed)
         self.capacity = self._kv_capacity()
+        if tp is not None:  # every rank holds every block: the group's capacity is its smallest rank's
+            self.capacity = self.tp_driver.group_capacity(self.capacity, self.hf_config, self.dtype, self.quantization)
         if draft_kv is not None and config.num_kv_blocks is None:
             # The draft's blocks (the same ids as the target's) come out of the same budget.
             per_token = self.capacity.bytes_per_token
             blocks = self.capacity.num_blocks * per_token // (per_token + proposer.kv_bytes_per_token)
             self.capacity = dataclasses.replace(self.capacity, num_blocks=max(1, blocks))
         logger.info(self.capacity.describe())
-        layers, kv_heads, head_dim = capacity.model_dims(self.hf_config)
+        layers, kv_heads, head_dim = self.hf_config.num_hidden_layers, self.model.num_kv_heads, self.model.head_dim
         shape = self.attention_backend.kv_cache_shape(self.capacity.num_blocks, config.block_size, kv_heads, head_dim)
         kv_caches = [
             (torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device),
@@ -100,7 +110,15 @@ class EngineCore:
         self.speculator = Speculator(proposer, self.max_model_len, kv=self.kv) if proposer is not None else None
         logger.info("Plugins: %s", ", ".join(f"{kind}={name}" for kind, name in self.plugins.enabled.items()))
         # --- end of plugins ---
-        self.runner = ModelRunner(self.model, kv_caches, config.block_size, self.device, config.seed)
+        self.async_scheduling = config.async_scheduling == "on" or (
+            config.async_scheduling == "auto" and self.device.type == "cuda")
+        if self.tp_driver is None:
+            self.runner = ModelRunner(self.model, kv_caches, config.block_size, self.device, config.seed)
+        else:
+            from kvloom.core.worker.tp_executor import TPDriverRunner
+
+            self.runner = TPDriverRunner(self.model, kv_caches, config.block_size, self.device, config.seed,
+                                         driver=self.tp_driver, share_tokens=self.async_scheduling)
         if self.device.type == "cuda" and not config.enforce_eager:
             spec = self.speculator
             self.runner.capture_graphs(config.max_num_seqs, self.max_model_len, *(
@@ -108,8 +126,6 @@ class EngineCore:
             if draft_kv is not None:
                 proposer.capture_graphs(config.max_num_seqs, self.max_model_len)
         self.last_step_tokens = 0
-        self.async_scheduling = config.async_scheduling == "on" or (
-            config.async_scheduling == "auto" and self.device.type == "cuda")
         self._in_flight: tuple | None = None  # (plan, launched step) not yet resolved
 
     # --- set-up ------------------------------------------------------------------------------------
@@ -119,7 +135,8 @@ class EngineCore:
     def _kv_capacity(self) -> capacity.KVCapacity:
         # One function for the engine and ``engine plan``; on CUDA the budget is profiled (only if needed).
         profile = self._profile_free_gpu_memory if self.device.type == "cuda" else None
-        return capacity.kv_capacity(self.config, self.hf_config, self.dtype, self.max_model_len, profile)
+        return capacity.kv_capacity(self.config, self.hf_config, self.dtype, self.max_model_len, profile,
+                                    self.config.tensor_parallel_size)
 
     @torch.inference_mode()
     def _profile_free_gpu_memory(self) -> int:
@@ -129,7 +146,7 @@ class EngineCore:
 
         cfg = self.config
         n = min(cfg.max_num_batched_tokens, self.max_model_len)
-        layers, kv_heads, head_dim = capacity.model_dims(self.hf_config)
+        layers, kv_heads, head_dim = self.hf_config.num_hidden_layers, self.model.num_kv_heads, self.model.head_dim
         blocks = -(-n // cfg.block_size)
         shape = self.attention_backend.kv_cache_shape(blocks, cfg.block_size, kv_heads, head_dim)
         caches = [(torch.empty(shape, dtype=self.kv_cache_dtype, device=self.device),) * 2 for _ in range(layers)]
@@ -270,6 +287,16 @@ class EngineCore:
             step_tokens=self.last_step_tokens, spec_decode_num_drafts=sched.num_draft_tokens,
             spec_decode_num_accepted=sched.num_accepted_tokens, spec_decode_num_steps=sched.num_spec_steps,
         )
+
+    def check_health(self) -> None:
+        """Raise if the engine cannot step any more (a tensor-parallel worker died)."""
+        if self.tp_driver is not None:
+            self.tp_driver.check_workers()
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers, if any (an engine of one process has nothing to stop)."""
+        if self.tp_driver is not None:
+            self.tp_driver.shutdown()
 
     def reset_prefix_cache(self) -> bool:
         """Empty the prefix cache (e.g. between benchmark runs). False when no prefix cache is enabled or

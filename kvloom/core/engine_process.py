@@ -97,6 +97,7 @@ class EngineServer:
             self._drain_inbox(block=not core.has_unfinished())
             if self.stop_now:
                 break
+            core.check_health()  # a dead tensor-parallel worker ends the loop, idle or not
             if core.has_unfinished():
                 deltas = core.step()
                 for delta in deltas:
@@ -122,6 +123,8 @@ class EngineServer:
     def close(self, message: str) -> None:
         """Tell every frontend the engine is gone (its in-flight requests are over), then close."""
         self.fail_frontends(message)
+        if self.core is not None:
+            self.core.shutdown()
         self.socket.close()
         self.ctx.term()
 

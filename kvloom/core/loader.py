@@ -171,11 +171,11 @@ def default_dtype(dtype: torch.dtype):
         torch.set_default_dtype(previous)
 
 
-def make_model(config, backend: AttentionBackend, dtype: torch.dtype, quantization=None) -> DecoderLM:
-    """The model on the meta device, its layers in the quantization method's format (``engine plan``
-    sizes weights from exactly this)."""
+def make_model(config, backend: AttentionBackend, dtype: torch.dtype, quantization=None, tp=None) -> DecoderLM:
+    """The model on the meta device, its layers in the quantization method's format, holding tensor-parallel
+    rank ``tp``'s share (``engine plan`` sizes weights from exactly this)."""
     with torch.device("meta"), default_dtype(dtype):
-        return SUPPORTED_ARCHITECTURES[check_architecture(config)](config, backend, quantization)
+        return SUPPORTED_ARCHITECTURES[check_architecture(config)](config, backend, quantization, tp=tp)
 
 
 def build_model(
@@ -190,11 +190,12 @@ def build_model(
     seed: int = 0,
     quantization=None,
     pack_cpu_weights: bool = True,
+    tp=None,
 ) -> DecoderLM:
     """Create the model on ``device`` (its linear layers in ``quantization``'s format, or dense), fill its
     weights from ``path`` (or randomly for ``dummy``), then process them once: the format's repacking,
     then on the CPU oneDNN packing of dense weights unless ``pack_cpu_weights`` is false."""
-    model = _materialize(make_model(config, backend, dtype, quantization), device)
+    model = _materialize(make_model(config, backend, dtype, quantization, tp), device)
     if load_format == "dummy":
         _init_dummy(model, seed)
     else:

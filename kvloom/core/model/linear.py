@@ -8,7 +8,7 @@ declares the parameters, and the loader's missing-weight check covers every one 
 
 A parameter's ``output_dim``/``input_dim`` name the checkpoint tensor's dims along the layer's output
 and input features (None where it has none). Those are what a tensor-parallel layer narrows by rank
-(``tp_rank``/``tp_size``; kvloom itself runs ``tp_size=1`` today), and what a merged layer offsets each
+(``tp_rank``/``tp_size``: ``--tensor-parallel-size``), and what a merged layer offsets each
 shard along, scaled by how packed the parameter is (an int32 of 8 nibbles holds 8 outputs).
 """
 
@@ -128,9 +128,20 @@ class LinearBase(nn.Module):
         return next((f"{self.prefix}.{n}" for n, p in self._parameters.items() if p is param), self.prefix)
 
     def _narrow_for_rank(self, param: nn.Parameter, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of a checkpoint tensor: outputs of a column layer, inputs of a row layer."""
         dim = param.output_dim if self.parallel == "column" else param.input_dim if self.parallel == "row" else None
-        if self.tp_size == 1 or dim is None:
+        if self.tp_size == 1 or dim is None or (tensor.numel() == 1 and getattr(param, "scalar_fills", False)):
             return tensor
+        if self.parallel == "row" and getattr(getattr(self.method, "method", None), "desc_act", False):
+            # desc_act reorders the inputs across the whole matrix: one rank's inputs are no run of groups.
+            raise ValueError(f"{self._name_of(param)}: GPTQ with desc_act=True cannot split a row-parallel layer's "
+                             f"inputs over tensor_parallel_size={self.tp_size}")
+        if dim >= tensor.dim() or tensor.shape[dim] % self.tp_size:
+            fmt = getattr(self.method, "name", type(self.method).__name__)
+            group = getattr(getattr(self.method, "method", None), "group_size", None)
+            what = f" (format {fmt}" + (f", group size {group})" if group is not None else ")")
+            raise ValueError(f"{self._name_of(param)}: the checkpoint's {tuple(tensor.shape)} tensor{what} does not "
+                             f"split into tensor_parallel_size={self.tp_size} equal parts along dim {dim}")
         size = tensor.shape[dim] // self.tp_size
         return tensor.narrow(dim, self.tp_rank * size, size)
 
@@ -177,14 +188,14 @@ class LinearBase(nn.Module):
 
 
 class ReplicatedLinear(LinearBase):
-    """A whole projection on every rank (e.g. ``lm_head``)."""
+    """A whole projection on every rank."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool, **kw) -> None:
         super().__init__(input_size, [output_size], bias, **kw)
 
 
 class ColumnLinear(LinearBase):
-    """Outputs split by rank."""
+    """Outputs split by rank (``lm_head``: each rank's share of the vocabulary)."""
 
     parallel = "column"
 

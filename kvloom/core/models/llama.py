@@ -5,6 +5,8 @@ The model takes one flat batch of tokens (any mix of prefill chunks and decodes)
 an ``AttentionBackend`` over the paged KV cache. Its linear layers own their weights
 (``kvloom.core.model.linear``): the model only maps Hugging Face checkpoint names to (layer, shard),
 so q/k/v and gate/up load into one fused matmul each, in any weight format a quantization method makes.
+Under tensor parallelism (``tp``) each rank holds its heads, its share of the MLP and of the vocabulary
+(Megatron-style: column-parallel qkv/gate-up, row-parallel o/down followed by an all-reduce).
 """
 
 from __future__ import annotations
@@ -15,8 +17,9 @@ import torch
 from torch import nn
 
 from kvloom.core.attention import AttentionBackend, AttentionMetadata
-from kvloom.core.model.linear import (LinearBase, MergedColumnLinear, QKVLinear, ReplicatedLinear, RowLinear,
-                                      UnquantizedLinearMethod)
+from kvloom.core.distributed import TensorParallel
+from kvloom.core.model.linear import (ColumnLinear, LinearBase, MergedColumnLinear, QKVLinear, ReplicatedLinear,
+                                      RowLinear, UnquantizedLinearMethod)
 from kvloom.kernels import ops
 
 if TYPE_CHECKING:
@@ -62,22 +65,56 @@ def rope_cos_sin_cache(config, head_dim: int, max_positions: int) -> torch.Tenso
     return torch.cat([freqs.cos() * scaling, freqs.sin() * scaling], dim=-1)
 
 
-class Attention(nn.Module):
-    def __init__(self, config, layer_idx: int, backend: AttentionBackend, quantization=None) -> None:
+class VocabParallelEmbedding(nn.Module):
+    """The embedding table, split by rows over the ranks: each looks up the ids in its share and the
+    all-reduce sums the shares (every other rank contributes zeros for an id)."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, tp: TensorParallel) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.tp = tp
+        self.rows = vocab_size // tp.size
+        self.start = tp.rank * self.rows
+        self.weight = nn.Parameter(torch.empty(self.rows, hidden_size), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+
+    @torch.no_grad()
+    def weight_loader(self, param: nn.Parameter, tensor: torch.Tensor, shard_id=None) -> None:
+        if tensor.shape[0] != self.rows * self.tp.size or tensor.shape[1:] != param.shape[1:]:
+            raise ValueError(f"embed_tokens.weight: checkpoint shape {tuple(tensor.shape)} != model shape "
+                             f"({self.rows * self.tp.size}, {param.shape[1]})")
+        param.copy_(tensor.narrow(0, self.start, self.rows))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return nn.functional.embedding(ids, self.weight)
+        local = ids - self.start
+        outside = (local < 0) | (local >= self.rows)
+        h = nn.functional.embedding(local.masked_fill(outside, 0), self.weight)
+        h = h.masked_fill(outside[:, None], 0.0)
+        return self.tp.all_reduce(h)
+
+
+class Attention(nn.Module):
+    def __init__(self, config, layer_idx: int, backend: AttentionBackend, quantization=None,
+                 tp: TensorParallel | None = None) -> None:
+        super().__init__()
+        tp = tp or TensorParallel()
+        self.tp = tp
+        heads = config.num_attention_heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        self.num_heads, self.num_kv_heads = heads // tp.size, kv_heads // tp.size  # this rank's heads
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim**-0.5
         bias = bool(getattr(config, "attention_bias", False)) or config.model_type == "qwen2"
         prefix = f"model.layers.{layer_idx}.self_attn"
+        ranks = dict(tp_rank=tp.rank, tp_size=tp.size)
         self.qkv_proj = QKVLinear(
-            config.hidden_size, self.head_dim, self.num_heads, self.num_kv_heads, bias, prefix=f"{prefix}.qkv_proj",
-            method=linear_method(quantization, f"{prefix}.qkv_proj", [f"{prefix}.{p}_proj" for p in "qkv"]))
-        self.o_proj = RowLinear(self.q_size, config.hidden_size, False, prefix=f"{prefix}.o_proj",
-                                method=linear_method(quantization, f"{prefix}.o_proj", [f"{prefix}.o_proj"]))
+            config.hidden_size, self.head_dim, heads, kv_heads, bias, prefix=f"{prefix}.qkv_proj",
+            method=linear_method(quantization, f"{prefix}.qkv_proj", [f"{prefix}.{p}_proj" for p in "qkv"]), **ranks)
+        self.o_proj = RowLinear(heads * self.head_dim, config.hidden_size, False, prefix=f"{prefix}.o_proj",
+                                method=linear_method(quantization, f"{prefix}.o_proj", [f"{prefix}.o_proj"]), **ranks)
         self.qk_norm = config.model_type == "qwen3"
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -96,32 +133,37 @@ class Attention(nn.Module):
             k = self.k_norm(k)
         q, k = ops.apply_rotary(rope, q, k)
         out = self.backend.forward(q, k, v, kv_cache, meta, self.scale)
-        return self.o_proj(out.reshape(-1, self.q_size))
+        return self.tp.all_reduce(self.o_proj(out.reshape(-1, self.q_size)))
 
 
 class MLP(nn.Module):
-    def __init__(self, config, layer_idx: int, quantization=None) -> None:
+    def __init__(self, config, layer_idx: int, quantization=None, tp: TensorParallel | None = None) -> None:
         super().__init__()
+        self.tp = tp = tp or TensorParallel()
         prefix = f"model.layers.{layer_idx}.mlp"
         inter = config.intermediate_size
+        ranks = dict(tp_rank=tp.rank, tp_size=tp.size)
         self.gate_up_proj = MergedColumnLinear(
             config.hidden_size, [inter, inter], False, prefix=f"{prefix}.gate_up_proj",
-            method=linear_method(quantization, f"{prefix}.gate_up_proj", [f"{prefix}.gate_proj", f"{prefix}.up_proj"]))
+            method=linear_method(quantization, f"{prefix}.gate_up_proj", [f"{prefix}.gate_proj", f"{prefix}.up_proj"]),
+            **ranks)
         self.down_proj = RowLinear(inter, config.hidden_size, False, prefix=f"{prefix}.down_proj",
-                                   method=linear_method(quantization, f"{prefix}.down_proj", [f"{prefix}.down_proj"]))
+                                   method=linear_method(quantization, f"{prefix}.down_proj", [f"{prefix}.down_proj"]),
+                                   **ranks)
         act = getattr(config, "hidden_act", "silu")
         if act != "silu":
             raise ValueError(f"hidden_act={act!r} is not supported; supported: silu")
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(h)))
+        return self.tp.all_reduce(self.down_proj(ops.silu_and_mul(self.gate_up_proj(h))))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config, layer_idx: int, backend: AttentionBackend, quantization=None) -> None:
+    def __init__(self, config, layer_idx: int, backend: AttentionBackend, quantization=None,
+                 tp: TensorParallel | None = None) -> None:
         super().__init__()
-        self.self_attn = Attention(config, layer_idx, backend, quantization)
-        self.mlp = MLP(config, layer_idx, quantization)
+        self.self_attn = Attention(config, layer_idx, backend, quantization, tp)
+        self.mlp = MLP(config, layer_idx, quantization, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -149,19 +191,25 @@ class DecoderLM(nn.Module):
         "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
     }
 
-    def __init__(self, config, backend: AttentionBackend, quantization: "QuantizationMethod | None" = None) -> None:
+    def __init__(self, config, backend: AttentionBackend, quantization: "QuantizationMethod | None" = None,
+                 tp: TensorParallel | None = None) -> None:
         super().__init__()
         self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.tp = tp = tp or TensorParallel()
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, i, backend, quantization) for i in range(config.num_hidden_layers)
+            DecoderLayer(config, i, backend, quantization, tp) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         # Tied: the embedding table is the output projection, unless a packed copy is set after loading.
         # The output projection stays dense, as in the usual AWQ/GPTQ/FP8 checkpoints.
-        self.lm_head = None if self.tie_word_embeddings else ReplicatedLinear(
-            config.hidden_size, config.vocab_size, False, prefix="lm_head", method=UnquantizedLinearMethod())
+        # Under tensor parallelism each rank projects onto its share of the vocabulary (the rows of its
+        # embedding shard, when tied) and compute_logits gathers the shares.
+        head = ReplicatedLinear if tp.size == 1 else ColumnLinear
+        self.lm_head = None if self.tie_word_embeddings else head(
+            config.hidden_size, config.vocab_size, False, prefix="lm_head", method=UnquantizedLinearMethod(),
+            **({} if tp.size == 1 else dict(tp_rank=tp.rank, tp_size=tp.size)))
         attn = self.layers[0].self_attn
         self.num_kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim
         self.register_buffer("cos_sin", torch.empty(0), persistent=False)
@@ -189,9 +237,12 @@ class DecoderLM(nn.Module):
         return h
 
     def compute_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Float32 logits over the whole vocabulary (every rank's shard gathered)."""
         if self.lm_head is not None:
-            return self.lm_head(h).float()
-        return torch.nn.functional.linear(h, self.embed_tokens.weight).float()
+            logits = self.lm_head(h)
+        else:
+            logits = torch.nn.functional.linear(h, self.embed_tokens.weight)
+        return self.tp.gather_last_dim(logits).float()
 
     # ---------------------------------------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[tuple[str, object]]:
