@@ -93,6 +93,12 @@ def test_sizes_that_do_not_divide_the_model_are_refused(tiny_llama):
         LLM(str(tiny_llama), tensor_parallel_size=4, dtype="float32")
     with pytest.raises(ConfigError, match="tensor_parallel_size=0 must be >= 1"):
         LLM(str(tiny_llama), tensor_parallel_size=0)
+    # Speculation's verify steps are not broadcast to the workers: refused before any worker starts,
+    # instead of a collective that waits for a step a worker never runs.
+    started = time.monotonic()
+    with pytest.raises(ConfigError, match=r"spec_decode\) cannot run with tensor_parallel_size=2"):
+        LLM(str(tiny_llama), tensor_parallel_size=2, dtype="float32", plugins=["spec_decode"])
+    assert time.monotonic() - started < 60
 
 
 def test_a_quantized_layer_whose_groups_do_not_split_is_a_start_up_error():

@@ -40,8 +40,6 @@ BUILTIN_QUANTIZATIONS = ("fp8", "awq", "gptq")
 ENTRY_POINT_GROUP = "kvloom.plugins"
 # The plugin of each kind that is active when none of that kind is chosen.
 DEFAULTS = {"scheduler": "fcfs", "kv_allocator": "free_list"}
-# Kinds whose factory hook the engine calls; the others are specified for plugin authors but not run yet.
-ENGINE_RUNS = ("scheduler", "kv_allocator", "prefix_cache", "spec_decode", "quantization")
 
 
 class PluginError(ConfigError):
@@ -217,10 +215,12 @@ class PluginManager:
                                                        or config.model.endswith(".gguf")):
             raise PluginConflictError(f"quantization plugin {quantization!r} cannot run with a GGUF model: "
                                       "GGUF weights are dequantized when they are loaded")
-        for kind, name in self.enabled.items():
-            if kind not in ENGINE_RUNS:
-                raise PluginError(f"plugin {name!r} is a {kind} plugin, which this engine does not run yet "
-                                  f"(it runs {', '.join(ENGINE_RUNS)} plugins)")
+        spec = self.enabled.get("spec_decode")
+        if spec is not None and config.tensor_parallel_size > 1:
+            # The tensor-parallel workers replay rank 0's steps as plain decodes and prefills; a verify step's
+            # rows and a draft model's forwards are not broadcast to them yet.
+            raise PluginConflictError(f"plugin {spec!r} (spec_decode) cannot run with tensor_parallel_size="
+                                      f"{config.tensor_parallel_size} yet: use one of them")
 
     # --- the typed facade over the factory hooks --------------------------------------------------
     def make_scheduler_policy(self, config: EngineConfig) -> SchedulingPolicy:
