@@ -73,9 +73,10 @@ def exposed_binds(server: ServerConfig) -> list[str]:
     warnings = []
     if not server.is_loopback:
         warnings.append(f"Listening on {server.host}: the API is reachable from the network"
-                        + ("" if server.api_key else " without an API key"))
+                        + ("" if server.api_key or server.api_keys else " without an API key"))
+    gateway_keys = "it requires an API key" if server.gateway_require_api_key else "it has no API key"
     for name, what in (("engine_address", "the engine (frontends authenticate with a per-launch secret)"),
-                       ("gateway", "the ZMQ gateway (it has no API key)")):
+                       ("gateway", f"the ZMQ gateway ({gateway_keys})")):
         address = getattr(server, name)
         if address is not None and not zmq_address_is_loopback(address):
             warnings.append(f"{name}={address} binds beyond loopback: {what} is reachable from the network")
