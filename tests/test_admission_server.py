@@ -200,3 +200,37 @@ def test_a_run_deadline_ends_a_running_stream_with_an_error_event_and_frees_its_
             assert too_long.status_code == 400 and "request_timeout=60s" in too_long.json()["error"]["message"]
     finally:
         server.stop()
+
+
+def test_restart_engine_brings_a_killed_engine_back_and_the_frontends_serve_again(tiny_llama, tmp_path):
+    import os
+    import signal
+
+    started = time.monotonic()
+    server = start_server(tiny_llama, tmp_path, "restart_engine = true\n", workers=2)
+    start_up = time.monotonic() - started
+    body = {"prompt": "hi", "max_tokens": 4, "ignore_eos": True, "temperature": 0}
+    try:
+        engine = server.child_running("kvloom.core.engine_process")
+        with httpx.Client(base_url=server.url, timeout=60) as http:
+            before = http.post("/v1/completions", json=body)
+            assert before.status_code == 200
+            os.kill(engine, signal.SIGKILL)
+            killed = time.monotonic()
+            deadline = killed + 10
+            while http.get("/health").status_code == 200:
+                assert time.monotonic() < deadline, "the dead engine was never noticed"
+                time.sleep(0.05)
+            while http.get("/health").status_code != 200:
+                assert time.monotonic() - killed < start_up + 60, f"not back within the start-up time:\n{server.log()}"
+                assert server.proc.poll() is None, server.log()
+                time.sleep(0.2)
+            assert server.child_running("kvloom.core.engine_process") != engine
+            # Both workers serve again (separate connections land on either).
+            for _ in range(6):
+                with httpx.Client(base_url=server.url, timeout=60) as fresh:
+                    r = fresh.post("/v1/completions", json=body)
+                    assert r.status_code == 200 and r.json()["choices"][0]["text"] == before.json()["choices"][0]["text"]
+    finally:
+        server.stop()
+    assert "restarting it" in server.log()

@@ -122,6 +122,9 @@ class ServerConfig:
                                                   "engine before treating it as hung: /health 503, in-flight "
                                                   "requests end with an error, new ones get 503, until it "
                                                   "beats again.")
+    restart_engine: bool = _opt(False, "Restart the engine process when it dies; the frontends reconnect and "
+                                "serve again (requests in flight end with 503). Without it, requests get 503 "
+                                "until the server is restarted, and it exits non-zero.")
     http_header_timeout: float = _opt(10.0, "Seconds an HTTP client has to send a request's line and headers; "
                                       "slower connections are closed.")
     http_body_timeout: float = _opt(60.0, "Seconds an HTTP client has to send a request's body once its "

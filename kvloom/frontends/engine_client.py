@@ -42,8 +42,9 @@ class EngineUnavailable(RuntimeError):
 
 class AsyncEngineClient:
     def __init__(self, address: str, frontend_id: str | None = None, heartbeat_timeout: float | None = None,
-                 secret: str | None = None) -> None:
+                 secret: str | None = None, reconnect: bool = False) -> None:
         self.address = address
+        self.reconnect = reconnect  # the launcher restarts a dead engine (restart_engine): serve it again
         self.secret = secret
         self.heartbeat_timeout = heartbeat_timeout
         self.hung_reason: str | None = None  # set while the engine is silent past heartbeat_timeout
@@ -64,7 +65,7 @@ class AsyncEngineClient:
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.SNDHWM, 0)
         self._sock.setsockopt(zmq.RCVHWM, 0)
-        self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECTED)
 
     @property
     def healthy(self) -> bool:
@@ -172,6 +173,9 @@ class AsyncEngineClient:
                     if future is not None and not future.done():
                         future.set_result(msg)
                 elif isinstance(msg, EngineReady):
+                    if self.dead_reason is not None:
+                        logger.warning("The engine is back (pid %d); serving requests", msg.pid)
+                        self.dead_reason = None
                     self.ready = msg
                     self._ready_event.set()
                 elif isinstance(msg, EngineError):
@@ -187,7 +191,13 @@ class AsyncEngineClient:
             event = parse_monitor_message(await self._monitor.recv_multipart())
             if event["event"] == zmq.EVENT_DISCONNECTED:
                 self._fail("the engine process went away (connection lost)")
-                return
+                if not self.reconnect:
+                    return
+            elif event["event"] == zmq.EVENT_CONNECTED and self.dead_reason is not None and self.reconnect:
+                # A restarted engine at the same address (ZeroMQ reconnects by itself): register again;
+                # its EngineReady makes this client healthy.
+                logger.warning("Reconnected to the engine; registering again")
+                self._send(RegisterFrontend(frontend_id=self.frontend_id, pid=os.getpid(), secret=self.secret or ""))
 
     def _heard(self) -> None:
         self._last_heard = time.monotonic()

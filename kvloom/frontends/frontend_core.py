@@ -283,7 +283,8 @@ async def start_frontend_core(engine_address: str, engine: EngineConfig, server:
                               secret: str | None = None) -> FrontendCore:
     """Connect to the engine while the tokenizer loads; returns once the engine is ready. ``secret`` is
     the launch's engine secret (see launcher.Launcher)."""
-    client = AsyncEngineClient(engine_address, heartbeat_timeout=server.engine_heartbeat_timeout, secret=secret)
+    client = AsyncEngineClient(engine_address, heartbeat_timeout=server.engine_heartbeat_timeout, secret=secret,
+                               reconnect=server.restart_engine)
     connecting = asyncio.create_task(client.start(server.engine_start_timeout))
     try:
         tokenizer = await asyncio.to_thread(load_tokenizer, engine.model, engine.tokenizer)

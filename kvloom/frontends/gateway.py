@@ -156,11 +156,11 @@ class Gateway:
         request_id = msg.request_id
         key = (ident, request_id)
         try:
-            key = self.keys.authenticate(msg.api_key) if self.keys.required else None
+            api_key = self.keys.authenticate(msg.api_key) if self.keys.required else None
             # Tokenized here, in the request's own task, so a long prompt never holds up the receive loop.
             prepared = self.core.prepare(await self._prompt_ids(msg), msg.sampling,
-                                         priority=effective_priority(key, msg.priority))
-            prepared.api_key_name = key.name if key else ""
+                                         priority=effective_priority(api_key, msg.priority))
+            prepared.api_key_name = api_key.name if api_key else ""
             admission = self.core.admit(1)
             try:
                 await self._send_chunks(ident, request_id, prepared)
