@@ -16,11 +16,11 @@ BURST = 64
 CAP = 8
 
 
-def start_server(model, tmp_path, extra: str = "", workers: int = 2) -> EngineServer:
+def start_server(model, tmp_path, extra: str = "", workers: int = 2, heartbeat: float = 300.0) -> EngineServer:
     port = free_port()
     config = tmp_path / "serve.toml"
     config.write_text(f'model = "{model}"\nport = {port}\napi_workers = {workers}\nnum_kv_blocks = 256\n'
-                      f"engine_heartbeat_timeout = 300.0\n{extra}")
+                      f"engine_heartbeat_timeout = {heartbeat}\n{extra}")
     return EngineServer(["--config", str(config)], tmp_path, port=port).wait_ready()
 
 
@@ -202,35 +202,37 @@ def test_a_run_deadline_ends_a_running_stream_with_an_error_event_and_frees_its_
         server.stop()
 
 
-def test_restart_engine_brings_a_killed_engine_back_and_the_frontends_serve_again(tiny_llama, tmp_path):
+def test_restart_engine_brings_a_killed_or_hung_engine_back_and_the_frontends_serve_again(tiny_llama, tmp_path):
     import os
     import signal
 
     started = time.monotonic()
-    server = start_server(tiny_llama, tmp_path, "restart_engine = true\n", workers=2)
+    server = start_server(tiny_llama, tmp_path, "restart_engine = true\n", workers=2, heartbeat=5.0)
     start_up = time.monotonic() - started
     body = {"prompt": "hi", "max_tokens": 4, "ignore_eos": True, "temperature": 0}
     try:
-        engine = server.child_running("kvloom.core.engine_process")
         with httpx.Client(base_url=server.url, timeout=60) as http:
             before = http.post("/v1/completions", json=body)
             assert before.status_code == 200
-            os.kill(engine, signal.SIGKILL)
-            killed = time.monotonic()
-            deadline = killed + 10
-            while http.get("/health").status_code == 200:
-                assert time.monotonic() < deadline, "the dead engine was never noticed"
-                time.sleep(0.05)
-            while http.get("/health").status_code != 200:
-                assert time.monotonic() - killed < start_up + 60, f"not back within the start-up time:\n{server.log()}"
-                assert server.proc.poll() is None, server.log()
-                time.sleep(0.2)
-            assert server.child_running("kvloom.core.engine_process") != engine
-            # Both workers serve again (separate connections land on either).
-            for _ in range(6):
-                with httpx.Client(base_url=server.url, timeout=60) as fresh:
-                    r = fresh.post("/v1/completions", json=body)
-                    assert r.status_code == 200 and r.json()["choices"][0]["text"] == before.json()["choices"][0]["text"]
+            # kill -9 (dead), then SIGSTOP (hung: silent past the heartbeat timeout, killed and restarted).
+            for fault, noticed_within in ((signal.SIGKILL, 10), (signal.SIGSTOP, 5.0 + 10)):
+                engine = server.child_running("kvloom.core.engine_process")
+                os.kill(engine, fault)
+                hit = time.monotonic()
+                while http.get("/health").status_code == 200:
+                    assert time.monotonic() - hit < noticed_within, f"{fault!r} of the engine was never noticed"
+                    time.sleep(0.05)
+                while http.get("/health").status_code != 200:
+                    assert time.monotonic() - hit < start_up + 60, f"not back within the start-up time:\n{server.log()}"
+                    assert server.proc.poll() is None, server.log()
+                    time.sleep(0.2)
+                assert server.child_running("kvloom.core.engine_process") != engine
+                # Both workers serve again (separate connections land on either).
+                for _ in range(6):
+                    with httpx.Client(base_url=server.url, timeout=60) as fresh:
+                        r = fresh.post("/v1/completions", json=body)
+                        assert r.status_code == 200
+                        assert r.json()["choices"][0]["text"] == before.json()["choices"][0]["text"]
     finally:
         server.stop()
-    assert "restarting it" in server.log()
+    assert server.log().count("restarting it") == 2 and "Stopping the hung engine" in server.log()

@@ -5,10 +5,12 @@ in-flight request with an error instead of leaving it waiting."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import os
 import secrets
+import signal
 import time
 from typing import Any, AsyncIterator
 
@@ -220,6 +222,11 @@ class AsyncEngineClient:
                                 f"{timeout:g}s): it is hung or overloaded")
             logger.error("Engine unavailable: %s", self.hung_reason)
             self.end_all(self.hung_reason)  # their aborts are delivered if it wakes up: KV blocks come back
+            if self.reconnect and self.ready.pid:
+                # restart_engine: a hung engine is ended like a dead one, and the launcher starts a new one.
+                logger.error("Stopping the hung engine (pid %d) so that it is restarted", self.ready.pid)
+                with contextlib.suppress(OSError):
+                    os.kill(self.ready.pid, signal.SIGKILL)
             for future in self._calls.values():
                 if not future.done():
                     future.set_exception(EngineUnavailable(self.hung_reason))
