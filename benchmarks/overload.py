@@ -61,7 +61,6 @@ async def one(http: httpx.AsyncClient, body: dict, out: dict) -> None:
                         status = json.loads(line[5:])["error"]["code"]
                 elif line.startswith("data:") and '"error"' in line:
                     status = json.loads(line[5:])["error"]["code"]
-            await r.aread()
     except httpx.HTTPError as e:
         out["statuses"][type(e).__name__] += 1
         return
