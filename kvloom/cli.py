@@ -46,7 +46,7 @@ def add_config_flags(group, cls, skip: tuple[str, ...] = (), shown_defaults: dic
         elif f.name == "plugins":
             kw["type"] = _split_names
             kw["metavar"] = "A,B"
-        elif f.name in ("hf_overrides", "plugin_options"):
+        elif f.name in ("hf_overrides", "plugin_options", "api_keys"):
             kw["type"] = json.loads
             kw["metavar"] = "JSON"
         else:
@@ -76,7 +76,7 @@ def config_flags(config) -> list[str]:
             flags.append(_flag(f.name) if value else "--no-" + _flag(f.name)[2:])
         elif f.name == "plugins":
             flags += [_flag(f.name), ",".join(value)]
-        elif isinstance(value, dict):
+        elif isinstance(value, (dict, list)):
             flags += [_flag(f.name), json.dumps(value)]
         else:
             flags += [_flag(f.name), str(value)]

@@ -73,9 +73,10 @@ def exposed_binds(server: ServerConfig) -> list[str]:
     warnings = []
     if not server.is_loopback:
         warnings.append(f"Listening on {server.host}: the API is reachable from the network"
-                        + ("" if server.api_key else " without an API key"))
+                        + ("" if server.api_key or server.api_keys else " without an API key"))
+    gateway_keys = "it requires an API key" if server.gateway_require_api_key else "it has no API key"
     for name, what in (("engine_address", "the engine (frontends authenticate with a per-launch secret)"),
-                       ("gateway", "the ZMQ gateway (it has no API key)")):
+                       ("gateway", f"the ZMQ gateway ({gateway_keys})")):
         address = getattr(server, name)
         if address is not None and not zmq_address_is_loopback(address):
             warnings.append(f"{name}={address} binds beyond loopback: {what} is reachable from the network")
@@ -109,6 +110,8 @@ class Launcher:
         self.frontends: list[subprocess.Popen] = []
         self.signals: list[int] = []
         self.engine_lost = False
+        self.engine_restarts = 0
+        self.engine_args: list[str] = []
         # Frontends prove they belong to this launch with it, so no other local process can drive the
         # engine over TCP; it travels on the children's stdin, never in argv.
         self.engine_secret = secrets.token_hex(32)
@@ -133,7 +136,8 @@ class Launcher:
         private_dir = tempfile.mkdtemp(prefix="kvloom-")  # mode 0700: only this user reaches the sockets
         try:
             address = cfg.engine_address or f"ipc://{private_dir}/engine.sock"
-            self.engine = self._spawn("kvloom.core.engine_process", ["--address", address])
+            self.engine_args = ["--address", address]
+            self.engine = self._spawn("kvloom.core.engine_process", self.engine_args)
             fd = str(sock.fileno())
             metrics_env = api_worker_env(private_dir)
             for _ in range(cfg.api_workers):
@@ -168,6 +172,14 @@ class Launcher:
             time.sleep(POLL_S)
 
     def _check_engine(self) -> None:
+        if (self.server_config.restart_engine and not self.signals and self.engine is not None
+                and self.engine.poll() is not None):
+            # The frontends keep their sockets: they reconnect to the new engine and serve again.
+            self.engine_restarts += 1
+            logger.error("The engine process exited with code %s (its error is above); restarting it (restart "
+                         "%d)", self.engine.returncode, self.engine_restarts)
+            self.engine = self._spawn("kvloom.core.engine_process", self.engine_args)
+            return
         if self.engine is not None and self.engine.poll() is not None and not self.engine_lost:
             self.engine_lost = True
             logger.error("The engine process exited with code %s (its error is above); requests now get "

@@ -54,7 +54,7 @@ class FakeClient:
         self.unavailable_reason = self.dead_reason
 
 
-    async def generate(self, request_id, prompt_token_ids, sampling, priority=0, arrival_time=0.0):
+    async def generate(self, request_id, prompt_token_ids, sampling, priority=0, arrival_time=0.0, **deadlines):
         try:
             await asyncio.sleep(3600)  # an engine that never answers
             yield None

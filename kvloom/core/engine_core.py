@@ -19,6 +19,7 @@ from kvloom.core.cpu_threads import configure_threads
 from kvloom.core.distributed import check_tp_size, threads_per_rank
 from kvloom.core.kv_cache import KVCacheManager
 from kvloom.core.loader import build_model, load_hf_config
+from kvloom.core.engine.gate import AdmissionGate
 from kvloom.core.engine.speculation import Speculator
 from kvloom.core.engine.step import RunnerOutput, SchedulerOutput
 from kvloom.core.messages import AddRequest, EngineStats, TokenDelta, TokenLogprobs, TopLogprob
@@ -105,11 +106,16 @@ class EngineCore:
             self.kv, self.plugins.make_scheduler_policy(config), max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=self.max_model_len,
         )
+        self.gate = AdmissionGate()  # no caps or quotas unless the engine process sets them
+        self.scheduler.on_first_step = lambda req, now: self.gate.observe_queue_wait(now - req.arrival_time)
+        self.scheduler.on_finish = lambda req: self.gate.release(req.request_id, req.num_tokens)
         if draft_kv is not None:
             draft_kv(self.capacity.num_blocks, config.block_size, config.seed)
         self.speculator = Speculator(proposer, self.max_model_len, kv=self.kv) if proposer is not None else None
         logger.info("Plugins: %s", ", ".join(f"{kind}={name}" for kind, name in self.plugins.enabled.items()))
         # --- end of plugins ---
+        self.num_expired_in_queue = 0
+        self.num_expired_running = 0
         self.async_scheduling = config.async_scheduling == "on" or (
             config.async_scheduling == "auto" and self.device.type == "cuda")
         if self.tp_driver is None:
@@ -207,6 +213,10 @@ class EngineCore:
                 f"the request needs {need} KV blocks ({n + max_tokens} tokens) but the whole cache has "
                 f"{self.kv.num_blocks} blocks ({self.capacity.num_tokens} tokens)"
             )
+        waiting = self.scheduler.waiting
+        # Raises gate.Refusal (queue full, over a key's quota): the caller maps it to the client's 429.
+        self.gate.admit(msg.request_id, msg.api_key_name, n, max_tokens, len(waiting),
+                        sum(r.num_tokens - r.num_computed_tokens for r in waiting))
         req = Request.from_message(msg, eos_token_ids=self.eos_token_ids, max_tokens=max_tokens)
         self.scheduler.add_request(req)
         return req
@@ -226,6 +236,7 @@ class EngineCore:
         """Propose drafts, schedule, run, update, emit. With async scheduling the step is launched and
         the previous one's tokens are returned, so the host's work overlaps the device's."""
         deltas = [] if self._can_overlap() else self.flush()
+        deltas += self._expire()
         if self.speculator is not None:
             self.speculator.propose(self.scheduler.running, self.scheduler.decoding())
         plan = self.scheduler.schedule()
@@ -239,6 +250,20 @@ class EngineCore:
                 self._in_flight = (plan, launched)
             else:
                 deltas += self._update(plan, launched.fetch())
+        return deltas
+
+    def _expire(self) -> list[TokenDelta]:
+        deltas = []
+        for req, kind in self.scheduler.expire():
+            if kind == "queue_timeout" or req.first_scheduled_time is None:
+                self.num_expired_in_queue += 1
+                message = "the request waited past its deadline in the queue and never ran"
+            else:
+                self.num_expired_running += 1
+                message = f"the request ran past its deadline after {req.num_output_tokens} tokens"
+            deltas.append(TokenDelta(request_id=req.request_id, new_token_ids=[], finish_reason="error",
+                                     error=message, error_kind=kind, num_prompt_tokens=req.num_prompt_tokens,
+                                     num_cached_tokens=req.num_cached_tokens))
         return deltas
 
     def flush(self) -> list[TokenDelta]:
@@ -278,7 +303,7 @@ class EngineCore:
         return deltas
 
     def stats(self) -> EngineStats:
-        sched = self.scheduler
+        sched, gate = self.scheduler, self.gate.counters
         return EngineStats(
             num_running=len(sched.running), num_waiting=len(sched.waiting),
             num_free_blocks=self.kv.num_free_blocks(), num_total_blocks=self.kv.num_blocks,
@@ -286,6 +311,10 @@ class EngineCore:
             prefix_cache_queries=sched.prefix_cache_queries, prefix_cache_hits=sched.prefix_cache_hits,
             step_tokens=self.last_step_tokens, spec_decode_num_drafts=sched.num_draft_tokens,
             spec_decode_num_accepted=sched.num_accepted_tokens, spec_decode_num_steps=sched.num_spec_steps,
+            num_waiting_tokens=sum(r.num_tokens - r.num_computed_tokens for r in sched.waiting),
+            num_rejected_queue_full=gate.rejected_queue_full, num_rate_limited=dict(gate.rate_limited),
+            num_expired_in_queue=self.num_expired_in_queue, num_expired_running=self.num_expired_running,
+            queue_wait_buckets=list(gate.queue_wait_buckets), queue_wait_sum=gate.queue_wait_sum,
         )
 
     def check_health(self) -> None:

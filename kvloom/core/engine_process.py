@@ -46,8 +46,9 @@ class EngineServer:
     ``StepOutputs`` per frontend that has news."""
 
     def __init__(self, config: EngineConfig, address: str, model_name: str | None = None,
-                 heartbeat_interval: float | None = None, secret: str | None = None) -> None:
+                 heartbeat_interval: float | None = None, secret: str | None = None, gate=None) -> None:
         self.config = config
+        self.gate = gate  # engine-wide caps and per-key quotas (core/engine/gate.py), set on the core at load
         self.secret = secret  # when set, only frontends that registered with it are heard
         self._refused: set[bytes] = set()
         self.heartbeat_interval = heartbeat_interval
@@ -78,6 +79,8 @@ class EngineServer:
         from kvloom.core.engine_core import EngineCore  # torch and the model code load here only
 
         self.core = EngineCore(self.config)
+        if self.gate is not None:
+            self.core.gate = self.gate
         self.ready = EngineReady(
             model_name=self.model_name, max_model_len=self.core.max_model_len, vocab_size=self.core.vocab_size,
             num_kv_blocks=self.core.kv.num_blocks, block_size=self.core.config.block_size,
@@ -195,6 +198,7 @@ class EngineServer:
             self._send(ident, self.ready)
 
     def _add(self, ident: bytes, msg: AddRequest) -> None:
+        from kvloom.core.engine.gate import Refusal
         from kvloom.core.engine_core import RequestRejected
 
         if self.draining:
@@ -209,6 +213,11 @@ class EngineServer:
             self.core.add_request(msg)
         except RequestRejected as e:
             self.outbox[ident].append(_error_delta(msg.request_id, str(e), "rejected"))
+            return
+        except Refusal as e:
+            delta = _error_delta(msg.request_id, e.message, e.kind)
+            delta.retry_after, delta.rate_limit = e.retry_after, e.rate_limit
+            self.outbox[ident].append(delta)
             return
         self.owners[msg.request_id] = ident
 
@@ -281,9 +290,9 @@ def _error_delta(request_id: str, message: str, kind: str) -> TokenDelta:
 
 
 def serve_engine(config: EngineConfig, address: str, model_name: str | None = None,
-                 heartbeat_interval: float | None = None, secret: str | None = None) -> int:
+                 heartbeat_interval: float | None = None, secret: str | None = None, gate=None) -> int:
     """Bind, load the model, run until drained or told to stop. Returns the process exit code."""
-    server = EngineServer(config, address, model_name, heartbeat_interval, secret)
+    server = EngineServer(config, address, model_name, heartbeat_interval, secret, gate)
 
     def on_signal(signum, frame):  # first signal drains, a second one stops now
         server.request_shutdown(drain=not server.draining)
@@ -317,8 +326,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kvloom-engine")
     parser.add_argument("--address", required=True)
     args, engine, server = start_child(parser, argv)
+    from kvloom.frontends.admission import engine_gate
+
     return serve_engine(engine, args.address, server.served_model_name, server.engine_heartbeat_interval,
-                        args.engine_secret)
+                        args.engine_secret, engine_gate(server))
 
 
 if __name__ == "__main__":

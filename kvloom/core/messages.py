@@ -38,8 +38,10 @@ class AddRequest(_Msg):
     sampling: SamplingParams
     priority: int = 0
     arrival_time: float = 0.0
-    deadline: float | None = None
+    deadline: float | None = None  # wall-clock time (time.time()) past which the request is aborted
     client_index: int = 0
+    queue_deadline: float | None = None  # wall-clock time past which it is dropped if it has not started
+    api_key_name: str = ""  # the name of the caller's API key: its quotas are kept in the engine (docs/admission.md)
 
 
 class AbortRequest(_Msg):
@@ -76,11 +78,24 @@ class TokenLogprobs(msgspec.Struct, array_like=True):
     top: list[TopLogprob]
 
 
+class RateLimitInfo(msgspec.Struct, omit_defaults=True, kw_only=True):
+    """An API key's quota state when it was refused (OpenAI's x-ratelimit-* headers); resets in seconds."""
+
+    limit_requests: int | None = None
+    remaining_requests: int | None = None
+    reset_requests: float | None = None
+    limit_tokens: int | None = None
+    remaining_tokens: int | None = None
+    reset_tokens: float | None = None
+
+
 class TokenDelta(_Msg):
     """New tokens of one request in one step; ``finish_reason`` is set on its last delta
     (``stop``, ``length``, ``abort`` or ``error`` with ``error`` holding the message). ``error_kind``
     says whether an error is the request's fault (``rejected``: it can never run) or the engine's
-    (``unavailable``: shutting down or failed; retrying elsewhere may work)."""
+    (``unavailable``: shutting down or failed; retrying elsewhere may work); admission adds
+    ``queue_full`` and ``rate_limited`` (retry after ``retry_after`` seconds) and the deadlines
+    ``queue_timeout`` (dropped before its first step) and ``deadline`` (stopped while running)."""
 
     request_id: str
     new_token_ids: list[int]
@@ -93,6 +108,8 @@ class TokenDelta(_Msg):
     error_kind: str | None = None
     num_draft_tokens: int = 0  # speculative decoding: drafts verified for this request so far
     num_accepted_tokens: int = 0  # of which the target model accepted
+    retry_after: float | None = None
+    rate_limit: RateLimitInfo | None = None
 
 
 class EngineStats(msgspec.Struct, omit_defaults=True, kw_only=True):
@@ -108,6 +125,13 @@ class EngineStats(msgspec.Struct, omit_defaults=True, kw_only=True):
     spec_decode_num_drafts: int = 0  # draft tokens verified since the engine started
     spec_decode_num_accepted: int = 0  # of which accepted
     spec_decode_num_steps: int = 0  # request-steps that verified at least one draft
+    num_waiting_tokens: int = 0  # prompt tokens of the waiting requests (max_queued_tokens counts these)
+    num_rejected_queue_full: int = 0  # admission (docs/admission.md): refused at a full queue
+    num_rate_limited: dict[str, int] = {}  # API key name -> refusals over its quota
+    num_expired_in_queue: int = 0  # dropped at queue_timeout (or their deadline) before their first step
+    num_expired_running: int = 0  # stopped at their deadline while running
+    queue_wait_buckets: list[int] = []  # seconds from arrival to first step, per gate.QUEUE_WAIT_BUCKETS (+inf last)
+    queue_wait_sum: float = 0.0
 
     @property
     def spec_decode_acceptance_rate(self) -> float:
@@ -185,6 +209,7 @@ class Generate(_Msg):
     prompt_token_ids: list[int] | None = None
     sampling: SamplingParams = msgspec.field(default_factory=SamplingParams)
     priority: int = 0
+    api_key: str | None = None  # required when the gateway is started with gateway_require_api_key
 
 
 class Cancel(_Msg):
@@ -223,11 +248,14 @@ class TextChunk(_Msg):
 
 class RequestFailed(_Msg):
     """The request ended with an error; ``status`` follows HTTP: 400 a bad request (the message names
-    the field and the limit), 429 too many requests in flight, 503 the engine is down or stopping."""
+    the field and the limit), 401 a missing or wrong API key, 408 a deadline passed, 429 too many
+    requests in flight, a full queue or a key's quota (retry after ``retry_after`` seconds), 503 the
+    engine is down or stopping."""
 
     request_id: str
     message: str
     status: int = 400
+    retry_after: float | None = None
 
 
 class Pong(_Msg):

@@ -51,6 +51,8 @@ class Request:
         client_index: int = 0,
         eos_token_ids: tuple[int, ...] = (),
         max_tokens: int,
+        deadline: float | None = None,
+        queue_deadline: float | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -82,13 +84,16 @@ class Request:
         self.spec_failed_probes = 0  # probes in a row since its drafts stopped, for the policy's back-off
         self.first_scheduled_time: float | None = None
         self.awaiting_final_token = False  # its last possible token is in flight: schedule it no more
+        self.deadline = deadline  # wall-clock times (the scheduler's clock): aborted past it
+        self.queue_deadline = queue_deadline  # dropped past it if it has not had its first step
 
     @classmethod
     def from_message(cls, msg: AddRequest, *, eos_token_ids: tuple[int, ...], max_tokens: int) -> "Request":
         return cls(
             msg.request_id, msg.prompt_token_ids, msg.sampling, priority=msg.priority,
             arrival_time=msg.arrival_time or None, client_index=msg.client_index,
-            eos_token_ids=eos_token_ids, max_tokens=max_tokens,
+            eos_token_ids=eos_token_ids, max_tokens=max_tokens, deadline=msg.deadline,
+            queue_deadline=msg.queue_deadline,
         )
 
     @property

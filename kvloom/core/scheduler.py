@@ -97,6 +97,9 @@ class Scheduler:
         self._step_id = 0
         self._launched: dict[int, list[Request]] = {}  # step id -> its requests, in plan order
         self._finished_ids: list[str] = []  # ended since the last plan (the runner drops their state)
+        # Admission's hooks (core/engine/gate.py): a request's first step, and its end however it ends.
+        self.on_first_step: Callable[[Request, float], None] | None = None
+        self.on_finish: Callable[[Request], None] | None = None
 
     # ---------------------------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -196,6 +199,8 @@ class Scheduler:
         req.status = RequestStatus.RUNNING
         if req.first_scheduled_time is None:
             req.first_scheduled_time = now
+            if self.on_first_step is not None:
+                self.on_first_step(req, now)
         self.running.append(req)
 
     def _admission_victim(self, req: Request, now: float) -> Request | None:
@@ -321,3 +326,20 @@ class Scheduler:
         req.status = status
         del self.requests[req.request_id]
         self._finished_ids.append(req.request_id)
+        if self.on_finish is not None:
+            self.on_finish(req)
+
+    def expire(self) -> list[tuple[Request, str]]:
+        """End the requests past a deadline, before a step is spent on them: waiting ones past their
+        queue deadline (never started) or run deadline, running ones past their run deadline; their
+        blocks are freed. Returns each with ``queue_timeout`` or ``deadline``."""
+        now = self.clock()
+        expired = []
+        for req in [*self.waiting, *self.running]:
+            if req.queue_deadline is not None and req.first_scheduled_time is None and now > req.queue_deadline:
+                expired.append((req, "queue_timeout"))
+            elif req.deadline is not None and now > req.deadline:
+                expired.append((req, "deadline"))
+        for req, _ in expired:
+            self._finish(req, RequestStatus.FINISHED_ERROR)
+        return expired

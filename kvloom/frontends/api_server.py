@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import hmac
 import logging
 import os
 import signal
@@ -29,6 +28,7 @@ import kvloom
 from kvloom.core.config import EngineConfig
 from kvloom.frontends import openai_protocol as api
 from kvloom.frontends.access_log import AccessLog, track_tokens
+from kvloom.frontends.admission import KeyRing, check_timeout, parse_api_keys, replace_prepared
 from kvloom.frontends.asgi import (
     ClientGone,
     EventStream,
@@ -70,6 +70,7 @@ class OpenAIServer:
         self.core: FrontendCore | None = None
         self.metrics = FrontendMetrics()
         self.responses: ResponseBuilder | None = None  # once the engine has said which model it serves
+        self.keys = KeyRing(parse_api_keys(config.api_keys, config.api_key))
         # --chat-template: read once here; the launcher has checked it already
         self.chat_template = load_chat_template(config.chat_template) if config.chat_template else None
 
@@ -95,12 +96,15 @@ class OpenAIServer:
         """Wrap a handler: API-key check (unless public), errors in OpenAI's shape, request metrics."""
 
         async def endpoint(request: Request):
+            request.state.api_key = None
             try:
                 if not public:
-                    self._authorize(request)
+                    request.state.api_key = self.keys.authenticate_header(request.headers.get("authorization"))
                 response = await handler(request)
             except RequestError as e:
-                response = error_response(e.status, e.message, e.param)
+                key = request.state.api_key
+                self.metrics.count_rejection(e.reason, key.name if key else "")
+                response = error_response(e.status, e.message, e.param, e.headers)
             except ClientGone:
                 response = Response(status_code=499)
             except Exception as e:  # noqa: BLE001 - a bug must still answer in OpenAI's error shape
@@ -111,15 +115,6 @@ class OpenAIServer:
 
         endpoint.__name__ = handler.__name__
         return endpoint
-
-    def _authorize(self, request: Request) -> None:
-        key = self.config.api_key
-        if key is None:
-            return
-        given = request.headers.get("authorization", "")
-        scheme, _, token = given.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
-            raise RequestError(401, "invalid or missing API key: send 'Authorization: Bearer KEY'")
 
     async def _parse(self, request: Request, typ: type, rules: dict | None = None):
         """The body decoded as ``typ``; with ``rules``, its fields checked by ``check_fields`` too."""
@@ -133,6 +128,7 @@ class OpenAIServer:
         rules = CHAT_RULES if typ is api.ChatCompletionRequest else COMPLETION_RULES
         req = await self._parse(request, typ, rules)
         self.check_model(req.model)
+        request.state.timeout = req.timeout
         return req
 
     def check_model(self, model: str | None) -> None:
@@ -151,11 +147,16 @@ class OpenAIServer:
 
     async def _respond(self, request: Request, prepared: list[PreparedRequest], stream: bool, rid: str,
                        collect: Callable, events: Callable) -> Any:
+        key, given = request.state.api_key, request.state.timeout
+        timeout = check_timeout(given, self.config.request_timeout)
+        prepared = [replace_prepared(p, key, timeout, given is not None) for p in prepared]
         admission = self.core.admit(len(prepared))  # held until the response ends
         # n choices of one prompt share its token list: the log counts each prompt once, as usage does.
         prompts = {id(p.prompt_token_ids): p.prompt_token_ids for p in prepared}
         prompt_tokens = sum(len(ids) for ids in prompts.values())
         merged = track_tokens(request.scope, prompt_tokens, self._start(prepared))
+        if key is not None:
+            merged = self.metrics.count_key_usage(key.name, prompt_tokens, merged)
         headers = {"x-request-id": rid}
         if not stream:
             try:

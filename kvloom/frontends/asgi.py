@@ -31,9 +31,10 @@ def json_response(body: Any, status: int = 200, headers: dict[str, str] | None =
     return Response(msgspec.json.encode(body), status_code=status, media_type="application/json", headers=headers)
 
 
-def error_response(status: int, message: str, param: str | None = None) -> Response:
+def error_response(status: int, message: str, param: str | None = None,
+                   headers: dict[str, str] | None = None) -> Response:
     info = api.ErrorInfo(message=message, type=ERROR_TYPES.get(status, "server_error"), param=param, code=status)
-    return json_response(api.ErrorResponse(info), status)
+    return json_response(api.ErrorResponse(info), status, headers)
 
 
 async def _wait_for_disconnect(receive) -> None:

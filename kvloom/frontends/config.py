@@ -101,13 +101,30 @@ class ServerConfig:
                                       "private temp dir; tcp://127.0.0.1:PORT for TCP).")
     max_pending_requests: int = _opt(1024, "Most requests one frontend process keeps in flight; more are "
                                      "refused with 429.")
-    request_timeout: float | None = _opt(None, "Seconds a request may run before it is stopped (408).")
+    request_timeout: float | None = _opt(None, "Seconds a request may run before it is stopped (408); a request's "
+                                         "own 'timeout' may shorten it. The deadline travels to the engine, "
+                                         "which stops the request there and frees its KV blocks.")
+    queue_timeout: float | None = _opt(None, "Most seconds a request may wait in the engine's queue before its "
+                                       "first step; past it the engine drops it unrun (408).")
+    max_queued_requests: int | None = _opt(None, "Most requests waiting in the engine's queue, for the whole "
+                                           "server however many API workers; more are refused at once with 429 "
+                                           "and Retry-After.")
+    max_queued_tokens: int | None = _opt(None, "Most prompt tokens waiting in the engine's queue (whole server); "
+                                         "more are refused with 429 and Retry-After.")
+    api_keys: list = _opt([], "API keys with quotas, as [[api_keys]] tables in the config file (key or "
+                          "key_sha256, name, requests_per_minute, tokens_per_minute, max_concurrent, priority); "
+                          "docs/admission.md. As a flag, JSON (keep keys out of the process list: prefer the file).")
+    gateway_require_api_key: bool = _opt(False, "Make the ZMQ gateway require an API key (Generate.api_key) "
+                                         "from api_key/api_keys, as the HTTP server does.")
     drain_timeout: float = _opt(60.0, "Seconds SIGTERM waits for in-flight requests before stopping them.")
     engine_start_timeout: float = _opt(900.0, "Seconds frontends wait for the engine to load the model.")
     engine_heartbeat_timeout: float | None = _opt(30.0, "Seconds frontends wait for a sign of life from the "
                                                   "engine before treating it as hung: /health 503, in-flight "
                                                   "requests end with an error, new ones get 503, until it "
                                                   "beats again.")
+    restart_engine: bool = _opt(False, "Restart the engine process when it dies; the frontends reconnect and "
+                                "serve again (requests in flight end with 503). Without it, requests get 503 "
+                                "until the server is restarted, and it exits non-zero.")
     http_header_timeout: float = _opt(10.0, "Seconds an HTTP client has to send a request's line and headers; "
                                       "slower connections are closed.")
     http_body_timeout: float = _opt(60.0, "Seconds an HTTP client has to send a request's body once its "
@@ -122,10 +139,15 @@ class ServerConfig:
         check_field_types(self)
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"port={self.port} must be in [0, 65535]")
-        for name in ("api_workers", "max_pending_requests"):
-            if getattr(self, name) < 1:
+        for name in ("api_workers", "max_pending_requests", "max_queued_requests", "max_queued_tokens"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ConfigError(f"{name}={getattr(self, name)} must be >= 1")
-        for name in ("request_timeout", "drain_timeout", "engine_start_timeout", "max_request_body_mb",
+        from kvloom.frontends.admission import parse_api_keys
+
+        keys = parse_api_keys(self.api_keys, self.api_key)
+        if self.gateway_require_api_key and not keys:
+            raise ConfigError("gateway_require_api_key is set but no api_key or [[api_keys]] is configured")
+        for name in ("request_timeout", "queue_timeout", "drain_timeout", "engine_start_timeout", "max_request_body_mb",
                      "engine_heartbeat_timeout", "http_header_timeout", "http_body_timeout",
                      "http_keep_alive_timeout", "http_limit_concurrency"):
             value = getattr(self, name)

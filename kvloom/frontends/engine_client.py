@@ -5,10 +5,12 @@ in-flight request with an error instead of leaving it waiting."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import os
 import secrets
+import signal
 import time
 from typing import Any, AsyncIterator
 
@@ -42,8 +44,9 @@ class EngineUnavailable(RuntimeError):
 
 class AsyncEngineClient:
     def __init__(self, address: str, frontend_id: str | None = None, heartbeat_timeout: float | None = None,
-                 secret: str | None = None) -> None:
+                 secret: str | None = None, reconnect: bool = False) -> None:
         self.address = address
+        self.reconnect = reconnect  # the launcher restarts a dead engine (restart_engine): serve it again
         self.secret = secret
         self.heartbeat_timeout = heartbeat_timeout
         self.hung_reason: str | None = None  # set while the engine is silent past heartbeat_timeout
@@ -64,7 +67,7 @@ class AsyncEngineClient:
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.SNDHWM, 0)
         self._sock.setsockopt(zmq.RCVHWM, 0)
-        self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECTED)
 
     @property
     def healthy(self) -> bool:
@@ -102,7 +105,8 @@ class AsyncEngineClient:
 
     # --- requests ----------------------------------------------------------------------------------
     async def generate(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
-                       priority: int = 0, arrival_time: float = 0.0) -> AsyncIterator[TokenDelta]:
+                       priority: int = 0, arrival_time: float = 0.0, *, deadline: float | None = None,
+                       queue_deadline: float | None = None, api_key_name: str = "") -> AsyncIterator[TokenDelta]:
         """The deltas of one request, ending with the one that has ``finish_reason``. Leaving the loop
         early (or being cancelled) aborts the request in the engine, which frees its KV blocks."""
         if not self.healthy:
@@ -114,7 +118,8 @@ class AsyncEngineClient:
         finished = False
         try:
             self._send(AddRequest(request_id=request_id, prompt_token_ids=prompt_token_ids, sampling=sampling,
-                                  priority=priority, arrival_time=arrival_time))
+                                  priority=priority, arrival_time=arrival_time, deadline=deadline,
+                                  queue_deadline=queue_deadline, api_key_name=api_key_name))
             while not finished:
                 delta = await queue.get()
                 finished = delta.finish_reason is not None
@@ -170,6 +175,9 @@ class AsyncEngineClient:
                     if future is not None and not future.done():
                         future.set_result(msg)
                 elif isinstance(msg, EngineReady):
+                    if self.dead_reason is not None:
+                        logger.warning("The engine is back (pid %d); serving requests", msg.pid)
+                        self.dead_reason = None
                     self.ready = msg
                     self._ready_event.set()
                 elif isinstance(msg, EngineError):
@@ -185,7 +193,13 @@ class AsyncEngineClient:
             event = parse_monitor_message(await self._monitor.recv_multipart())
             if event["event"] == zmq.EVENT_DISCONNECTED:
                 self._fail("the engine process went away (connection lost)")
-                return
+                if not self.reconnect:
+                    return
+            elif event["event"] == zmq.EVENT_CONNECTED and self.dead_reason is not None and self.reconnect:
+                # A restarted engine at the same address (ZeroMQ reconnects by itself): register again;
+                # its EngineReady makes this client healthy.
+                logger.warning("Reconnected to the engine; registering again")
+                self._send(RegisterFrontend(frontend_id=self.frontend_id, pid=os.getpid(), secret=self.secret or ""))
 
     def _heard(self) -> None:
         self._last_heard = time.monotonic()
@@ -208,6 +222,11 @@ class AsyncEngineClient:
                                 f"{timeout:g}s): it is hung or overloaded")
             logger.error("Engine unavailable: %s", self.hung_reason)
             self.end_all(self.hung_reason)  # their aborts are delivered if it wakes up: KV blocks come back
+            if self.reconnect and self.ready.pid:
+                # restart_engine: a hung engine is ended like a dead one, and the launcher starts a new one.
+                logger.error("Stopping the hung engine (pid %d) so that it is restarted", self.ready.pid)
+                with contextlib.suppress(OSError):
+                    os.kill(self.ready.pid, signal.SIGKILL)
             for future in self._calls.values():
                 if not future.done():
                     future.set_exception(EngineUnavailable(self.hung_reason))

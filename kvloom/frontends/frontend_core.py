@@ -18,6 +18,7 @@ import msgspec
 from kvloom.core.config import EngineConfig
 from kvloom.core.messages import EngineReady, TokenLogprobs
 from kvloom.core.sampling_params import SamplingParams, check_priority
+from kvloom.frontends.admission import engine_refusal
 from kvloom.frontends.config import ServerConfig
 from kvloom.frontends.engine_client import AsyncEngineClient, EngineUnavailable
 from kvloom.frontends.errors import RequestError
@@ -40,6 +41,9 @@ class PreparedRequest:
     prompt_token_ids: list[int]
     sampling: SamplingParams
     priority: int = 0
+    api_key_name: str = ""  # the caller's key, whose quotas the engine keeps (admission.py)
+    timeout: float | None = None  # run timeout in seconds (admission.check_timeout); None: the server's
+    timeout_param: str = "request_timeout"  # where ``timeout`` came from, for the 408's message
 
 
 @dataclass
@@ -57,16 +61,18 @@ class TextDelta:
 
 
 TOKENIZER_THREADS = 2
+DEADLINE_GRACE_S = 0.5  # the frontend's own wait past a deadline the engine is expected to enforce
 
 
 class FrontendCore:
     def __init__(self, client: AsyncEngineClient, tokenizer, ready: EngineReady, *, max_pending_requests: int,
-                 request_timeout: float | None = None) -> None:
+                 request_timeout: float | None = None, queue_timeout: float | None = None) -> None:
         self.client = client
         self.tokenizer = tokenizer
         self.ready = ready
         self.max_pending_requests = max_pending_requests
         self.request_timeout = request_timeout
+        self.queue_timeout = queue_timeout
         self._ids = itertools.count()
         self.draining = False
         self.num_admitted = 0  # slots held by admitted requests until their responses end
@@ -175,16 +181,23 @@ class FrontendCore:
         """Stream one completion as text. Closing the iterator early aborts it in the engine."""
         sp = req.sampling
         text = IncrementalText(self.tokenizer, sp.stop, sp.skip_special_tokens, sp.include_stop_str_in_output)
-        deltas = self.client.generate(self.next_request_id(), req.prompt_token_ids, sp, req.priority, time.time())
-        deadline = None if self.request_timeout is None else time.monotonic() + self.request_timeout
+        timeout = req.timeout if req.timeout is not None else self.request_timeout
+        limit = req.timeout_param if req.timeout is not None else "request_timeout"
+        now = time.time()
+        # The engine enforces both deadlines at its step boundary (and frees the KV blocks there); the
+        # wait here, a little later, only covers an engine that cannot answer at all.
+        deltas = self.client.generate(
+            self.next_request_id(), req.prompt_token_ids, sp, req.priority, now,
+            deadline=None if timeout is None else now + timeout, api_key_name=req.api_key_name,
+            queue_deadline=None if self.queue_timeout is None else now + self.queue_timeout)
+        deadline = None if timeout is None else time.monotonic() + timeout + DEADLINE_GRACE_S
         num_out = 0
         held: list[int] = []  # tokens whose text is held back (a partial character or possible stop string)
         try:
             while True:
-                delta = await self._next(deltas, deadline)
+                delta = await self._next(deltas, deadline, timeout, limit)
                 if delta.finish_reason == "error":
-                    status = 400 if delta.error_kind == "rejected" else 503
-                    raise RequestError(status, delta.error or "the engine failed this request")
+                    raise engine_refusal(delta, timeout, limit, self.queue_timeout)
                 num_out += len(delta.new_token_ids)
                 finish = delta.finish_reason
                 new_text = text.add_tokens(delta.new_token_ids, final=finish is not None)
@@ -203,13 +216,13 @@ class FrontendCore:
         finally:
             await deltas.aclose()  # aborts the engine request unless it finished
 
-    async def _next(self, deltas, deadline: float | None):
+    async def _next(self, deltas, deadline: float | None, timeout: float | None, limit: str):
         try:
             if deadline is None:
                 return await anext(deltas)
             return await asyncio.wait_for(anext(deltas), max(0.0, deadline - time.monotonic()))
         except asyncio.TimeoutError:
-            raise RequestError(408, f"the request did not finish within request_timeout={self.request_timeout:g}s")
+            raise RequestError(408, f"the request did not finish within {limit}={timeout:g}s")
         except EngineUnavailable as e:
             raise RequestError(503, f"the engine is unavailable: {e}") from e
 
@@ -270,7 +283,8 @@ async def start_frontend_core(engine_address: str, engine: EngineConfig, server:
                               secret: str | None = None) -> FrontendCore:
     """Connect to the engine while the tokenizer loads; returns once the engine is ready. ``secret`` is
     the launch's engine secret (see launcher.Launcher)."""
-    client = AsyncEngineClient(engine_address, heartbeat_timeout=server.engine_heartbeat_timeout, secret=secret)
+    client = AsyncEngineClient(engine_address, heartbeat_timeout=server.engine_heartbeat_timeout, secret=secret,
+                               reconnect=server.restart_engine)
     connecting = asyncio.create_task(client.start(server.engine_start_timeout))
     try:
         tokenizer = await asyncio.to_thread(load_tokenizer, engine.model, engine.tokenizer)
@@ -282,4 +296,4 @@ async def start_frontend_core(engine_address: str, engine: EngineConfig, server:
     logger.info("Frontend %s ready (model %s, max_model_len %d)", client.frontend_id, ready.model_name,
                 ready.max_model_len)
     return FrontendCore(client, tokenizer, ready, max_pending_requests=server.max_pending_requests,
-                        request_timeout=server.request_timeout)
+                        request_timeout=server.request_timeout, queue_timeout=server.queue_timeout)

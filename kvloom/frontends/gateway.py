@@ -25,6 +25,7 @@ from kvloom.core.messages import (
     decode_gateway_request,
     encode,
 )
+from kvloom.frontends.admission import KeyRing, effective_priority, parse_api_keys
 from kvloom.frontends.config import ServerConfig
 from kvloom.frontends.frontend_core import FrontendCore, PreparedRequest, RequestError, start_frontend_core
 
@@ -34,8 +35,10 @@ SEND_QUEUE_LIMIT = 100_000  # replies queued for one client that does not read b
 
 
 class Gateway:
-    def __init__(self, core: FrontendCore | None, address: str, max_message_bytes: int = 16 * 2**20) -> None:
+    def __init__(self, core: FrontendCore | None, address: str, max_message_bytes: int = 16 * 2**20,
+                 keys: KeyRing | None = None) -> None:
         self.core = core
+        self.keys = keys or KeyRing([])  # empty: no key needed (gateway_require_api_key is off)
         self.address = address
         self.max_message_bytes = max_message_bytes
         self.ctx = zmq.asyncio.Context()
@@ -153,15 +156,20 @@ class Gateway:
         request_id = msg.request_id
         key = (ident, request_id)
         try:
+            api_key = self.keys.authenticate(msg.api_key) if self.keys.required else None
             # Tokenized here, in the request's own task, so a long prompt never holds up the receive loop.
-            prepared = self.core.prepare(await self._prompt_ids(msg), msg.sampling, priority=msg.priority)
+            prepared = self.core.prepare(await self._prompt_ids(msg), msg.sampling,
+                                         priority=effective_priority(api_key, msg.priority))
+            prepared.api_key_name = api_key.name if api_key else ""
             admission = self.core.admit(1)
             try:
                 await self._send_chunks(ident, request_id, prepared)
             finally:
                 admission.release()
         except RequestError as e:
-            self._reply(ident, RequestFailed(request_id=request_id, message=e.message, status=e.status))
+            retry = e.headers.get("Retry-After")
+            self._reply(ident, RequestFailed(request_id=request_id, message=e.message, status=e.status,
+                                             retry_after=float(retry) if retry else None))
         except asyncio.CancelledError:
             if key in self.cancelled:  # the client asked: confirm; otherwise the gateway is stopping
                 self._reply(ident, TextChunk(request_id=request_id, text="", finish_reason="abort"))
@@ -204,7 +212,8 @@ async def run_gateway(engine_address: str, address: str, engine: EngineConfig, s
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     # Bind before waiting for the engine: an address that cannot be bound fails now, not after the model loads.
-    gateway = Gateway(None, address, server.max_request_body_bytes)
+    keys = KeyRing(parse_api_keys(server.api_keys, server.api_key) if server.gateway_require_api_key else [])
+    gateway = Gateway(None, address, server.max_request_body_bytes, keys)
     core = gateway.core = await start_frontend_core(engine_address, engine, server, engine_secret)
     try:
         logger.info("ZMQ gateway listening on %s", address)

@@ -10,7 +10,9 @@ import time
 from typing import Any, AsyncIterator
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
+from kvloom.core.engine.gate import QUEUE_WAIT_BUCKETS
 
 # prometheus_client reads this variable itself; the launcher sets it for its API workers so their
 # counters land in one shared directory (it is plumbing between our processes, not a user setting).
@@ -24,10 +26,16 @@ ENGINE_COUNTERS = {
     "spec_decode_num_drafts": ("kvloom_spec_decode_num_draft_tokens", "Draft tokens verified (speculative decoding)."),
     "spec_decode_num_accepted": ("kvloom_spec_decode_num_accepted_tokens", "Draft tokens the target accepted."),
     "spec_decode_num_steps": ("kvloom_spec_decode_num_verify_steps", "Request-steps that verified drafts."),
+    "num_rejected_queue_full": ("kvloom_engine_rejected_queue_full", "Requests the engine refused at a full queue "
+                                "(max_queued_requests / max_queued_tokens)."),
+    "num_expired_in_queue": ("kvloom_engine_expired_in_queue", "Requests dropped unrun at queue_timeout or "
+                             "their deadline."),
+    "num_expired_running": ("kvloom_engine_expired_running", "Requests stopped at their deadline while running."),
 }
 ENGINE_GAUGES = {
     "num_running": ("kvloom_num_requests_running", "Requests the engine is running."),
     "num_waiting": ("kvloom_num_requests_waiting", "Requests waiting for the engine."),
+    "num_waiting_tokens": ("kvloom_num_tokens_waiting", "Prompt tokens waiting for the engine."),
     "num_free_blocks": ("kvloom_kv_cache_free_blocks", "Free KV-cache blocks."),
     "num_total_blocks": ("kvloom_kv_cache_total_blocks", "All KV-cache blocks."),
     "kv_usage": ("kvloom_kv_cache_usage_ratio", "Fraction of KV-cache blocks in use."),
@@ -55,6 +63,20 @@ class _EngineCollector:
             family = GaugeMetricFamily(name, help, labels=["model"])
             family.add_metric([self.model], self.stats.get(field, 0))
             yield family
+        limited = CounterMetricFamily("kvloom_engine_rate_limited", "Requests the engine refused over their API "
+                                      "key's quota, by key name.", labels=["model", "api_key"])
+        for key, count in sorted((self.stats.get("num_rate_limited") or {}).items()):
+            limited.add_metric([self.model, key], count)
+        yield limited
+        counts = self.stats.get("queue_wait_buckets") or [0] * (len(QUEUE_WAIT_BUCKETS) + 1)
+        cumulative, total = [], 0
+        for bound, count in zip([*map(str, QUEUE_WAIT_BUCKETS), "+Inf"], counts):
+            total += count
+            cumulative.append((bound, total))
+        wait = HistogramMetricFamily("kvloom_queue_wait_seconds", "Time from arrival to the first step, in the "
+                                     "engine's queue.", labels=["model"])
+        wait.add_metric([self.model], cumulative, self.stats.get("queue_wait_sum", 0.0))
+        yield wait
         drafts, accepted = self.stats.get("spec_decode_num_drafts", 0), self.stats.get("spec_decode_num_accepted", 0)
         steps = self.stats.get("spec_decode_num_steps", 0)
         for name, help, value in (
@@ -87,6 +109,14 @@ class FrontendMetrics:
                                registry=r)
         self._itl = Histogram("kvloom_inter_token_latency_seconds", "Time between successive output tokens.",
                               ["model"], buckets=TOKEN_GAP_BUCKETS, registry=r)
+        self._rejections = Counter("kvloom_rejections", "Requests answered with an error status, by reason "
+                                   "(bad_request, unauthorized, too_many_in_flight, queue_full, rate_limited, "
+                                   "deadline, unavailable) and API key name.", ["reason", "api_key", "model"],
+                                   registry=r)
+        self._key_requests = Counter("kvloom_api_key_requests", "Generation requests admitted, by API key name.",
+                                     ["api_key", "model"], registry=r)
+        self._key_tokens = Counter("kvloom_api_key_tokens", "Tokens by API key name and kind (prompt, completion).",
+                                   ["api_key", "kind", "model"], registry=r)
         self._latency = Histogram("kvloom_request_latency_seconds", "Time from arrival to the last token.",
                                   ["model"], buckets=LATENCY_BUCKETS, registry=r)
 
@@ -102,6 +132,22 @@ class FrontendMetrics:
 
     def count_request(self, path: str, status: int) -> None:
         self.requests.labels(path, str(status), self.model).inc()
+
+    def count_rejection(self, reason: str, api_key: str) -> None:
+        self._rejections.labels(reason, api_key, self.model).inc()
+
+    async def count_key_usage(self, api_key: str, prompt_tokens: int, merged: AsyncIterator[Any]) -> AsyncIterator[Any]:
+        """Pass ``(index, TextDelta)`` items through, counting the key's request and tokens once it ends."""
+        completion: dict[int, int] = {}
+        try:
+            async for index, delta in merged:
+                completion[index] = delta.num_output_tokens
+                yield index, delta
+        finally:
+            await merged.aclose()
+            self._key_requests.labels(api_key, self.model).inc()
+            self._key_tokens.labels(api_key, "prompt", self.model).inc(prompt_tokens)
+            self._key_tokens.labels(api_key, "completion", self.model).inc(sum(completion.values()))
 
     async def observe(self, deltas: AsyncIterator[Any]) -> AsyncIterator[Any]:
         """Pass a completion's TextDeltas through, recording its latencies, tokens and finish reason."""

@@ -46,6 +46,7 @@ class _GenerationRequest(Struct, kw_only=True):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     priority: int = 0
+    timeout: float | None = None  # seconds; may shorten the server's request_timeout (docs/admission.md)
 
 
 class CompletionRequest(_GenerationRequest, kw_only=True):
