@@ -93,7 +93,11 @@ class Sampler:
 
         if any(p.uses_penalties for p in params):
             logits = self._apply_penalties(logits.clone(), seqs, row_params)
+        if any(p.logit_bias for p in params):
+            logits = _apply_logit_bias(logits, seqs)
         self._block_stop_tokens(logits, seqs)
+        if any(s.token_bitmask is not None for s in seqs):
+            _apply_token_bitmasks(logits, seqs)
 
         drafts = [t for s in seqs if s.draft_token_ids for t in s.draft_token_ids + [-1]]
         if not drafts:
@@ -206,6 +210,48 @@ class Sampler:
         padded = torch.zeros(n, vocab + 1, device=device)
         padded.scatter_add_(1, ids, torch.ones_like(ids, dtype=padded.dtype))
         return padded[:, :vocab]
+
+
+def _apply_logit_bias(logits: torch.Tensor, seqs: Sequence[ScheduledSeq]) -> torch.Tensor:
+    """OpenAI's logit_bias: each listed token's logit shifted by its bias, in every row of the request."""
+    rows, ids, biases = [], [], []
+    row = 0
+    for s in seqs:
+        for token, bias in s.sampling.logit_bias.items():
+            for r in range(row, row + s.num_sample_rows):
+                rows.append(r)
+                ids.append(token)
+                biases.append(bias)
+        row += s.num_sample_rows
+    logits = logits.clone()  # the runner's logits may be a CUDA graph's output buffer
+    device = logits.device
+    logits.index_put_((torch.tensor(rows, device=device), torch.tensor(ids, device=device)),
+                      torch.tensor(biases, device=device, dtype=logits.dtype), accumulate=True)
+    return logits
+
+
+_BIT = {}
+
+
+def _apply_token_bitmasks(logits: torch.Tensor, seqs: Sequence[ScheduledSeq]) -> None:
+    """Structured outputs: tokens outside each constrained row's grammar mask get -inf, in one batched
+    operation on the logits' device. The masks are packed int32 words, bit ``t % 32`` of word ``t // 32``
+    for token ``t`` (xgrammar's layout)."""
+    rows, masks = [], []
+    row = 0
+    for s in seqs:
+        if s.token_bitmask is not None:
+            rows.extend(range(row, row + s.num_sample_rows))
+            masks.append(s.token_bitmask)
+        row += s.num_sample_rows
+    device, vocab = logits.device, logits.shape[1]
+    bits = _BIT.get(device)
+    if bits is None:
+        bits = _BIT[device] = torch.arange(32, dtype=torch.int32, device=device)
+    words = torch.cat(masks).to(device, non_blocking=True)
+    allowed = ((words[:, :, None] >> bits) & 1).bool().flatten(1)[:, :vocab]
+    index = torch.tensor(rows, device=device)
+    logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
 
 
 def target_probs(logits: torch.Tensor, row_params: list[SamplingParams]) -> torch.Tensor:
