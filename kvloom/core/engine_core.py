@@ -202,7 +202,8 @@ class EngineCore:
     def _schedule_compiled(self) -> list[TokenDelta]:
         """Constrained requests whose grammar is compiled join the scheduler; a grammar that failed to
         compile ends its request as rejected, with the reason."""
-        ready, failed = self.structured.take_compiled()
+        idle = not self.scheduler.has_unfinished() and self._in_flight is None
+        ready, failed = self.structured.take_compiled(wait_s=0.01 if idle else 0.0)
         for req in ready:
             self.scheduler.add_request(req)
         return [TokenDelta(request_id=req.request_id, new_token_ids=[], finish_reason="error", error=reason,

@@ -230,13 +230,12 @@ def _apply_logit_bias(logits: torch.Tensor, seqs: Sequence[ScheduledSeq]) -> tor
     return logits
 
 
-_BIT = {}
-
-
 def _apply_token_bitmasks(logits: torch.Tensor, seqs: Sequence[ScheduledSeq]) -> None:
     """Structured outputs: tokens outside each constrained row's grammar mask get -inf, in one batched
-    operation on the logits' device. The masks are packed int32 words, bit ``t % 32`` of word ``t // 32``
-    for token ``t`` (xgrammar's layout)."""
+    call of xgrammar's kernel on the logits' device (a CPU loop in C++, a GPU kernel on CUDA). The masks
+    are packed int32 words, bit ``t % 32`` of word ``t // 32`` for token ``t``."""
+    import xgrammar
+
     rows, masks = [], []
     row = 0
     for s in seqs:
@@ -244,14 +243,10 @@ def _apply_token_bitmasks(logits: torch.Tensor, seqs: Sequence[ScheduledSeq]) ->
             rows.extend(range(row, row + s.num_sample_rows))
             masks.append(s.token_bitmask)
         row += s.num_sample_rows
-    device, vocab = logits.device, logits.shape[1]
-    bits = _BIT.get(device)
-    if bits is None:
-        bits = _BIT[device] = torch.arange(32, dtype=torch.int32, device=device)
-    words = torch.cat(masks).to(device, non_blocking=True)
-    allowed = ((words[:, :, None] >> bits) & 1).bool().flatten(1)[:, :vocab]
-    index = torch.tensor(rows, device=device)
-    logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
+    full = torch.full((row, masks[0].shape[1]), -1, dtype=torch.int32)  # -1: every token allowed
+    full[rows] = torch.cat(masks)
+    xgrammar.apply_token_bitmask_inplace(logits, full.to(logits.device, non_blocking=True),
+                                         vocab_size=logits.shape[1], indices=rows)
 
 
 def target_probs(logits: torch.Tensor, row_params: list[SamplingParams]) -> torch.Tensor:

@@ -9,7 +9,7 @@ import json
 import logging
 import re
 from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import Any, Sequence
 
 from kvloom.core.engine.step import ScheduledSeq
@@ -96,9 +96,12 @@ class StructuredOutputManager:
     def has_pending(self) -> bool:
         return bool(self._pending)
 
-    def take_compiled(self) -> tuple[list, list[tuple[Any, str]]]:
+    def take_compiled(self, wait_s: float = 0.0) -> tuple[list, list[tuple[Any, str]]]:
         """Requests whose grammar is ready (each now has a matcher), and those whose grammar failed,
-        with the reason."""
+        with the reason. ``wait_s``: how long to wait for a first one when none is ready (an engine
+        with nothing else to run waits here instead of spinning)."""
+        if wait_s > 0:
+            wait([fut for _, fut in self._pending.values()], timeout=wait_s, return_when=FIRST_COMPLETED)
         ready, failed = [], []
         for rid, (req, fut) in list(self._pending.items()):
             if not fut.done():
