@@ -28,6 +28,7 @@ from kvloom.core.model_runner import ModelRunner
 from kvloom.core.request import Request, RequestStatus
 from kvloom.core.sampling_params import check_priority
 from kvloom.core.scheduler import Scheduler
+from kvloom.core.structured_output import StructuredOutputManager
 from kvloom.plugins.manager import PluginManager
 
 logger = logging.getLogger("kvloom")
@@ -133,6 +134,8 @@ class EngineCore:
                 proposer.capture_graphs(config.max_num_seqs, self.max_model_len)
         self.last_step_tokens = 0
         self._in_flight: tuple | None = None  # (plan, launched step) not yet resolved
+        self.structured = StructuredOutputManager(config.model, config.tokenizer, self.vocab_size,
+                                                  self.eos_token_ids)
 
     # --- set-up ------------------------------------------------------------------------------------
     def _resolve_max_model_len(self) -> int:
@@ -191,6 +194,12 @@ class EngineCore:
         bad = next((t for t in msg.sampling.stop_token_ids if t >= self.vocab_size), None)
         if bad is not None:
             raise RequestRejected(f"stop token id {bad} is out of range [0, {self.vocab_size})")
+        bad = next((t for t in msg.sampling.logit_bias if t >= self.vocab_size), None)
+        if bad is not None:
+            raise RequestRejected(f"logit_bias token id {bad} is out of range [0, {self.vocab_size})")
+        if msg.sampling.structured is not None and self.speculator is not None:
+            raise RequestRejected("structured outputs cannot be combined with speculative decoding yet: serve "
+                                  "without the spec_decode plugin for constrained requests")
         try:
             check_priority(msg.priority)
         except ValueError as e:
@@ -218,28 +227,44 @@ class EngineCore:
         self.gate.admit(msg.request_id, msg.api_key_name, n, max_tokens, len(waiting),
                         sum(r.num_tokens - r.num_computed_tokens for r in waiting))
         req = Request.from_message(msg, eos_token_ids=self.eos_token_ids, max_tokens=max_tokens)
-        self.scheduler.add_request(req)
+        if req.sampling.structured is not None:
+            self.structured.submit(req)  # scheduled once its grammar is compiled
+        else:
+            self.scheduler.add_request(req)
         return req
 
     def abort_requests(self, request_ids: list[str]) -> list[TokenDelta]:
+        self.structured.remove(request_ids)
         return [
             TokenDelta(request_id=r.request_id, new_token_ids=[], finish_reason="abort",
                        num_prompt_tokens=r.num_prompt_tokens, num_cached_tokens=r.num_cached_tokens)
-            for r in self.scheduler.abort(request_ids)
+            for r in self.scheduler.abort(request_ids) + self.structured.drop_pending(request_ids)
         ]
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or self._in_flight is not None
+        return self.scheduler.has_unfinished() or self._in_flight is not None or self.structured.has_pending
+
+    def _schedule_compiled(self) -> list[TokenDelta]:
+        """Constrained requests whose grammar is compiled join the scheduler; a grammar that failed to
+        compile ends its request as rejected, with the reason."""
+        idle = not self.scheduler.has_unfinished() and self._in_flight is None
+        ready, failed = self.structured.take_compiled(wait_s=0.01 if idle else 0.0)
+        for req in ready:
+            self.scheduler.add_request(req)
+        return [TokenDelta(request_id=req.request_id, new_token_ids=[], finish_reason="error", error=reason,
+                           error_kind="rejected", num_prompt_tokens=req.num_prompt_tokens) for req, reason in failed]
 
     # --- the loop body -----------------------------------------------------------------------------
     def step(self) -> list[TokenDelta]:
         """Propose drafts, schedule, run, update, emit. With async scheduling the step is launched and
         the previous one's tokens are returned, so the host's work overlaps the device's."""
-        deltas = [] if self._can_overlap() else self.flush()
+        deltas = self._schedule_compiled() if self.structured.has_pending else []
+        deltas += [] if self._can_overlap() else self.flush()
         deltas += self._expire()
         if self.speculator is not None:
             self.speculator.propose(self.scheduler.running, self.scheduler.decoding())
         plan = self.scheduler.schedule()
+        self.structured.fill_bitmasks(plan.seqs)
         self.last_step_tokens = plan.num_tokens
         launched = self.runner.execute(plan) if plan else None
         if launched is not None:
@@ -285,12 +310,16 @@ class EngineCore:
         running = self.scheduler.running
         if self.speculator is not None and self.speculator.wants_host_tokens(running):
             return False
-        return not any(r.sampling.uses_penalties for r in running)
+        # A grammar's next mask needs the token just sampled: constrained requests also run step by step.
+        return not any(r.sampling.uses_penalties or r.sampling.structured is not None for r in running)
 
     def _update(self, plan: SchedulerOutput, out: RunnerOutput) -> list[TokenDelta]:
         deltas = []
         for u in self.scheduler.resolve(plan, out):
             req = u.request
+            self.structured.accept(req.request_id, u.new_token_ids)
+            if u.finished:
+                self.structured.remove([req.request_id])
             lps = out.logprobs.get(req.request_id)
             deltas.append(TokenDelta(
                 request_id=req.request_id, new_token_ids=u.new_token_ids,

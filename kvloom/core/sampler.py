@@ -93,7 +93,11 @@ class Sampler:
 
         if any(p.uses_penalties for p in params):
             logits = self._apply_penalties(logits.clone(), seqs, row_params)
+        if any(p.logit_bias for p in params):
+            logits = _apply_logit_bias(logits, seqs)
         self._block_stop_tokens(logits, seqs)
+        if any(s.token_bitmask is not None for s in seqs):
+            _apply_token_bitmasks(logits, seqs)
 
         drafts = [t for s in seqs if s.draft_token_ids for t in s.draft_token_ids + [-1]]
         if not drafts:
@@ -207,6 +211,43 @@ class Sampler:
         padded = torch.zeros(n, vocab + 1, device=device)
         padded.scatter_add_(1, ids, torch.ones_like(ids, dtype=padded.dtype))
         return padded[:, :vocab]
+
+
+def _apply_logit_bias(logits: torch.Tensor, seqs: Sequence[ScheduledSeq]) -> torch.Tensor:
+    """OpenAI's logit_bias: each listed token's logit shifted by its bias, in every row of the request."""
+    rows, ids, biases = [], [], []
+    row = 0
+    for s in seqs:
+        for token, bias in s.sampling.logit_bias.items():
+            for r in range(row, row + s.num_sample_rows):
+                rows.append(r)
+                ids.append(token)
+                biases.append(bias)
+        row += s.num_sample_rows
+    logits = logits.clone()  # the runner's logits may be a CUDA graph's output buffer
+    device = logits.device
+    logits.index_put_((torch.tensor(rows, device=device), torch.tensor(ids, device=device)),
+                      torch.tensor(biases, device=device, dtype=logits.dtype), accumulate=True)
+    return logits
+
+
+def _apply_token_bitmasks(logits: torch.Tensor, seqs: Sequence[ScheduledSeq]) -> None:
+    """Structured outputs: tokens outside each constrained row's grammar mask get -inf, in one batched
+    call of xgrammar's kernel on the logits' device (a CPU loop in C++, a GPU kernel on CUDA). The masks
+    are packed int32 words, bit ``t % 32`` of word ``t // 32`` for token ``t``."""
+    import xgrammar
+
+    rows, masks = [], []
+    row = 0
+    for s in seqs:
+        if s.token_bitmask is not None:
+            rows.extend(range(row, row + s.num_sample_rows))
+            masks.append(s.token_bitmask)
+        row += s.num_sample_rows
+    full = torch.full((row, masks[0].shape[1]), -1, dtype=torch.int32)  # -1: every token allowed
+    full[rows] = torch.cat(masks)
+    xgrammar.apply_token_bitmask_inplace(logits, full.to(logits.device, non_blocking=True),
+                                         vocab_size=logits.shape[1], indices=rows)
 
 
 def target_probs(logits: torch.Tensor, row_params: list[SamplingParams]) -> torch.Tensor:

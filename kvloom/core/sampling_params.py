@@ -8,6 +8,38 @@ import msgspec
 # (torch.tensor of a Python int beyond int64 raises inside the step loop).
 MAX_INT32 = 2**31 - 1
 PRIORITY_RANGE = (-(2**31), MAX_INT32)
+LOGIT_BIAS_RANGE = (-100.0, 100.0)  # OpenAI's bound
+MAX_LOGIT_BIAS_ENTRIES = 1024
+MAX_GRAMMAR_CHARS = 1 << 18  # a schema, regex or grammar longer than 256 KiB is refused before compiling
+
+# What a structured-output constraint is, by kind: its ``spec`` text.
+STRUCTURED_KINDS = {
+    "json": "a JSON Schema, as JSON text",
+    "json_object": "nothing: any JSON object",
+    "regex": "a regular expression",
+    "choice": "a JSON array of the strings allowed",
+    "grammar": "an EBNF grammar (GBNF style, a 'root' rule)",
+}
+
+
+class StructuredOutputSpec(msgspec.Struct, omit_defaults=True, kw_only=True, frozen=True):
+    """The constraint on a request's output, as text: the engine compiles it (xgrammar) and keeps a
+    matcher per request. It crosses the process boundary as this value, never as a compiled object;
+    being frozen, it is also the key of the engine's grammar cache."""
+
+    kind: str
+    spec: str = ""
+    strict: bool = True  # json: no properties beyond the schema's unless it allows them explicitly
+    any_whitespace: bool = True  # json: whitespace anywhere JSON allows it (False: compact JSON only)
+
+    def validate(self) -> None:
+        if self.kind not in STRUCTURED_KINDS:
+            raise ValueError(f"structured output kind={self.kind!r} must be one of {sorted(STRUCTURED_KINDS)}")
+        if self.kind != "json_object" and not self.spec:
+            raise ValueError(f"structured output kind={self.kind!r} needs a spec: {STRUCTURED_KINDS[self.kind]}")
+        if len(self.spec) > MAX_GRAMMAR_CHARS:
+            raise ValueError(f"structured output spec of {len(self.spec)} characters is over the limit of "
+                             f"{MAX_GRAMMAR_CHARS}")
 
 
 class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
@@ -34,6 +66,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     logprobs: int | None = None  # top-n logprobs per generated token (0: only the sampled token's)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    logit_bias: dict[int, float] = {}  # token id -> added to its logit before sampling
+    structured: StructuredOutputSpec | None = None  # output constrained to a grammar
 
     def __post_init__(self) -> None:
         self.validate()
@@ -76,6 +110,19 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
         bad = next((t for t in self.stop_token_ids if not 0 <= t <= MAX_INT32), None)
         if bad is not None:
             raise ValueError(f"stop_token_ids={bad!r} must be token ids in [0, {MAX_INT32}]")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
+            raise ValueError(f"logit_bias has {len(self.logit_bias)} entries; at most {MAX_LOGIT_BIAS_ENTRIES}")
+        lo, hi = LOGIT_BIAS_RANGE
+        for token, bias in self.logit_bias.items():
+            if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token <= MAX_INT32:
+                raise ValueError(f"logit_bias={token!r} must be keyed by token ids in [0, {MAX_INT32}]")
+            if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not lo <= bias <= hi:
+                raise ValueError(f"logit_bias={bias!r} (token {token}) must be in [{lo:g}, {hi:g}]")
+        if self.structured is not None:
+            self.structured.validate()
+            if self.min_tokens:
+                raise ValueError(f"min_tokens={self.min_tokens} cannot be combined with structured outputs: the "
+                                 "grammar decides where the output ends")
 
 
 def check_priority(priority: int) -> None:

@@ -55,11 +55,14 @@ from kvloom.frontends.openai_requests import (
     choice_sampling,
     sampling_params,
     split_prompts,
+    structured_output,
 )
 from kvloom.frontends.openai_responses import ResponseBuilder, UsageCounter
 from kvloom.frontends.request_fields import CHAT_RULES, COMPLETION_RULES, check_fields
 from kvloom.frontends.text import load_chat_template
 from kvloom.frontends.tokenize_routes import routes as tokenize_routes
+from kvloom.frontends.tool_parsers import plan_tools
+from kvloom.core.sampling_params import StructuredOutputSpec
 
 logger = logging.getLogger("kvloom.api")
 
@@ -191,18 +194,33 @@ class OpenAIServer:
     # --- /v1/chat/completions ----------------------------------------------------------------------
     async def chat_completions(self, request: Request):
         req: api.ChatCompletionRequest = await self._parse_generation(request, api.ChatCompletionRequest)
-        ids = await self.core.tokenize_chat(chat_messages(req.messages),
-                                            **chat_template_options(req, self.chat_template))
+        tools = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls, self.config.tool_call_parser,
+                           self.config.enable_auto_tool_choice)
+        options = chat_template_options(req, self.chat_template)
+        constraint = structured_output(req)
+        if tools is not None:
+            # The template shows the model its tools; a required or named call is forced by the grammar.
+            options["chat_template_kwargs"] = {**(options["chat_template_kwargs"] or {}), "tools": tools.tools}
+            if tools.schema is not None:
+                if constraint is not None:
+                    raise RequestError(400, f"tool_choice={req.tool_choice!r} forces the output's shape, so it "
+                                       "cannot be combined with response_format or guided_* fields", "tool_choice")
+                # Compact JSON: a call's arguments never wander into whitespace until max_tokens.
+                constraint = StructuredOutputSpec(kind="json", spec=msgspec.json.encode(tools.schema).decode(),
+                                                  any_whitespace=False)
+        ids = await self.core.tokenize_chat(chat_messages(req.messages), **options)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-        sp = sampling_params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
+        sp = sampling_params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None, constraint)
         prepared = [self.core.prepare(ids, choice_sampling(sp, i), priority=req.priority, max_tokens_param=param,
                                       prompt_param="messages") for i in range(req.n)]
         rid = self._request_id(request, "chatcmpl")
         usage = UsageCounter([len(ids)], req.n)
         return await self._respond(request, prepared, req.stream, rid,
-                                   lambda merged: self.responses.collect_chat(rid, merged, usage, req.n),
-                                   lambda merged: self.responses.chat_events(req, rid, merged, usage))
+                                   lambda merged: self.responses.collect_chat(rid, merged, usage, req.n, tools,
+                                                                              self.config.tool_call_parser),
+                                   lambda merged: self.responses.chat_events(req, rid, merged, usage, tools,
+                                                                             self.config.tool_call_parser))
 
     # --- the rest ----------------------------------------------------------------------------------
     async def models(self, request: Request):

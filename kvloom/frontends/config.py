@@ -132,6 +132,10 @@ class ServerConfig:
     http_keep_alive_timeout: float = _opt(5.0, "Seconds an idle keep-alive HTTP connection stays open.")
     http_limit_concurrency: int | None = _opt(4096, "Most HTTP connections and requests one API worker holds "
                                               "at once; beyond it new requests get 503 (none: no limit).")
+    tool_call_parser: str | None = _opt(None, "How tool calls are read from the model's output with "
+                                        "tool_choice='auto': hermes (Hermes, Qwen <tool_call>) or llama3_json.")
+    enable_auto_tool_choice: bool = _opt(False, "Let the model decide whether to call a tool (tool_choice='auto'); "
+                                         "needs --tool-call-parser.")
     max_request_body_mb: float = _opt(16.0, "Largest HTTP request body (and gateway message) in MiB; larger "
                                       "ones are refused with 413 before they are parsed.")
 
@@ -157,6 +161,12 @@ class ServerConfig:
             value = getattr(self, name)
             if value is not None:
                 check_zmq_address(name, value)
+        from kvloom.frontends.tool_parsers import TOOL_CALL_PARSERS
+
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ConfigError(f"tool_call_parser={self.tool_call_parser!r} must be one of {list(TOOL_CALL_PARSERS)}")
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ConfigError("enable_auto_tool_choice needs tool_call_parser (hermes or llama3_json)")
         if self.gateway is not None and self.gateway == self.engine_address:
             raise ConfigError(f"gateway and engine_address are both {self.gateway!r}: give them different addresses")
 

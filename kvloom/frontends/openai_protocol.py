@@ -36,6 +36,14 @@ class _GenerationRequest(Struct, kw_only=True):
     user: str | None = None
     logit_bias: dict[str, float] | None = None
     best_of: int | None = None
+    response_format: dict[str, Any] | None = None
+    # vLLM's structured-output extensions (the guided_* fields and the newer structured_outputs)
+    guided_json: dict[str, Any] | bool | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None
+    structured_outputs: dict[str, Any] | None = None
     # extensions
     top_k: Annotated[int, Meta(ge=-1)] = 0
     min_p: Annotated[float, Meta(ge=0.0, le=1.0)] = 0.0
@@ -66,6 +74,8 @@ class ChatMessageIn(Struct, kw_only=True):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message: which call it answers
 
 
 class ChatCompletionRequest(_GenerationRequest, kw_only=True):
@@ -75,7 +85,8 @@ class ChatCompletionRequest(_GenerationRequest, kw_only=True):
     logprobs: bool = False
     top_logprobs: Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)] | None = None
     tools: list[Any] | None = None
-    response_format: dict[str, Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
     # vLLM's chat-template extensions
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
@@ -141,9 +152,21 @@ class ChatLogprobs(Struct):
     content: list[TokenLogprobOut] | None
 
 
+class FunctionCallOut(Struct):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCallOut(Struct):
+    id: str
+    function: FunctionCallOut
+    type: str = "function"
+
+
 class ChatMessageOut(Struct):
-    content: str
+    content: str | None
     role: str = "assistant"
+    tool_calls: list[ToolCallOut] | None = None
 
 
 class ChatChoice(_Choice, kw_only=True):
@@ -156,9 +179,24 @@ class ChatCompletionResponse(_Completion, kw_only=True):
     object: str = "chat.completion"
 
 
+class DeltaFunctionCall(Struct, omit_defaults=True):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(Struct, omit_defaults=True):
+    """A streamed tool call: the first chunk has its id, type and name, later ones add arguments."""
+
+    index: int
+    id: str | None = None
+    type: str | None = None
+    function: DeltaFunctionCall | None = None
+
+
 class DeltaMessage(Struct, omit_defaults=True):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatChunkChoice(_Choice, kw_only=True):

@@ -3,17 +3,23 @@ messages and chat-template options."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import msgspec
 
-from kvloom.core.sampling_params import SamplingParams
+from kvloom.core.sampling_params import SamplingParams, StructuredOutputSpec
 from kvloom.frontends import openai_protocol as api
 from kvloom.frontends.errors import RequestError
+from kvloom.frontends.tool_parsers import template_messages_tool_calls
 
 
-def sampling_params(req: api._GenerationRequest, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+def sampling_params(req: api._GenerationRequest, max_tokens: int | None, logprobs: int | None,
+                    structured: StructuredOutputSpec | None = None) -> SamplingParams:
+    """``structured``: a constraint the caller derived (tool_choice); else the request's own, if any."""
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    if structured is None:
+        structured = structured_output(req)
     try:
         return SamplingParams(
             temperature=1.0 if req.temperature is None else req.temperature,
@@ -22,6 +28,7 @@ def sampling_params(req: api._GenerationRequest, max_tokens: int | None, logprob
             repetition_penalty=req.repetition_penalty, max_tokens=max_tokens, min_tokens=req.min_tokens,
             stop=stop, stop_token_ids=list(req.stop_token_ids), ignore_eos=req.ignore_eos, logprobs=logprobs,
             skip_special_tokens=req.skip_special_tokens, include_stop_str_in_output=req.include_stop_str_in_output,
+            logit_bias=logit_bias(req.logit_bias), structured=structured,
         )
     except ValueError as e:  # SamplingParams names the field first: "top_k=-5 must be ..."
         field = str(e).split("=", 1)[0]
@@ -68,5 +75,137 @@ def chat_messages(messages: list[api.ChatMessageIn]) -> list[dict[str, Any]]:
                 raise RequestError(400, f"content part type {bad!r} is not supported (only 'text')",
                                    f"messages[{i}].content")
             content = "".join(p.text or "" for p in content)
-        out.append({"role": m.role, "content": content or ""})
+        message: dict[str, Any] = {"role": m.role, "content": content or ""}
+        if m.tool_calls:
+            message["tool_calls"] = template_messages_tool_calls(m.tool_calls, i)
+        if m.tool_call_id is not None:
+            message["tool_call_id"] = m.tool_call_id
+        out.append(message)
     return out
+
+
+def logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
+    """OpenAI sends token ids as JSON object keys (strings); the engine checks them against the vocabulary."""
+    out = {}
+    for key, value in (bias or {}).items():
+        try:
+            token = int(key)
+        except ValueError:
+            raise RequestError(400, f"logit_bias key {key!r} must be a token id", "logit_bias") from None
+        out[token] = value
+    return out
+
+
+# vLLM's structured_outputs field -> the engine's kind
+_STRUCTURED_KEYS = {"json": "json", "regex": "regex", "choice": "choice", "grammar": "grammar",
+                    "json_object": "json_object"}
+# structured_outputs options that change nothing kvloom does, with the value that means so
+_STRUCTURED_NEUTRAL = {"disable_fallback": (None, False, True), "disable_any_whitespace": (None, False, True),
+                       "disable_additional_properties": (None, False, True), "backend": (None, "auto", "xgrammar"),
+                       "whitespace_pattern": (None,), "structural_tag": (None,)}
+
+
+def structured_output(req: api._GenerationRequest) -> StructuredOutputSpec | None:
+    """The one output constraint a request asks for (response_format, a guided_* field or
+    structured_outputs), checked for shape; the engine compiles it and reports a bad schema."""
+    found: list[tuple[str, StructuredOutputSpec]] = []
+    rf = req.response_format
+    if rf is not None:
+        spec = _response_format(rf)
+        if spec is not None:
+            found.append(("response_format", spec))
+    if req.guided_json is not None:
+        found.append(("guided_json", _json_spec(req.guided_json, "guided_json", strict=True)))
+    if req.guided_regex is not None:
+        found.append(("guided_regex", _text_spec("regex", req.guided_regex, "guided_regex")))
+    if req.guided_choice is not None:
+        found.append(("guided_choice", _choice_spec(req.guided_choice, "guided_choice")))
+    if req.guided_grammar is not None:
+        found.append(("guided_grammar", _text_spec("grammar", req.guided_grammar, "guided_grammar")))
+    if req.structured_outputs is not None:
+        spec = _structured_outputs(req.structured_outputs)
+        if spec is not None:
+            found.append(("structured_outputs", spec))
+    if len(found) > 1:
+        names = ", ".join(name for name, _ in found)
+        raise RequestError(400, f"only one output constraint may be given, got {names}", found[1][0])
+    return found[0][1] if found else None
+
+
+def _response_format(rf: dict[str, Any]) -> StructuredOutputSpec | None:
+    kind = rf.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return StructuredOutputSpec(kind="json_object")
+    if kind == "json_schema":
+        js = rf.get("json_schema")
+        if not isinstance(js, dict) or "schema" not in js and "json_schema" not in js:
+            raise RequestError(400, "response_format.json_schema must be an object with a 'schema' (and a 'name')",
+                               "response_format.json_schema")
+        schema = js.get("schema", js.get("json_schema"))
+        strict = js.get("strict")
+        if strict is not None and not isinstance(strict, bool):
+            raise RequestError(400, f"response_format.json_schema.strict={strict!r} must be a boolean",
+                               "response_format.json_schema.strict")
+        return _json_spec(schema, "response_format.json_schema.schema", strict=bool(strict))
+    raise RequestError(400, f"response_format.type={kind!r} must be 'text', 'json_object' or 'json_schema'",
+                       "response_format.type")
+
+
+def _json_spec(schema: Any, param: str, strict: bool) -> StructuredOutputSpec:
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except ValueError as e:
+            raise RequestError(400, f"{param} is not valid JSON: {e}", param) from None
+    if schema is True:  # JSON Schema's "anything": any JSON object is the nearest grammar
+        return StructuredOutputSpec(kind="json_object")
+    if not isinstance(schema, dict):
+        raise RequestError(400, f"{param} must be a JSON Schema object, not {type(schema).__name__}", param)
+    return _checked(StructuredOutputSpec(kind="json", spec=json.dumps(schema), strict=strict), param)
+
+
+def _text_spec(kind: str, text: Any, param: str) -> StructuredOutputSpec:
+    if not isinstance(text, str) or not text:
+        raise RequestError(400, f"{param} must be a non-empty string", param)
+    return _checked(StructuredOutputSpec(kind=kind, spec=text), param)
+
+
+def _choice_spec(choices: Any, param: str) -> StructuredOutputSpec:
+    if not isinstance(choices, list) or not choices or not all(isinstance(c, str) and c for c in choices):
+        raise RequestError(400, f"{param} must be a non-empty list of non-empty strings", param)
+    return _checked(StructuredOutputSpec(kind="choice", spec=json.dumps(choices)), param)
+
+
+def _structured_outputs(so: dict[str, Any]) -> StructuredOutputSpec | None:
+    for key, value in so.items():
+        if key not in _STRUCTURED_KEYS and key not in _STRUCTURED_NEUTRAL:
+            raise RequestError(400, f"unknown field 'structured_outputs.{key}'", f"structured_outputs.{key}")
+        if key in _STRUCTURED_NEUTRAL and value not in _STRUCTURED_NEUTRAL[key]:
+            raise RequestError(400, f"'structured_outputs.{key}'={value!r} is not supported",
+                               f"structured_outputs.{key}")
+    given = [k for k in _STRUCTURED_KEYS if so.get(k) not in (None, False)]
+    if len(given) > 1:
+        raise RequestError(400, f"structured_outputs takes one constraint, got {', '.join(given)}",
+                           "structured_outputs")
+    if not given:
+        return None
+    key = given[0]
+    param = f"structured_outputs.{key}"
+    compact = so.get("disable_any_whitespace") is True
+    if key == "json":
+        return msgspec.structs.replace(_json_spec(so[key], param, strict=True), any_whitespace=not compact)
+    if key == "json_object":
+        return StructuredOutputSpec(kind="json_object", any_whitespace=not compact)
+    if key == "choice":
+        return _choice_spec(so[key], param)
+    return _text_spec(key, so[key], param)
+
+
+def _checked(spec: StructuredOutputSpec, param: str) -> StructuredOutputSpec:
+    try:
+        spec.validate()
+    except ValueError as e:
+        raise RequestError(400, str(e), param) from None
+    return spec

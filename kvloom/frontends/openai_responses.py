@@ -11,6 +11,45 @@ from kvloom.frontends.asgi import ERROR_TYPES, SSE_DONE, sse
 from kvloom.frontends.errors import RequestError
 from kvloom.frontends.frontend_core import TextDelta
 from kvloom.frontends.text import token_bytes
+from kvloom.frontends.tool_parsers import ToolCall, ToolPlan, make_parser
+
+
+class ToolOutput:
+    """One choice's tool calls: read from its text (auto, by the server's parser) or the forced JSON
+    (required, named). ``feed`` returns the content that can be streamed now."""
+
+    def __init__(self, plan: ToolPlan, parser: str | None) -> None:
+        self.plan = plan
+        self.parser = make_parser(parser) if plan.mode == "auto" else None
+        self.text = ""
+
+    def feed(self, text: str) -> str:
+        self.text += text
+        return self.parser.feed(text) if self.parser is not None else ""
+
+    def finish(self) -> tuple[str, list[ToolCall]]:
+        """Content not streamed yet, and the calls."""
+        if self.parser is not None:
+            return self.parser.finish()
+        try:
+            return "", self.plan.forced_calls(self.text)
+        except (ValueError, KeyError, TypeError):  # cut short by max_tokens: not a whole call
+            return self.text, []
+
+    def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        if self.parser is not None:
+            return self.parser.parse(text)
+        self.text = text
+        rest, calls = self.finish()
+        return (rest or None) if calls else text, calls
+
+    def finish_reason(self, reason: str | None, calls: list[ToolCall]) -> str | None:
+        # OpenAI ends a call the model chose (auto, required) with "tool_calls", a named one with "stop".
+        return "tool_calls" if calls and reason == "stop" and self.plan.mode != "named" else reason
+
+
+def _tool_output(plan: ToolPlan | None, parser: str | None) -> ToolOutput | None:
+    return ToolOutput(plan, parser) if plan is not None and plan.mode != "none" else None
 
 
 class UsageCounter:
@@ -111,7 +150,8 @@ class ResponseBuilder:
         top = [{self.token_text(t.token_id): t.logprob for t in lp.top} for lp in lps]
         return api.CompletionLogprobs(tokens, [lp.logprob for lp in lps], top, text_offset)
 
-    async def collect_chat(self, rid: str, merged, usage: UsageCounter, n: int) -> api.ChatCompletionResponse:
+    async def collect_chat(self, rid: str, merged, usage: UsageCounter, n: int, tools: ToolPlan | None = None,
+                           parser: str | None = None) -> api.ChatCompletionResponse:
         texts = [""] * n
         lps: list[list[api.TokenLogprobOut] | None] = [None] * n
         finals: list[TextDelta | None] = [None] * n
@@ -122,14 +162,29 @@ class ResponseBuilder:
             if delta.finish_reason is not None:
                 finals[index] = delta
                 usage.add(index, delta)
-        choices = [api.ChatChoice(index=i, message=api.ChatMessageOut(texts[i]),
-                                  logprobs=api.ChatLogprobs(lps[i]) if lps[i] is not None else None,
-                                  finish_reason=finals[i].finish_reason, stop_reason=finals[i].stop_reason)
-                   for i in range(n)]
+        choices = []
+        for i in range(n):
+            message, reason = api.ChatMessageOut(texts[i]), finals[i].finish_reason
+            out = _tool_output(tools, parser)
+            if out is not None:
+                content, calls = out.parse(texts[i])
+                if calls:
+                    message = api.ChatMessageOut(content, tool_calls=[
+                        api.ToolCallOut(c.id, api.FunctionCallOut(c.name, c.arguments)) for c in calls])
+                    reason = out.finish_reason(reason, calls)
+            choices.append(api.ChatChoice(index=i, message=message, finish_reason=reason,
+                                          logprobs=api.ChatLogprobs(lps[i]) if lps[i] is not None else None,
+                                          stop_reason=finals[i].stop_reason))
         return api.ChatCompletionResponse(id=rid, choices=choices, model=self.model_name, usage=usage.info())
 
-    def chat_events(self, req: api.ChatCompletionRequest, rid: str, merged, usage: UsageCounter):
+    def chat_events(self, req: api.ChatCompletionRequest, rid: str, merged, usage: UsageCounter,
+                    tools: ToolPlan | None = None, parser: str | None = None):
         model = self.model_name
+        outs = {i: _tool_output(tools, parser) for i in range(req.n)}
+
+        def chunk(index: int, delta: api.DeltaMessage, **kw) -> str:
+            return sse(api.ChatCompletionChunk(id=rid, model=model, choices=[
+                api.ChatChunkChoice(index=index, delta=delta, **kw)]))
 
         async def events():
             yield sse(api.ChatCompletionChunk(id=rid, model=model, choices=[
@@ -139,9 +194,26 @@ class ResponseBuilder:
                 if delta.finish_reason is not None:
                     usage.add(index, delta)
                 lp = self.chat_logprobs(delta.logprobs) if delta.logprobs else None
-                choice = api.ChatChunkChoice(index=index, delta=api.DeltaMessage(content=delta.text), logprobs=lp,
-                                             finish_reason=delta.finish_reason, stop_reason=delta.stop_reason)
-                yield sse(api.ChatCompletionChunk(id=rid, model=model, choices=[choice]))
+                out = outs[index]
+                if out is None:
+                    yield chunk(index, api.DeltaMessage(content=delta.text), logprobs=lp,
+                                finish_reason=delta.finish_reason, stop_reason=delta.stop_reason)
+                    continue
+                content = out.feed(delta.text)
+                if delta.finish_reason is None:
+                    if content or lp is not None:
+                        yield chunk(index, api.DeltaMessage(content=content), logprobs=lp)
+                    continue
+                rest, calls = out.finish()
+                if content + rest or lp is not None:
+                    yield chunk(index, api.DeltaMessage(content=content + rest), logprobs=lp)
+                for k, call in enumerate(calls):  # as OpenAI streams a call: id and name, then arguments
+                    yield chunk(index, api.DeltaMessage(tool_calls=[api.DeltaToolCall(
+                        k, call.id, "function", api.DeltaFunctionCall(name=call.name, arguments=""))]))
+                    yield chunk(index, api.DeltaMessage(tool_calls=[api.DeltaToolCall(
+                        k, function=api.DeltaFunctionCall(arguments=call.arguments))]))
+                yield chunk(index, api.DeltaMessage(), finish_reason=out.finish_reason(delta.finish_reason, calls),
+                            stop_reason=delta.stop_reason)
 
         include_usage = req.stream_options is not None and req.stream_options.include_usage
         usage_chunk = (lambda: api.ChatCompletionChunk(id=rid, choices=[], model=model,

@@ -10,8 +10,8 @@ from typing import Any, Callable
 from kvloom.frontends.frontend_core import RequestError
 
 _SAMPLER = "it needs the engine's new sampler (token masks); it is not supported yet"
-_STRUCTURED = "structured outputs are not supported yet (they come with the engine's new sampler)"
-_TOOLS = "tool calling is not supported yet"
+_WHITESPACE = "a custom whitespace pattern is not supported: JSON output takes the grammar's whitespace"
+_FUNCTIONS = "the deprecated functions API is not supported: send tools and tool_choice"
 _PROMPT_LOGPROBS = "prompt logprobs are not supported yet (the engine returns logprobs of generated tokens only)"
 
 
@@ -23,19 +23,14 @@ def _off(value: Any) -> bool:
 # field -> (reason, accepted(value, body)): a value that `accepted` allows is what kvloom does anyway.
 Rule = tuple[str, Callable[[Any, dict], bool]]
 _COMMON: dict[str, Rule] = {
-    "logit_bias": (_SAMPLER, lambda v, b: _off(v)),
     "best_of": ("best_of other than n is not supported", lambda v, b: v is None or v == b.get("n", 1)),
     "use_beam_search": ("beam search is not supported", lambda v, b: _off(v)),
     "length_penalty": ("length_penalty is for beam search, which is not supported", lambda v, b: v in (None, 1, 1.0)),
-    "response_format": (_STRUCTURED, lambda v, b: _off(v) or v == {"type": "text"}),
-    "guided_json": (_STRUCTURED, lambda v, b: _off(v)),
-    "guided_regex": (_STRUCTURED, lambda v, b: _off(v)),
-    "guided_choice": (_STRUCTURED, lambda v, b: _off(v)),
-    "guided_grammar": (_STRUCTURED, lambda v, b: _off(v)),
-    "guided_decoding_backend": (_STRUCTURED, lambda v, b: _off(v)),
-    "guided_whitespace_pattern": (_STRUCTURED, lambda v, b: _off(v)),
-    "structural_tag": (_STRUCTURED, lambda v, b: _off(v)),
-    "structured_outputs": (_STRUCTURED, lambda v, b: _off(v)),
+    "guided_decoding_backend": ("kvloom's structured outputs use xgrammar (guided_decoding_backend='xgrammar')",
+                                lambda v, b: v in (None, "", "auto", "xgrammar")),
+    "guided_whitespace_pattern": (_WHITESPACE, lambda v, b: _off(v)),
+    "structural_tag": ("structural tags are not supported; use response_format, guided_* or tools",
+                       lambda v, b: _off(v)),
     "allowed_token_ids": (_SAMPLER, lambda v, b: _off(v)),
     "bad_words": (_SAMPLER, lambda v, b: _off(v)),
     "logits_processors": ("custom logits processors are not supported", lambda v, b: _off(v)),
@@ -67,11 +62,8 @@ COMPLETION_RULES: dict[str, Rule] = {
 }
 CHAT_RULES: dict[str, Rule] = {
     **_COMMON,
-    "tools": (_TOOLS, lambda v, b: _off(v)),
-    "tool_choice": (_TOOLS, lambda v, b: v in (None, "none")),
-    "parallel_tool_calls": (_TOOLS, lambda v, b: v is None or isinstance(v, bool)),  # means nothing without tools
-    "functions": (_TOOLS, lambda v, b: _off(v)),
-    "function_call": (_TOOLS, lambda v, b: v in (None, "none")),
+    "functions": (_FUNCTIONS, lambda v, b: _off(v)),
+    "function_call": (_FUNCTIONS, lambda v, b: v in (None, "none")),
     "echo": ("echoing the last message is not supported", lambda v, b: _off(v)),
     "add_special_tokens": ("the chat template places the special tokens (add_special_tokens=false)",
                            lambda v, b: v in (None, False)),
@@ -84,9 +76,9 @@ CHAT_RULES: dict[str, Rule] = {
     "verbosity": ("verbosity is not supported", lambda v, b: v is None),
     "web_search_options": ("web search is not supported", lambda v, b: _off(v)),
 }
-MESSAGE_FIELDS = {"role", "content", "name"}
-MESSAGE_RULES = {"tool_calls": _TOOLS, "tool_call_id": _TOOLS, "function_call": _TOOLS, "audio": "audio is not "
-                 "supported", "refusal": None, "reasoning_content": None}
+MESSAGE_FIELDS = {"role", "content", "name", "tool_calls", "tool_call_id"}
+MESSAGE_RULES = {"function_call": _FUNCTIONS, "audio": "audio is not supported", "refusal": None,
+                 "reasoning_content": None}
 STREAM_OPTION_RULES = {"continuous_usage_stats": "usage in every chunk is not supported; include_usage "
                        "gives it once at the end"}
 

@@ -13,6 +13,7 @@ from kvloom.frontends.asgi import json_response
 from kvloom.frontends.errors import RequestError
 from kvloom.frontends.openai_requests import chat_messages, chat_template_options
 from kvloom.frontends.request_fields import CHAT_RULES
+from kvloom.frontends.tool_parsers import plan_tools
 
 if TYPE_CHECKING:
     from kvloom.frontends.api_server import OpenAIServer
@@ -29,6 +30,7 @@ class TokenizeRequest(Struct, kw_only=True):
     continue_final_message: bool = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[Any] | None = None  # rendered by the chat template, as in a chat request
     return_token_strs: bool = False
 
 
@@ -48,7 +50,7 @@ class DetokenizeResponse(Struct):
     prompt: str
 
 
-_TOKENIZE_RULES = {"tools": CHAT_RULES["tools"], "mm_processor_kwargs": CHAT_RULES["mm_processor_kwargs"]}
+_TOKENIZE_RULES = {"mm_processor_kwargs": CHAT_RULES["mm_processor_kwargs"]}
 
 
 async def _parse(server: "OpenAIServer", request: Request, typ: type):
@@ -69,8 +71,11 @@ async def tokenize(server: "OpenAIServer", request: Request) -> TokenizeResponse
         if req.add_special_tokens:
             raise RequestError(400, "add_special_tokens=true is not supported with messages: the chat template "
                                "places the special tokens", "add_special_tokens")
-        ids = await server.core.tokenize_chat(chat_messages(req.messages),
-                                              **chat_template_options(req, server.chat_template))
+        options = chat_template_options(req, server.chat_template)
+        if req.tools:
+            tools = plan_tools(req.tools, "none", None, None, False).tools  # checked as a chat request's
+            options["chat_template_kwargs"] = {**(options["chat_template_kwargs"] or {}), "tools": tools}
+        ids = await server.core.tokenize_chat(chat_messages(req.messages), **options)
     strs = tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
     return TokenizeResponse(len(ids), server.core.max_model_len, list(ids), strs)
 

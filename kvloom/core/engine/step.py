@@ -35,6 +35,9 @@ class ScheduledSeq:
     stop_token_ids: tuple[int, ...] = ()  # EOS and stop ids, blocked while under min_tokens
     history: tuple[int, ...] | None = None  # prompt + output tokens, only for requests with penalties
     num_prompt_tokens: int = 0
+    # Structured outputs: int32 [num_sample_rows, ceil(vocab / 32)] on the host, bit t of a row set where
+    # token t is allowed; filled by the engine from the request's grammar matcher after scheduling.
+    token_bitmask: object | None = None
 
     @property
     def num_new_tokens(self) -> int:

@@ -1,0 +1,96 @@
+"""What structured outputs cost: TPOT of the same batch of concurrent chat requests through kvloom's
+LLM, unconstrained and under a JSON Schema, a regex and a choice-free EBNF grammar, in one run; prints a
+table and JSON with each mode's TPOT and its ratio to unconstrained.
+
+    python benchmarks/structured_output.py                              # SmolLM2 on this machine
+    python benchmarks/structured_output.py --device cuda --output-len 256 --repeat 3   # the H200
+
+TPOT per request is (finish - first token) / (tokens - 1); a constrained request can end early when its
+grammar completes, so tokens per mode are printed beside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+from kvloom import LLM, SamplingParams
+from kvloom.core.sampling_params import StructuredOutputSpec
+
+ITEM = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 16},
+                                         "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                                         "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 3}},
+        "required": ["name", "age", "tags"], "additionalProperties": False}
+MODES = {
+    "free": None,
+    "json_schema": StructuredOutputSpec(kind="json", spec=json.dumps({"type": "array", "items": ITEM})),
+    "regex": StructuredOutputSpec(kind="regex", spec=r"([A-Z][a-z]{2,9} [0-9]{1,4}(, )?)+"),
+    "grammar": StructuredOutputSpec(kind="grammar", spec='root ::= item+\nitem ::= [a-z]+ ("," | " " | "\\n")'),
+}
+PROMPT = "List people with their name, age and tags, as many as you can."
+
+
+def run(llm: LLM, prompts: list[str], spec, args) -> dict:
+    # The constrained modes may finish early (a completed grammar allows only EOS); ignore_eos keeps the
+    # unconstrained one at full length, and every mode is measured per token.
+    params = SamplingParams(temperature=args.temperature, seed=args.seed, max_tokens=args.output_len,
+                            ignore_eos=spec is None, structured=spec)
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    wall = time.perf_counter() - t0
+    tpots, tokens = [], 0
+    for o in outs:
+        n = len(o.outputs[0].token_ids)
+        tokens += n
+        if n > 1:
+            tpots.append((o.metrics.finish_time - o.metrics.first_token_time) / (n - 1))
+    return {"tpot_ms": 1000 * statistics.mean(tpots), "tokens": tokens, "wall_s": wall}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="SmolLM2-135M-Instruct")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--concurrency", type=int, default=16, help="Requests in the batch.")
+    p.add_argument("--output-len", type=int, default=48)
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--repeat", type=int, default=1, help="Rounds over the modes (the median is reported).")
+    p.add_argument("--modes", default=",".join(MODES))
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--output-json", help="Also write the JSON here.")
+    args = p.parse_args()
+
+    llm = LLM(args.model, device=args.device, max_model_len=1024, max_num_seqs=max(16, args.concurrency))
+    chat = llm.tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}], tokenize=False,
+                                             add_generation_prompt=True)
+    prompts = [chat] * args.concurrency
+    modes = args.modes.split(",")
+    # Warm up each mode once (compiles and caches the grammars, as a server's first request would).
+    for name in modes:
+        llm.generate(prompts[:2], SamplingParams(max_tokens=4, structured=MODES[name]), use_tqdm=False)
+    rounds: dict[str, list[dict]] = {name: [] for name in modes}
+    for _ in range(args.repeat):
+        for name in modes:  # interleaved, so machine noise spreads over every mode alike
+            rounds[name].append(run(llm, prompts, MODES[name], args))
+    result = {"model": args.model, "device": str(llm.engine.device), "concurrency": args.concurrency,
+              "output_len": args.output_len, "temperature": args.temperature, "repeat": args.repeat, "modes": {}}
+    base = statistics.median(r["tpot_ms"] for r in rounds["free"]) if "free" in rounds else None
+    print(f"{'mode':<12} {'TPOT ms':>9} {'vs free':>8} {'tokens':>7}")
+    for name, rs in rounds.items():
+        tpot = statistics.median(r["tpot_ms"] for r in rs)
+        tokens = statistics.median(r["tokens"] for r in rs)
+        ratio = tpot / base if base else None
+        result["modes"][name] = {"tpot_ms": round(tpot, 3), "ratio_to_free": ratio and round(ratio, 3),
+                                 "tokens": tokens, "runs": rs}
+        print(f"{name:<12} {tpot:>9.2f} {ratio if ratio else float('nan'):>8.3f} {tokens:>7.0f}")
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            f.write(text + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,161 @@
+"""Structured outputs in the engine: grammars (JSON Schema, regex, choice, EBNF) compiled by xgrammar on
+a worker thread and cached by spec, one grammar matcher per constrained request, and the token
+bitmasks the sampler applies. The engine core parks a constrained request here until its grammar is
+compiled, so compiling never stalls a step."""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from collections import OrderedDict
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from typing import Any, Sequence
+
+from kvloom.core.engine.step import ScheduledSeq
+from kvloom.core.sampling_params import StructuredOutputSpec
+
+logger = logging.getLogger("kvloom")
+
+GRAMMAR_CACHE_SIZE = 256  # compiled grammars kept, least recently used dropped first
+# xgrammar's C++ errors start with "[hh:mm:ss] /path/file.cc:line: "; the user needs only the rest.
+_CPP_PREFIX = re.compile(r"^\s*\[[\d:]+\]\s+\S+:\d+:\s*")
+
+
+class GrammarError(ValueError):
+    """A spec xgrammar cannot compile; the message says what is wrong with it."""
+
+
+def choice_grammar(choices: list[str]) -> str:
+    """An EBNF grammar whose only sentences are ``choices`` (JSON string escapes are EBNF's too)."""
+    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+
+
+class StructuredOutputManager:
+    """Grammar compilation and per-request matchers. The tokenizer is loaded on the compile thread at
+    the first constrained request, so an engine that never sees one pays nothing."""
+
+    def __init__(self, model: str, tokenizer: str | None, vocab_size: int, eos_token_ids: Sequence[int]) -> None:
+        self._model, self._tokenizer = model, tokenizer
+        self.vocab_size = vocab_size
+        self._eos = list(eos_token_ids)
+        self._pool: ThreadPoolExecutor | None = None
+        self._compiler = None
+        self._grammars: OrderedDict[StructuredOutputSpec, Future] = OrderedDict()
+        self._pending: dict[str, tuple[Any, Future]] = {}  # request id -> (request, compiled grammar)
+        self._matchers: dict[str, Any] = {}
+
+    # --- compilation ---------------------------------------------------------------------------------
+    def _compile_future(self, spec: StructuredOutputSpec) -> Future:
+        fut = self._grammars.get(spec)
+        if fut is not None and not (fut.done() and fut.exception() is not None):
+            self._grammars.move_to_end(spec)
+            return fut
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar")
+        fut = self._grammars[spec] = self._pool.submit(self._compile, spec)
+        while len(self._grammars) > GRAMMAR_CACHE_SIZE:
+            self._grammars.popitem(last=False)
+        return fut
+
+    def _compile(self, spec: StructuredOutputSpec):
+        compiler = self._grammar_compiler()
+        try:
+            if spec.kind in ("json", "json_object"):
+                schema = spec.spec if spec.kind == "json" else '{"type": "object"}'
+                return compiler.compile_json_schema(schema, strict_mode=spec.strict, any_whitespace=spec.any_whitespace)
+            if spec.kind == "regex":
+                return compiler.compile_regex(spec.spec)
+            if spec.kind == "choice":
+                return compiler.compile_grammar(choice_grammar(json.loads(spec.spec)))
+            return compiler.compile_grammar(spec.spec)
+        except (RuntimeError, ValueError, TypeError) as e:
+            message = _CPP_PREFIX.sub("", str(e)).strip() or type(e).__name__
+            raise GrammarError(f"invalid {spec.kind} for structured output: {message}") from None
+
+    def _grammar_compiler(self):
+        if self._compiler is None:
+            import xgrammar
+
+            # The engine speaks token ids only; the tokenizer's vocabulary is needed once, for the masks.
+            from kvloom.frontends.text import load_tokenizer
+
+            tok = load_tokenizer(self._model, self._tokenizer)
+            info = xgrammar.TokenizerInfo.from_huggingface(tok, vocab_size=self.vocab_size,
+                                                           stop_token_ids=self._eos)
+            self._compiler = xgrammar.GrammarCompiler(info, max_threads=2, cache_enabled=False)
+        return self._compiler
+
+    # --- requests ------------------------------------------------------------------------------------
+    def submit(self, request) -> None:
+        """Start compiling ``request``'s grammar (or reuse the cached one); ``take_compiled`` hands the
+        request back once it can be scheduled."""
+        self._pending[request.request_id] = (request, self._compile_future(request.sampling.structured))
+
+    @property
+    def has_pending(self) -> bool:
+        return bool(self._pending)
+
+    def take_compiled(self, wait_s: float = 0.0) -> tuple[list, list[tuple[Any, str]]]:
+        """Requests whose grammar is ready (each now has a matcher), and those whose grammar failed,
+        with the reason. ``wait_s``: how long to wait for a first one when none is ready (an engine
+        with nothing else to run waits here instead of spinning)."""
+        if wait_s > 0:
+            wait([fut for _, fut in self._pending.values()], timeout=wait_s, return_when=FIRST_COMPLETED)
+        ready, failed = [], []
+        for rid, (req, fut) in list(self._pending.items()):
+            if not fut.done():
+                continue
+            del self._pending[rid]
+            error = fut.exception()
+            if error is not None:
+                failed.append((req, str(error) if isinstance(error, GrammarError)
+                               else f"structured output could not be set up: {error!r}"))
+                continue
+            import xgrammar
+
+            self._matchers[rid] = xgrammar.GrammarMatcher(fut.result())
+            ready.append(req)
+        return ready, failed
+
+    def drop_pending(self, request_ids: Sequence[str]) -> list:
+        """Requests still waiting for their grammar among ``request_ids``, removed."""
+        return [self._pending.pop(rid)[0] for rid in request_ids if rid in self._pending]
+
+    def remove(self, request_ids: Sequence[str]) -> None:
+        for rid in request_ids:
+            self._matchers.pop(rid, None)
+
+    # --- the step ------------------------------------------------------------------------------------
+    def fill_bitmasks(self, seqs: Sequence[ScheduledSeq]) -> None:
+        """Give each constrained sequence that samples this step the mask of the tokens its grammar
+        allows next."""
+        if not self._matchers:
+            return
+        import xgrammar
+
+        for s in seqs:
+            matcher = self._matchers.get(s.request_id)
+            if matcher is None or not s.samples:
+                continue
+            mask = xgrammar.allocate_token_bitmask(s.num_sample_rows, self.vocab_size)
+            matcher.fill_next_token_bitmask(mask, 0)
+            s.token_bitmask = mask
+
+    def accept(self, request_id: str, token_ids: Sequence[int]) -> None:
+        """Advance the request's matcher over its new tokens."""
+        matcher = self._matchers.get(request_id)
+        if matcher is None:
+            return
+        for t in token_ids:
+            if matcher.is_terminated():
+                break
+            if not matcher.accept_token(t):
+                # Only a stop token the grammar has not reached yet can get here (ignore_eos, max_tokens);
+                # the mask stops anything else. The request ends on that token anyway.
+                logger.debug("Request %s: token %d not accepted by its grammar", request_id, t)
+                break
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
