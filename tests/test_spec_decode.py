@@ -437,16 +437,20 @@ def test_draft_model_shares_the_kv_budget_and_rejects_another_vocabulary(tiny_ll
 @pytest.mark.slow
 def test_smollm2_greedy_outputs_equal_without_spec_decode_in_one_mixed_batch():
     """SmolLM2-135M-Instruct in float32: a batch of mixed lengths (a copy-heavy chat over this
-    repository's docs, which ngram drafts well, and short free-form prompts) gives the same tokens with
+    repository's README, which ngram drafts well, and short free-form prompts) gives the same tokens with
     ngram speculation as without."""
-    from pathlib import Path
-
     from kvloom.frontends.text import apply_chat_template
 
     plain = LLM(dtype="float32")
-    spec = LLM(dtype="float32", plugins=["spec_decode"], plugin_options={"spec_decode": {"num_speculative_tokens": 4}})
-    doc = (Path(__file__).resolve().parents[1] / "docs" / "plugins.md").read_text()
-    passage = " ".join(line for line in doc.splitlines() if line and not line.startswith(("#", "|", "`", "-")))[:500]
+    # The policy off: every step verifies drafts, so the parity below covers verification throughout
+    # (with it on, the free-form prompts' misses can stop drafting before the copy starts).
+    spec = LLM(dtype="float32", plugins=["spec_decode"],
+               plugin_options={"spec_decode": {"num_speculative_tokens": 4, "adaptive": False}})
+    # A fixed passage (after README's opening), not a live docs file: an edit to the docs must not change what
+    # the model copies. SmolLM2 copies it nearly verbatim, which ngram drafts.
+    passage = ("A pure-PyTorch LLM inference engine built from plugins. It serves open models to many concurrent "
+               "users, with a paged KV cache, continuous batching and chunked prefill, through an OpenAI-compatible "
+               "HTTP API, a ZeroMQ gateway for non-HTTP services, and an offline batch API.")
     tok = plain.tokenizer
     prompts = [apply_chat_template(tok, [{"role": "user", "content": "Repeat this passage exactly:\n\n" + passage}], True),
                tok.encode("The capital of Italy is"), tok.encode("def fibonacci(n):"),
