@@ -3,9 +3,6 @@ them down in order on SIGTERM (frontends drain first, then the engine). No proce
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
-import json
 import logging
 import os
 import secrets
@@ -16,8 +13,8 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Any
 
+from kvloom.child_process import launch_payload
 from kvloom.core.config import EngineConfig
 from kvloom.frontends.config import ServerConfig, zmq_address_is_loopback
 
@@ -25,47 +22,6 @@ logger = logging.getLogger("kvloom")
 
 POLL_S = 0.1
 ENGINE_STOP_TIMEOUT_S = 30.0
-
-
-# --- helpers for the child processes ---------------------------------------------------------------
-def bind_to_parent() -> None:
-    """Die with the parent (Linux): a launcher killed with SIGKILL must not leave an engine behind."""
-    if not sys.platform.startswith("linux"):
-        return
-    import ctypes
-
-    parent = os.getppid()
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        return
-    if os.getppid() != parent:  # the parent died before prctl took effect
-        os._exit(1)
-
-
-def read_launch_payload() -> dict[str, Any]:
-    """The launch settings a child gets as JSON on stdin (so an API key never shows in ``ps``)."""
-    return json.loads(sys.stdin.read() or "{}")
-
-
-def start_child(parser: argparse.ArgumentParser, argv: list[str] | None
-                ) -> tuple[argparse.Namespace, EngineConfig, ServerConfig]:
-    """The common start of every child process: parse its flags (plus ``--log-level``), set up logging,
-    die with the launcher, and read the engine and serving settings from stdin."""
-    parser.add_argument("--log-level", default="info")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    bind_to_parent()
-    payload = read_launch_payload()
-    args.engine_secret = payload.get("engine_secret")
-    return args, EngineConfig(**payload["engine"]), ServerConfig(**payload.get("server", {}))
-
-
-def launch_payload(engine: EngineConfig, server: ServerConfig, engine_secret: str | None = None) -> bytes:
-    payload = {"engine": dataclasses.asdict(engine), "server": dataclasses.asdict(server)}
-    if engine_secret is not None:
-        payload["engine_secret"] = engine_secret
-    return json.dumps(payload).encode()
 
 
 def exposed_binds(server: ServerConfig) -> list[str]:

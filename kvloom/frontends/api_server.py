@@ -301,7 +301,7 @@ def run_server(engine_address: str, engine_config: EngineConfig, server_config: 
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m kvloom.frontends.api_server --engine-address ADDR [--fd N]``, settings as JSON on stdin."""
-    from kvloom.launcher import start_child
+    from kvloom.child_process import start_child
 
     parser = argparse.ArgumentParser(prog="kvloom-api-server")
     parser.add_argument("--engine-address", required=True)
