@@ -15,7 +15,7 @@ import tempfile
 import time
 
 from kvloom.child_process import launch_payload
-from kvloom.core.config import EngineConfig
+from kvloom.core.config import ConfigError, EngineConfig
 from kvloom.frontends.config import ServerConfig, zmq_address_is_loopback
 
 logger = logging.getLogger("kvloom")
@@ -61,10 +61,11 @@ class Launcher:
         self.engine_config = engine
         self.server_config = server
         self.log_level = log_level
-        self.engine: subprocess.Popen | None = None
+        self.engines: list[subprocess.Popen] = []  # the data-parallel replicas, in order
         self.frontends: list[subprocess.Popen] = []
         self.signals: list[int] = []
         self.engine_lost = False
+        self.engines_lost: set[int] = set()
         # Frontends prove they belong to this launch with it, so no other local process can drive the
         # engine over TCP; it travels on the children's stdin, never in argv.
         self.engine_secret = secrets.token_hex(32)
@@ -88,21 +89,24 @@ class Launcher:
             signal.signal(sig, lambda signum, frame: self.signals.append(signum))
         private_dir = tempfile.mkdtemp(prefix="kvloom-")  # mode 0700: only this user reaches the sockets
         try:
-            address = cfg.engine_address or f"ipc://{private_dir}/engine.sock"
-            self.engine = self._spawn("kvloom.core.engine_process", ["--address", address])
+            addresses = engine_addresses(cfg, private_dir)
+            for replica, address in enumerate(addresses):
+                self.engines.append(self._spawn("kvloom.core.engine_process", ["--address", address],
+                                                env=replica_env(self.engine_config, replica, len(addresses))))
+            engine_args = [arg for address in addresses for arg in ("--engine-address", address)]
             fd = str(sock.fileno())
             metrics_env = api_worker_env(private_dir)
             for _ in range(cfg.api_workers):
-                self.frontends.append(self._spawn("kvloom.frontends.api_server",
-                                                  ["--engine-address", address, "--fd", fd], (sock.fileno(),),
-                                                  metrics_env))
+                self.frontends.append(self._spawn("kvloom.frontends.api_server", [*engine_args, "--fd", fd],
+                                                  (sock.fileno(),), metrics_env))
             if cfg.gateway:
                 self.frontends.append(self._spawn("kvloom.frontends.gateway",
-                                                  ["--engine-address", address, "--address", cfg.gateway]))
+                                                  [*engine_args, "--address", cfg.gateway]))
             host, port = sock.getsockname()[:2]
             sock.close()  # the workers hold their own copies
-            logger.info("Serving the OpenAI API on http://%s:%d with %d worker(s)%s; engine at %s", host, port,
-                        cfg.api_workers, f" and the ZMQ gateway on {cfg.gateway}" if cfg.gateway else "", address)
+            logger.info("Serving the OpenAI API on http://%s:%d with %d worker(s)%s; engine%s at %s", host, port,
+                        cfg.api_workers, f" and the ZMQ gateway on {cfg.gateway}" if cfg.gateway else "",
+                        "s" if len(addresses) > 1 else "", ", ".join(addresses))
             return self._watch()
         finally:
             sock.close()
@@ -124,10 +128,17 @@ class Launcher:
             time.sleep(POLL_S)
 
     def _check_engine(self) -> None:
-        if self.engine is not None and self.engine.poll() is not None and not self.engine_lost:
+        for replica, engine in enumerate(self.engines):
+            if engine.poll() is None or replica in self.engines_lost:
+                continue
+            self.engines_lost.add(replica)
             self.engine_lost = True
-            logger.error("The engine process exited with code %s (its error is above); requests now get "
-                         "503 until the server is restarted", self.engine.returncode)
+            if len(self.engines) == 1:
+                logger.error("The engine process exited with code %s (its error is above); requests now get "
+                             "503 until the server is restarted", engine.returncode)
+            else:
+                logger.error("Engine replica %d exited with code %s (its error is above); the other replicas "
+                             "serve on, /health reports degraded", replica, engine.returncode)
 
     def _shutdown(self) -> int:
         """Frontends first (they stop accepting and finish their requests), then the engine."""
@@ -136,9 +147,9 @@ class Launcher:
         for p in self.frontends:
             _signal(p, signal.SIGTERM)
         self._wait(self.frontends, drain + 10.0)
-        if self.engine is not None:
-            _signal(self.engine, signal.SIGTERM)
-            self._wait([self.engine], ENGINE_STOP_TIMEOUT_S)
+        for engine in self.engines:
+            _signal(engine, signal.SIGTERM)
+        self._wait(self.engines, ENGINE_STOP_TIMEOUT_S)
         return 1 if self.engine_lost else 0
 
     def _wait(self, procs: list[subprocess.Popen], timeout: float) -> None:
@@ -155,10 +166,32 @@ class Launcher:
             time.sleep(POLL_S)
 
     def _stop_all(self) -> None:
-        for p in [*self.frontends, self.engine]:
-            if p is not None and p.poll() is None:
+        for p in [*self.frontends, *self.engines]:
+            if p.poll() is None:
                 _signal(p, signal.SIGKILL)
                 p.wait()
+
+
+def engine_addresses(server: ServerConfig, private_dir: str) -> list[str]:
+    """One ZeroMQ address per data-parallel replica (an explicit engine_address allows only one)."""
+    if server.engine_address is not None:
+        return [server.engine_address]
+    if server.data_parallel_size == 1:
+        return [f"ipc://{private_dir}/engine.sock"]
+    return [f"ipc://{private_dir}/engine-{i}.sock" for i in range(server.data_parallel_size)]
+
+
+def replica_env(engine: EngineConfig, replica: int, num_replicas: int) -> dict[str, str] | None:
+    """Replica ``replica``'s environment: on GPUs it sees only its own device (the i-th of those this
+    launch may use); on the CPU the replicas share the cores, so nothing changes."""
+    if num_replicas == 1 or engine.device == "cpu":
+        return None
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    devices = visible.split(",") if visible else [str(i) for i in range(num_replicas)]
+    if len(devices) < num_replicas:
+        raise ConfigError(f"data_parallel_size={num_replicas} needs {num_replicas} GPUs, but "
+                          f"CUDA_VISIBLE_DEVICES={visible} names {len(devices)}")
+    return {**os.environ, "CUDA_VISIBLE_DEVICES": devices[replica]}
 
 
 def api_worker_env(private_dir: str) -> dict[str, str]:

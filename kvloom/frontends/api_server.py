@@ -218,7 +218,12 @@ class OpenAIServer:
         client = self.core.client
         if not client.healthy:
             raise RequestError(503, f"the engine is unavailable: {client.unavailable_reason}")
-        return json_response({"status": "ok"})
+        if len(client.replicas) == 1:
+            return json_response({"status": "ok"})
+        # Some replicas may be out: still 200 (the server serves), but say which are.
+        replicas = client.replica_states()
+        degraded = any(not r["healthy"] for r in replicas)
+        return json_response({"status": "degraded" if degraded else "ok", "replicas": replicas})
 
     async def version(self, request: Request):
         return json_response({"version": kvloom.__version__})
@@ -241,7 +246,7 @@ class OpenAIServer:
 
 
 # --- process ---------------------------------------------------------------------------------------
-def build_app(engine_address: str, engine_config: EngineConfig, server_config: ServerConfig,
+def build_app(engine_address: str | list[str], engine_config: EngineConfig, server_config: ServerConfig,
               engine_secret: str | None = None) -> Starlette:
     server = OpenAIServer(server_config)
 
@@ -272,7 +277,7 @@ def build_app(engine_address: str, engine_config: EngineConfig, server_config: S
     return app
 
 
-def run_server(engine_address: str, engine_config: EngineConfig, server_config: ServerConfig,
+def run_server(engine_address: str | list[str], engine_config: EngineConfig, server_config: ServerConfig,
                sock: socket.socket | None = None, log_level: str = "info", engine_secret: str | None = None) -> int:
     import uvicorn
 
@@ -304,7 +309,8 @@ def main(argv: list[str] | None = None) -> int:
     from kvloom.child_process import start_child
 
     parser = argparse.ArgumentParser(prog="kvloom-api-server")
-    parser.add_argument("--engine-address", required=True)
+    parser.add_argument("--engine-address", required=True, action="append",
+                        help="An engine to feed; repeated for data-parallel replicas.")
     parser.add_argument("--fd", type=int, help="An inherited, bound socket to listen on.")
     args, engine, server = start_child(parser, argv)
     sock = socket.socket(fileno=args.fd) if args.fd is not None else None

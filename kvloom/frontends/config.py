@@ -15,6 +15,7 @@ from typing import Any
 from kvloom.core.config import ConfigError, _opt
 
 LOOPBACK = "127.0.0.1"
+ROUTING_POLICIES = ("prefix_affinity", "least_loaded", "round_robin")
 
 
 def check_field_types(config) -> None:
@@ -90,6 +91,13 @@ class ServerConfig:
     api_workers: int = _opt(1, "HTTP frontend processes, all feeding the one engine process.")
     api_key: str | None = _opt(None, "Require 'Authorization: Bearer KEY' on /v1 routes (put it in the "
                                "config file to keep it out of the process list).")
+    data_parallel_size: int = _opt(1, "Engine processes of the model (replicas), one per GPU (CUDA_VISIBLE_DEVICES "
+                                   "per engine; on the CPU, processes that share the cores); the frontends "
+                                   "route between them.")
+    routing_policy: str = _opt("prefix_affinity", "How frontends pick a replica: prefix_affinity (the one that "
+                               "served the prompt's first KV blocks, unless overloaded; else the least loaded), "
+                               "least_loaded, or round_robin.",
+                               choices=ROUTING_POLICIES)
     served_model_name: str | None = _opt(None, "The model name clients use (default: --model as given).")
     chat_template: str | None = _opt(None, "A Jinja chat template (a file, or the template itself) used instead "
                                      "of the model's; a request's own chat_template wins.")
@@ -122,7 +130,7 @@ class ServerConfig:
         check_field_types(self)
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"port={self.port} must be in [0, 65535]")
-        for name in ("api_workers", "max_pending_requests"):
+        for name in ("api_workers", "max_pending_requests", "data_parallel_size"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}={getattr(self, name)} must be >= 1")
         for name in ("request_timeout", "drain_timeout", "engine_start_timeout", "max_request_body_mb",
@@ -135,6 +143,12 @@ class ServerConfig:
             value = getattr(self, name)
             if value is not None:
                 check_zmq_address(name, value)
+        if self.routing_policy not in ROUTING_POLICIES:
+            raise ConfigError(f"routing_policy={self.routing_policy!r} must be one of {', '.join(ROUTING_POLICIES)}")
+        if self.data_parallel_size > 1 and self.engine_address is not None:
+            raise ConfigError(f"engine_address={self.engine_address!r} names one engine, but data_parallel_size="
+                              f"{self.data_parallel_size} starts several: leave engine_address unset (each replica "
+                              "gets its own ipc:// socket)")
         if self.gateway is not None and self.gateway == self.engine_address:
             raise ConfigError(f"gateway and engine_address are both {self.gateway!r}: give them different addresses")
 

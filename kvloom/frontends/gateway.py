@@ -197,7 +197,7 @@ class Gateway:
                     task.cancel()
 
 
-async def run_gateway(engine_address: str, address: str, engine: EngineConfig, server: ServerConfig,
+async def run_gateway(engine_address: str | list[str], address: str, engine: EngineConfig, server: ServerConfig,
                       engine_secret: str | None = None) -> int:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -219,7 +219,8 @@ def main(argv: list[str] | None = None) -> int:
     from kvloom.child_process import start_child
 
     parser = argparse.ArgumentParser(prog="kvloom-gateway")
-    parser.add_argument("--engine-address", required=True)
+    parser.add_argument("--engine-address", required=True, action="append",
+                        help="An engine to feed; repeated for data-parallel replicas.")
     parser.add_argument("--address", required=True, help="Where clients connect, e.g. ipc:///tmp/kvloom.sock.")
     args, engine, server = start_child(parser, argv)
     main_coro = run_gateway(args.engine_address, args.address, engine, server, args.engine_secret)
