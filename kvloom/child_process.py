@@ -47,11 +47,15 @@ def start_child(parser: argparse.ArgumentParser, argv: list[str] | None
     bind_to_parent()
     payload = read_launch_payload()
     args.engine_secret = payload.get("engine_secret")
+    args.models = payload.get("models")  # several served models: [{"name", "engine", "addresses"}]
     return args, EngineConfig(**payload["engine"]), ServerConfig(**payload.get("server", {}))
 
 
-def launch_payload(engine: EngineConfig, server: ServerConfig, engine_secret: str | None = None) -> bytes:
-    payload = {"engine": dataclasses.asdict(engine), "server": dataclasses.asdict(server)}
+def launch_payload(engine: EngineConfig, server: ServerConfig, engine_secret: str | None = None,
+                   models: list[dict[str, Any]] | None = None) -> bytes:
+    payload: dict[str, Any] = {"engine": dataclasses.asdict(engine), "server": dataclasses.asdict(server)}
+    if models is not None:
+        payload["models"] = models
     if engine_secret is not None:
         payload["engine_secret"] = engine_secret
     return json.dumps(payload).encode()

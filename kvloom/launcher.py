@@ -17,6 +17,7 @@ import time
 from kvloom.child_process import launch_payload
 from kvloom.core.config import ConfigError, EngineConfig
 from kvloom.frontends.config import ServerConfig, zmq_address_is_loopback
+from kvloom.served_models import ServedModel
 
 logger = logging.getLogger("kvloom")
 
@@ -57,9 +58,11 @@ def bind_http_socket(host: str, port: int) -> socket.socket:
 class Launcher:
     """Parent of the engine process and of every frontend process."""
 
-    def __init__(self, engine: EngineConfig, server: ServerConfig, log_level: str = "info") -> None:
+    def __init__(self, engine: EngineConfig, server: ServerConfig, log_level: str = "info",
+                 models: list[ServedModel] | None = None) -> None:
         self.engine_config = engine
         self.server_config = server
+        self.models = models  # several served models, each with its own engines; None: the one model
         self.log_level = log_level
         self.engines: list[subprocess.Popen] = []  # the data-parallel replicas, in order
         self.frontends: list[subprocess.Popen] = []
@@ -71,12 +74,12 @@ class Launcher:
         self.engine_secret = secrets.token_hex(32)
 
     def _spawn(self, module: str, args: list[str], pass_fds: tuple[int, ...] = (),
-               env: dict[str, str] | None = None) -> subprocess.Popen:
+               env: dict[str, str] | None = None, payload: bytes | None = None) -> subprocess.Popen:
         proc = subprocess.Popen(
             [sys.executable, "-m", module, *args, "--log-level", self.log_level],
             stdin=subprocess.PIPE, pass_fds=pass_fds, env=env,
         )
-        proc.stdin.write(launch_payload(self.engine_config, self.server_config, self.engine_secret))
+        proc.stdin.write(payload or launch_payload(self.engine_config, self.server_config, self.engine_secret))
         proc.stdin.close()
         return proc
 
@@ -89,19 +92,19 @@ class Launcher:
             signal.signal(sig, lambda signum, frame: self.signals.append(signum))
         private_dir = tempfile.mkdtemp(prefix="kvloom-")  # mode 0700: only this user reaches the sockets
         try:
-            addresses = engine_addresses(cfg, private_dir)
-            for replica, address in enumerate(addresses):
-                self.engines.append(self._spawn("kvloom.core.engine_process", ["--address", address],
-                                                env=replica_env(self.engine_config, replica, len(addresses))))
+            addresses = self._start_engines(private_dir)
             engine_args = [arg for address in addresses for arg in ("--engine-address", address)]
+            payload = None
+            if self.models is not None:  # every frontend serves every model
+                payload = launch_payload(self.engine_config, cfg, self.engine_secret, self.model_table)
             fd = str(sock.fileno())
             metrics_env = api_worker_env(private_dir)
             for _ in range(cfg.api_workers):
                 self.frontends.append(self._spawn("kvloom.frontends.api_server", [*engine_args, "--fd", fd],
-                                                  (sock.fileno(),), metrics_env))
+                                                  (sock.fileno(),), metrics_env, payload))
             if cfg.gateway:
                 self.frontends.append(self._spawn("kvloom.frontends.gateway",
-                                                  [*engine_args, "--address", cfg.gateway]))
+                                                  [*engine_args, "--address", cfg.gateway], payload=payload))
             host, port = sock.getsockname()[:2]
             sock.close()  # the workers hold their own copies
             logger.info("Serving the OpenAI API on http://%s:%d with %d worker(s)%s; engine%s at %s", host, port,
@@ -112,6 +115,26 @@ class Launcher:
             sock.close()
             self._stop_all()
             shutil.rmtree(private_dir, ignore_errors=True)
+
+    def _start_engines(self, private_dir: str) -> list[str]:
+        """Start every engine (each model's data-parallel replicas); the first model's addresses."""
+        cfg = self.server_config
+        if self.models is None:
+            addresses = engine_addresses(cfg, private_dir)
+            for replica, address in enumerate(addresses):
+                self.engines.append(self._spawn("kvloom.core.engine_process", ["--address", address],
+                                                env=replica_env(self.engine_config, replica, len(addresses))))
+            return addresses
+        self.model_table = []
+        for j, model in enumerate(self.models):
+            addresses = [f"ipc://{private_dir}/engine-m{j}-{i}.sock" for i in range(cfg.data_parallel_size)]
+            payload = launch_payload(model.engine, cfg.replace(served_model_name=model.name), self.engine_secret)
+            for replica, address in enumerate(addresses):
+                self.engines.append(self._spawn("kvloom.core.engine_process", ["--address", address],
+                                                env=replica_env(model.engine, replica, len(addresses)),
+                                                payload=payload))
+            self.model_table.append({**model.to_dict(), "addresses": addresses})
+        return self.model_table[0]["addresses"]
 
     def _watch(self) -> int:
         while True:
@@ -212,5 +235,6 @@ def _signal(proc: subprocess.Popen, sig: int) -> None:
             pass
 
 
-def serve(engine: EngineConfig, server: ServerConfig, log_level: str = "info") -> int:
-    return Launcher(engine, server, log_level).run()
+def serve(engine: EngineConfig, server: ServerConfig, log_level: str = "info",
+          models: list[ServedModel] | None = None) -> int:
+    return Launcher(engine, server, log_level, models).run()
