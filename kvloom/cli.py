@@ -216,6 +216,9 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--gpu-memory", type=float, metavar="GiB", help="Memory of one GPU (a GPU plan).")
     plan.add_argument("--tensor-parallel-sizes", default="1,2,4,8", metavar="N,N",
                       help="GPU plan: tensor-parallel sizes to show (those that split the heads evenly).")
+    plan.add_argument("--data-parallel-sizes", default="1", metavar="N,N",
+                      help="Also show N replicas (--data-parallel-size N) of each row: GPUs, memory and KV "
+                           "capacity of them all.")
     plan.add_argument("--json", action="store_true", help="Print JSON instead of text.")
     add_engine_flags(plan)
     return parser

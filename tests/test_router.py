@@ -146,3 +146,27 @@ def test_replicas_must_agree_on_the_model():
 def test_unknown_policy_is_refused():
     with pytest.raises(ValueError, match="routing policy 'random' is not one of"):
         EngineRouter(["a"], policy="random")
+
+
+def test_plan_rows_for_data_parallel_replicas(tmp_path, capsys):
+    import json
+
+    from benchmarks.shapes import SHAPES
+    from kvloom.cli import main
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(SHAPES["llama-2-7b"]))
+    assert main(["plan", "--config-json", str(path), "--gpu-memory", "80", "--tensor-parallel-sizes", "1,2",
+                 "--data-parallel-sizes", "1,4", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    by_tp = {r["tensor_parallel"]: r for r in plan["rows"]}
+    assert [(r["data_parallel"], r["tensor_parallel"], r["devices"]) for r in plan["replicas"]] == [(4, 1, 4), (4, 2, 8)]
+    for r in plan["replicas"]:  # four whole engines: four times one engine's capacity and weights
+        assert r["kv_tokens"] == 4 * by_tp[r["tensor_parallel"]]["kv_tokens"]
+        assert r["weight_bytes"] == 4 * plan["weight_bytes"]
+        assert r["max_concurrency"] == pytest.approx(4 * by_tp[r["tensor_parallel"]]["max_concurrency"], rel=1e-3)
+    assert main(["plan", "--config-json", str(path), "--gpu-memory", "80", "--data-parallel-sizes", "2"]) == 0
+    text = capsys.readouterr().out
+    assert "DP" in text and "KV tokens (all)" in text
+    assert main(["plan", "--config-json", str(path), "--gpu-memory", "80", "--data-parallel-sizes", "0"]) == 2
+    assert "--data-parallel-sizes='0': give sizes >= 1" in capsys.readouterr().err
