@@ -150,6 +150,9 @@ def served_models_from_args(args: argparse.Namespace, config: EngineConfig,
                 raise ConfigError(f"--model {flags[0]!r} names the model already; leave out served_model_name")
             server = server.replace(served_model_name=name)
         return None, server
+    if server.ray_address is not None:
+        raise ConfigError("ray_address runs the replicas of one model; serving several models on Ray is not "
+                          "supported yet")
     if server.engine_address is not None:
         raise ConfigError(f"engine_address={server.engine_address!r} names one engine, but several models start "
                           "several: leave it unset (each engine gets its own ipc:// socket)")

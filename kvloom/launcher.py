@@ -16,13 +16,14 @@ import time
 
 from kvloom.child_process import launch_payload
 from kvloom.core.config import ConfigError, EngineConfig
-from kvloom.frontends.config import ServerConfig, zmq_address_is_loopback
+from kvloom.frontends.config import LOOPBACK, ServerConfig, zmq_address_is_loopback
 from kvloom.served_models import ServedModel
 
 logger = logging.getLogger("kvloom")
 
 POLL_S = 0.1
 ENGINE_STOP_TIMEOUT_S = 30.0
+RAY_CHECK_INTERVAL_S = 2.0
 
 
 def exposed_binds(server: ServerConfig) -> list[str]:
@@ -69,6 +70,8 @@ class Launcher:
         self.signals: list[int] = []
         self.engine_lost = False
         self.engines_lost: set[int] = set()
+        self.ray_replicas = None  # RayReplicas when ray_address is set: the engines are Ray actors
+        self._next_ray_check = 0.0
         # Frontends prove they belong to this launch with it, so no other local process can drive the
         # engine over TCP; it travels on the children's stdin, never in argv.
         self.engine_secret = secrets.token_hex(32)
@@ -88,8 +91,7 @@ class Launcher:
         for warning in exposed_binds(cfg):
             logger.warning(warning)
         sock = bind_http_socket(cfg.host, cfg.port)
-        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-            signal.signal(sig, lambda signum, frame: self.signals.append(signum))
+        self._catch_signals()
         private_dir = tempfile.mkdtemp(prefix="kvloom-")  # mode 0700: only this user reaches the sockets
         try:
             addresses = self._start_engines(private_dir)
@@ -116,9 +118,24 @@ class Launcher:
             self._stop_all()
             shutil.rmtree(private_dir, ignore_errors=True)
 
+    def _catch_signals(self) -> None:
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            signal.signal(sig, lambda signum, frame: self.signals.append(signum))
+
     def _start_engines(self, private_dir: str) -> list[str]:
         """Start every engine (each model's data-parallel replicas); the first model's addresses."""
         cfg = self.server_config
+        if cfg.ray_address is not None:
+            from kvloom.ray_replicas import RayReplicas
+
+            self.ray_replicas = RayReplicas(
+                cfg.ray_address, launch_payload(self.engine_config, cfg, self.engine_secret), cfg.data_parallel_size,
+                num_gpus=1.0 if self.engine_config.device == "cuda" else 0.0,
+                host=LOOPBACK if cfg.ray_address == "local" else None, log_level=self.log_level)
+            addresses = self.ray_replicas.start()
+            self._catch_signals()  # ray.init installs its own SIGTERM handler (exit at once): drain instead
+            logger.info("%d engine replica(s) run as Ray actors (%s)", len(addresses), cfg.ray_address)
+            return addresses
         if self.models is None:
             addresses = engine_addresses(cfg, private_dir)
             for replica, address in enumerate(addresses):
@@ -151,17 +168,21 @@ class Launcher:
             time.sleep(POLL_S)
 
     def _check_engine(self) -> None:
-        for replica, engine in enumerate(self.engines):
-            if engine.poll() is None or replica in self.engines_lost:
+        codes = [engine.poll() for engine in self.engines]
+        if self.ray_replicas is not None and self.ray_replicas.actors and time.monotonic() >= self._next_ray_check:
+            self._next_ray_check = time.monotonic() + RAY_CHECK_INTERVAL_S  # each check is a round trip
+            codes = self.ray_replicas.exit_codes()
+        for replica, code in enumerate(codes):
+            if code is None or replica in self.engines_lost:
                 continue
             self.engines_lost.add(replica)
             self.engine_lost = True
             if len(self.engines) == 1:
                 logger.error("The engine process exited with code %s (its error is above); requests now get "
-                             "503 until the server is restarted", engine.returncode)
+                             "503 until the server is restarted", code)
             else:
                 logger.error("Engine replica %d exited with code %s (its error is above); the other replicas "
-                             "serve on, /health reports degraded", replica, engine.returncode)
+                             "serve on, /health reports degraded", replica, code)
 
     def _shutdown(self) -> int:
         """Frontends first (they stop accepting and finish their requests), then the engine."""
@@ -173,6 +194,8 @@ class Launcher:
         for engine in self.engines:
             _signal(engine, signal.SIGTERM)
         self._wait(self.engines, ENGINE_STOP_TIMEOUT_S)
+        if self.ray_replicas is not None:
+            self.ray_replicas.stop()
         return 1 if self.engine_lost else 0
 
     def _wait(self, procs: list[subprocess.Popen], timeout: float) -> None:
@@ -193,6 +216,8 @@ class Launcher:
             if p.poll() is None:
                 _signal(p, signal.SIGKILL)
                 p.wait()
+        if self.ray_replicas is not None and self.ray_replicas.actors:
+            self.ray_replicas.stop()
 
 
 def engine_addresses(server: ServerConfig, private_dir: str) -> list[str]:

@@ -98,6 +98,9 @@ class ServerConfig:
                                "served the prompt's first KV blocks, unless overloaded; else the least loaded), "
                                "least_loaded, or round_robin.",
                                choices=ROUTING_POLICIES)
+    ray_address: str | None = _opt(None, "Run the data-parallel replicas as Ray actors on this Ray cluster (local: a "
+                                   "cluster of this machine, started and stopped with the server; auto; or "
+                                   "ray://HOST:PORT); with --device cuda each replica gets one GPU. Needs kvloom[ray].")
     served_model_name: str | None = _opt(None, "The model name clients use (default: --model as given).")
     chat_template: str | None = _opt(None, "A Jinja chat template (a file, or the template itself) used instead "
                                      "of the model's; a request's own chat_template wins.")
@@ -149,6 +152,9 @@ class ServerConfig:
             raise ConfigError(f"engine_address={self.engine_address!r} names one engine, but data_parallel_size="
                               f"{self.data_parallel_size} starts several: leave engine_address unset (each replica "
                               "gets its own ipc:// socket)")
+        if self.ray_address is not None and self.engine_address is not None:
+            raise ConfigError(f"engine_address={self.engine_address!r} and ray_address={self.ray_address!r}: the Ray "
+                              "replicas bind their own addresses on their nodes; leave engine_address unset")
         if self.gateway is not None and self.gateway == self.engine_address:
             raise ConfigError(f"gateway and engine_address are both {self.gateway!r}: give them different addresses")
 
