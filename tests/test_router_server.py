@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from tests.server_utils import EngineServer, cmdline, metric_samples
+from tests.server_utils import EngineServer, alive, cmdline, metric_samples
 
 NUM_BLOCKS = 256
 
@@ -143,3 +143,11 @@ def test_killed_replica_fails_its_requests_the_other_serves_on(servers):
     assert "went away" in states["replicas"][0]["reason"]
     for _ in range(4):  # every new request goes to the live replica
         assert complete(server, [9, 10, 11], 4)["choices"][0]["finish_reason"] == "length"
+
+    # SIGTERM drains what is left and stops every process; the lost replica makes the exit non-zero.
+    children = server.descendants()
+    assert server.stop(timeout=60) == 1
+    deadline = time.monotonic() + 10
+    while any(alive(pid) for pid in children):
+        assert time.monotonic() < deadline, f"orphans left: {[p for p in children if alive(p)]}"
+        time.sleep(0.1)
