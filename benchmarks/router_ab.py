@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import subprocess
 import sys
 import tempfile
@@ -32,16 +33,21 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=2, help="CPU threads of the host shared by the engines.")
     p.add_argument("--num-requests", type=int, default=48)
     p.add_argument("--concurrency", type=int, default=8)
-    p.add_argument("--num-prefixes", type=int, default=6)
+    # Odd: with an even count, round-robin over 2 replicas would send each prefix to one replica by accident.
+    p.add_argument("--num-prefixes", type=int, default=5)
     p.add_argument("--prefix-len", type=int, default=384)
     p.add_argument("--input-len", type=int, default=32)
     p.add_argument("--output-len", type=int, default=16)
+    p.add_argument("--arms", default="0,1,2", help="Which arms to run (0: 1 engine, 1: affinity, 2: round-robin).")
     p.add_argument("--output-json", help="Write every arm's figures here.")
     args = p.parse_args()
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(1))  # so the servers below are stopped
     tmp = Path(tempfile.mkdtemp(prefix="kvloom-router-ab-"))
     model = ["--model", args.model] if args.model else []
     runs = []
     for i, (name, flags, replicas) in enumerate(ARMS):
+        if str(i) not in args.arms.split(","):
+            continue
         threads = max(1, args.threads // replicas)
         server = ServerProcess([*model, "--plugins", "prefix_cache", "--threads", str(threads),
                                 "--kv-cache-memory-gib", "0.5", *flags], tmp / f"server-{i}.log")
@@ -63,7 +69,7 @@ def main() -> int:
         print(f"{name}: {level['request_throughput']:.2f} req/s, {level['output_throughput']:.1f} output tok/s, "
               f"TTFT p50 {level['ttft_ms']['p50']:.0f} ms, E2E p50 {level['e2e_ms']['p50']:.0f} ms, "
               f"prefix-cache hit rate {hit:.3f}", flush=True)
-    base = runs[0]
+    base = runs[0]  # the x column is against the first arm run
     print(f"\n{'arm':<30} {'req/s':>7} {'x':>6} {'TTFT p50':>9} {'E2E p50':>8} {'hit rate':>9}")
     for r in runs:
         print(f"{r['arm']:<30} {r['request_throughput']:>7.2f} {r['request_throughput'] / base['request_throughput']:>6.2f} "
