@@ -17,6 +17,13 @@ from typing import Any
 
 from kvloom.core.config import OFFLINE_MAX_NUM_BATCHED_TOKENS, ConfigError, EngineConfig, _split_names
 from kvloom.frontends.config import ServerConfig, check_field_types
+from kvloom.served_models import (
+    ServedModel,
+    check_memory_shares,
+    models_from_flags,
+    models_from_tables,
+    split_model_flag,
+)
 from kvloom.vllm_flags import add_vllm_flags, apply_vllm_flags
 
 
@@ -43,6 +50,8 @@ def add_config_flags(group, cls, skip: tuple[str, ...] = (), shown_defaults: dic
             kw["choices"] = f.metadata["choices"]
         if hint is bool:
             kw["action"] = argparse.BooleanOptionalAction
+        elif f.name == "model":  # serving takes several: --model NAME=PATH, repeated
+            kw["action"] = "append"
         elif f.name == "plugins":
             kw["type"] = _split_names
             kw["metavar"] = "A,B"
@@ -95,6 +104,7 @@ def _read_config_file(args: argparse.Namespace) -> tuple[dict[str, Any], dict[st
         return {}, {}
     with open(path, "rb") as f:
         data = tomllib.load(f)
+    data.pop("models", None)  # [[models]] tables: see served_models_from_args
     server_keys = ServerConfig.keys()
     return ({k: v for k, v in data.items() if k not in server_keys},
             {k: v for k, v in data.items() if k in server_keys})
@@ -106,10 +116,50 @@ def _given(args: argparse.Namespace, cls) -> dict[str, Any]:
 
 def config_from_args(args: argparse.Namespace) -> EngineConfig:
     engine_keys, _ = _read_config_file(args)
-    config = EngineConfig.from_dict(engine_keys).replace(**_given(args, EngineConfig))
+    given = _given(args, EngineConfig)
+    model_flags = given.pop("model", None)  # a list: serving may take several (served_models_from_args)
+    if model_flags:
+        given["model"] = split_model_flag(model_flags[0])[1]
+    config = EngineConfig.from_dict(engine_keys).replace(**given)
     check_field_types(config)  # a wrong type names its key, not a failed comparison
     config.validate()
     return config
+
+
+def served_models_from_args(args: argparse.Namespace, config: EngineConfig,
+                            server: ServerConfig) -> tuple[list[ServedModel] | None, ServerConfig]:
+    """The models to serve when there are several (``[[models]]`` tables or repeated ``--model
+    NAME=PATH``), else None; one ``--model NAME=PATH`` just names the one model."""
+    flags = getattr(args, "model", None) or []
+    path = getattr(args, "config", None)
+    tables = None
+    if path:
+        with open(path, "rb") as f:
+            tables = tomllib.load(f).get("models")
+    if tables is not None and flags:
+        raise ConfigError("give the served models either as [[models]] tables in the config file or as --model "
+                          "flags, not both")
+    if tables is not None:
+        models = models_from_tables(tables, config)
+    elif len(flags) > 1:
+        models = models_from_flags(flags, config)
+    else:
+        name = split_model_flag(flags[0])[0] if flags else None
+        if name is not None:
+            if server.served_model_name is not None:
+                raise ConfigError(f"--model {flags[0]!r} names the model already; leave out served_model_name")
+            server = server.replace(served_model_name=name)
+        return None, server
+    if server.ray_address is not None:
+        raise ConfigError("ray_address runs the replicas of one model; serving several models on Ray is not "
+                          "supported yet")
+    if server.engine_address is not None:
+        raise ConfigError(f"engine_address={server.engine_address!r} names one engine, but several models start "
+                          "several: leave it unset (each engine gets its own ipc:// socket)")
+    if server.served_model_name is not None:
+        raise ConfigError("served_model_name names the one model of a server; with several models each has "
+                          "its own name ([[models]] name, or --model NAME=PATH)")
+    return models, server
 
 
 def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
@@ -169,6 +219,9 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--gpu-memory", type=float, metavar="GiB", help="Memory of one GPU (a GPU plan).")
     plan.add_argument("--tensor-parallel-sizes", default="1,2,4,8", metavar="N,N",
                       help="GPU plan: tensor-parallel sizes to show (those that split the heads evenly).")
+    plan.add_argument("--data-parallel-sizes", default="1", metavar="N,N",
+                      help="Also show N replicas (--data-parallel-size N) of each row: GPUs, memory and KV "
+                           "capacity of them all.")
     plan.add_argument("--json", action="store_true", help="Print JSON instead of text.")
     add_engine_flags(plan)
     return parser
@@ -213,6 +266,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = apply_vllm_flags(args, config_from_args(args))
         server = server_config_from_args(args) if args.command is None else None
+        models = None
+        if server is not None:
+            models, server = served_models_from_args(args, config, server)
+            if models is not None:
+                check_memory_shares(models, serving_device(config))
+        elif len(getattr(args, "model", None) or []) > 1:
+            raise ConfigError(f"engine {args.command} runs one model: give --model once")
         # unknown plugins and conflicts fail before a model loads (plan checks --quantization itself: its
         # model may be a --config-json, not --model)
         plugins = PluginManager.from_config(config.replace(quantization=None) if args.command == "plan" else config)
@@ -243,12 +303,21 @@ def main(argv: list[str] | None = None) -> int:
     from kvloom.launcher import serve
 
     try:
-        resolve_model(config.model)  # a wrong path fails here, not in three processes at once
+        for model in [m.engine.model for m in models] if models else [config.model]:
+            resolve_model(model)  # a wrong path fails here, not in three processes at once
         check_chat_template(server)
-        return serve(config, server, args.log_level)
+        return serve(config, server, args.log_level, models)
     except (OSError, ValueError) as e:
         print(f"engine: error: {e}", file=sys.stderr)
         return 2
+
+
+def serving_device(config: EngineConfig) -> str:
+    if config.device != "auto":
+        return config.device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def check_chat_template(server: ServerConfig) -> None:

@@ -3,9 +3,6 @@ them down in order on SIGTERM (frontends drain first, then the engine). No proce
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
-import json
 import logging
 import os
 import secrets
@@ -16,56 +13,17 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Any
 
-from kvloom.core.config import EngineConfig
-from kvloom.frontends.config import ServerConfig, zmq_address_is_loopback
+from kvloom.child_process import launch_payload
+from kvloom.core.config import ConfigError, EngineConfig
+from kvloom.frontends.config import LOOPBACK, ServerConfig, zmq_address_is_loopback
+from kvloom.served_models import ServedModel
 
 logger = logging.getLogger("kvloom")
 
 POLL_S = 0.1
 ENGINE_STOP_TIMEOUT_S = 30.0
-
-
-# --- helpers for the child processes ---------------------------------------------------------------
-def bind_to_parent() -> None:
-    """Die with the parent (Linux): a launcher killed with SIGKILL must not leave an engine behind."""
-    if not sys.platform.startswith("linux"):
-        return
-    import ctypes
-
-    parent = os.getppid()
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        return
-    if os.getppid() != parent:  # the parent died before prctl took effect
-        os._exit(1)
-
-
-def read_launch_payload() -> dict[str, Any]:
-    """The launch settings a child gets as JSON on stdin (so an API key never shows in ``ps``)."""
-    return json.loads(sys.stdin.read() or "{}")
-
-
-def start_child(parser: argparse.ArgumentParser, argv: list[str] | None
-                ) -> tuple[argparse.Namespace, EngineConfig, ServerConfig]:
-    """The common start of every child process: parse its flags (plus ``--log-level``), set up logging,
-    die with the launcher, and read the engine and serving settings from stdin."""
-    parser.add_argument("--log-level", default="info")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    bind_to_parent()
-    payload = read_launch_payload()
-    args.engine_secret = payload.get("engine_secret")
-    return args, EngineConfig(**payload["engine"]), ServerConfig(**payload.get("server", {}))
-
-
-def launch_payload(engine: EngineConfig, server: ServerConfig, engine_secret: str | None = None) -> bytes:
-    payload = {"engine": dataclasses.asdict(engine), "server": dataclasses.asdict(server)}
-    if engine_secret is not None:
-        payload["engine_secret"] = engine_secret
-    return json.dumps(payload).encode()
+RAY_CHECK_INTERVAL_S = 2.0
 
 
 def exposed_binds(server: ServerConfig) -> list[str]:
@@ -102,27 +60,32 @@ def bind_http_socket(host: str, port: int) -> socket.socket:
 class Launcher:
     """Parent of the engine process and of every frontend process."""
 
-    def __init__(self, engine: EngineConfig, server: ServerConfig, log_level: str = "info") -> None:
+    def __init__(self, engine: EngineConfig, server: ServerConfig, log_level: str = "info",
+                 models: list[ServedModel] | None = None) -> None:
         self.engine_config = engine
         self.server_config = server
+        self.models = models  # several served models, each with its own engines; None: the one model
         self.log_level = log_level
-        self.engine: subprocess.Popen | None = None
+        self.engines: list[subprocess.Popen] = []  # the data-parallel replicas, in order
         self.frontends: list[subprocess.Popen] = []
         self.signals: list[int] = []
         self.engine_lost = False
         self.engine_restarts = 0
-        self.engine_args: list[str] = []
+        self.engine_specs: list[tuple] = []  # each engine's spawn arguments, to restart it as it was started
+        self.engines_lost: set[int] = set()
+        self.ray_replicas = None  # RayReplicas when ray_address is set: the engines are Ray actors
+        self._next_ray_check = 0.0
         # Frontends prove they belong to this launch with it, so no other local process can drive the
         # engine over TCP; it travels on the children's stdin, never in argv.
         self.engine_secret = secrets.token_hex(32)
 
     def _spawn(self, module: str, args: list[str], pass_fds: tuple[int, ...] = (),
-               env: dict[str, str] | None = None) -> subprocess.Popen:
+               env: dict[str, str] | None = None, payload: bytes | None = None) -> subprocess.Popen:
         proc = subprocess.Popen(
             [sys.executable, "-m", module, *args, "--log-level", self.log_level],
             stdin=subprocess.PIPE, pass_fds=pass_fds, env=env,
         )
-        proc.stdin.write(launch_payload(self.engine_config, self.server_config, self.engine_secret))
+        proc.stdin.write(payload or launch_payload(self.engine_config, self.server_config, self.engine_secret))
         proc.stdin.close()
         return proc
 
@@ -131,31 +94,70 @@ class Launcher:
         for warning in exposed_binds(cfg):
             logger.warning(warning)
         sock = bind_http_socket(cfg.host, cfg.port)
-        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-            signal.signal(sig, lambda signum, frame: self.signals.append(signum))
+        self._catch_signals()
         private_dir = tempfile.mkdtemp(prefix="kvloom-")  # mode 0700: only this user reaches the sockets
         try:
-            address = cfg.engine_address or f"ipc://{private_dir}/engine.sock"
-            self.engine_args = ["--address", address]
-            self.engine = self._spawn("kvloom.core.engine_process", self.engine_args)
+            addresses = self._start_engines(private_dir)
+            engine_args = [arg for address in addresses for arg in ("--engine-address", address)]
+            payload = None
+            if self.models is not None:  # every frontend serves every model
+                payload = launch_payload(self.engine_config, cfg, self.engine_secret, self.model_table)
             fd = str(sock.fileno())
             metrics_env = api_worker_env(private_dir)
             for _ in range(cfg.api_workers):
-                self.frontends.append(self._spawn("kvloom.frontends.api_server",
-                                                  ["--engine-address", address, "--fd", fd], (sock.fileno(),),
-                                                  metrics_env))
+                self.frontends.append(self._spawn("kvloom.frontends.api_server", [*engine_args, "--fd", fd],
+                                                  (sock.fileno(),), metrics_env, payload))
             if cfg.gateway:
                 self.frontends.append(self._spawn("kvloom.frontends.gateway",
-                                                  ["--engine-address", address, "--address", cfg.gateway]))
+                                                  [*engine_args, "--address", cfg.gateway], payload=payload))
             host, port = sock.getsockname()[:2]
             sock.close()  # the workers hold their own copies
-            logger.info("Serving the OpenAI API on http://%s:%d with %d worker(s)%s; engine at %s", host, port,
-                        cfg.api_workers, f" and the ZMQ gateway on {cfg.gateway}" if cfg.gateway else "", address)
+            logger.info("Serving the OpenAI API on http://%s:%d with %d worker(s)%s; engine%s at %s", host, port,
+                        cfg.api_workers, f" and the ZMQ gateway on {cfg.gateway}" if cfg.gateway else "",
+                        "s" if len(addresses) > 1 else "", ", ".join(addresses))
             return self._watch()
         finally:
             sock.close()
             self._stop_all()
             shutil.rmtree(private_dir, ignore_errors=True)
+
+    def _catch_signals(self) -> None:
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            signal.signal(sig, lambda signum, frame: self.signals.append(signum))
+
+    def _start_engine(self, args: list[str], env: dict[str, str] | None, payload: bytes | None = None) -> None:
+        spec = ("kvloom.core.engine_process", args, (), env, payload)
+        self.engine_specs.append(spec)
+        self.engines.append(self._spawn(*spec))
+
+    def _start_engines(self, private_dir: str) -> list[str]:
+        """Start every engine (each model's data-parallel replicas); the first model's addresses."""
+        cfg = self.server_config
+        if cfg.ray_address is not None:
+            from kvloom.ray_replicas import RayReplicas
+
+            self.ray_replicas = RayReplicas(
+                cfg.ray_address, launch_payload(self.engine_config, cfg, self.engine_secret), cfg.data_parallel_size,
+                num_gpus=1.0 if self.engine_config.device == "cuda" else 0.0,
+                host=LOOPBACK if cfg.ray_address == "local" else None, log_level=self.log_level)
+            addresses = self.ray_replicas.start()
+            self._catch_signals()  # ray.init installs its own SIGTERM handler (exit at once): drain instead
+            logger.info("%d engine replica(s) run as Ray actors (%s)", len(addresses), cfg.ray_address)
+            return addresses
+        if self.models is None:
+            addresses = engine_addresses(cfg, private_dir)
+            for replica, address in enumerate(addresses):
+                self._start_engine(["--address", address], replica_env(self.engine_config, replica, len(addresses)))
+            return addresses
+        self.model_table = []
+        for j, model in enumerate(self.models):
+            addresses = [f"ipc://{private_dir}/engine-m{j}-{i}.sock" for i in range(cfg.data_parallel_size)]
+            payload = launch_payload(model.engine, cfg.replace(served_model_name=model.name), self.engine_secret)
+            for replica, address in enumerate(addresses):
+                self._start_engine(["--address", address], replica_env(model.engine, replica, len(addresses)),
+                                   payload)
+            self.model_table.append({**model.to_dict(), "addresses": addresses})
+        return self.model_table[0]["addresses"]
 
     def _watch(self) -> int:
         while True:
@@ -172,18 +174,28 @@ class Launcher:
             time.sleep(POLL_S)
 
     def _check_engine(self) -> None:
-        if (self.server_config.restart_engine and not self.signals and self.engine is not None
-                and self.engine.poll() is not None):
-            # The frontends keep their sockets: they reconnect to the new engine and serve again.
-            self.engine_restarts += 1
-            logger.error("The engine process exited with code %s (its error is above); restarting it (restart "
-                         "%d)", self.engine.returncode, self.engine_restarts)
-            self.engine = self._spawn("kvloom.core.engine_process", self.engine_args)
-            return
-        if self.engine is not None and self.engine.poll() is not None and not self.engine_lost:
+        codes = [engine.poll() for engine in self.engines]
+        if self.ray_replicas is not None and self.ray_replicas.actors and time.monotonic() >= self._next_ray_check:
+            self._next_ray_check = time.monotonic() + RAY_CHECK_INTERVAL_S  # each check is a round trip
+            codes = self.ray_replicas.exit_codes()
+        for replica, code in enumerate(codes):
+            if code is None or replica in self.engines_lost:
+                continue
+            if self.server_config.restart_engine and not self.signals and self.ray_replicas is None:
+                # The frontends keep their sockets: they reconnect to the new engine and serve again.
+                self.engine_restarts += 1
+                logger.error("Engine %d exited with code %s (its error is above); restarting it (restart %d)",
+                             replica, code, self.engine_restarts)
+                self.engines[replica] = self._spawn(*self.engine_specs[replica])
+                continue
+            self.engines_lost.add(replica)
             self.engine_lost = True
-            logger.error("The engine process exited with code %s (its error is above); requests now get "
-                         "503 until the server is restarted", self.engine.returncode)
+            if len(self.engines) == 1:
+                logger.error("The engine process exited with code %s (its error is above); requests now get "
+                             "503 until the server is restarted", code)
+            else:
+                logger.error("Engine replica %d exited with code %s (its error is above); the other replicas "
+                             "serve on, /health reports degraded", replica, code)
 
     def _shutdown(self) -> int:
         """Frontends first (they stop accepting and finish their requests), then the engine."""
@@ -192,9 +204,11 @@ class Launcher:
         for p in self.frontends:
             _signal(p, signal.SIGTERM)
         self._wait(self.frontends, drain + 10.0)
-        if self.engine is not None:
-            _signal(self.engine, signal.SIGTERM)
-            self._wait([self.engine], ENGINE_STOP_TIMEOUT_S)
+        for engine in self.engines:
+            _signal(engine, signal.SIGTERM)
+        self._wait(self.engines, ENGINE_STOP_TIMEOUT_S)
+        if self.ray_replicas is not None:
+            self.ray_replicas.stop()
         return 1 if self.engine_lost else 0
 
     def _wait(self, procs: list[subprocess.Popen], timeout: float) -> None:
@@ -211,10 +225,34 @@ class Launcher:
             time.sleep(POLL_S)
 
     def _stop_all(self) -> None:
-        for p in [*self.frontends, self.engine]:
-            if p is not None and p.poll() is None:
+        for p in [*self.frontends, *self.engines]:
+            if p.poll() is None:
                 _signal(p, signal.SIGKILL)
                 p.wait()
+        if self.ray_replicas is not None and self.ray_replicas.actors:
+            self.ray_replicas.stop()
+
+
+def engine_addresses(server: ServerConfig, private_dir: str) -> list[str]:
+    """One ZeroMQ address per data-parallel replica (an explicit engine_address allows only one)."""
+    if server.engine_address is not None:
+        return [server.engine_address]
+    if server.data_parallel_size == 1:
+        return [f"ipc://{private_dir}/engine.sock"]
+    return [f"ipc://{private_dir}/engine-{i}.sock" for i in range(server.data_parallel_size)]
+
+
+def replica_env(engine: EngineConfig, replica: int, num_replicas: int) -> dict[str, str] | None:
+    """Replica ``replica``'s environment: on GPUs it sees only its own device (the i-th of those this
+    launch may use); on the CPU the replicas share the cores, so nothing changes."""
+    if num_replicas == 1 or engine.device == "cpu":
+        return None
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    devices = visible.split(",") if visible else [str(i) for i in range(num_replicas)]
+    if len(devices) < num_replicas:
+        raise ConfigError(f"data_parallel_size={num_replicas} needs {num_replicas} GPUs, but "
+                          f"CUDA_VISIBLE_DEVICES={visible} names {len(devices)}")
+    return {**os.environ, "CUDA_VISIBLE_DEVICES": devices[replica]}
 
 
 def api_worker_env(private_dir: str) -> dict[str, str]:
@@ -235,5 +273,6 @@ def _signal(proc: subprocess.Popen, sig: int) -> None:
             pass
 
 
-def serve(engine: EngineConfig, server: ServerConfig, log_level: str = "info") -> int:
-    return Launcher(engine, server, log_level).run()
+def serve(engine: EngineConfig, server: ServerConfig, log_level: str = "info",
+          models: list[ServedModel] | None = None) -> int:
+    return Launcher(engine, server, log_level, models).run()

@@ -130,6 +130,30 @@ class PlanRow:
 
 
 @dataclass
+class ReplicaRow:
+    """``data_parallel`` replicas of one tensor-parallel group: each a whole engine with its own weights
+    and KV cache, so capacity adds up and so does memory."""
+
+    data_parallel: int
+    tensor_parallel: int
+    devices: int  # GPUs (TP x DP), or engine processes on the CPU
+    weight_bytes: int  # all replicas together
+    kv_bytes: int
+    kv_tokens: int
+    max_concurrency: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(dataclasses.asdict(self), max_concurrency=round(self.max_concurrency, 4))
+
+
+def replica_rows(rows: list[PlanRow], weights: int, dp_sizes) -> list[ReplicaRow]:
+    """One row per (data-parallel size, tensor-parallel row) for sizes above 1."""
+    return [ReplicaRow(dp, r.tensor_parallel, dp * r.tensor_parallel, dp * weights, dp * r.kv.bytes,
+                       dp * r.kv.num_tokens, dp * r.kv.max_concurrency)
+            for dp in dp_sizes if dp > 1 for r in rows]
+
+
+@dataclass
 class Plan:
     model: str
     architecture: str
@@ -145,16 +169,18 @@ class Plan:
     rows: list[PlanRow]
     dims: dict[str, Any]
     notes: list[str]
+    replicas: list[ReplicaRow] = dataclasses.field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["parameters"] = dict(d["parameters"], total=self.parameters.total)
         d["rows"] = [r.to_dict() for r in self.rows]
+        d["replicas"] = [r.to_dict() for r in self.replicas]
         return d
 
 
 def make_plan(config: EngineConfig, hf_config, model_name: str, *, gpu_memory_gib: float | None = None,
-              quantization: str | None = None, tp_sizes=DEFAULT_TP_SIZES) -> Plan:
+              quantization: str | None = None, tp_sizes=DEFAULT_TP_SIZES, dp_sizes=(1,)) -> Plan:
     from kvloom.core.engine_core import resolve_dtype
 
     method = quantization_method(hf_config, quantization)
@@ -235,9 +261,14 @@ def make_plan(config: EngineConfig, hf_config, model_name: str, *, gpu_memory_gi
                 vocab_size=hf_config.vocab_size,
                 tied_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
                 max_position_embeddings=getattr(hf_config, "max_position_embeddings", None))
+    replicas = replica_rows(rows, weights, dp_sizes)
+    if replicas:
+        notes.append("data parallel: each replica is a whole engine (--data-parallel-size N) with its own weights "
+                     "and KV cache" + (", one per GPU group" if on_gpu else ", all in this host's memory")
+                     + "; the router spreads requests over them, so KV tokens and concurrency add up")
     return Plan(model_name, hf_config.architectures[0], device.type, str(dtype).removeprefix("torch."),
                 quantization, max_len, config.block_size, gpu_memory_gib, config.gpu_memory_utilization,
-                params, weights, rows, dims, notes)
+                params, weights, rows, dims, notes, replicas)
 
 
 def load_plan_config(config: EngineConfig, config_json: str | None):
@@ -291,6 +322,13 @@ def format_plan(plan: Plan) -> str:
                  f"{r.kv.max_concurrency:.2f}x") for r in plan.rows]
         lines += ["", format_table(header, body), ""]
         lines += [f"TP={r.tensor_parallel}: {r.kv.describe()}" for r in plan.rows]
+    if plan.replicas:
+        unit = "GPUs" if plan.device != "cpu" else "engines"
+        header = ("DP", "TP", unit, "weights (all)", "KV cache (all)", "KV tokens (all)",
+                  f"max concurrency @ {plan.max_model_len}")
+        body = [(str(r.data_parallel), str(r.tensor_parallel), str(r.devices), _gib(r.weight_bytes), _gib(r.kv_bytes),
+                 f"{r.kv_tokens:,}", f"{r.max_concurrency:.2f}x") for r in plan.replicas]
+        lines += ["", format_table(header, body), ""]
     lines += [f"Note: {n}" for n in plan.notes]
     return "\n".join(lines)
 
@@ -304,9 +342,12 @@ def run_plan(args, config: EngineConfig) -> int:
         tps = [int(x) for x in args.tensor_parallel_sizes.split(",") if x.strip()]
         if not tps or min(tps) < 1:
             raise ConfigError(f"--tensor-parallel-sizes={args.tensor_parallel_sizes!r}: give sizes >= 1")
+        dps = [int(x) for x in args.data_parallel_sizes.split(",") if x.strip()]
+        if not dps or min(dps) < 1:
+            raise ConfigError(f"--data-parallel-sizes={args.data_parallel_sizes!r}: give sizes >= 1")
         hf_config, name = load_plan_config(config, args.config_json)
         plan = make_plan(config, hf_config, name, gpu_memory_gib=args.gpu_memory, quantization=config.quantization,
-                         tp_sizes=tps)
+                         tp_sizes=tps, dp_sizes=dps)
     except (ConfigError, ValueError, OSError) as e:
         print(f"engine plan: error: {e}", file=sys.stderr)
         return 2

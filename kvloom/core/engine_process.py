@@ -321,7 +321,7 @@ def serve_engine(config: EngineConfig, address: str, model_name: str | None = No
 def main(argv: list[str] | None = None) -> int:
     """``python -m kvloom.core.engine_process --address ADDR``, with the launch settings as JSON on stdin
     (``{"engine": {...EngineConfig...}, "server": {...ServerConfig...}}``)."""
-    from kvloom.launcher import start_child
+    from kvloom.child_process import start_child
 
     parser = argparse.ArgumentParser(prog="kvloom-engine")
     parser.add_argument("--address", required=True)

@@ -70,7 +70,9 @@ logger = logging.getLogger("kvloom.api")
 class OpenAIServer:
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
-        self.core: FrontendCore | None = None
+        self.core: FrontendCore | None = None  # the first (or only) model's
+        self.cores: dict[str, FrontendCore] = {}  # every served model's, by name
+        self.builders: dict[str, ResponseBuilder] = {}
         self.metrics = FrontendMetrics()
         self.responses: ResponseBuilder | None = None  # once the engine has said which model it serves
         self.keys = KeyRing(parse_api_keys(config.api_keys, config.api_key))
@@ -135,29 +137,37 @@ class OpenAIServer:
         return req
 
     def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
-            raise RequestError(404, f"The model `{model}` does not exist; this server serves "
-                               f"`{self.model_name}`.", "model")
+        self.core_for(model)
+
+    def core_for(self, model: str | None) -> FrontendCore:
+        """The served model a request names (no name: the first model), or 404 naming those served."""
+        if model is None:
+            return self.core
+        core = self.cores.get(model)
+        if core is None:
+            served = ", ".join(f"`{name}`" for name in self.cores)
+            raise RequestError(404, f"The model `{model}` does not exist; this server serves {served}.", "model")
+        return core
 
     def _request_id(self, request: Request, prefix: str) -> str:
         # Echoed back only: the engine gets ids this frontend makes, so a reused id cannot mix outputs.
         return request.headers.get("x-request-id") or f"{prefix}-{uuid.uuid4().hex}"
 
-    def _start(self, prepared: list[PreparedRequest]) -> AsyncIterator[tuple[int, TextDelta]]:
+    def _start(self, core: FrontendCore, prepared: list[PreparedRequest]) -> AsyncIterator[tuple[int, TextDelta]]:
         for p in prepared:
             self.metrics.prompt_tokens.inc(len(p.prompt_token_ids))
-        return merge_streams([self.metrics.observe(self.core.generate(p)) for p in prepared])
+        return merge_streams([self.metrics.observe(core.generate(p)) for p in prepared])
 
-    async def _respond(self, request: Request, prepared: list[PreparedRequest], stream: bool, rid: str,
-                       collect: Callable, events: Callable) -> Any:
+    async def _respond(self, request: Request, core: FrontendCore, prepared: list[PreparedRequest], stream: bool,
+                       rid: str, collect: Callable, events: Callable) -> Any:
         key, given = request.state.api_key, request.state.timeout
         timeout = check_timeout(given, self.config.request_timeout)
         prepared = [replace_prepared(p, key, timeout, given is not None) for p in prepared]
-        admission = self.core.admit(len(prepared))  # held until the response ends
+        admission = core.admit(len(prepared))  # held until the response ends
         # n choices of one prompt share its token list: the log counts each prompt once, as usage does.
         prompts = {id(p.prompt_token_ids): p.prompt_token_ids for p in prepared}
         prompt_tokens = sum(len(ids) for ids in prompts.values())
-        merged = track_tokens(request.scope, prompt_tokens, self._start(prepared))
+        merged = track_tokens(request.scope, prompt_tokens, self._start(core, prepared))
         if key is not None:
             merged = self.metrics.count_key_usage(key.name, prompt_tokens, merged)
         headers = {"x-request-id": rid}
@@ -180,20 +190,24 @@ class OpenAIServer:
     # --- /v1/completions ---------------------------------------------------------------------------
     async def completions(self, request: Request):
         req: api.CompletionRequest = await self._parse_generation(request, api.CompletionRequest)
-        prompts = [self.core.check_token_ids(p) if isinstance(p, list) else await self.core.tokenize_text(p)
+        core = self.core_for(req.model)
+        responses = self.builders[core.ready.model_name]
+        prompts = [core.check_token_ids(p) if isinstance(p, list) else await core.tokenize_text(p)
                    for p in split_prompts(req.prompt)]
         sp = sampling_params(req, req.max_tokens, req.logprobs)
-        prepared = [self.core.prepare(ids, choice_sampling(sp, i), priority=req.priority)
+        prepared = [core.prepare(ids, choice_sampling(sp, i), priority=req.priority)
                     for ids in prompts for i in range(req.n)]
         rid = self._request_id(request, "cmpl")
         usage = UsageCounter([len(p) for p in prompts], req.n)
-        return await self._respond(request, prepared, req.stream, rid,
-                                   lambda merged: self.responses.collect_completion(rid, merged, usage, len(prepared)),
-                                   lambda merged: self.responses.completion_events(req, rid, merged, usage))
+        return await self._respond(request, core, prepared, req.stream, rid,
+                                   lambda merged: responses.collect_completion(rid, merged, usage, len(prepared)),
+                                   lambda merged: responses.completion_events(req, rid, merged, usage))
 
     # --- /v1/chat/completions ----------------------------------------------------------------------
     async def chat_completions(self, request: Request):
         req: api.ChatCompletionRequest = await self._parse_generation(request, api.ChatCompletionRequest)
+        core = self.core_for(req.model)
+        responses = self.builders[core.ready.model_name]
         tools = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls, self.config.tool_call_parser,
                            self.config.enable_auto_tool_choice)
         options = chat_template_options(req, self.chat_template)
@@ -208,66 +222,97 @@ class OpenAIServer:
                 # Compact JSON: a call's arguments never wander into whitespace until max_tokens.
                 constraint = StructuredOutputSpec(kind="json", spec=msgspec.json.encode(tools.schema).decode(),
                                                   any_whitespace=False)
-        ids = await self.core.tokenize_chat(chat_messages(req.messages), **options)
+        ids = await core.tokenize_chat(chat_messages(req.messages), **options)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         sp = sampling_params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None, constraint)
-        prepared = [self.core.prepare(ids, choice_sampling(sp, i), priority=req.priority, max_tokens_param=param,
+        prepared = [core.prepare(ids, choice_sampling(sp, i), priority=req.priority, max_tokens_param=param,
                                       prompt_param="messages") for i in range(req.n)]
         rid = self._request_id(request, "chatcmpl")
         usage = UsageCounter([len(ids)], req.n)
-        return await self._respond(request, prepared, req.stream, rid,
-                                   lambda merged: self.responses.collect_chat(rid, merged, usage, req.n, tools,
+        return await self._respond(request, core, prepared, req.stream, rid,
+                                   lambda merged: responses.collect_chat(rid, merged, usage, req.n, tools,
                                                                               self.config.tool_call_parser),
-                                   lambda merged: self.responses.chat_events(req, rid, merged, usage, tools,
+                                   lambda merged: responses.chat_events(req, rid, merged, usage, tools,
                                                                              self.config.tool_call_parser))
 
     # --- the rest ----------------------------------------------------------------------------------
     async def models(self, request: Request):
-        return json_response(api.ModelList([api.ModelCard(self.model_name, self.core.max_model_len)]))
+        return json_response(api.ModelList([api.ModelCard(name, core.max_model_len)
+                                            for name, core in self.cores.items()]))
 
     async def model_card(self, request: Request):
         name = request.path_params["model"]
-        if name != self.model_name:
-            raise RequestError(404, f"The model `{name}` does not exist; this server serves `{self.model_name}`.",
-                               "model")
-        return json_response(api.ModelCard(self.model_name, self.core.max_model_len))
+        core = self.core_for(name)
+        return json_response(api.ModelCard(name, core.max_model_len))
 
     async def health(self, request: Request):
-        client = self.core.client
-        if not client.healthy:
-            raise RequestError(503, f"the engine is unavailable: {client.unavailable_reason}")
-        return json_response({"status": "ok"})
+        if len(self.cores) == 1 and len(self.core.client.replicas) == 1:
+            client = self.core.client
+            if not client.healthy:
+                raise RequestError(503, f"the engine is unavailable: {client.unavailable_reason}")
+            return json_response({"status": "ok"})
+        # Several engines: 503 only when none serves; with some out, 200 "degraded" saying which.
+        if not any(core.client.healthy for core in self.cores.values()):
+            reasons = "; ".join(f"{name}: {core.client.unavailable_reason}" for name, core in self.cores.items())
+            raise RequestError(503, f"the engine is unavailable: {reasons}")
+        models = {name: {"healthy": core.client.healthy, "replicas": core.client.replica_states()}
+                  for name, core in self.cores.items()}
+        degraded = any(not r["healthy"] for m in models.values() for r in m["replicas"])
+        body: dict[str, Any] = {"status": "degraded" if degraded else "ok"}
+        if len(models) == 1:
+            body["replicas"] = next(iter(models.values()))["replicas"]
+        else:
+            body["models"] = models
+        return json_response(body)
 
     async def version(self, request: Request):
         return json_response({"version": kvloom.__version__})
 
     async def metrics_endpoint(self, request: Request):
-        stats = None
-        if self.core.client.healthy:
-            with contextlib.suppress(Exception):
-                stats = await self.core.client.utility("stats", timeout=5.0)
-        body, content_type = self.metrics.render(self.core.client.healthy, stats)
+        engines = []  # (model, healthy, stats) of each served model: its series carry its model label
+        for name, core in self.cores.items():
+            stats = None
+            if core.client.healthy:
+                with contextlib.suppress(Exception):
+                    stats = await core.client.utility("stats", timeout=5.0)
+            engines.append((name, core.client.healthy, stats))
+        body, content_type = self.metrics.render(engines[0][1], engines[0][2], others=engines[1:])
         return Response(body, media_type=content_type)
 
     async def reset_prefix_cache(self, request: Request):
-        self.core.check_available(0)
+        for core in self.cores.values():
+            core.check_available(0)
         try:
-            await self.core.client.utility("reset_prefix_cache")
+            for core in self.cores.values():
+                await core.client.utility("reset_prefix_cache")
         except RuntimeError as e:
             raise RequestError(400, str(e)) from None
         return json_response({"status": "ok"})
 
 
 # --- process ---------------------------------------------------------------------------------------
-def build_app(engine_address: str, engine_config: EngineConfig, server_config: ServerConfig,
-              engine_secret: str | None = None) -> Starlette:
+def build_app(engine_address: str | list[str], engine_config: EngineConfig, server_config: ServerConfig,
+              engine_secret: str | None = None, models: list[dict[str, Any]] | None = None) -> Starlette:
+    """``models``: several served models (``{"name", "engine", "addresses"}`` each), else the one engine
+    (or replicas) at ``engine_address``."""
     server = OpenAIServer(server_config)
+
+    async def start_cores() -> list[FrontendCore]:
+        if models is None:
+            return [await start_frontend_core(engine_address, engine_config, server_config, engine_secret)]
+        # One after another: the engines load at once anyway, and transformers' lazy imports are not
+        # safe from two tokenizer-loading threads at the same time.
+        return [await start_frontend_core(m["addresses"], EngineConfig(**m["engine"]),
+                                          server_config.replace(served_model_name=m["name"]), engine_secret)
+                for m in models]
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
         try:
-            server.core = await start_frontend_core(engine_address, engine_config, server_config, engine_secret)
+            cores = await start_cores()
+            server.core = cores[0]
+            server.cores = {core.ready.model_name: core for core in cores}
         except EngineUnavailable as e:
             # The engine has logged why (e.g. max_model_len over the model's); a traceback from each
             # worker would only bury that line. The launcher sees this exit and stops the server.
@@ -276,10 +321,12 @@ def build_app(engine_address: str, engine_config: EngineConfig, server_config: S
             os._exit(3)
         server.metrics.set_model(server.core.ready.model_name)
         server.responses = ResponseBuilder(server.core.tokenizer, server.core.ready.model_name)
+        server.builders = {name: ResponseBuilder(core.tokenizer, name) for name, core in server.cores.items()}
         try:
             yield
         finally:
-            await server.core.client.close()
+            for core in server.cores.values():
+                await core.client.close()
 
     async def http_error(request: Request, exc: HTTPException) -> Response:
         return error_response(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}")
@@ -291,13 +338,14 @@ def build_app(engine_address: str, engine_config: EngineConfig, server_config: S
     return app
 
 
-def run_server(engine_address: str, engine_config: EngineConfig, server_config: ServerConfig,
-               sock: socket.socket | None = None, log_level: str = "info", engine_secret: str | None = None) -> int:
+def run_server(engine_address: str | list[str], engine_config: EngineConfig, server_config: ServerConfig,
+               sock: socket.socket | None = None, log_level: str = "info", engine_secret: str | None = None,
+               models: list[dict[str, Any]] | None = None) -> int:
     import uvicorn
 
     from kvloom.frontends.uvicorn_server import DRAIN_GRACE_S, DrainingServer, header_timeout_protocol
 
-    app = build_app(engine_address, engine_config, server_config, engine_secret)
+    app = build_app(engine_address, engine_config, server_config, engine_secret, models)
     try:
         import uvloop  # noqa: F401
         loop = "uvloop"
@@ -320,14 +368,15 @@ def run_server(engine_address: str, engine_config: EngineConfig, server_config: 
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m kvloom.frontends.api_server --engine-address ADDR [--fd N]``, settings as JSON on stdin."""
-    from kvloom.launcher import start_child
+    from kvloom.child_process import start_child
 
     parser = argparse.ArgumentParser(prog="kvloom-api-server")
-    parser.add_argument("--engine-address", required=True)
+    parser.add_argument("--engine-address", required=True, action="append",
+                        help="An engine to feed; repeated for data-parallel replicas.")
     parser.add_argument("--fd", type=int, help="An inherited, bound socket to listen on.")
     args, engine, server = start_child(parser, argv)
     sock = socket.socket(fileno=args.fd) if args.fd is not None else None
-    return run_server(args.engine_address, engine, server, sock, args.log_level, args.engine_secret)
+    return run_server(args.engine_address, engine, server, sock, args.log_level, args.engine_secret, args.models)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ from typing import Any
 from kvloom.core.config import ConfigError, _opt
 
 LOOPBACK = "127.0.0.1"
+ROUTING_POLICIES = ("prefix_affinity", "least_loaded", "round_robin")
 
 
 def check_field_types(config) -> None:
@@ -90,6 +91,16 @@ class ServerConfig:
     api_workers: int = _opt(1, "HTTP frontend processes, all feeding the one engine process.")
     api_key: str | None = _opt(None, "Require 'Authorization: Bearer KEY' on /v1 routes (put it in the "
                                "config file to keep it out of the process list).")
+    data_parallel_size: int = _opt(1, "Engine processes of the model (replicas), one per GPU (CUDA_VISIBLE_DEVICES "
+                                   "per engine; on the CPU, processes that share the cores); the frontends "
+                                   "route between them.")
+    routing_policy: str = _opt("prefix_affinity", "How frontends pick a replica: prefix_affinity (the one that "
+                               "served the prompt's first KV blocks, unless overloaded; else the least loaded), "
+                               "least_loaded, or round_robin.",
+                               choices=ROUTING_POLICIES)
+    ray_address: str | None = _opt(None, "Run the data-parallel replicas as Ray actors on this Ray cluster (local: a "
+                                   "cluster of this machine, started and stopped with the server; auto; or "
+                                   "ray://HOST:PORT); with --device cuda each replica gets one GPU. Needs kvloom[ray].")
     served_model_name: str | None = _opt(None, "The model name clients use (default: --model as given).")
     chat_template: str | None = _opt(None, "A Jinja chat template (a file, or the template itself) used instead "
                                      "of the model's; a request's own chat_template wins.")
@@ -143,7 +154,8 @@ class ServerConfig:
         check_field_types(self)
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"port={self.port} must be in [0, 65535]")
-        for name in ("api_workers", "max_pending_requests", "max_queued_requests", "max_queued_tokens"):
+        for name in ("api_workers", "max_pending_requests", "data_parallel_size", "max_queued_requests",
+                     "max_queued_tokens"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ConfigError(f"{name}={getattr(self, name)} must be >= 1")
         from kvloom.frontends.admission import parse_api_keys
@@ -167,6 +179,15 @@ class ServerConfig:
             raise ConfigError(f"tool_call_parser={self.tool_call_parser!r} must be one of {list(TOOL_CALL_PARSERS)}")
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ConfigError("enable_auto_tool_choice needs tool_call_parser (hermes or llama3_json)")
+        if self.routing_policy not in ROUTING_POLICIES:
+            raise ConfigError(f"routing_policy={self.routing_policy!r} must be one of {', '.join(ROUTING_POLICIES)}")
+        if self.data_parallel_size > 1 and self.engine_address is not None:
+            raise ConfigError(f"engine_address={self.engine_address!r} names one engine, but data_parallel_size="
+                              f"{self.data_parallel_size} starts several: leave engine_address unset (each replica "
+                              "gets its own ipc:// socket)")
+        if self.ray_address is not None and self.engine_address is not None:
+            raise ConfigError(f"engine_address={self.engine_address!r} and ray_address={self.ray_address!r}: the Ray "
+                              "replicas bind their own addresses on their nodes; leave engine_address unset")
         if self.gateway is not None and self.gateway == self.engine_address:
             raise ConfigError(f"gateway and engine_address are both {self.gateway!r}: give them different addresses")
 

@@ -23,6 +23,7 @@ from kvloom.frontends.config import ServerConfig
 from kvloom.frontends.engine_client import AsyncEngineClient, EngineUnavailable
 from kvloom.frontends.errors import RequestError
 from kvloom.frontends.limits import PromptLengthBound
+from kvloom.frontends.router import EngineRouter
 from kvloom.frontends.text import (
     ChatTemplateError,
     IncrementalText,
@@ -65,8 +66,9 @@ DEADLINE_GRACE_S = 0.5  # the frontend's own wait past a deadline the engine is 
 
 
 class FrontendCore:
-    def __init__(self, client: AsyncEngineClient, tokenizer, ready: EngineReady, *, max_pending_requests: int,
-                 request_timeout: float | None = None, queue_timeout: float | None = None) -> None:
+    def __init__(self, client: AsyncEngineClient | EngineRouter, tokenizer, ready: EngineReady, *,
+                 max_pending_requests: int, request_timeout: float | None = None,
+                 queue_timeout: float | None = None) -> None:
         self.client = client
         self.tokenizer = tokenizer
         self.ready = ready
@@ -279,12 +281,13 @@ async def merge_streams(streams: list[AsyncIterator[Any]]) -> AsyncIterator[tupl
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def start_frontend_core(engine_address: str, engine: EngineConfig, server: ServerConfig,
+async def start_frontend_core(engine_address: str | list[str], engine: EngineConfig, server: ServerConfig,
                               secret: str | None = None) -> FrontendCore:
-    """Connect to the engine while the tokenizer loads; returns once the engine is ready. ``secret`` is
-    the launch's engine secret (see launcher.Launcher)."""
-    client = AsyncEngineClient(engine_address, heartbeat_timeout=server.engine_heartbeat_timeout, secret=secret,
-                               reconnect=server.restart_engine)
+    """Connect to the engine (or, through the router, to each data-parallel replica) while the tokenizer
+    loads; returns once it is ready. ``secret`` is the launch's engine secret (see launcher.Launcher)."""
+    addresses = [engine_address] if isinstance(engine_address, str) else engine_address
+    client = EngineRouter(addresses, heartbeat_timeout=server.engine_heartbeat_timeout, secret=secret,
+                          policy=server.routing_policy, reconnect=server.restart_engine)
     connecting = asyncio.create_task(client.start(server.engine_start_timeout))
     try:
         tokenizer = await asyncio.to_thread(load_tokenizer, engine.model, engine.tokenizer)

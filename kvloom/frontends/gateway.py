@@ -205,7 +205,7 @@ class Gateway:
                     task.cancel()
 
 
-async def run_gateway(engine_address: str, address: str, engine: EngineConfig, server: ServerConfig,
+async def run_gateway(engine_address: str | list[str], address: str, engine: EngineConfig, server: ServerConfig,
                       engine_secret: str | None = None) -> int:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -225,10 +225,11 @@ async def run_gateway(engine_address: str, address: str, engine: EngineConfig, s
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m kvloom.frontends.gateway --engine-address ADDR --address GW``, settings as JSON on stdin."""
-    from kvloom.launcher import start_child
+    from kvloom.child_process import start_child
 
     parser = argparse.ArgumentParser(prog="kvloom-gateway")
-    parser.add_argument("--engine-address", required=True)
+    parser.add_argument("--engine-address", required=True, action="append",
+                        help="An engine to feed; repeated for data-parallel replicas.")
     parser.add_argument("--address", required=True, help="Where clients connect, e.g. ipc:///tmp/kvloom.sock.")
     args, engine, server = start_child(parser, argv)
     main_coro = run_gateway(args.engine_address, args.address, engine, server, args.engine_secret)

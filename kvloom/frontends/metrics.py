@@ -90,6 +90,23 @@ class _EngineCollector:
             yield family
 
 
+class _EngineCollectors:
+    """Several models' engine families, merged so each family is written once with a sample per model."""
+
+    def __init__(self, engines: list[tuple[str, bool, dict[str, Any] | None]]) -> None:
+        self.collectors = [_EngineCollector(*e) for e in engines]
+
+    def collect(self):
+        families: dict[str, Any] = {}
+        for collector in self.collectors:
+            for family in collector.collect():
+                if family.name in families:
+                    families[family.name].samples.extend(family.samples)
+                else:
+                    families[family.name] = family
+        yield from families.values()
+
+
 class FrontendMetrics:
     def __init__(self) -> None:
         self.multiprocess = bool(os.environ.get(MULTIPROC_ENV))
@@ -177,7 +194,9 @@ class FrontendMetrics:
         finally:
             await deltas.aclose()
 
-    def render(self, healthy: bool, stats: dict[str, Any] | None) -> tuple[bytes, str]:
+    def render(self, healthy: bool, stats: dict[str, Any] | None,
+               others: list[tuple[str, bool, dict[str, Any] | None]] = ()) -> tuple[bytes, str]:
+        """``others``: the (model, healthy, stats) of further served models, each under its own label."""
         if self.multiprocess:
             from prometheus_client import multiprocess
 
@@ -186,5 +205,5 @@ class FrontendMetrics:
         else:
             frontends = self.registry
         engine = CollectorRegistry()
-        engine.register(_EngineCollector(self.model, healthy, stats))
+        engine.register(_EngineCollectors([(self.model, healthy, stats), *others]))
         return generate_latest(frontends) + generate_latest(engine), CONTENT_TYPE_LATEST

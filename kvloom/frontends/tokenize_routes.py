@@ -61,7 +61,8 @@ async def _parse(server: "OpenAIServer", request: Request, typ: type):
 
 async def tokenize(server: "OpenAIServer", request: Request) -> TokenizeResponse:
     req: TokenizeRequest = await _parse(server, request, TokenizeRequest)
-    tokenizer = server.core.tokenizer
+    core = server.core_for(req.model)  # each served model has its own tokenizer
+    tokenizer = core.tokenizer
     if (req.prompt is None) == (req.messages is None):
         raise RequestError(400, "give either 'prompt' (text) or 'messages' (a chat)", "prompt")
     if req.prompt is not None:
@@ -75,15 +76,16 @@ async def tokenize(server: "OpenAIServer", request: Request) -> TokenizeResponse
         if req.tools:
             tools = plan_tools(req.tools, "none", None, None, False).tools  # checked as a chat request's
             options["chat_template_kwargs"] = {**(options["chat_template_kwargs"] or {}), "tools": tools}
-        ids = await server.core.tokenize_chat(chat_messages(req.messages), **options)
+        ids = await core.tokenize_chat(chat_messages(req.messages), **options)
     strs = tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
-    return TokenizeResponse(len(ids), server.core.max_model_len, list(ids), strs)
+    return TokenizeResponse(len(ids), core.max_model_len, list(ids), strs)
 
 
 async def detokenize(server: "OpenAIServer", request: Request) -> DetokenizeResponse:
     req: DetokenizeRequest = await _parse(server, request, DetokenizeRequest)
-    ids = server.core.check_token_ids(req.tokens, "tokens")
-    return DetokenizeResponse(server.core.tokenizer.decode(ids, skip_special_tokens=False))
+    core = server.core_for(req.model)
+    ids = core.check_token_ids(req.tokens, "tokens")
+    return DetokenizeResponse(core.tokenizer.decode(ids, skip_special_tokens=False))
 
 
 def routes(server: "OpenAIServer") -> list:

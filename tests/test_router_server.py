@@ -1,0 +1,153 @@
+"""Data-parallel replicas behind one real server (``engine --data-parallel-size 2`` on a tiny random model):
+a burst lands on both replicas with outputs unchanged, same-prefix requests stay on one replica (its
+prefix cache hits like one engine's, unlike round-robin's), and a replica killed with SIGKILL fails only
+its own requests while the other serves on and /health says degraded."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from tests.server_utils import EngineServer, alive, cmdline, metric_samples
+
+NUM_BLOCKS = 256
+
+
+def start(model, tmp_path_factory, name: str, *flags: str) -> EngineServer:
+    tmp = tmp_path_factory.mktemp(name)
+    return EngineServer(["--model", str(model), "--num-kv-blocks", str(NUM_BLOCKS), "--plugins", "prefix_cache",
+                         "--max-num-seqs", "8", *flags], tmp)
+
+
+@pytest.fixture(scope="module")
+def servers(tiny_llama, tmp_path_factory):
+    """One engine, two replicas routed by prefix affinity, two replicas routed round-robin; started
+    together so their model loads overlap."""
+    started = {
+        "single": start(tiny_llama, tmp_path_factory, "single"),
+        "affinity": start(tiny_llama, tmp_path_factory, "affinity", "--data-parallel-size", "2"),
+        "round_robin": start(tiny_llama, tmp_path_factory, "rr", "--data-parallel-size", "2",
+                             "--routing-policy", "round_robin"),
+    }
+    try:
+        for s in started.values():
+            s.wait_ready()
+        yield started
+    finally:
+        for s in started.values():
+            s.stop()
+
+
+def complete(server: EngineServer, prompt: list[int], max_tokens: int = 8, **extra) -> dict:
+    body = {"prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0.0, **extra}
+    r = httpx.post(server.url + "/v1/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def replicas(server: EngineServer) -> list[dict]:
+    r = httpx.get(server.url + "/health", timeout=10)
+    return r.json()["replicas"]
+
+
+def hit_rate_delta(server: EngineServer, before: dict[str, float]) -> float:
+    after = metric_samples(server.url)
+    queries = after["kvloom_prefix_cache_queries_total"] - before["kvloom_prefix_cache_queries_total"]
+    hits = after["kvloom_prefix_cache_hits_total"] - before["kvloom_prefix_cache_hits_total"]
+    return hits / queries
+
+
+def test_burst_lands_on_both_replicas_with_outputs_unchanged(servers):
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, 300) for _ in range(rng.randrange(4, 40))] for _ in range(16)]
+    dp = servers["affinity"]
+    health = httpx.get(dp.url + "/health", timeout=10).json()
+    assert health["status"] == "ok" and [r["healthy"] for r in health["replicas"]] == [True, True]
+
+    def both(prompt, i):
+        greedy = complete(dp, prompt)["choices"][0]["text"]
+        seeded = complete(dp, prompt, 12, temperature=1.0, seed=i)["choices"][0]["text"]
+        return greedy, seeded
+
+    with ThreadPoolExecutor(8) as pool:
+        dp_out = list(pool.map(both, prompts, range(len(prompts))))
+    alone = [(complete(servers["single"], p)["choices"][0]["text"],
+              complete(servers["single"], p, 12, temperature=1.0, seed=i)["choices"][0]["text"])
+             for i, p in enumerate(prompts)]
+    assert dp_out == alone
+    states = replicas(dp)
+    # Both engines ran some of the burst (their own step stats say so), and between them all of it.
+    assert all(r["num_routed"] > 0 and r["prefix_cache_queries"] > 0 for r in states), states
+    assert sum(r["num_routed"] for r in states) == 2 * len(prompts)
+
+
+def shared_prefix_workload(seed: int) -> list[list[int]]:
+    """3 system prompts of 4 KV blocks (32 tokens each on the CPU), 4 requests each with their own
+    question, interleaved: a router that ignores prefixes sends each prompt to both replicas."""
+    rng = random.Random(seed)
+    prefixes = [[rng.randrange(3, 300) for _ in range(128)] for _ in range(3)]
+    return [prefixes[g] + [rng.randrange(3, 300) for _ in range(8)] for _ in range(4) for g in range(3)]
+
+
+def test_shared_prefix_requests_stay_on_one_replica(servers):
+    rates = {}
+    for name, server in servers.items():
+        before = metric_samples(server.url)
+        for prompt in shared_prefix_workload(seed=7):
+            complete(server, prompt, 2)
+        rates[name] = hit_rate_delta(server, before)
+    # One engine misses each prefix once (hits 3 of 4: ~0.7 of prompt tokens); affinity the same;
+    # round-robin misses each prefix once per replica (~0.47).
+    assert rates["affinity"] >= rates["single"] - 0.02, rates
+    assert rates["affinity"] > rates["round_robin"] + 0.15, rates
+
+
+def test_killed_replica_fails_its_requests_the_other_serves_on(servers):
+    server = servers["round_robin"]
+    engines = {("engine-0.sock" in cmdline(pid)): pid for pid in server.descendants()
+               if "kvloom.core.engine_process" in cmdline(pid)}
+    assert len(engines) == 2
+    body = {"prompt": [5, 6, 7, 8], "max_tokens": 300, "ignore_eos": True, "stream": True}
+    with httpx.Client(timeout=60) as http:
+        with http.stream("POST", server.url + "/v1/completions", json=body) as a, \
+                http.stream("POST", server.url + "/v1/completions", json=body) as b:
+            streams = [a.iter_lines(), b.iter_lines()]
+            for lines in streams:  # both are running (round-robin: one on each replica)
+                assert next(line for line in lines if line.startswith("data:"))
+            assert sorted(r["num_in_flight"] for r in replicas(server)) == [1, 1]
+            os.kill(engines[True], signal.SIGKILL)
+            t0 = time.monotonic()
+            endings = []
+            for lines in streams:
+                events = [line[5:].strip() for line in lines if line.startswith("data:")]
+                assert events[-1] == "[DONE]"
+                endings.append(json.loads(events[-2]))
+            assert time.monotonic() - t0 < 60
+    errors = [e["error"] for e in endings if "error" in e]
+    finished = [e["choices"][0]["finish_reason"] for e in endings if "choices" in e]
+    assert len(errors) == 1 and errors[0]["code"] == 503 and "engine" in errors[0]["message"]
+    assert finished == ["length"]  # the other replica's request ran to its end
+
+    health = httpx.get(server.url + "/health", timeout=10)
+    assert health.status_code == 200
+    states = health.json()
+    assert states["status"] == "degraded"
+    assert [r["healthy"] for r in states["replicas"]] == [False, True]
+    assert "went away" in states["replicas"][0]["reason"]
+    for _ in range(4):  # every new request goes to the live replica
+        assert complete(server, [9, 10, 11], 4)["choices"][0]["finish_reason"] == "length"
+
+    # SIGTERM drains what is left and stops every process; the lost replica makes the exit non-zero.
+    children = server.descendants()
+    assert server.stop(timeout=60) == 1
+    deadline = time.monotonic() + 10
+    while any(alive(pid) for pid in children):
+        assert time.monotonic() < deadline, f"orphans left: {[p for p in children if alive(p)]}"
+        time.sleep(0.1)
