@@ -44,7 +44,7 @@ class FakeClient:
     async def start(self, timeout):
         return self.ready
 
-    async def generate(self, request_id, prompt_token_ids, sampling, priority=0, arrival_time=0.0):
+    async def generate(self, request_id, prompt_token_ids, sampling, priority=0, arrival_time=0.0, **admission):
         self.served.append(prompt_token_ids)
         yield TokenDelta(request_id=request_id, new_token_ids=[7], finish_reason="length")
 

@@ -130,11 +130,12 @@ class EngineRouter:
         await asyncio.gather(*(r.client.close() for r in self.replicas), return_exceptions=True)
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
-                       priority: int = 0, arrival_time: float = 0.0) -> AsyncIterator[TokenDelta]:
-        """The request's deltas from the replica ``choose`` picks; closing early aborts it there."""
+                       priority: int = 0, arrival_time: float = 0.0, **admission: Any) -> AsyncIterator[TokenDelta]:
+        """The request's deltas from the replica ``choose`` picks; closing early aborts it there.
+        ``admission``: the deadlines and API-key name, passed on as the engine client takes them."""
         replica = self.choose(prompt_token_ids)
         replica.num_routed += 1
-        deltas = replica.client.generate(request_id, prompt_token_ids, sampling, priority, arrival_time)
+        deltas = replica.client.generate(request_id, prompt_token_ids, sampling, priority, arrival_time, **admission)
         try:
             async for delta in deltas:
                 yield delta
