@@ -19,14 +19,13 @@ import argparse
 import json
 import math
 import os
-import signal
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-import httpx
+from kvloom.bench.ab import ServerProcess
 
 TINY = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=64, intermediate_size=128,
             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=49152,
@@ -58,39 +57,21 @@ def role(pid: int) -> str:
     return "other"
 
 
-def serve(model: Path, tokenizer: str, workers: int, port: int, device: str, concurrency: int,
-          log: Path) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "kvloom.cli", "--model", str(model), "--load-format", "dummy",
-           "--tokenizer", tokenizer, "--device", device, "--api-workers", str(workers),
-           "--max-num-seqs", str(max(concurrency, 8)), "--host", "127.0.0.1", "--port", str(port)]
-    proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"the server exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    proc.kill()
-    raise SystemExit(f"the server was not healthy in 300 s:\n{log.read_text()[-3000:]}")
-
-
 def measure(args, model: Path, workers: int, out: Path) -> dict:
-    log = out / f"server_w{workers}.log"
-    server = serve(model, args.tokenizer, workers, args.port, args.device, args.concurrency, log)
+    server = ServerProcess(["--model", str(model), "--load-format", "dummy", "--tokenizer", args.tokenizer,
+                            "--device", args.device, "--api-workers", str(workers),
+                            "--max-num-seqs", str(max(args.concurrency, 8))], out / f"server_w{workers}.log")
     try:
+        url = server.wait_ready(300)
         pids = {}
-        for child in children(server.pid):
+        for child in children(server.proc.pid):
             pids[child] = role(child)
         api = [p for p, r in pids.items() if r == "api"]
         engine = [p for p, r in pids.items() if r == "engine"]
         if len(api) != workers or len(engine) != 1:
             raise SystemExit(f"expected {workers} API workers and 1 engine under the launcher, found {pids}")
         result_json = out / f"bench_w{workers}.json"
-        bench = [sys.executable, "-m", "kvloom.cli", "bench", "serve", "--base-url", f"http://127.0.0.1:{args.port}",
+        bench = [sys.executable, "-m", "kvloom.cli", "bench", "serve", "--base-url", url,
                  "--input-len", str(args.input_len), "--output-len", str(args.output_len),
                  "--random-token-range", "1000:49000", "--concurrency", str(args.concurrency),
                  "--num-requests", str(args.num_requests), "--warmup-requests", "2", "--no-progress",
@@ -120,12 +101,7 @@ def measure(args, model: Path, workers: int, out: Path) -> dict:
             "client_saturated": level.get("client_saturated"), "itl_burst_share": level.get("itl_burst_share"),
         }
     finally:
-        os.killpg(server.pid, signal.SIGTERM)
-        try:
-            server.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGKILL)
-            server.wait()
+        server.stop()
 
 
 def main() -> None:
@@ -137,7 +113,6 @@ def main() -> None:
     p.add_argument("--output-len", type=int, default=256)
     p.add_argument("--tokenizer", default=".smollm2-tokenizer")
     p.add_argument("--device", default="cpu", help="Where the tiny engine runs (cpu or cuda).")
-    p.add_argument("--port", type=int, default=8140)
     p.add_argument("--timeout", type=float, default=300)
     p.add_argument("--device-tok-s", type=float, default=10_000.0,
                    help="A device's streamed tokens per second, for the workers-needed line (the H200's "
