@@ -5,7 +5,7 @@
 # (one load per model, in parallel) and a summary of each with the engine metrics per model label.
 # Needs the tokenizer folder made by `python benchmarks/export_tokenizer.py` (default .smollm2-tokenizer).
 # Usage: bash benchmarks/two_models_gpu.sh [--tokenizer DIR] [--num-requests N] [--concurrency C]
-#        [--device cuda|cpu] [--shape-overrides JSON] [--kv-gib "BIG SMALL"] [--port P]
+#        [--device cuda|cpu] [--shape-overrides JSON] [--kv-gib "BIG SMALL"] [--port P] [--client-processes N]
 set -euo pipefail
 out=${OUT:-bench-out}
 tokenizer=.smollm2-tokenizer
@@ -18,6 +18,7 @@ shape_overrides='{}'
 kv_gib="40 20"
 shares="0.6 0.3"
 port=8124
+client_processes=4
 while [ $# -gt 0 ]; do
   case $1 in
     --tokenizer) tokenizer=$2; shift 2 ;;
@@ -30,6 +31,7 @@ while [ $# -gt 0 ]; do
     --kv-gib) kv_gib=$2; shift 2 ;;
     --shares) shares=$2; shift 2 ;;
     --port) port=$2; shift 2 ;;
+    --client-processes) client_processes=$2; shift 2 ;;
     *) echo "two_models_gpu.sh: unknown argument $1" >&2; exit 2 ;;
   esac
 done
@@ -79,7 +81,7 @@ pids=()
 for model in llama3-8b qwen3-0.6b; do
   timeout 150 python3 -m kvloom.cli bench serve --base-url "http://127.0.0.1:$port" --model "$model" \
     --input-len "$input_len" --output-len "$output_len" --random-token-range 1000:49000 \
-    --concurrency "$concurrency" --num-requests "$num_requests" --warmup-requests 2 --no-progress \
+    --concurrency "$concurrency" --client-processes "$client_processes" --num-requests "$num_requests" --warmup-requests 2 --no-progress \
     --output-json "$out/two_models_$model.json" > "$out/two_models_$model.txt" 2>&1 &
   pids+=($!)
 done
