@@ -102,7 +102,7 @@ class TPWorker:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from kvloom.launcher import start_child
+    from kvloom.child_process import start_child
 
     parser = argparse.ArgumentParser(prog="kvloom-tp-worker")
     parser.add_argument("--rank", type=int, required=True)
