@@ -73,6 +73,7 @@ class Launcher:
         self.engine_restarts = 0
         self.engine_specs: list[tuple] = []  # each engine's spawn arguments, to restart it as it was started
         self.engines_lost: set[int] = set()
+        self.stop_for_lost_engine = False  # a model has no engine left and none will be restarted
         self.ray_replicas = None  # RayReplicas when ray_address is set: the engines are Ray actors
         self._next_ray_check = 0.0
         # Frontends prove they belong to this launch with it, so no other local process can drive the
@@ -165,6 +166,9 @@ class Launcher:
                 logger.info("Got %s: draining in-flight requests", signal.Signals(self.signals[0]).name)
                 return self._shutdown()
             self._check_engine()
+            if self.stop_for_lost_engine:
+                self._shutdown()  # the frontends have ended the lost engine's requests with a 503
+                return 1
             exited = [p for p in self.frontends if p.poll() is not None]
             if exited:
                 codes = [p.returncode for p in exited]
@@ -190,12 +194,24 @@ class Launcher:
                 continue
             self.engines_lost.add(replica)
             self.engine_lost = True
-            if len(self.engines) == 1:
-                logger.error("The engine process exited with code %s (its error is above); requests now get "
-                             "503 until the server is restarted", code)
+            if self._unservable(replica):
+                # Without restart_engine nothing here brings it back: exit, so that a supervisor
+                # (systemd, Kubernetes) restarts the server instead of it answering 503 for ever.
+                self.stop_for_lost_engine = True
+                logger.error("The engine process%s exited with code %s (its error is above); stopping the server "
+                             "(exit code 1) so that its supervisor restarts it (restart_engine = true restarts "
+                             "the engine instead)", "" if len(codes) == 1 else f" {replica}", code)
             else:
                 logger.error("Engine replica %d exited with code %s (its error is above); the other replicas "
                              "serve on, /health reports degraded", replica, code)
+
+    def _unservable(self, replica: int) -> bool:
+        """Whether losing ``replica`` leaves its model with no engine at all."""
+        per_model = len(self.engine_specs) // len(self.models) if self.models else len(self.engine_specs)
+        if per_model == 0:  # Ray actors: one model, no spawn specs
+            per_model = self.server_config.data_parallel_size
+        first = replica - replica % per_model
+        return all(r in self.engines_lost for r in range(first, first + per_model))
 
     def _shutdown(self) -> int:
         """Frontends first (they stop accepting and finish their requests), then the engine."""

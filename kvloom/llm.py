@@ -14,7 +14,8 @@ from kvloom.core.config import DEFAULT_MODEL, OFFLINE_MAX_NUM_BATCHED_TOKENS, En
 from kvloom.core.engine_core import EngineCore
 from kvloom.core.messages import AddRequest, TokenLogprobs
 from kvloom.core.sampling_params import SamplingParams
-from kvloom.frontends.text import IncrementalText, apply_chat_template, has_tokenizer, load_tokenizer
+from kvloom.frontends.output import CompletionText, fan_out
+from kvloom.frontends.text import apply_chat_template, has_tokenizer, load_tokenizer
 
 
 @dataclass
@@ -130,17 +131,17 @@ class LLM:
         ids = apply_chat_template(self._require_tokenizer(), list(messages))
         rid = str(next(self._ids))
         self.engine.add_request(AddRequest(request_id=rid, prompt_token_ids=ids, sampling=sp, arrival_time=time.time()))
-        text = IncrementalText(self.tokenizer, sp.stop, sp.skip_special_tokens, sp.include_stop_str_in_output)
+        completion = CompletionText(self.tokenizer, sp, len(ids))
         finished = False
         try:
-            while not finished and text.stopped_by is None:
+            while completion.finish_reason is None:
                 for delta in self.engine.step():
                     if delta.request_id != rid:
                         continue
                     finished = delta.finish_reason is not None
-                    piece = text.add_tokens(delta.new_token_ids, final=finished)
-                    if piece:
-                        yield piece
+                    out = completion.add(delta)
+                    if out is not None and out.text:
+                        yield out.text
         finally:
             if not finished:  # a stop string, a closed iterator or Ctrl-C: nothing may keep running
                 self.engine.abort_requests([rid])
@@ -162,23 +163,20 @@ class LLM:
             raise ValueError("stop strings need a tokenizer; this model has none (use stop_token_ids)")
         engine = self.engine
         results: list[RequestOutput] = []
-        states: dict[str, tuple[RequestOutput, CompletionOutput, IncrementalText]] = {}
+        states: dict[str, tuple[RequestOutput, CompletionOutput, CompletionText]] = {}
         admitted: list[str] = []
         try:
             # Admit everything first, so a bad prompt fails the call before any work is done.
             for (text, ids), sp, prio in zip(encoded, params, priorities):
                 out = RequestOutput(str(next(self._ids)), text, ids, [])
-                for i in range(sp.n):
-                    sub = sp if sp.n == 1 else _with(sp, n=1, seed=None if sp.seed is None else sp.seed + i)
+                for i, choice in enumerate(fan_out(sp, sp.n)):
                     rid = out.request_id if sp.n == 1 else f"{out.request_id}-{i}"
-                    engine.add_request(AddRequest(request_id=rid, prompt_token_ids=ids, sampling=sub,
+                    engine.add_request(AddRequest(request_id=rid, prompt_token_ids=ids, sampling=choice,
                                                   priority=prio, arrival_time=out.metrics.arrival_time))
                     admitted.append(rid)
                     comp = CompletionOutput(i, "", [], None, logprobs=[] if sp.logprobs is not None else None)
                     out.outputs.append(comp)
-                    text = (IncrementalText(self.tokenizer, sp.stop, sp.skip_special_tokens,
-                                            sp.include_stop_str_in_output) if self.tokenizer else None)
-                    states[rid] = (out, comp, text)
+                    states[rid] = (out, comp, CompletionText(self.tokenizer, choice, len(ids)))
                 results.append(out)
         except Exception:
             engine.abort_requests(admitted)
@@ -189,31 +187,32 @@ class LLM:
         try:
             while states:
                 for delta in engine.step():
-                    out, comp, text = states[delta.request_id]
+                    if delta.request_id not in states:
+                        continue  # the last step of a request a stop string ended
+                    out, comp, completion = states[delta.request_id]
                     now = time.time()
                     if out.metrics.first_token_time is None and delta.new_token_ids:
                         out.metrics.first_token_time = now
-                    comp.token_ids.extend(delta.new_token_ids)
-                    if delta.logprobs and comp.logprobs is not None:
-                        comp.logprobs.extend(delta.logprobs)
-                    finish = delta.finish_reason
-                    stop_string = None
-                    if text is not None:
-                        comp.text += text.add_tokens(delta.new_token_ids, final=finish is not None)
-                        stop_string = text.stopped_by
-                        if stop_string is not None and finish is None:
-                            engine.abort_requests([delta.request_id])
-                            finish = "stop"
-                    if finish is not None:
-                        comp.finish_reason = finish
-                        comp.stop_reason = stop_string if stop_string is not None else delta.stop_token_id
-                        out.num_cached_tokens = delta.num_cached_tokens
-                        out.metrics.num_draft_tokens += delta.num_draft_tokens
-                        out.metrics.num_accepted_tokens += delta.num_accepted_tokens
-                        del states[delta.request_id]
-                        if all(c.finish_reason for c in out.outputs):
-                            out.metrics.finish_time = now
-                        bar.update(1)
+                    piece = completion.add(delta)
+                    if piece is None:
+                        continue
+                    comp.text += piece.text
+                    comp.token_ids.extend(piece.token_ids)
+                    if piece.logprobs and comp.logprobs is not None:
+                        comp.logprobs.extend(piece.logprobs)
+                    if piece.finish_reason is None:
+                        continue
+                    if completion.stopped_early:
+                        engine.abort_requests([delta.request_id])
+                    comp.finish_reason = piece.finish_reason
+                    comp.stop_reason = piece.stop_reason
+                    out.num_cached_tokens = delta.num_cached_tokens
+                    out.metrics.num_draft_tokens += delta.num_draft_tokens
+                    out.metrics.num_accepted_tokens += delta.num_accepted_tokens
+                    del states[delta.request_id]
+                    if all(c.finish_reason for c in out.outputs):
+                        out.metrics.finish_time = now
+                    bar.update(1)
         finally:
             bar.close()
             if states:  # interrupted: leave nothing running in the engine
@@ -228,9 +227,3 @@ def _per_prompt(value: Any, n: int, what: str) -> list:
     if len(values) != n:
         raise ValueError(f"got {len(values)} {what} for {n} prompts")
     return values
-
-
-def _with(sp: SamplingParams, **changes: Any) -> SamplingParams:
-    import msgspec
-
-    return msgspec.structs.replace(sp, **changes)

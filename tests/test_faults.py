@@ -162,11 +162,10 @@ def test_max_pending_requests_is_exact_under_300_simultaneous_requests(tiny_llam
     assert final.count(200) == 50 and final.count(429) == 250
 
 
-def test_kill_9_of_the_engine_ends_requests_and_the_server_keeps_answering_503(tiny_llama, tmp_path):
-    from kvloom.client import Client
-
+def test_kill_9_of_the_engine_ends_requests_and_the_server_exits_non_zero_at_once(tiny_llama, tmp_path):
+    # Without restart_engine nothing brings the engine back, so the server exits for its supervisor.
     gateway = f"ipc://{tmp_path}/gw.sock"
-    server = start_server(tiny_llama, tmp_path, f'gateway = "{gateway}"\n')
+    server = start_server(tiny_llama, tmp_path, f'gateway = "{gateway}"\ndrain_timeout = 60.0\n', workers=2)
     children = server.descendants()
     engine = server.child_running("kvloom.core.engine_process")
     try:
@@ -175,15 +174,16 @@ def test_kill_9_of_the_engine_ends_requests_and_the_server_keeps_answering_503(t
             stream = pool.submit(stream_events, server, http, LONG, started)
             assert started.acquire(timeout=30)
             os.kill(engine, signal.SIGKILL)
+            killed = time.monotonic()
             events = stream.result(timeout=15)
+            # The request in flight is told first, in OpenAI's error shape, and the stream ends properly.
             assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["code"] == 503
-            wait_for(lambda: http.get(server.url + "/health").status_code == 503, 10, "/health 503")
-            assert http.post(server.url + "/v1/completions", json={"prompt": "hi"}).status_code == 503
-            with Client(gateway, timeout=10) as gw:
-                assert not gw.ping().healthy
-        assert server.proc.poll() is None  # still up, answering 503, until a supervisor restarts it
-        server.proc.send_signal(signal.SIGTERM)
-        assert server.proc.wait(timeout=60) == 1  # non-zero: the engine was lost
+        code = server.proc.wait(timeout=30)
+        exited_in = time.monotonic() - killed
+        assert code == 1, server.log()
+        # The drain has nothing to wait for (the engine's requests are over), so it is not drain_timeout.
+        assert exited_in < 10, f"the server took {exited_in:.1f}s to exit after the engine died"
+        assert "so that its supervisor restarts it" in server.log()
     finally:
         server.stop()
     wait_gone(children)

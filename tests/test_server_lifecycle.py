@@ -10,7 +10,6 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
-import openai
 import pytest
 
 from kvloom.client import Client
@@ -67,14 +66,8 @@ def test_engine_death_fails_requests_and_health(tiny_llama, tmp_path):
             blocked = waiting.result(timeout=10)
             assert blocked.status_code == 503
             assert "engine" in blocked.json()["error"]["message"]
-
-            health = http.get(server.url + "/health")
-            assert health.status_code == 503 and "engine" in health.json()["error"]["message"]
-
-        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=10)
-        with pytest.raises(openai.InternalServerError) as err:
-            client.completions.create(model=str(tiny_llama), prompt="hi", max_tokens=4, stream=True)
-        assert err.value.status_code == 503
+        # Both were answered before the server went: without restart_engine it exits for its supervisor.
+        assert server.proc.wait(timeout=30) == 1, server.log()
     finally:
         server.stop(timeout=60)
     wait_gone(children)

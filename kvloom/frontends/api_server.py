@@ -44,7 +44,6 @@ from kvloom.frontends.frontend_core import (
     FrontendCore,
     PreparedRequest,
     RequestError,
-    TextDelta,
     merge_streams,
     start_frontend_core,
 )
@@ -52,12 +51,12 @@ from kvloom.frontends.metrics import FrontendMetrics
 from kvloom.frontends.openai_requests import (
     chat_messages,
     chat_template_options,
-    choice_sampling,
     sampling_params,
     split_prompts,
     structured_output,
 )
 from kvloom.frontends.openai_responses import ResponseBuilder, UsageCounter
+from kvloom.frontends.output import TextDelta, fan_out
 from kvloom.frontends.request_fields import CHAT_RULES, COMPLETION_RULES, check_fields
 from kvloom.frontends.text import load_chat_template
 from kvloom.frontends.tokenize_routes import routes as tokenize_routes
@@ -195,8 +194,8 @@ class OpenAIServer:
         prompts = [core.check_token_ids(p) if isinstance(p, list) else await core.tokenize_text(p)
                    for p in split_prompts(req.prompt)]
         sp = sampling_params(req, req.max_tokens, req.logprobs)
-        prepared = [core.prepare(ids, choice_sampling(sp, i), priority=req.priority)
-                    for ids in prompts for i in range(req.n)]
+        prepared = [core.prepare(ids, choice, priority=req.priority)
+                    for ids in prompts for choice in fan_out(sp, req.n)]
         rid = self._request_id(request, "cmpl")
         usage = UsageCounter([len(p) for p in prompts], req.n)
         return await self._respond(request, core, prepared, req.stream, rid,
@@ -226,8 +225,8 @@ class OpenAIServer:
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         sp = sampling_params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None, constraint)
-        prepared = [core.prepare(ids, choice_sampling(sp, i), priority=req.priority, max_tokens_param=param,
-                                      prompt_param="messages") for i in range(req.n)]
+        prepared = [core.prepare(ids, choice, priority=req.priority, max_tokens_param=param, prompt_param="messages")
+                    for choice in fan_out(sp, req.n)]
         rid = self._request_id(request, "chatcmpl")
         usage = UsageCounter([len(ids)], req.n)
         return await self._respond(request, core, prepared, req.stream, rid,

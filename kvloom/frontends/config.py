@@ -134,8 +134,9 @@ class ServerConfig:
                                                   "requests end with an error, new ones get 503, until it "
                                                   "beats again.")
     restart_engine: bool = _opt(False, "Restart the engine process when it dies; the frontends reconnect and "
-                                "serve again (requests in flight end with 503). Without it, requests get 503 "
-                                "until the server is restarted, and it exits non-zero.")
+                                "serve again (requests in flight end with 503). Without it, the server ends the "
+                                "requests in flight with 503 and exits non-zero at once, for its supervisor to "
+                                "restart it.")
     http_header_timeout: float = _opt(10.0, "Seconds an HTTP client has to send a request's line and headers; "
                                       "slower connections are closed.")
     http_body_timeout: float = _opt(60.0, "Seconds an HTTP client has to send a request's body once its "

@@ -1,6 +1,6 @@
 """What every frontend shares: turning text or chats into prompt tokens, validating a request against
-the engine's limits, admission control, and streaming one completion back as text (incremental
-detokenization and stop strings)."""
+the engine's limits, admission control, and streaming one completion back as text (through
+output.CompletionText, the path kvloom.LLM uses too)."""
 
 from __future__ import annotations
 
@@ -16,17 +16,17 @@ from typing import Any, AsyncIterator
 import msgspec
 
 from kvloom.core.config import EngineConfig
-from kvloom.core.messages import EngineReady, TokenLogprobs
+from kvloom.core.messages import EngineReady
 from kvloom.core.sampling_params import SamplingParams, check_priority
 from kvloom.frontends.admission import engine_refusal
 from kvloom.frontends.config import ServerConfig
 from kvloom.frontends.engine_client import AsyncEngineClient, EngineUnavailable
 from kvloom.frontends.errors import RequestError
 from kvloom.frontends.limits import PromptLengthBound
+from kvloom.frontends.output import CompletionText, TextDelta
 from kvloom.frontends.router import EngineRouter
 from kvloom.frontends.text import (
     ChatTemplateError,
-    IncrementalText,
     encode_rendered_chat,
     load_tokenizer,
     render_chat_template,
@@ -45,20 +45,6 @@ class PreparedRequest:
     api_key_name: str = ""  # the caller's key, whose quotas the engine keeps (admission.py)
     timeout: float | None = None  # run timeout in seconds (admission.check_timeout); None: the server's
     timeout_param: str = "request_timeout"  # where ``timeout`` came from, for the 408's message
-
-
-@dataclass
-class TextDelta:
-    """New text of one completion; the last one has ``finish_reason`` and ``stop_reason``."""
-
-    text: str
-    token_ids: list[int]
-    logprobs: list[TokenLogprobs] | None = None
-    finish_reason: str | None = None
-    stop_reason: str | int | None = None
-    num_prompt_tokens: int = 0
-    num_cached_tokens: int = 0
-    num_output_tokens: int = 0  # tokens generated so far (usage counts these, text or not)
 
 
 TOKENIZER_THREADS = 2
@@ -182,7 +168,7 @@ class FrontendCore:
     async def generate(self, req: PreparedRequest) -> AsyncIterator[TextDelta]:
         """Stream one completion as text. Closing the iterator early aborts it in the engine."""
         sp = req.sampling
-        text = IncrementalText(self.tokenizer, sp.stop, sp.skip_special_tokens, sp.include_stop_str_in_output)
+        completion = CompletionText(self.tokenizer, sp, len(req.prompt_token_ids))
         timeout = req.timeout if req.timeout is not None else self.request_timeout
         limit = req.timeout_param if req.timeout is not None else "request_timeout"
         now = time.time()
@@ -193,28 +179,17 @@ class FrontendCore:
             deadline=None if timeout is None else now + timeout, api_key_name=req.api_key_name,
             queue_deadline=None if self.queue_timeout is None else now + self.queue_timeout)
         deadline = None if timeout is None else time.monotonic() + timeout + DEADLINE_GRACE_S
-        num_out = 0
-        held: list[int] = []  # tokens whose text is held back (a partial character or possible stop string)
         try:
             while True:
                 delta = await self._next(deltas, deadline, timeout, limit)
                 if delta.finish_reason == "error":
                     raise engine_refusal(delta, timeout, limit, self.queue_timeout)
-                num_out += len(delta.new_token_ids)
-                finish = delta.finish_reason
-                new_text = text.add_tokens(delta.new_token_ids, final=finish is not None)
-                stop_reason = delta.stop_token_id
-                if text.stopped_by is not None:
-                    finish, stop_reason = "stop", text.stopped_by
-                held.extend(delta.new_token_ids)
-                if finish is None and not new_text and not delta.logprobs:
+                out = completion.add(delta)
+                if out is None:
                     continue
-                yield TextDelta(new_text, held, delta.logprobs, finish, stop_reason,
-                                delta.num_prompt_tokens or len(req.prompt_token_ids), delta.num_cached_tokens,
-                                num_out)
-                held = []
-                if finish is not None:
-                    return
+                yield out
+                if out.finish_reason is not None:
+                    return  # done, or a stop string (closing ``deltas`` aborts the engine's request)
         finally:
             await deltas.aclose()  # aborts the engine request unless it finished
 

@@ -35,11 +35,6 @@ def sampling_params(req: api._GenerationRequest, max_tokens: int | None, logprob
         raise RequestError(400, str(e), field if field.isidentifier() else None) from e
 
 
-def choice_sampling(sp: SamplingParams, i: int) -> SamplingParams:
-    # n choices from one seeded request must differ from each other yet be reproducible.
-    return sp if sp.seed is None or i == 0 else msgspec.structs.replace(sp, seed=(sp.seed + i) % 2**63)
-
-
 def split_prompts(prompt: str | list[Any]) -> list[str | list[int]]:
     """A completion ``prompt`` is text, token ids, or a batch of either."""
     if isinstance(prompt, str):

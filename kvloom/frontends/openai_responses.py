@@ -9,7 +9,7 @@ from kvloom.core.messages import TokenLogprobs
 from kvloom.frontends import openai_protocol as api
 from kvloom.frontends.asgi import ERROR_TYPES, SSE_DONE, sse
 from kvloom.frontends.errors import RequestError
-from kvloom.frontends.frontend_core import TextDelta
+from kvloom.frontends.output import TextDelta
 from kvloom.frontends.text import token_bytes
 from kvloom.frontends.tool_parsers import ToolCall, ToolPlan, make_parser
 
