@@ -199,3 +199,15 @@ def test_expired_requests_are_dropped_before_a_step_and_their_blocks_freed():
     assert sched.kv.num_free_blocks() == 8 and not sched.has_unfinished()
     assert finished == [("waiting", RequestStatus.FINISHED_ERROR), ("running", RequestStatus.FINISHED_ERROR)]
     assert sched.expire() == []
+
+
+def test_a_waiting_request_that_cannot_get_its_first_token_before_its_queue_deadline_goes_now():
+    clock = Clock()
+    sched = _scheduler(clock)
+    sched.add_request(_request("late", clock, queue_deadline=clock.now + 1.0))
+    sched.add_request(_request("in-time", clock, queue_deadline=clock.now + 3.0))
+    clock.now += 0.5
+    # Steps take 0.8 s: scheduled now, "late" would show its first token at 1.3 s, past its 1 s deadline.
+    assert [(r.request_id, kind) for r, kind in sched.expire(first_token_s=0.8)] == [("late", "queue_timeout")]
+    assert [s.request_id for s in sched.schedule().seqs] == ["in-time"]  # its turn went to one that can make it
+    assert sched.expire(first_token_s=0.8) == []

@@ -25,6 +25,8 @@ class RequestResult:
     usage_reported: bool = False
     chunk_times: list[float] = field(default_factory=list)
     e2e: float | None = None
+    status: int | None = None  # HTTP status, or the code of a stream's final error event
+    error_s: float | None = None  # seconds after the send when a refusal or an error came
     start: float = 0.0  # seconds after the level started
     client: int = 0  # the client process that sent it
 

@@ -105,9 +105,11 @@ async def send_request(client: httpx.AsyncClient, spec: LoadSpec, endpoint: str,
     chunks = 0
     async with client.stream("POST", spec.root + path, json=body, headers=spec.headers,
                              timeout=spec.request_timeout_s) as resp:
+        result.status = resp.status_code
         if resp.status_code != 200:
             text = (await resp.aread()).decode(errors="replace")
             result.error = f"HTTP {resp.status_code}: {text[:200]}"
+            result.error_s = time.perf_counter() - sent
             return
         async for line in resp.aiter_lines():
             if not line.startswith("data:"):
@@ -119,6 +121,9 @@ async def send_request(client: httpx.AsyncClient, spec: LoadSpec, endpoint: str,
             event = json.loads(data)
             if "error" in event:
                 result.error = f"stream error: {str(event['error'])[:200]}"
+                result.error_s = time.perf_counter() - sent
+                code = event["error"].get("code") if isinstance(event["error"], dict) else None
+                result.status = code if isinstance(code, int) else result.status
                 return
             choices = event.get("choices") or []
             if choices and _is_token_chunk(choices[0], endpoint):

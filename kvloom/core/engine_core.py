@@ -34,6 +34,7 @@ from kvloom.plugins.manager import PluginManager
 logger = logging.getLogger("kvloom")
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+STEP_TIME_WEIGHT = 0.2  # of the latest step in the moving average: a few steps, so a burst shows quickly
 
 
 class RequestRejected(ValueError):
@@ -117,6 +118,8 @@ class EngineCore:
         # --- end of plugins ---
         self.num_expired_in_queue = 0
         self.num_expired_running = 0
+        self.step_s = 0.0  # a moving average of the wall time of steps that ran, for queue deadlines
+        self.last_step_s = 0.0
         self.async_scheduling = config.async_scheduling == "on" or (
             config.async_scheduling == "auto" and self.device.type == "cuda")
         if self.tp_driver is None:
@@ -258,6 +261,7 @@ class EngineCore:
     def step(self) -> list[TokenDelta]:
         """Propose drafts, schedule, run, update, emit. With async scheduling the step is launched and
         the previous one's tokens are returned, so the host's work overlaps the device's."""
+        started = time.perf_counter()
         deltas = self._schedule_compiled() if self.structured.has_pending else []
         deltas += [] if self._can_overlap() else self.flush()
         deltas += self._expire()
@@ -275,11 +279,16 @@ class EngineCore:
                 self._in_flight = (plan, launched)
             else:
                 deltas += self._update(plan, launched.fetch())
+            self.last_step_s = time.perf_counter() - started
+            self.step_s += STEP_TIME_WEIGHT * (self.last_step_s - self.step_s)
         return deltas
 
     def _expire(self) -> list[TokenDelta]:
         deltas = []
-        for req, kind in self.scheduler.expire():
+        # A request scheduled now shows its first token after this step, or the next one when steps overlap.
+        # A step that just ran long (a burst of prefills) is likely to be followed by another.
+        first_token_s = max(self.step_s, self.last_step_s) * (2 if self.async_scheduling else 1)
+        for req, kind in self.scheduler.expire(first_token_s):
             if kind == "queue_timeout" or req.first_scheduled_time is None:
                 self.num_expired_in_queue += 1
                 message = "the request waited past its deadline in the queue and never ran"

@@ -101,6 +101,7 @@ class EngineServer:
             if self.stop_now:
                 break
             core.check_health()  # a dead tensor-parallel worker ends the loop, idle or not
+            self._flush()  # refusals (queue full, over quota) go now, not after a step: milliseconds
             if core.has_unfinished():
                 deltas = core.step()
                 for delta in deltas:

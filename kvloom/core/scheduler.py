@@ -329,14 +329,19 @@ class Scheduler:
         if self.on_finish is not None:
             self.on_finish(req)
 
-    def expire(self) -> list[tuple[Request, str]]:
+    def expire(self, first_token_s: float = 0.0) -> list[tuple[Request, str]]:
         """End the requests past a deadline, before a step is spent on them: waiting ones past their
         queue deadline (never started) or run deadline, running ones past their run deadline; their
-        blocks are freed. Returns each with ``queue_timeout`` or ``deadline``."""
+        blocks are freed. Returns each with ``queue_timeout`` or ``deadline``.
+
+        ``first_token_s`` is how long a request scheduled now takes to get its first token out (the
+        engine's recent step time): a waiting request whose queue deadline passes before then cannot
+        make it, so it goes now and gives its turn to one that can."""
         now = self.clock()
         expired = []
         for req in [*self.waiting, *self.running]:
-            if req.queue_deadline is not None and req.first_scheduled_time is None and now > req.queue_deadline:
+            if (req.queue_deadline is not None and req.first_scheduled_time is None
+                    and now + first_token_s > req.queue_deadline):
                 expired.append((req, "queue_timeout"))
             elif req.deadline is not None and now > req.deadline:
                 expired.append((req, "deadline"))
