@@ -4,11 +4,11 @@ promises: every answer is 200, 429, 503 or 408 (no other status, no hang), the a
 TTFT p99 stays within the queue timeout, a refusal (429/503) comes within ``--refusal-bound-ms``
 at p99, and the engine's memory (RSS) stays flat.
 
-    python benchmarks/overload.py --seconds 30 --overload 10          # SmolLM2 on the CPU
+    python benchmarks/overload.py --seconds 20 --overload 10          # SmolLM2 on the CPU
     python benchmarks/overload.py --model /tmp/kvloom-tiny --random-token-range 0:300 --seconds 20
 
-Capacity is measured first, closed-loop with ``--max-num-seqs`` streams for ``--warmup`` seconds, in
-the same run; the overload phase then sends ``overload x capacity`` requests per second for
+Capacity is measured first, closed-loop with ``--max-num-seqs`` streams (``--capacity-rounds`` rounds
+of requests), in the same run; the overload phase then sends ``overload x capacity`` requests per second for
 ``--seconds``, and waits for the last answers. It prints the figures as JSON (``--out FILE.json``
 also writes them, and a plot beside it as FILE.png). The exit status is 0 only if every check holds.
 """
@@ -122,6 +122,7 @@ def plot(path: Path, records: list[dict], rss: list[tuple[float, float]], overlo
     mid.set_ylabel("seconds")
     mid.legend(fontsize=8)
     low.plot([t - overload_started for t, _ in rss], [mb for _, mb in rss], color="tab:blue")
+    low.ticklabel_format(axis="y", useOffset=False)
     low.set_ylabel("engine RSS (MB)")
     low.set_xlabel("seconds since the overload started (arrival time)")
     fig.tight_layout()
@@ -132,7 +133,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="SmolLM2-135M-Instruct")
     parser.add_argument("--seconds", type=float, default=30.0, help="Length of the overload phase.")
-    parser.add_argument("--warmup", type=float, default=15.0, help="Length of the capacity measurement.")
+    parser.add_argument("--capacity-rounds", type=int, default=2,
+                        help="The capacity is measured with this many rounds of --max-num-seqs requests.")
     parser.add_argument("--overload", type=float, default=10.0, help="Arrival rate as a multiple of capacity.")
     parser.add_argument("--max-num-seqs", type=int, default=8)
     parser.add_argument("--max-queued-requests", type=int, default=16)
@@ -161,8 +163,9 @@ def main() -> int:
             workload = Workload(input_len=(args.input_len, args.input_len),
                                 output_len=(args.max_tokens, args.max_tokens), seed=args.seed,
                                 token_range=tuple(int(x) for x in args.random_token_range.split(":")))
-            closed = run_sweep(LoadSpec(base_url=url, concurrency=[args.max_num_seqs], num_requests=10_000,
-                                        max_duration_s=args.warmup, progress=False), workload)["levels"][0]
+            closed = run_sweep(LoadSpec(base_url=url, concurrency=[args.max_num_seqs],
+                                        num_requests=args.capacity_rounds * args.max_num_seqs, progress=False),
+                               workload)["levels"][0]
             capacity = closed["request_throughput"]
             rate = capacity * args.overload
             sampler = RssSampler(engine)

@@ -87,6 +87,8 @@ priority = 3
         by_requests = asyncio.run(burst(server.url, [body] * 10, {"Authorization": "Bearer sk-requests"}))
         by_tokens = asyncio.run(burst(server.url, [body] * 10, {"Authorization": "Bearer sk-tokens"}))
         samples = metric_samples(server.url)
+        admitted = labelled_samples(server.url, "kvloom_api_key_requests_total")
+        rejections = labelled_samples(server.url, "kvloom_rejections_total")
         unauthorized = check_wrong_keys(server, gateway)
     finally:
         server.stop()
@@ -104,7 +106,25 @@ priority = 3
     refused = next(r for r, _ in by_tokens if r.status_code == 429)
     assert refused.headers["x-ratelimit-limit-tokens"] == "100" and "x-ratelimit-limit-requests" not in refused.headers
     assert samples['kvloom_engine_rate_limited_total'] >= 5
+    # /metrics of either worker counts both workers' requests per key, admitted and refused.
+    for name, statuses in (("by-requests", [r.status_code for r, _ in by_requests]),
+                           ("by-tokens", [r.status_code for r, _ in by_tokens])):
+        assert admitted[(("api_key", name),)] == statuses.count(200), admitted
+        assert rejections[(("api_key", name), ("reason", "rate_limited"))] == statuses.count(429), rejections
     assert unauthorized == {"ok"}
+
+
+def labelled_samples(url: str, name: str) -> dict[tuple, float]:
+    """``name``'s samples by their labels (the model label left out), summed over the served model."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[tuple, float] = {}
+    for fam in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=10).text):
+        for sample in fam.samples:
+            if sample.name == name:
+                key = tuple(sorted((k, v) for k, v in sample.labels.items() if k != "model"))
+                out[key] = out.get(key, 0.0) + sample.value
+    return out
 
 
 def check_wrong_keys(server: EngineServer, gateway: str) -> set[str]:
@@ -138,8 +158,9 @@ def check_wrong_keys(server: EngineServer, gateway: str) -> set[str]:
             assert reply.status == 401 and reply.request_id == f"r{i}", reply
         sock.send(encode(Ping()))
         assert decode_gateway_reply(sock.recv()).healthy  # the gateway's health check needs no key
+        # Charged 2 + 90 tokens: the minute refills that many only after 55 s, however slow the checks above.
         sock.send(encode(Generate(request_id="good", prompt_token_ids=[5, 6], api_key="sk-tokens",
-                                  sampling=SamplingParams(max_tokens=2, ignore_eos=True))))
+                                  sampling=SamplingParams(max_tokens=90, ignore_eos=True))))
         while True:
             reply = decode_gateway_reply(sock.recv())
             if getattr(reply, "finish_reason", None) or hasattr(reply, "status"):

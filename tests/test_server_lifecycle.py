@@ -42,7 +42,7 @@ def data_lines(lines, count: int | None = None) -> list[str]:
     return out
 
 
-def test_engine_death_fails_requests_and_health(tiny_llama, tmp_path):
+def test_engine_death_fails_requests_and_stops_the_server(tiny_llama, tmp_path):
     # Over TCP this time: the frontends must notice the dead engine there too.
     server = start_server(tiny_llama, tmp_path, f'engine_address = "tcp://127.0.0.1:{free_port()}"\n')
     children = server.descendants()

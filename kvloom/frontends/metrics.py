@@ -162,9 +162,12 @@ class FrontendMetrics:
                 yield index, delta
         finally:
             await merged.aclose()
-            self._key_requests.labels(api_key, self.model).inc()
-            self._key_tokens.labels(api_key, "prompt", self.model).inc(prompt_tokens)
-            self._key_tokens.labels(api_key, "completion", self.model).inc(sum(completion.values()))
+            # Only if it ran (a client gone mid-stream included): a refusal (429, or 408 before its first
+            # step) raises before any output, and kvloom_rejections counts it instead.
+            if completion:
+                self._key_requests.labels(api_key, self.model).inc()
+                self._key_tokens.labels(api_key, "prompt", self.model).inc(prompt_tokens)
+                self._key_tokens.labels(api_key, "completion", self.model).inc(sum(completion.values()))
 
     async def observe(self, deltas: AsyncIterator[Any]) -> AsyncIterator[Any]:
         """Pass a completion's TextDeltas through, recording its latencies, tokens and finish reason."""
