@@ -1,5 +1,10 @@
 """The engine process: runs the EngineCore loop and talks to frontends only through msgspec messages
-over one ZeroMQ ROUTER socket (``ipc://`` by default). It never sees text."""
+over one ZeroMQ ROUTER socket (``ipc://`` by default). It never sees text.
+
+The socket belongs to an inbox thread (ZeroMQ sockets are not shared between threads): it receives
+and validates messages and hands them to the loop through a queue, sends what the loop gives it, and
+refuses requests over the queue cap at once, so a 429 never waits for the step that is running (a
+step of a loaded CPU engine can take seconds). Every other decision stays with the loop."""
 
 from __future__ import annotations
 
@@ -7,8 +12,10 @@ import argparse
 import hmac
 import logging
 import os
+import queue
 import signal
 import sys
+import threading
 import time
 import traceback
 from collections import defaultdict
@@ -39,6 +46,8 @@ logger = logging.getLogger("kvloom.engine")
 # What a frontend may call through ``Utility``; anything else is refused by name.
 UTILITY_METHODS = ("stats", "reset_prefix_cache")
 IDLE_POLL_MS = 100  # how often an idle engine wakes up to notice signals
+_STOP = b"stop"  # loop -> inbox thread: send what is queued, then close the socket
+_GONE = object()  # inbox thread -> loop: a frontend can no longer be reached
 
 
 class EngineServer:
@@ -62,6 +71,20 @@ class EngineServer:
         self.socket.setsockopt(zmq.RCVHWM, 0)
         self.socket.setsockopt(zmq.LINGER, 2000)
         self.socket.bind(address)
+        # The loop's sends go to the inbox thread over inproc, in order; messages come back in a queue.
+        self._outbound_address = f"inproc://engine-outbound-{id(self)}"
+        self._outbound_pull = self.ctx.socket(zmq.PULL)
+        self._outbound_pull.bind(self._outbound_address)
+        self._outbound = self.ctx.socket(zmq.PUSH)
+        self._outbound.setsockopt(zmq.SNDHWM, 0)
+        self._outbound.connect(self._outbound_address)
+        self.inbound: queue.SimpleQueue = queue.SimpleQueue()
+        self._pending_adds = 0  # AddRequests in ``inbound`` the loop has not taken yet
+        self._pending_lock = threading.Lock()
+        self._loop_seen = time.monotonic()  # the loop's last turn: a stale one means it may be hung
+        self.num_refused_early = 0
+        self._inbox_thread = threading.Thread(target=self._inbox, name="kvloom-engine-inbox", daemon=True)
+        self._inbox_thread.start()
         self.core = None
         self.ready: EngineReady | None = None
         self.frontends: dict[bytes, str] = {}  # ZeroMQ identity -> frontend id
@@ -97,6 +120,7 @@ class EngineServer:
     def run(self) -> None:
         core = self.core
         while not self.stop_now and not (self.draining and not core.has_unfinished()):
+            self._loop_seen = time.monotonic()
             self._drain_inbox(block=not core.has_unfinished())
             if self.stop_now:
                 break
@@ -129,7 +153,9 @@ class EngineServer:
         self.fail_frontends(message)
         if self.core is not None:
             self.core.shutdown()
-        self.socket.close()
+        self._outbound.send_multipart([_STOP])
+        self._inbox_thread.join(timeout=10)
+        self._outbound.close()
         self.ctx.term()
 
     def fail_frontends(self, message: str) -> None:
@@ -139,8 +165,65 @@ class EngineServer:
 
     # --- inbox -------------------------------------------------------------------------------------
     def _drain_inbox(self, block: bool) -> None:
-        if block and not self.socket.poll(IDLE_POLL_MS):
+        try:
+            item = self.inbound.get(timeout=IDLE_POLL_MS / 1000) if block else self.inbound.get_nowait()
+        except queue.Empty:
             return
+        while True:
+            ident, msg = item
+            if msg is _GONE:
+                self._forget_frontend(ident)
+            else:
+                if isinstance(msg, AddRequest):
+                    with self._pending_lock:
+                        self._pending_adds -= 1
+                if isinstance(msg, Exception):
+                    self._reject_malformed(ident, *msg.args)
+                else:
+                    self._handle(ident, msg)
+            try:
+                item = self.inbound.get_nowait()
+            except queue.Empty:
+                return
+
+    # --- the inbox thread: owns the socket --------------------------------------------------------
+    def _inbox(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.socket, zmq.POLLIN)
+        poller.register(self._outbound_pull, zmq.POLLIN)
+        try:
+            while True:
+                ready = dict(poller.poll())
+                if self._outbound_pull in ready and not self._send_outbound():
+                    return
+                if self.socket in ready:
+                    self._receive()
+        except zmq.ContextTerminated:
+            return
+        except Exception:  # noqa: BLE001 - a dead inbox would leave every frontend waiting for ever
+            logger.exception("The engine's inbox thread failed; stopping the engine")
+            self.stop_now = True
+        finally:
+            self.socket.close()
+            self._outbound_pull.close()
+
+    def _send_outbound(self) -> bool:
+        """Send everything the loop queued; False once the loop said stop."""
+        while True:
+            try:
+                frames = self._outbound_pull.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return True
+            if frames == [_STOP]:
+                return False
+            try:
+                self.socket.send_multipart(frames, zmq.NOBLOCK)
+            except zmq.ZMQError as e:
+                if e.errno != zmq.EHOSTUNREACH:
+                    raise
+                self.inbound.put((frames[0], _GONE))
+
+    def _receive(self) -> None:
         while True:
             try:
                 frames = self.socket.recv_multipart(zmq.NOBLOCK)
@@ -154,9 +237,42 @@ class EngineServer:
             try:
                 msg = decode_frontend_message(data)
             except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as e:
-                self._reject_malformed(ident, data, e)
+                self.inbound.put((ident, _Malformed(data, e)))
                 continue
-            self._handle(ident, msg)
+            if isinstance(msg, AddRequest):
+                if self._refuse_now(ident, msg):
+                    continue
+                with self._pending_lock:
+                    self._pending_adds += 1
+            self.inbound.put((ident, msg))
+
+    def _refuse_now(self, ident: bytes, msg: AddRequest) -> bool:
+        """Refuse ``msg`` from this thread when the queue cap already turns it away: the waiting queue
+        plus the requests handed to the loop and not yet taken. Only while the loop turns (a loop
+        silent for half the frontends' heartbeat timeout may be hung: its requests wait for it, and
+        so do the frontends' hang checks, which any message from here would reset)."""
+        gate, core = self.gate, self.core
+        if gate is None or core is None or gate.max_queued_requests is None or self.draining:
+            return False
+        if self.secret is not None and ident not in self.frontends:
+            return False  # the loop decides about strangers
+        if self.heartbeat_interval is not None and time.monotonic() - self._loop_seen > 2 * self.heartbeat_interval:
+            return False
+        with self._pending_lock:
+            queued = len(core.scheduler.waiting) + self._pending_adds
+        refusal = gate.refuse_if_queue_full(queued)
+        if refusal is None:
+            return False
+        delta = _error_delta(msg.request_id, refusal.message, refusal.kind)
+        delta.retry_after = refusal.retry_after
+        try:
+            self.socket.send_multipart([ident, encode(StepOutputs(outputs=[delta]))], zmq.NOBLOCK)
+        except zmq.ZMQError as e:
+            if e.errno != zmq.EHOSTUNREACH:
+                raise
+            self.inbound.put((ident, _GONE))
+        self.num_refused_early += 1
+        return True
 
     def _reject_malformed(self, ident: bytes, data: bytes, error: Exception) -> None:
         """A message that fails validation is dropped; if it was an AddRequest its sender is told, so the
@@ -255,12 +371,8 @@ class EngineServer:
         self.outbox.clear()
 
     def _send(self, ident: bytes, msg) -> None:
-        try:
-            self.socket.send_multipart([ident, encode(msg)], zmq.NOBLOCK)
-        except zmq.ZMQError as e:
-            if e.errno != zmq.EHOSTUNREACH:
-                raise
-            self._forget_frontend(ident)
+        # The inbox thread sends it; a frontend found gone comes back through the inbox (_GONE).
+        self._outbound.send_multipart([ident, encode(msg)])
 
     def _forget_frontend(self, ident: bytes) -> None:
         """A frontend went away: stop its requests so their KV blocks come back."""
@@ -273,6 +385,10 @@ class EngineServer:
             logger.warning("Frontend %s is gone; aborted its %d request(s)", name, len(orphans))
         else:
             logger.info("Frontend %s is gone", name)
+
+
+class _Malformed(Exception):
+    """A message that failed validation in the inbox thread, passed to the loop as (data, error)."""
 
 
 def _add_request_id(data: bytes) -> str | None:

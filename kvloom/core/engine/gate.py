@@ -5,6 +5,7 @@ can admit more than a cap allows. Pure bookkeeping: no torch."""
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -94,6 +95,9 @@ class AdmissionGate:
                      for q in quotas}
         self.charges: dict[str, _Charge] = {}
         self.counters = GateCounters()
+        # The engine's inbox thread refuses over-cap requests while the loop runs a step
+        # (``refuse_if_queue_full``); the counters it bumps are shared with the loop's thread.
+        self._count_lock = threading.Lock()
 
     def admit(self, request_id: str, key_name: str, num_prompt_tokens: int, max_tokens: int,
               queued_requests: int, queued_tokens: int) -> None:
@@ -111,14 +115,27 @@ class AdmissionGate:
         if cap is not None and num_prompt_tokens > cap:
             raise Refusal("rejected", f"the prompt has {num_prompt_tokens} tokens, over max_queued_tokens={cap}: "
                           "it could never wait in the queue")
-        if self.max_queued_requests is not None and queued_requests >= self.max_queued_requests:
-            self.counters.rejected_queue_full += 1
-            raise Refusal("queue_full", f"the engine's queue is full ({queued_requests} requests waiting, "
-                          f"max_queued_requests={self.max_queued_requests}); retry later", QUEUE_FULL_RETRY_S)
+        refusal = self.refuse_if_queue_full(queued_requests)
+        if refusal is not None:
+            raise refusal
         if cap is not None and queued_tokens + num_prompt_tokens > cap:
-            self.counters.rejected_queue_full += 1
+            self._count_queue_full()
             raise Refusal("queue_full", f"the engine's queue is full ({queued_tokens} prompt tokens waiting + "
                           f"{num_prompt_tokens} > max_queued_tokens={cap}); retry later", QUEUE_FULL_RETRY_S)
+
+    def refuse_if_queue_full(self, queued_requests: int) -> Refusal | None:
+        """The refusal (counted) of one more request when ``queued_requests`` already wait and
+        ``max_queued_requests`` allows no more; None while there is room. Safe from any thread."""
+        cap = self.max_queued_requests
+        if cap is None or queued_requests < cap:
+            return None
+        self._count_queue_full()
+        return Refusal("queue_full", f"the engine's queue is full ({queued_requests} requests waiting, "
+                       f"max_queued_requests={cap}); retry later", QUEUE_FULL_RETRY_S)
+
+    def _count_queue_full(self) -> None:
+        with self._count_lock:
+            self.counters.rejected_queue_full += 1
 
     def _charge_key(self, key: _KeyState, tokens: int) -> None:
         q = key.quota
