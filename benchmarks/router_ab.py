@@ -6,12 +6,14 @@ shared-prefix workload; prints throughput, latency and each arm's prefix-cache h
     python benchmarks/router_ab.py --model PATH --threads-per-engine 4 --num-requests 64
 
 The replicas share the host's cores: on the CPU two replicas get half the threads each (the same cores
-in all), so the comparison is of scheduling and cache reuse, not of more hardware."""
+in all), so the comparison is of scheduling and cache reuse, not of more hardware. Each arm records the
+host's load average before it starts (``/proc/loadavg``): on a shared host, read the figures with it."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -49,6 +51,7 @@ def main() -> int:
         if str(i) not in args.arms.split(","):
             continue
         threads = max(1, args.threads // replicas)
+        load_before = os.getloadavg()
         server = ServerProcess([*model, "--plugins", "prefix_cache", "--threads", str(threads),
                                 "--kv-cache-memory-gib", "0.5", *flags], tmp / f"server-{i}.log")
         try:
@@ -65,10 +68,11 @@ def main() -> int:
         finally:
             server.stop()
         hit = stats.get("prefix_cache_hits", 0) / max(1, stats.get("prefix_cache_queries", 0))
-        runs.append({"arm": name, "threads_per_engine": threads, "prefix_hit_rate": hit, **level})
+        runs.append({"arm": name, "threads_per_engine": threads, "prefix_hit_rate": hit,
+                     "load_average_before": load_before, **level})
         print(f"{name}: {level['request_throughput']:.2f} req/s, {level['output_throughput']:.1f} output tok/s, "
               f"TTFT p50 {level['ttft_ms']['p50']:.0f} ms, E2E p50 {level['e2e_ms']['p50']:.0f} ms, "
-              f"prefix-cache hit rate {hit:.3f}", flush=True)
+              f"prefix-cache hit rate {hit:.3f} (load average before: {load_before[0]:.2f})", flush=True)
     base = runs[0]  # the x column is against the first arm run
     print(f"\n{'arm':<30} {'req/s':>7} {'x':>6} {'TTFT p50':>9} {'E2E p50':>8} {'hit rate':>9}")
     for r in runs:

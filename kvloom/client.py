@@ -73,9 +73,9 @@ _ids = itertools.count()
 
 
 def _generate_message(prompt: str | None, messages: list[dict[str, str]] | None, prompt_token_ids: list[int] | None,
-                      request_id: str | None, priority: int, sampling: dict[str, Any]) -> Generate:
+                      request_id: str | None, priority: int, model: str | None, sampling: dict[str, Any]) -> Generate:
     return Generate(
-        request_id=request_id or f"{os.getpid()}-{next(_ids)}", prompt=prompt,
+        request_id=request_id or f"{os.getpid()}-{next(_ids)}", model=model, prompt=prompt,
         messages=None if messages is None else [ChatMessage(role=m["role"], content=m["content"]) for m in messages],
         prompt_token_ids=prompt_token_ids, sampling=SamplingParams(**sampling), priority=priority,
     )
@@ -120,10 +120,10 @@ class Client:
 
     def stream(self, prompt: str | None = None, *, messages: list[dict[str, str]] | None = None,
                prompt_token_ids: list[int] | None = None, request_id: str | None = None, priority: int = 0,
-               **sampling: Any) -> Iterator[TextChunk]:
+               model: str | None = None, **sampling: Any) -> Iterator[TextChunk]:
         """Yield the request's text chunks; the last has ``finish_reason`` and ``usage``. Stopping early
-        cancels the request."""
-        msg = _generate_message(prompt, messages, prompt_token_ids, request_id, priority, sampling)
+        cancels the request. ``model``: a served model's name (``ping().models``); None: the first."""
+        msg = _generate_message(prompt, messages, prompt_token_ids, request_id, priority, model, sampling)
         rid = _claim(self._inbox, msg.request_id)
         self._inbox[rid] = deque()
         finished = False
@@ -193,8 +193,8 @@ class AsyncClient:
 
     async def stream(self, prompt: str | None = None, *, messages: list[dict[str, str]] | None = None,
                      prompt_token_ids: list[int] | None = None, request_id: str | None = None, priority: int = 0,
-                     **sampling: Any) -> AsyncIterator[TextChunk]:
-        msg = _generate_message(prompt, messages, prompt_token_ids, request_id, priority, sampling)
+                     model: str | None = None, **sampling: Any) -> AsyncIterator[TextChunk]:
+        msg = _generate_message(prompt, messages, prompt_token_ids, request_id, priority, model, sampling)
         rid = _claim(self._inbox, msg.request_id)
         self._start_reader()
         queue = self._inbox[rid] = asyncio.Queue()

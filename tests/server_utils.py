@@ -163,11 +163,17 @@ def _ip(addr_hex: str, width: int) -> str:
 
 
 def metric_samples(url: str) -> dict[str, float]:
-    """A server's /metrics as {sample name: value}; labels are dropped (a test server serves one model)."""
+    """A server's /metrics as {sample name: value}: the engine series of every replica summed, other
+    labels dropped (the last sample of a name wins: a histogram's ``+Inf`` bucket)."""
     from prometheus_client.parser import text_string_to_metric_families
 
     text = httpx.get(url + "/metrics", timeout=10).text
-    return {s.name: s.value for fam in text_string_to_metric_families(text) for s in fam.samples}
+    summed: dict[tuple, float] = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            key = (s.name, *sorted((k, v) for k, v in s.labels.items() if k not in ("model", "replica")))
+            summed[key] = summed.get(key, 0.0) + s.value
+    return {key[0]: value for key, value in summed.items()}
 
 
 def kv_blocks(url: str) -> tuple[float, float]:

@@ -1,5 +1,6 @@
 """The engine router's choices over fake replicas (no engine process): prefix affinity, the overload
-spill, load balance, round-robin, a dead replica taken out and its reason, stats summed."""
+spill, load balance, round-robin, a dead replica taken out and its reason, a dead replica rejoined,
+stats summed and per replica."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from kvloom.frontends.engine_client import EngineUnavailable
 from kvloom.frontends.router import EngineRouter, prefix_keys
 
 BLOCK = 4
+EVENTS: list[tuple[str, int]] = []
 
 
 class FakeClient:
@@ -21,6 +23,9 @@ class FakeClient:
     def __init__(self, address, frontend_id=None, heartbeat_timeout=None, secret=None, reconnect=False):
         self.address = address
         self.frontend_id = frontend_id
+        self.reconnect = reconnect
+        self.closed = False
+        self.events = EVENTS  # the order clients are started and closed in, over all of them
         self.dead_reason = None
         self.hung_reason = None
         self.last_stats = None
@@ -42,6 +47,7 @@ class FakeClient:
         return self.in_flight
 
     async def start(self, timeout):
+        self.events.append(("start", id(self)))
         return self.ready
 
     async def generate(self, request_id, prompt_token_ids, sampling, priority=0, arrival_time=0.0, **admission):
@@ -55,7 +61,8 @@ class FakeClient:
         pass
 
     async def close(self):
-        pass
+        self.closed = True
+        self.events.append(("close", id(self)))
 
 
 def make_router(policy="prefix_affinity", n=2) -> EngineRouter:
@@ -127,6 +134,43 @@ def test_a_dead_replica_is_skipped_and_all_dead_says_why():
                                          "away (connection lost); replica 1: the engine has not answered for 31.0s")
     with pytest.raises(EngineUnavailable, match="all 2 replicas"):
         router.choose([1, 2, 3])
+
+
+@pytest.mark.parametrize("reconnect", [False, True])
+def test_a_dead_replica_rejoins(monkeypatch, reconnect):
+    """Without ``reconnect`` the router replaces a dead replica's client, closing the old one first (its
+    socket would hold this frontend's identity at the engine); with it, the client reconnects itself."""
+    from kvloom.frontends import router as router_module
+
+    monkeypatch.setattr(router_module, "REJOIN_INTERVAL_S", 0.01)
+
+    async def go():
+        router = EngineRouter(["a", "b"], make_client=FakeClient, reconnect=reconnect)
+        await router.start(1.0)
+        dead = router.replicas[0].client
+        dead.dead_reason = "the engine process went away (connection lost)"
+        EVENTS.clear()
+        for _ in range(50):
+            await asyncio.sleep(0.01)
+            if router.replicas[0].client is not dead:
+                break
+        replaced, events = router.replicas[0].client, list(EVENTS)
+        await router.close()
+        return dead, replaced, events
+
+    dead, replaced, events = asyncio.run(go())
+    if reconnect:  # left alone: not closed, no second client started
+        assert replaced is dead and events == []
+    else:
+        assert replaced is not dead and replaced.healthy
+        assert events == [("close", id(dead)), ("start", id(replaced))]
+
+
+def test_replica_stats_ask_each_live_replica():
+    router = make_router()
+    router.replicas[1].client.dead_reason = "gone"
+    assert asyncio.run(router.replica_stats()) == [
+        (0, True, {"num_running": 1, "prefix_cache_hits": 3, "kv_usage": 0.5}), (1, False, None)]
 
 
 def test_stats_are_summed_over_live_replicas():

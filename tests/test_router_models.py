@@ -1,13 +1,17 @@
 """Several models behind one real server: two tiny models of different families served by name from
-``[[models]]`` tables, each answering as it does served alone; the 404 naming the served models;
-/v1/models; per-model metrics; and the config checks (repeated --model NAME=PATH, memory shares)."""
+``[[models]]`` tables, each answering as it does served alone, over HTTP and the ZMQ gateway; the 404
+naming the served models; /v1/models; per-model metrics (latencies, counts, engine series); and the
+config checks (repeated --model NAME=PATH, memory shares)."""
 
 from __future__ import annotations
+
+import asyncio
 
 import httpx
 import pytest
 
 from kvloom.cli import build_parser, config_from_args, server_config_from_args, served_models_from_args
+from kvloom.client import AsyncClient, Client, GatewayError
 from kvloom.core.config import ConfigError, EngineConfig
 from kvloom.served_models import ServedModel, check_memory_shares
 from tests.conftest import make_tiny_model
@@ -26,7 +30,8 @@ def servers(tiny_llama, tiny_qwen3, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("models")
     port = free_port()
     config = tmp / "two.toml"
-    config.write_text(f'port = {port}\nmax_num_seqs = 8\n'
+    gateway = f"ipc://{tmp}/gw.sock"
+    config.write_text(f'port = {port}\nmax_num_seqs = 8\ngateway = "{gateway}"\n'
                       f'[[models]]\nname = "llama"\nmodel = "{tiny_llama}"\nnum_kv_blocks = 96\nmax_model_len = 256\n'
                       f'[[models]]\nname = "qwen"\nmodel = "{tiny_qwen3}"\nnum_kv_blocks = 64\nmax_model_len = 128\n'
                       'plugins = ["prefix_cache"]\n')
@@ -37,6 +42,7 @@ def servers(tiny_llama, tiny_qwen3, tmp_path_factory):
         "qwen": EngineServer(["--model", f"qwen={tiny_qwen3}", "--num-kv-blocks", "64", "--max-model-len", "128",
                               "--max-num-seqs", "8", "--plugins", "prefix_cache"], tmp),
     }
+    started["both"].gateway = gateway
     try:
         for s in started.values():
             s.wait_ready()
@@ -103,6 +109,85 @@ def test_metrics_and_health_name_each_model(servers):
     assert blocks == {"llama": 96, "qwen": 64}
     health = httpx.get(both.url + "/health", timeout=10).json()
     assert health["status"] == "ok" and sorted(health["models"]) == ["llama", "qwen"]
+
+
+def test_the_gateway_serves_each_model_by_name(servers):
+    both, gateway = servers["both"], servers["both"].gateway
+    with Client(gateway, timeout=60) as gw:
+        pong = gw.ping()
+        assert pong.healthy and pong.models == ["llama", "qwen"] and (pong.model, pong.max_model_len) == ("llama", 256)
+        for name in ("llama", "qwen"):
+            for prompt in PROMPTS[:2]:
+                alone = httpx.post(servers[name].url + "/v1/completions", timeout=60, json={
+                    "model": name, "prompt": prompt, "max_tokens": 12, "ignore_eos": True, "temperature": 0.0}).json()
+                got = gw.generate(prompt, model=name, max_tokens=12, ignore_eos=True, temperature=0.0)
+                assert got.text == alone["choices"][0]["text"], (name, prompt)
+        # No model named: the first one answers.
+        assert (gw.generate(PROMPTS[0], max_tokens=12, ignore_eos=True, temperature=0.0).text
+                == gw.generate(PROMPTS[0], model="llama", max_tokens=12, ignore_eos=True, temperature=0.0).text)
+        with pytest.raises(GatewayError) as err:
+            gw.generate("hi", model="gpt-4", max_tokens=2)
+        assert err.value.status == 404
+        assert "`gpt-4` does not exist" in err.value.message and "`llama`, `qwen`" in err.value.message
+        # Each model's own limit: 200 prompt tokens fit llama's 256, not qwen's 128.
+        assert gw.generate(prompt_token_ids=[5] * 200, model="llama", max_tokens=2).finish_reason == "length"
+        with pytest.raises(GatewayError, match="128") as err:
+            gw.generate(prompt_token_ids=[5] * 200, model="qwen", max_tokens=2)
+        assert err.value.status == 400
+
+    async def both_at_once():  # concurrent streams to both models over one connection
+        async with AsyncClient(gateway, timeout=60) as gw:
+            return await asyncio.gather(*(gw.generate(PROMPTS[2], model=name, max_tokens=8, ignore_eos=True,
+                                                      temperature=0.0) for name in ("llama", "qwen", "llama")))
+
+    llama, qwen, llama_again = asyncio.run(both_at_once())
+    assert llama.text == llama_again.text
+    for name, got in (("llama", llama), ("qwen", qwen)):
+        alone = httpx.post(both.url + "/v1/completions", timeout=60, json={
+            "model": name, "prompt": PROMPTS[2], "max_tokens": 8, "ignore_eos": True, "temperature": 0.0}).json()
+        assert got.text == alone["choices"][0]["text"], name
+
+
+def model_samples(url: str) -> dict[tuple[str, str], float]:
+    """{(sample name, model): value}, summed over other labels but a histogram's ``le`` (dropped:
+    only ``_count`` and ``_sum`` are read) and the HTTP path and status (kept as part of the name)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[tuple[str, str], float] = {}
+    for fam in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=10).text):
+        for s in fam.samples:
+            if "le" in s.labels or "model" not in s.labels:
+                continue
+            name = s.name if "path" not in s.labels else f"{s.name}{{{s.labels['path']},{s.labels['status']}}}"
+            out[name, s.labels["model"]] = out.get((name, s.labels["model"]), 0.0) + s.value
+    return out
+
+
+def test_latency_metrics_and_counts_carry_each_model(servers):
+    both = servers["both"]
+    before = model_samples(both.url)
+    sent = {"llama": 2, "qwen": 3}
+    for name, count in sent.items():
+        for i in range(count):
+            r = httpx.post(both.url + "/v1/completions", timeout=60, json={
+                "model": name, "prompt": PROMPTS[i], "max_tokens": 5, "ignore_eos": True})
+            assert r.status_code == 200, r.text
+    after = model_samples(both.url)
+
+    def delta(name: str, model: str) -> float:
+        return after.get((name, model), 0.0) - before.get((name, model), 0.0)
+
+    for model, count in sent.items():
+        for histogram in ("kvloom_time_to_first_token_seconds", "kvloom_time_per_output_token_seconds",
+                          "kvloom_request_latency_seconds"):
+            assert delta(histogram + "_count", model) == count, (histogram, model)
+        assert delta("kvloom_request_success_total", model) == count
+        assert delta("kvloom_generation_tokens_total", model) == 5 * count
+        assert delta("kvloom_http_requests_total{/v1/completions,200}", model) == count
+        # The engine's series: one replica per model, counted once (here: the prefix cache only qwen has).
+        assert after["kvloom_engine_healthy", model] == 1
+    assert after["kvloom_kv_cache_total_blocks", "llama"] == 96 and after["kvloom_kv_cache_total_blocks", "qwen"] == 64
+    assert delta("kvloom_prefix_cache_queries_total", "qwen") > 0 == delta("kvloom_prefix_cache_queries_total", "llama")
 
 
 # --- the config, without a server ------------------------------------------------------------------

@@ -1,7 +1,8 @@
 """Data-parallel replicas behind one real server (``engine --data-parallel-size 2`` on a tiny random model):
 a burst lands on both replicas with outputs unchanged, same-prefix requests stay on one replica (its
-prefix cache hits like one engine's, unlike round-robin's), and a replica killed with SIGKILL fails only
-its own requests while the other serves on and /health says degraded."""
+prefix cache hits like one engine's, unlike round-robin's), a replica stopped with SIGSTOP is taken out
+and rejoins on SIGCONT, a replica killed with SIGKILL fails only its own requests while the other serves
+on and /health says degraded, and with --restart-engine the killed replica comes back and serves again."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import pytest
 from tests.server_utils import EngineServer, alive, cmdline, metric_samples
 
 NUM_BLOCKS = 256
+HEARTBEAT_S = 6.0  # the round-robin server's engine_heartbeat_timeout: a SIGSTOPped replica is out after it
 
 
 def start(model, tmp_path_factory, name: str, *flags: str) -> EngineServer:
@@ -34,7 +36,9 @@ def servers(tiny_llama, tmp_path_factory):
         "single": start(tiny_llama, tmp_path_factory, "single"),
         "affinity": start(tiny_llama, tmp_path_factory, "affinity", "--data-parallel-size", "2"),
         "round_robin": start(tiny_llama, tmp_path_factory, "rr", "--data-parallel-size", "2",
-                             "--routing-policy", "round_robin"),
+                             "--routing-policy", "round_robin", "--engine-heartbeat-timeout", str(HEARTBEAT_S)),
+        "restart": start(tiny_llama, tmp_path_factory, "restart", "--data-parallel-size", "2",
+                         "--routing-policy", "round_robin", "--restart-engine"),
     }
     try:
         for s in started.values():
@@ -109,31 +113,118 @@ def test_shared_prefix_requests_stay_on_one_replica(servers):
     assert rates["affinity"] > rates["round_robin"] + 0.15, rates
 
 
-def test_killed_replica_fails_its_requests_the_other_serves_on(servers):
-    server = servers["round_robin"]
-    engines = {("engine-0.sock" in cmdline(pid)): pid for pid in server.descendants()
-               if "kvloom.core.engine_process" in cmdline(pid)}
-    assert len(engines) == 2
-    body = {"prompt": [5, 6, 7, 8], "max_tokens": 300, "ignore_eos": True, "stream": True}
-    with httpx.Client(timeout=60) as http:
+def replica_engines(server: EngineServer) -> dict[int, int]:
+    """{replica index: pid} of the server's engine processes (each is told its socket, engine-I.sock)."""
+    engines = {}
+    for pid in server.descendants():
+        line = cmdline(pid)
+        if "kvloom.core.engine_process" in line:
+            engines[0 if "engine-0.sock" in line else 1] = pid
+    return engines
+
+
+def one_stream_per_replica_then(server: EngineServer, act, max_tokens: int = 300) -> tuple[list[dict], list[str]]:
+    """Open two streams (round-robin: one on each replica), run ``act`` while both run, read both to
+    their end; the errors and the finish reasons of those that finished."""
+    body = {"prompt": [5, 6, 7, 8], "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
+    with httpx.Client(timeout=120) as http:
         with http.stream("POST", server.url + "/v1/completions", json=body) as a, \
                 http.stream("POST", server.url + "/v1/completions", json=body) as b:
             streams = [a.iter_lines(), b.iter_lines()]
-            for lines in streams:  # both are running (round-robin: one on each replica)
+            for lines in streams:  # both are running
                 assert next(line for line in lines if line.startswith("data:"))
             assert sorted(r["num_in_flight"] for r in replicas(server)) == [1, 1]
-            os.kill(engines[True], signal.SIGKILL)
+            act()
             t0 = time.monotonic()
             endings = []
             for lines in streams:
                 events = [line[5:].strip() for line in lines if line.startswith("data:")]
                 assert events[-1] == "[DONE]"
                 endings.append(json.loads(events[-2]))
-            assert time.monotonic() - t0 < 60
+            assert time.monotonic() - t0 < 90
     errors = [e["error"] for e in endings if "error" in e]
-    finished = [e["choices"][0]["finish_reason"] for e in endings if "choices" in e]
+    return errors, [e["choices"][0]["finish_reason"] for e in endings if "choices" in e]
+
+
+def wait_for_health(server: EngineServer, status: str, timeout: float) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        body = httpx.get(server.url + "/health", timeout=10).json()
+        if body["status"] == status:
+            return body
+        assert time.monotonic() < deadline, f"/health is still {body} after {timeout:g}s, not {status!r}"
+        time.sleep(0.5)
+
+
+def burst_lands_on_both(server: EngineServer, single: EngineServer) -> None:
+    """8 greedy requests at once: both replicas take some (their engines' own stats show it), with
+    the outputs of one engine."""
+    rng = random.Random(3)
+    prompts = [[rng.randrange(3, 300) for _ in range(rng.randrange(20, 40))] for _ in range(8)]
+    before = replicas(server)
+    with ThreadPoolExecutor(8) as pool:
+        out = list(pool.map(lambda p: complete(server, p)["choices"][0]["text"], prompts))
+    assert out == [complete(single, p)["choices"][0]["text"] for p in prompts]
+    after = replicas(server)
+    assert all(a["num_routed"] > b["num_routed"] for a, b in zip(after, before)), (before, after)
+    assert all(a["prefix_cache_queries"] > 0 for a in after), after
+
+
+def test_stopped_replica_is_taken_out_and_rejoins_on_sigcont(servers):
+    server = servers["round_robin"]
+    engines = replica_engines(server)
+    assert len(engines) == 2
+    errors, finished = one_stream_per_replica_then(server, lambda: os.kill(engines[0], signal.SIGSTOP))
+    try:
+        assert len(errors) == 1 and errors[0]["code"] == 503 and "has not answered" in errors[0]["message"]
+        assert finished == ["length"]
+        states = wait_for_health(server, "degraded", 5)
+        assert [r["healthy"] for r in states["replicas"]] == [False, True]
+        assert "engine_heartbeat_timeout" in states["replicas"][0]["reason"]
+        for _ in range(3):  # new requests go to the live replica
+            assert complete(server, [9, 10, 11], 4)["choices"][0]["finish_reason"] == "length"
+    finally:
+        os.kill(engines[0], signal.SIGCONT)
+    states = wait_for_health(server, "ok", 30)
+    assert [r["healthy"] for r in states["replicas"]] == [True, True]
+    burst_lands_on_both(server, servers["single"])
+
+
+def test_killed_replica_restarts_and_rejoins(servers):
+    server = servers["restart"]
+    engines = replica_engines(server)
+    errors, finished = one_stream_per_replica_then(server, lambda: os.kill(engines[0], signal.SIGKILL))
+    assert len(errors) == 1 and errors[0]["code"] == 503 and "went away" in errors[0]["message"]
+    assert finished == ["length"]
+    # A new engine process imports torch and loads the model before it answers: out until then.
+    assert [r["healthy"] for r in wait_for_health(server, "degraded", 5)["replicas"]] == [False, True]
+    for _ in range(3):  # served by the other replica while the launcher restarts this one
+        assert complete(server, [9, 10, 11], 4)["choices"][0]["finish_reason"] == "length"
+    states = wait_for_health(server, "ok", 180)  # the new engine loads the model, then the frontend rejoins
+    assert [r["healthy"] for r in states["replicas"]] == [True, True]
+    restarted = replica_engines(server)
+    assert restarted[0] != engines[0] and restarted[1] == engines[1]
+    burst_lands_on_both(server, servers["single"])
+    healthy = {s.labels["replica"]: s.value for s in metric_families(server.url, "kvloom_engine_healthy")}
+    assert healthy == {"0": 1.0, "1": 1.0}
+
+
+def metric_families(url: str, name: str) -> list:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(url + "/metrics", timeout=10).text
+    return [s for fam in text_string_to_metric_families(text) for s in fam.samples if s.name == name]
+
+
+def test_killed_replica_fails_its_requests_the_other_serves_on(servers):
+    server = servers["round_robin"]
+    engines = replica_engines(server)
+    assert len(engines) == 2
+    errors, finished = one_stream_per_replica_then(server, lambda: os.kill(engines[0], signal.SIGKILL))
     assert len(errors) == 1 and errors[0]["code"] == 503 and "engine" in errors[0]["message"]
     assert finished == ["length"]  # the other replica's request ran to its end
+    healthy = {s.labels["replica"]: s.value for s in metric_families(server.url, "kvloom_engine_healthy")}
+    assert healthy == {"0": 0.0, "1": 1.0}
 
     health = httpx.get(server.url + "/health", timeout=10)
     assert health.status_code == 200

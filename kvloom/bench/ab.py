@@ -84,7 +84,9 @@ def engine_stats(url: str) -> dict[str, float]:
     from prometheus_client.parser import text_string_to_metric_families
 
     text = httpx.get(url + "/metrics", timeout=30).text
-    samples = {s.name: s.value for fam in text_string_to_metric_families(text) for s in fam.samples}
+    samples: dict[str, float] = {}
+    for s in (s for fam in text_string_to_metric_families(text) for s in fam.samples):
+        samples[s.name] = samples.get(s.name, 0.0) + s.value  # summed over the replicas' series
     return {key: samples[name] for key, name in ENGINE_COUNTERS.items() if name in samples}
 
 

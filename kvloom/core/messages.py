@@ -201,9 +201,11 @@ class ChatMessage(msgspec.Struct, omit_defaults=True, kw_only=True):
 class Generate(_Msg):
     """Generate text for exactly one of ``prompt`` (text), ``messages`` (a chat, through the model's
     chat template) or ``prompt_token_ids``. ``request_id`` is the client's own: it only has to be
-    unique among the client's unfinished requests."""
+    unique among the client's unfinished requests. ``model`` is a served model's name (``Pong.models``);
+    left out, the first served model answers."""
 
     request_id: str
+    model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     prompt_token_ids: list[int] | None = None
@@ -259,10 +261,14 @@ class RequestFailed(_Msg):
 
 
 class Pong(_Msg):
+    """``model`` and ``max_model_len`` are the first served model's (the one a ``Generate`` without
+    ``model`` goes to); ``models`` names every served model; ``healthy`` is true while any serves."""
+
     healthy: bool
     model: str = ""
     max_model_len: int = 0
     message: str | None = None
+    models: list[str] = []
 
 
 GatewayReply = Union[TextChunk, RequestFailed, Pong]

@@ -7,6 +7,7 @@ HTTP plumbing is in ``asgi``, request translation in ``openai_requests``, respon
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import logging
 import os
@@ -45,9 +46,9 @@ from kvloom.frontends.frontend_core import (
     PreparedRequest,
     RequestError,
     merge_streams,
-    start_frontend_core,
 )
-from kvloom.frontends.metrics import FrontendMetrics
+from kvloom.frontends.metrics import EngineSample, FrontendMetrics
+from kvloom.frontends.model_cores import close_cores, core_for, start_model_cores
 from kvloom.frontends.openai_requests import (
     chat_messages,
     chat_template_options,
@@ -101,20 +102,21 @@ class OpenAIServer:
 
         async def endpoint(request: Request):
             request.state.api_key = None
+            request.state.model = None  # the served model the request goes to, once known: its metrics label
             try:
                 if not public:
                     request.state.api_key = self.keys.authenticate_header(request.headers.get("authorization"))
                 response = await handler(request)
             except RequestError as e:
                 key = request.state.api_key
-                self.metrics.count_rejection(e.reason, key.name if key else "")
+                self.metrics.count_rejection(e.reason, key.name if key else "", request.state.model)
                 response = error_response(e.status, e.message, e.param, e.headers)
             except ClientGone:
                 response = Response(status_code=499)
             except Exception as e:  # noqa: BLE001 - a bug must still answer in OpenAI's error shape
                 logger.exception("Unhandled error in %s", request.url.path)
                 response = error_response(500, f"internal error: {e!r}")
-            self.metrics.count_request(request.url.path, getattr(response, "status_code", 200))
+            self.metrics.count_request(request.url.path, getattr(response, "status_code", 200), request.state.model)
             return response
 
         endpoint.__name__ = handler.__name__
@@ -131,7 +133,7 @@ class OpenAIServer:
     async def _parse_generation(self, request: Request, typ: type):
         rules = CHAT_RULES if typ is api.ChatCompletionRequest else COMPLETION_RULES
         req = await self._parse(request, typ, rules)
-        self.check_model(req.model)
+        request.state.model = self.core_for(req.model).ready.model_name
         request.state.timeout = req.timeout
         return req
 
@@ -140,22 +142,16 @@ class OpenAIServer:
 
     def core_for(self, model: str | None) -> FrontendCore:
         """The served model a request names (no name: the first model), or 404 naming those served."""
-        if model is None:
-            return self.core
-        core = self.cores.get(model)
-        if core is None:
-            served = ", ".join(f"`{name}`" for name in self.cores)
-            raise RequestError(404, f"The model `{model}` does not exist; this server serves {served}.", "model")
-        return core
+        return core_for(self.cores, model)
 
     def _request_id(self, request: Request, prefix: str) -> str:
         # Echoed back only: the engine gets ids this frontend makes, so a reused id cannot mix outputs.
         return request.headers.get("x-request-id") or f"{prefix}-{uuid.uuid4().hex}"
 
     def _start(self, core: FrontendCore, prepared: list[PreparedRequest]) -> AsyncIterator[tuple[int, TextDelta]]:
-        for p in prepared:
-            self.metrics.prompt_tokens.inc(len(p.prompt_token_ids))
-        return merge_streams([self.metrics.observe(core.generate(p)) for p in prepared])
+        model = core.ready.model_name
+        self.metrics.count_prompt_tokens(sum(len(p.prompt_token_ids) for p in prepared), model)
+        return merge_streams([self.metrics.observe(core.generate(p), model) for p in prepared])
 
     async def _respond(self, request: Request, core: FrontendCore, prepared: list[PreparedRequest], stream: bool,
                        rid: str, collect: Callable, events: Callable) -> Any:
@@ -168,7 +164,7 @@ class OpenAIServer:
         prompt_tokens = sum(len(ids) for ids in prompts.values())
         merged = track_tokens(request.scope, prompt_tokens, self._start(core, prepared))
         if key is not None:
-            merged = self.metrics.count_key_usage(key.name, prompt_tokens, merged)
+            merged = self.metrics.count_key_usage(key.name, prompt_tokens, merged, core.ready.model_name)
         headers = {"x-request-id": rid}
         if not stream:
             try:
@@ -269,14 +265,11 @@ class OpenAIServer:
         return json_response({"version": kvloom.__version__})
 
     async def metrics_endpoint(self, request: Request):
-        engines = []  # (model, healthy, stats) of each served model: its series carry its model label
-        for name, core in self.cores.items():
-            stats = None
-            if core.client.healthy:
-                with contextlib.suppress(Exception):
-                    stats = await core.client.utility("stats", timeout=5.0)
-            engines.append((name, core.client.healthy, stats))
-        body, content_type = self.metrics.render(engines[0][1], engines[0][2], others=engines[1:])
+        # Every engine of every model, asked here at scrape time: served once, whichever worker answers.
+        per_model = await asyncio.gather(*(core.client.replica_stats(timeout=5.0) for core in self.cores.values()))
+        engines = [EngineSample(name, replica, healthy, stats)
+                   for name, replicas in zip(self.cores, per_model) for replica, healthy, stats in replicas]
+        body, content_type = self.metrics.render(engines)
         return Response(body, media_type=content_type)
 
     async def reset_prefix_cache(self, request: Request):
@@ -297,21 +290,12 @@ def build_app(engine_address: str | list[str], engine_config: EngineConfig, serv
     (or replicas) at ``engine_address``."""
     server = OpenAIServer(server_config)
 
-    async def start_cores() -> list[FrontendCore]:
-        if models is None:
-            return [await start_frontend_core(engine_address, engine_config, server_config, engine_secret)]
-        # One after another: the engines load at once anyway, and transformers' lazy imports are not
-        # safe from two tokenizer-loading threads at the same time.
-        return [await start_frontend_core(m["addresses"], EngineConfig(**m["engine"]),
-                                          server_config.replace(served_model_name=m["name"]), engine_secret)
-                for m in models]
-
     @contextlib.asynccontextmanager
     async def lifespan(app):
         try:
-            cores = await start_cores()
-            server.core = cores[0]
-            server.cores = {core.ready.model_name: core for core in cores}
+            server.cores = await start_model_cores(engine_address, engine_config, server_config, engine_secret,
+                                                   models)
+            server.core = core_for(server.cores, None)
         except EngineUnavailable as e:
             # The engine has logged why (e.g. max_model_len over the model's); a traceback from each
             # worker would only bury that line. The launcher sees this exit and stops the server.
@@ -324,8 +308,7 @@ def build_app(engine_address: str | list[str], engine_config: EngineConfig, serv
         try:
             yield
         finally:
-            for core in server.cores.values():
-                await core.client.close()
+            await close_cores(server.cores)
 
     async def http_error(request: Request, exc: HTTPException) -> Response:
         return error_response(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}")

@@ -178,6 +178,7 @@ class AsyncEngineClient:
                     if self.dead_reason is not None:
                         logger.warning("The engine is back (pid %d); serving requests", msg.pid)
                         self.dead_reason = None
+                        self.last_stats = None  # the old engine's: the new one counts from zero
                     self.ready = msg
                     self._ready_event.set()
                 elif isinstance(msg, EngineError):

@@ -8,6 +8,7 @@ import asyncio
 import logging
 import signal
 import sys
+from typing import Any
 
 import msgspec
 import zmq
@@ -27,7 +28,8 @@ from kvloom.core.messages import (
 )
 from kvloom.frontends.admission import KeyRing, effective_priority, parse_api_keys
 from kvloom.frontends.config import ServerConfig
-from kvloom.frontends.frontend_core import FrontendCore, PreparedRequest, RequestError, start_frontend_core
+from kvloom.frontends.frontend_core import FrontendCore, PreparedRequest, RequestError
+from kvloom.frontends.model_cores import close_cores, core_for, start_model_cores
 
 logger = logging.getLogger("kvloom.gateway")
 
@@ -35,9 +37,11 @@ SEND_QUEUE_LIMIT = 100_000  # replies queued for one client that does not read b
 
 
 class Gateway:
-    def __init__(self, core: FrontendCore | None, address: str, max_message_bytes: int = 16 * 2**20,
+    """Serves every model in ``cores`` (by served name; a ``Generate`` naming none goes to the first)."""
+
+    def __init__(self, cores: dict[str, FrontendCore] | None, address: str, max_message_bytes: int = 16 * 2**20,
                  keys: KeyRing | None = None) -> None:
-        self.core = core
+        self.cores = cores or {}
         self.keys = keys or KeyRing([])  # empty: no key needed (gateway_require_api_key is off)
         self.address = address
         self.max_message_bytes = max_message_bytes
@@ -123,9 +127,13 @@ class Gateway:
                 self.cancelled.add((ident, msg.request_id))
                 task.cancel()
         elif isinstance(msg, Ping):
-            client = self.core.client
-            self._reply(ident, Pong(healthy=client.healthy, model=self.core.ready.model_name,
-                                    max_model_len=self.core.max_model_len, message=client.unavailable_reason))
+            first = core_for(self.cores, None)
+            reasons = [f"{name}: {core.client.unavailable_reason}" if len(self.cores) > 1
+                       else core.client.unavailable_reason for name, core in self.cores.items()
+                       if not core.client.healthy]
+            self._reply(ident, Pong(healthy=any(core.client.healthy for core in self.cores.values()),
+                                    model=first.ready.model_name, max_model_len=first.max_model_len,
+                                    message="; ".join(reasons) or None, models=list(self.cores)))
 
     def _generate(self, ident: bytes, msg: Generate) -> None:
         key = (ident, msg.request_id)
@@ -139,7 +147,7 @@ class Gateway:
             return
         self.tasks[key] = asyncio.create_task(self._stream(ident, msg))
 
-    async def _prompt_ids(self, msg: Generate) -> list[int]:
+    async def _prompt_ids(self, core: FrontendCore, msg: Generate) -> list[int]:
         given = [name for name in ("prompt", "messages", "prompt_token_ids") if getattr(msg, name) is not None]
         if len(given) != 1:
             raise RequestError(400, f"give exactly one of prompt, messages, prompt_token_ids (got {given or 'none'})")
@@ -147,23 +155,24 @@ class Gateway:
             raise RequestError(400, f"n={msg.sampling.n}: the gateway streams one completion per request; "
                                "send n requests", "n")
         if msg.prompt is not None:
-            return await self.core.tokenize_text(msg.prompt)
+            return await core.tokenize_text(msg.prompt)
         if msg.messages is not None:
-            return await self.core.tokenize_chat([{"role": m.role, "content": m.content} for m in msg.messages])
-        return self.core.check_token_ids(msg.prompt_token_ids, "prompt_token_ids")
+            return await core.tokenize_chat([{"role": m.role, "content": m.content} for m in msg.messages])
+        return core.check_token_ids(msg.prompt_token_ids, "prompt_token_ids")
 
     async def _stream(self, ident: bytes, msg: Generate) -> None:
         request_id = msg.request_id
         key = (ident, request_id)
         try:
             api_key = self.keys.authenticate(msg.api_key) if self.keys.required else None
+            core = core_for(self.cores, msg.model)
             # Tokenized here, in the request's own task, so a long prompt never holds up the receive loop.
-            prepared = self.core.prepare(await self._prompt_ids(msg), msg.sampling,
-                                         priority=effective_priority(api_key, msg.priority))
+            prepared = core.prepare(await self._prompt_ids(core, msg), msg.sampling,
+                                    priority=effective_priority(api_key, msg.priority))
             prepared.api_key_name = api_key.name if api_key else ""
-            admission = self.core.admit(1)
+            admission = core.admit(1)
             try:
-                await self._send_chunks(ident, request_id, prepared)
+                await self._send_chunks(core, ident, request_id, prepared)
             finally:
                 admission.release()
         except RequestError as e:
@@ -180,8 +189,9 @@ class Gateway:
             self.tasks.pop(key, None)
             self.cancelled.discard(key)
 
-    async def _send_chunks(self, ident: bytes, request_id: str, prepared: PreparedRequest) -> None:
-        async for d in self.core.generate(prepared):
+    async def _send_chunks(self, core: FrontendCore, ident: bytes, request_id: str,
+                           prepared: PreparedRequest) -> None:
+        async for d in core.generate(prepared):
             usage = None
             if d.finish_reason is not None:
                 usage = Usage(prompt_tokens=d.num_prompt_tokens, completion_tokens=d.num_output_tokens,
@@ -206,7 +216,8 @@ class Gateway:
 
 
 async def run_gateway(engine_address: str | list[str], address: str, engine: EngineConfig, server: ServerConfig,
-                      engine_secret: str | None = None) -> int:
+                      engine_secret: str | None = None, models: list[dict[str, Any]] | None = None) -> int:
+    """``models``: several served models (``{"name", "engine", "addresses"}`` each), all served here."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -214,12 +225,13 @@ async def run_gateway(engine_address: str | list[str], address: str, engine: Eng
     # Bind before waiting for the engine: an address that cannot be bound fails now, not after the model loads.
     keys = KeyRing(parse_api_keys(server.api_keys, server.api_key) if server.gateway_require_api_key else [])
     gateway = Gateway(None, address, server.max_request_body_bytes, keys)
-    core = gateway.core = await start_frontend_core(engine_address, engine, server, engine_secret)
+    gateway.cores = await start_model_cores(engine_address, engine, server, engine_secret, models)
     try:
-        logger.info("ZMQ gateway listening on %s", address)
+        logger.info("ZMQ gateway listening on %s (model%s %s)", address, "s" if len(gateway.cores) > 1 else "",
+                    ", ".join(gateway.cores))
         await gateway.serve(stop, server.drain_timeout)
     finally:
-        await core.client.close()
+        await close_cores(gateway.cores)
     return 0
 
 
@@ -232,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="An engine to feed; repeated for data-parallel replicas.")
     parser.add_argument("--address", required=True, help="Where clients connect, e.g. ipc:///tmp/kvloom.sock.")
     args, engine, server = start_child(parser, argv)
-    main_coro = run_gateway(args.engine_address, args.address, engine, server, args.engine_secret)
+    main_coro = run_gateway(args.engine_address, args.address, engine, server, args.engine_secret, args.models)
     try:
         import uvloop
     except ImportError:

@@ -1,13 +1,15 @@
 """Prometheus metrics of the HTTP frontends: requests, tokens, latencies (TTFT, TPOT, ITL, end to end)
 and finish reasons, summed over every API worker (prometheus_client's multiprocess mode, which the
 launcher turns on), plus the engine's own counters and gauges fetched from the engine at scrape time
-and served once. Every series carries a ``model`` label."""
+and served once. Every series carries a ``model`` label (the model that served the request; the first
+model for requests that name none); the engine's series also a ``replica`` label (its index among
+the model's data-parallel replicas)."""
 
 from __future__ import annotations
 
 import os
 import time
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, NamedTuple
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
@@ -45,28 +47,44 @@ TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 TOKEN_GAP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1, 2.5, 5)
 
 
-class _EngineCollector:
-    """The engine's stats of one scrape as Prometheus families (counters end in ``_total``)."""
+ENGINE_LABELS = ["model", "replica"]
 
-    def __init__(self, model: str, healthy: bool, stats: dict[str, Any] | None) -> None:
-        self.model, self.healthy, self.stats = model, healthy, stats or {}
+
+class EngineSample(NamedTuple):
+    """One engine's state at a scrape: ``stats`` is None when it could not be asked (down or hung)."""
+
+    model: str
+    replica: int
+    healthy: bool
+    stats: dict[str, Any] | None
+
+
+class _EngineCollector:
+    """One engine's stats of one scrape as Prometheus families (counters end in ``_total``). An engine
+    that could not be asked has only its ``kvloom_engine_healthy`` 0: no figure beats a made-up zero."""
+
+    def __init__(self, sample: EngineSample) -> None:
+        self.labels = [sample.model, str(sample.replica)]
+        self.healthy, self.stats = sample.healthy, sample.stats
 
     def collect(self):
-        health = GaugeMetricFamily("kvloom_engine_healthy", "1 while the engine process is up.", labels=["model"])
-        health.add_metric([self.model], 1 if self.healthy else 0)
+        health = GaugeMetricFamily("kvloom_engine_healthy", "1 while the engine process is up.", labels=ENGINE_LABELS)
+        health.add_metric(self.labels, 1 if self.healthy else 0)
         yield health
+        if self.stats is None:
+            return
         for field, (name, help) in ENGINE_COUNTERS.items():
-            family = CounterMetricFamily(name, help, labels=["model"])
-            family.add_metric([self.model], self.stats.get(field, 0))
+            family = CounterMetricFamily(name, help, labels=ENGINE_LABELS)
+            family.add_metric(self.labels, self.stats.get(field, 0))
             yield family
         for field, (name, help) in ENGINE_GAUGES.items():
-            family = GaugeMetricFamily(name, help, labels=["model"])
-            family.add_metric([self.model], self.stats.get(field, 0))
+            family = GaugeMetricFamily(name, help, labels=ENGINE_LABELS)
+            family.add_metric(self.labels, self.stats.get(field, 0))
             yield family
         limited = CounterMetricFamily("kvloom_engine_rate_limited", "Requests the engine refused over their API "
-                                      "key's quota, by key name.", labels=["model", "api_key"])
+                                      "key's quota, by key name.", labels=[*ENGINE_LABELS, "api_key"])
         for key, count in sorted((self.stats.get("num_rate_limited") or {}).items()):
-            limited.add_metric([self.model, key], count)
+            limited.add_metric([*self.labels, key], count)
         yield limited
         counts = self.stats.get("queue_wait_buckets") or [0] * (len(QUEUE_WAIT_BUCKETS) + 1)
         cumulative, total = [], 0
@@ -74,8 +92,8 @@ class _EngineCollector:
             total += count
             cumulative.append((bound, total))
         wait = HistogramMetricFamily("kvloom_queue_wait_seconds", "Time from arrival to the first step, in the "
-                                     "engine's queue.", labels=["model"])
-        wait.add_metric([self.model], cumulative, self.stats.get("queue_wait_sum", 0.0))
+                                     "engine's queue.", labels=ENGINE_LABELS)
+        wait.add_metric(self.labels, cumulative, self.stats.get("queue_wait_sum", 0.0))
         yield wait
         drafts, accepted = self.stats.get("spec_decode_num_drafts", 0), self.stats.get("spec_decode_num_accepted", 0)
         steps = self.stats.get("spec_decode_num_steps", 0)
@@ -85,16 +103,17 @@ class _EngineCollector:
             ("kvloom_spec_decode_mean_acceptance_length", "Tokens per verifying request-step (accepted drafts + 1).",
              1.0 + accepted / steps if steps else 0.0),
         ):
-            family = GaugeMetricFamily(name, help, labels=["model"])
-            family.add_metric([self.model], value)
+            family = GaugeMetricFamily(name, help, labels=ENGINE_LABELS)
+            family.add_metric(self.labels, value)
             yield family
 
 
 class _EngineCollectors:
-    """Several models' engine families, merged so each family is written once with a sample per model."""
+    """Every engine's families (each model's replicas), merged so each family is written once with a
+    sample per engine."""
 
-    def __init__(self, engines: list[tuple[str, bool, dict[str, Any] | None]]) -> None:
-        self.collectors = [_EngineCollector(*e) for e in engines]
+    def __init__(self, engines: list[EngineSample]) -> None:
+        self.collectors = [_EngineCollector(e) for e in engines]
 
     def collect(self):
         families: dict[str, Any] = {}
@@ -138,23 +157,23 @@ class FrontendMetrics:
                                   ["model"], buckets=LATENCY_BUCKETS, registry=r)
 
     def set_model(self, model: str) -> None:
-        """Name the served model (known once the engine is ready); every series is labelled with it."""
+        """Name the first served model (known once its engine is ready): the label of requests that
+        name no model, or fail before one is known."""
         self.model = model
-        self.prompt_tokens = self._prompt_tokens.labels(model)
-        self.generation_tokens = self._generation_tokens.labels(model)
-        self.ttft = self._ttft.labels(model)
-        self.tpot = self._tpot.labels(model)
-        self.itl = self._itl.labels(model)
-        self.latency = self._latency.labels(model)
 
-    def count_request(self, path: str, status: int) -> None:
-        self.requests.labels(path, str(status), self.model).inc()
+    def count_prompt_tokens(self, count: int, model: str | None = None) -> None:
+        self._prompt_tokens.labels(model or self.model).inc(count)
 
-    def count_rejection(self, reason: str, api_key: str) -> None:
-        self._rejections.labels(reason, api_key, self.model).inc()
+    def count_request(self, path: str, status: int, model: str | None = None) -> None:
+        self.requests.labels(path, str(status), model or self.model).inc()
 
-    async def count_key_usage(self, api_key: str, prompt_tokens: int, merged: AsyncIterator[Any]) -> AsyncIterator[Any]:
+    def count_rejection(self, reason: str, api_key: str, model: str | None = None) -> None:
+        self._rejections.labels(reason, api_key, model or self.model).inc()
+
+    async def count_key_usage(self, api_key: str, prompt_tokens: int, merged: AsyncIterator[Any],
+                              model: str | None = None) -> AsyncIterator[Any]:
         """Pass ``(index, TextDelta)`` items through, counting the key's request and tokens once it ends."""
+        model = model or self.model
         completion: dict[int, int] = {}
         try:
             async for index, delta in merged:
@@ -165,12 +184,16 @@ class FrontendMetrics:
             # Only if it ran (a client gone mid-stream included): a refusal (429, or 408 before its first
             # step) raises before any output, and kvloom_rejections counts it instead.
             if completion:
-                self._key_requests.labels(api_key, self.model).inc()
-                self._key_tokens.labels(api_key, "prompt", self.model).inc(prompt_tokens)
-                self._key_tokens.labels(api_key, "completion", self.model).inc(sum(completion.values()))
+                self._key_requests.labels(api_key, model).inc()
+                self._key_tokens.labels(api_key, "prompt", model).inc(prompt_tokens)
+                self._key_tokens.labels(api_key, "completion", model).inc(sum(completion.values()))
 
-    async def observe(self, deltas: AsyncIterator[Any]) -> AsyncIterator[Any]:
-        """Pass a completion's TextDeltas through, recording its latencies, tokens and finish reason."""
+    async def observe(self, deltas: AsyncIterator[Any], model: str | None = None) -> AsyncIterator[Any]:
+        """Pass a completion's TextDeltas through, recording its latencies, tokens and finish reason
+        under ``model``'s label."""
+        model = model or self.model
+        ttft, itl, tpot = self._ttft.labels(model), self._itl.labels(model), self._tpot.labels(model)
+        latency, generation_tokens = self._latency.labels(model), self._generation_tokens.labels(model)
         start = time.monotonic()
         counted = 0
         first_at = last_at = None
@@ -181,25 +204,24 @@ class FrontendMetrics:
                 if new > 0:
                     if first_at is None:
                         first_at = now
-                        self.ttft.observe(now - start)
+                        ttft.observe(now - start)
                     else:
                         for _ in range(new):  # tokens that arrive together share the wait
-                            self.itl.observe((now - last_at) / new)
+                            itl.observe((now - last_at) / new)
                     last_at = now
-                    self.generation_tokens.inc(new)
+                    generation_tokens.inc(new)
                     counted = delta.num_output_tokens
                 if delta.finish_reason is not None:
-                    self.latency.observe(now - start)
+                    latency.observe(now - start)
                     if first_at is not None and counted > 1:
-                        self.tpot.observe((now - first_at) / (counted - 1))
-                    self._finished.labels(delta.finish_reason, self.model).inc()
+                        tpot.observe((now - first_at) / (counted - 1))
+                    self._finished.labels(delta.finish_reason, model).inc()
                 yield delta
         finally:
             await deltas.aclose()
 
-    def render(self, healthy: bool, stats: dict[str, Any] | None,
-               others: list[tuple[str, bool, dict[str, Any] | None]] = ()) -> tuple[bytes, str]:
-        """``others``: the (model, healthy, stats) of further served models, each under its own label."""
+    def render(self, engines: list[EngineSample]) -> tuple[bytes, str]:
+        """The frontends' series (every API worker's) and ``engines``' (each served model's replicas)."""
         if self.multiprocess:
             from prometheus_client import multiprocess
 
@@ -208,5 +230,5 @@ class FrontendMetrics:
         else:
             frontends = self.registry
         engine = CollectorRegistry()
-        engine.register(_EngineCollectors([(self.model, healthy, stats), *others]))
+        engine.register(_EngineCollectors(engines))
         return generate_latest(frontends) + generate_latest(engine), CONTENT_TYPE_LATEST

@@ -157,6 +157,20 @@ class EngineRouter:
             return all(results)
         return results[0]
 
+    async def replica_stats(self, timeout: float = 5.0) -> list[tuple[int, bool, Any]]:
+        """Each replica's (index, healthy, ``stats``), asked of every live one at once; ``stats`` is
+        None for a replica that is out or did not answer within ``timeout``."""
+        async def ask(replica: Replica) -> Any:
+            if not replica.client.healthy:
+                return None
+            try:
+                return await replica.client.utility("stats", timeout=timeout)
+            except Exception:  # noqa: BLE001 - one replica's failure must not hide the others' figures
+                return None
+
+        results = await asyncio.gather(*(ask(r) for r in self.replicas))
+        return [(r.index, r.client.healthy, stats) for r, stats in zip(self.replicas, results)]
+
     def end_all(self, reason: str) -> None:
         for r in self.replicas:
             r.client.end_all(reason)
@@ -221,14 +235,19 @@ class EngineRouter:
 
     async def _watch_replicas(self) -> None:
         """A replica whose engine went away is reconnected in the background: when an engine is
-        restarted at its address it rejoins. (A hung one rejoins by itself once it beats again.)"""
+        started again at its address it rejoins. A client that reconnects by itself (``reconnect``: the
+        launcher restarts engines) is left to do so, and a hung replica rejoins once it beats again."""
         while not self._closed:
             await asyncio.sleep(REJOIN_INTERVAL_S)
             for r in self.replicas:
-                if r.client.dead_reason is not None and r.rejoining is None:
+                if r.client.dead_reason is not None and not r.client.reconnect and r.rejoining is None:
                     r.rejoining = asyncio.create_task(self._rejoin(r))
 
     async def _rejoin(self, replica: Replica) -> None:
+        # The dead client goes first: its socket would reconnect under this frontend's identity, and the
+        # engine's ROUTER refuses a second connection with the same one.
+        with contextlib.suppress(Exception):
+            await replica.client.close()
         try:
             while not self._closed:
                 client = self._make_client(replica.address)
@@ -243,9 +262,7 @@ class EngineRouter:
                                  replica.index, ready.max_model_len, self.ready.max_model_len)
                     await client.close()
                     return
-                old, replica.client = replica.client, client
-                with contextlib.suppress(Exception):
-                    await old.close()
+                replica.client = client
                 logger.warning("Replica %d at %s is back; routing to it again", replica.index, replica.address)
                 return
         finally:
