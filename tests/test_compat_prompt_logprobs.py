@@ -85,3 +85,112 @@ def test_prompt_logprobs_zero_gives_the_prompt_tokens_own_only(tiny_llama, expec
 def test_prompt_logprobs_out_of_range_is_refused():
     with pytest.raises(ValueError, match=r"prompt_logprobs=21 must be in \[0, 20\]"):
         SamplingParams(prompt_logprobs=21)
+
+
+# --- over HTTP, as lm-eval-harness and the openai client send it --------------------------------------
+@pytest.fixture(scope="module")
+def server(tiny_llama, tmp_path_factory):
+    from tests.server_utils import EngineServer
+
+    # Chunks of 16 tokens: the prompt logprobs cross chunk boundaries; a prefix cache that must not skip them.
+    srv = EngineServer(["--model", str(tiny_llama), "--dtype", "float32", "--max-num-batched-tokens", "16",
+                        "--block-size", "16", "--num-kv-blocks", "64", "--plugins", "prefix_cache",
+                        "--max-model-len", "256", "--served-model-name", "m"], tmp_path_factory.mktemp("echo"))
+    try:
+        yield srv.wait_ready()
+    finally:
+        srv.stop()
+
+
+@pytest.fixture
+def client(server):
+    import openai
+
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=60)
+
+
+def _token_text(tiny_llama):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_llama))
+    return lambda t: tok.decode([t], skip_special_tokens=False)
+
+
+@pytest.mark.parametrize("max_tokens", [0, 1])
+def test_echo_logprobs_score_the_prompt_as_transformers_does(client, tiny_llama, expected, max_tokens):
+    """lm-eval-harness's loglikelihood request: token ids, echo, logprobs, max_tokens 0 or 1."""
+    text = _token_text(tiny_llama)
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_llama))
+
+    def decode(ids):
+        return tok.decode(ids, skip_special_tokens=False)
+
+    for _ in range(2):  # the second time its blocks are cached: the positions are scored anyway
+        out = client.completions.create(model="m", prompt=PROMPT, echo=True, logprobs=TOP, max_tokens=max_tokens,
+                                        temperature=0.0)
+        lp = out.choices[0].logprobs
+        n = len(PROMPT) + max_tokens
+        assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == n
+        assert lp.tokens[: len(PROMPT)] == [text(t) for t in PROMPT]
+        assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+        want = expected.gather(1, torch.tensor(PROMPT[1:])[:, None])[:, 0]
+        assert torch.allclose(torch.tensor(lp.token_logprobs[1: len(PROMPT)]), want, atol=1e-4)
+        # Each prompt position: its top 5 alternatives, and the prompt token itself among them.
+        top_ids = expected.topk(TOP, dim=-1).indices
+        for j, top in enumerate(lp.top_logprobs[1: len(PROMPT)]):
+            assert {text(t) for t in top_ids[j].tolist()} | {text(PROMPT[j + 1])} == set(top)
+        offsets = [sum(len(t) for t in lp.tokens[:i]) for i in range(n)]
+        assert lp.text_offset == offsets
+        assert out.usage.prompt_tokens == len(PROMPT) and out.usage.completion_tokens == max_tokens
+        generated = "".join(lp.tokens[len(PROMPT):])
+        assert out.choices[0].text == decode(PROMPT) + generated  # the decoded prompt, then the output
+        assert out.choices[0].finish_reason == "length"
+
+
+def test_echo_with_text_prompt_and_stream(client):
+    prompt = "The quick brown fox"
+    whole = client.completions.create(model="m", prompt=prompt, echo=True, logprobs=2, max_tokens=3, temperature=0.0)
+    assert whole.choices[0].text.startswith(prompt) and len(whole.choices[0].text) > len(prompt)
+    chunks = list(client.completions.create(model="m", prompt=prompt, echo=True, logprobs=2, max_tokens=3,
+                                            temperature=0.0, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == whole.choices[0].text
+    streamed = [x for c in chunks if c.choices[0].logprobs for x in c.choices[0].logprobs.token_logprobs]
+    assert streamed == whole.choices[0].logprobs.token_logprobs
+    offsets = [x for c in chunks if c.choices[0].logprobs for x in c.choices[0].logprobs.text_offset]
+    assert offsets == whole.choices[0].logprobs.text_offset
+    # echo without logprobs: the text only
+    plain = client.completions.create(model="m", prompt=prompt, echo=True, max_tokens=2, temperature=0.0)
+    assert plain.choices[0].text.startswith(prompt) and plain.choices[0].logprobs is None
+
+
+def test_vllm_prompt_logprobs_field(server, tiny_llama, expected):
+    import httpx
+
+    body = {"prompt": PROMPT[:12], "max_tokens": 1, "temperature": 0.0, "prompt_logprobs": 2}
+    r = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    plp = choice["prompt_logprobs"]
+    assert len(plp) == 12 and plp[0] is None
+    assert choice["logprobs"] is None  # no echo: the prompt's logprobs come in this field only
+    ranks = (expected[:11] > expected[:11].gather(1, torch.tensor(PROMPT[1:12])[:, None])).sum(-1) + 1
+    for j, entry in enumerate(plp[1:]):
+        own = entry[str(PROMPT[j + 1])]
+        assert abs(own["logprob"] - expected[j, PROMPT[j + 1]].item()) < 1e-4 and own["rank"] == ranks[j].item()
+        best = expected[j].topk(2).indices.tolist()
+        assert {str(t) for t in best} <= set(entry) and entry[str(best[0])]["rank"] == 1
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"prompt": "hi", "max_tokens": 0}, "max_tokens"),  # nothing to return without echo
+    ({"prompt": "hi", "echo": True, "logprobs": 21}, "logprobs"),  # over the server's 20
+    ({"prompt": "hi", "prompt_logprobs": 21}, "prompt_logprobs"),
+])
+def test_bad_echo_combinations_are_400s_naming_the_field(server, body, param):
+    import httpx
+
+    r = httpx.post(server.url + "/v1/completions", json=body, timeout=30)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param and param in r.json()["error"]["message"]

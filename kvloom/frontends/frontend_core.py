@@ -59,6 +59,7 @@ class TextDelta:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     num_output_tokens: int = 0  # tokens generated so far (usage counts these, text or not)
+    prompt_logprobs: list[TokenLogprobs] | None = None  # prompt tokens 1.., on the first delta (sampling.prompt_logprobs)
 
 
 TOKENIZER_THREADS = 2
@@ -207,11 +208,11 @@ class FrontendCore:
                 if text.stopped_by is not None:
                     finish, stop_reason = "stop", text.stopped_by
                 held.extend(delta.new_token_ids)
-                if finish is None and not new_text and not delta.logprobs:
+                if finish is None and not new_text and not delta.logprobs and not delta.prompt_logprobs:
                     continue
                 yield TextDelta(new_text, held, delta.logprobs, finish, stop_reason,
                                 delta.num_prompt_tokens or len(req.prompt_token_ids), delta.num_cached_tokens,
-                                num_out)
+                                num_out, delta.prompt_logprobs)
                 held = []
                 if finish is not None:
                     return
