@@ -52,6 +52,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     num_cached_tokens: int = 0
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.time()))
+    prompt_logprobs: list[TokenLogprobs] | None = None  # sampling.prompt_logprobs: prompt tokens 1.. scored
 
     # The first (usually only) completion, for the common n=1 case.
     @property
@@ -196,6 +197,8 @@ class LLM:
                     comp.token_ids.extend(delta.new_token_ids)
                     if delta.logprobs and comp.logprobs is not None:
                         comp.logprobs.extend(delta.logprobs)
+                    if delta.prompt_logprobs:
+                        out.prompt_logprobs = delta.prompt_logprobs
                     finish = delta.finish_reason
                     stop_string = None
                     if text is not None:

@@ -194,3 +194,12 @@ def test_bad_echo_combinations_are_400s_naming_the_field(server, body, param):
     r = httpx.post(server.url + "/v1/completions", json=body, timeout=30)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param and param in r.json()["error"]["message"]
+
+
+def test_offline_llm_returns_prompt_logprobs(tiny_llama, expected):
+    from kvloom import LLM
+
+    llm = LLM(str(tiny_llama), dtype="float32", num_kv_blocks=32)
+    out = llm.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1), use_tqdm=False)[0]
+    want = expected.gather(1, torch.tensor(PROMPT[1:])[:, None])[:, 0]
+    assert torch.allclose(torch.tensor([lp.logprob for lp in out.prompt_logprobs]), want, atol=1e-4)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 from collections import OrderedDict
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
@@ -20,7 +21,7 @@ logger = logging.getLogger("kvloom")
 GRAMMAR_CACHE_SIZE = 256  # compiled grammars kept, least recently used dropped first
 # Threads that fill one step's masks; a mask over a 150k vocabulary in a string state takes ~0.1 ms, so
 # more threads than this only add hand-off cost at the batch sizes structured requests run at.
-FILL_THREADS = 4
+FILL_THREADS = min(4, os.cpu_count() or 1)
 # xgrammar's C++ errors start with "[hh:mm:ss] /path/file.cc:line: "; the user needs only the rest.
 _CPP_PREFIX = re.compile(r"^\s*\[[\d:]+\]\s+\S+:\d+:\s*")
 
