@@ -34,7 +34,9 @@ MODES = {
     "free": None,
     "json_schema": StructuredOutputSpec(kind="json", spec=json.dumps({"type": "array", "items": ITEM})),
     "regex": StructuredOutputSpec(kind="regex", spec=r"([A-Z][a-z]{2,9} [0-9]{1,4}(, )?)+"),
-    "grammar": StructuredOutputSpec(kind="grammar", spec='root ::= item+\nitem ::= [a-z]+ ("," | " " | "\\n")'),
+    # Words and separators, the repetition written inline: the same language as "root ::= item+ / item ::=
+    # [a-z]+ sep", whose masks xgrammar fills ~4000x slower (173 ms a mask against 0.04 ms, docs/benchmarks.md).
+    "grammar": StructuredOutputSpec(kind="grammar", spec='root ::= ([a-z]+ ("," | " " | "\\n"))+'),
 }
 PROMPT = "List people with their name, age and tags, as many as you can."
 

@@ -138,6 +138,7 @@ class EngineCore:
         self._prompt_logprobs: dict[str, list[TokenLogprobs]] = {}
         self.structured = StructuredOutputManager(config.model, config.tokenizer, self.vocab_size,
                                                   self.eos_token_ids)
+        self.runner.before_sampling = self.structured.fill_bitmasks  # overlaps the forward on a GPU
 
     # --- set-up ------------------------------------------------------------------------------------
     def _resolve_max_model_len(self) -> int:
@@ -270,7 +271,6 @@ class EngineCore:
         if self.speculator is not None:
             self.speculator.propose(self.scheduler.running, self.scheduler.decoding())
         plan = self.scheduler.schedule()
-        self.structured.fill_bitmasks(plan.seqs)
         self._fill_prompt_targets(plan)
         self.last_step_tokens = plan.num_tokens
         launched = self.runner.execute(plan) if plan else None

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Callable
 
 import torch
 
@@ -59,6 +60,9 @@ class ModelRunner:
         # are still placeholders on the host are filled from here without waiting for the copy back.
         self._prev_tokens: torch.Tensor | None = None
         self._prev_rows: dict[str, int] = {}
+        # Called with a step's sequences once its forward is launched and before it samples: the engine
+        # fills grammar masks there, on the host while the GPU runs the forward.
+        self.before_sampling: Callable[[list[ScheduledSeq]], None] | None = None
 
     # --- inputs --------------------------------------------------------------------------------
     def _host_inputs(self, order: list[ScheduledSeq]):
@@ -178,6 +182,8 @@ class ModelRunner:
         if not sampling:
             self._prev_tokens, self._prev_rows = None, {}
             return LaunchedStep(None, prompt)
+        if self.before_sampling is not None:
+            self.before_sampling(sampling)
         result = self.sampler.sample(logits, sampling)
         result.start_copy()
         self._prev_tokens = result.tokens
