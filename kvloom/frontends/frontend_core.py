@@ -59,7 +59,7 @@ class TextDelta:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     num_output_tokens: int = 0  # tokens generated so far (usage counts these, text or not)
-    prompt_logprobs: list[TokenLogprobs] | None = None  # prompt tokens 1.., on the first delta (sampling.prompt_logprobs)
+    prompt_logprobs: list[TokenLogprobs] | None = None  # sampling.prompt_logprobs: tokens 1.., on the first delta
 
 
 TOKENIZER_THREADS = 2

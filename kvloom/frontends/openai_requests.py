@@ -15,7 +15,8 @@ from kvloom.frontends.tool_parsers import template_messages_tool_calls
 
 
 def sampling_params(req: api._GenerationRequest, max_tokens: int | None, logprobs: int | None,
-                    structured: StructuredOutputSpec | None = None, prompt_logprobs: int | None = None) -> SamplingParams:
+                    structured: StructuredOutputSpec | None = None,
+                    prompt_logprobs: int | None = None) -> SamplingParams:
     """``structured``: a constraint the caller derived (tool_choice); else the request's own, if any."""
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     if structured is None:
