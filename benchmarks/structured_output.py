@@ -3,7 +3,12 @@ LLM, unconstrained and under a JSON Schema, a regex and a choice-free EBNF gramm
 table and JSON with each mode's TPOT and its ratio to unconstrained.
 
     python benchmarks/structured_output.py                              # SmolLM2 on this machine
-    python benchmarks/structured_output.py --device cuda --output-len 256 --repeat 3   # the H200
+    python benchmarks/export_tokenizer.py && python benchmarks/structured_output.py --device cuda \
+        --shape qwen3-0.6b --tokenizer .smollm2-tokenizer --output-len 256 --repeat 3   # the H200, no download
+
+``--shape`` serves dummy weights of a known shape (benchmarks/shapes.py) with SmolLM2's tokenizer and
+vocabulary: random weights write nonsense, but the grammar still forces valid output, so the mask path's
+cost per token is measured all the same. ``--shape-overrides`` shrinks it to check the script on a CPU.
 
 TPOT per request is (finish - first token) / (tokens - 1); a constrained request can end early when its
 grammar completes, so tokens per mode are printed beside it.
@@ -19,6 +24,8 @@ import time
 from kvloom import LLM, SamplingParams
 from kvloom.core.sampling_params import StructuredOutputSpec
 
+SMOLLM2_VOCAB = {"vocab_size": 49152, "bos_token_id": 1, "eos_token_id": 2}
+
 ITEM = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 16},
                                          "age": {"type": "integer", "minimum": 0, "maximum": 120},
                                          "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 3}},
@@ -27,7 +34,9 @@ MODES = {
     "free": None,
     "json_schema": StructuredOutputSpec(kind="json", spec=json.dumps({"type": "array", "items": ITEM})),
     "regex": StructuredOutputSpec(kind="regex", spec=r"([A-Z][a-z]{2,9} [0-9]{1,4}(, )?)+"),
-    "grammar": StructuredOutputSpec(kind="grammar", spec='root ::= item+\nitem ::= [a-z]+ ("," | " " | "\\n")'),
+    # Words and separators, the repetition written inline: the same language as "root ::= item+ / item ::=
+    # [a-z]+ sep", whose masks xgrammar fills ~4000x slower (173 ms a mask against 0.04 ms, docs/benchmarks.md).
+    "grammar": StructuredOutputSpec(kind="grammar", spec='root ::= ([a-z]+ ("," | " " | "\\n"))+'),
 }
 PROMPT = "List people with their name, age and tags, as many as you can."
 
@@ -49,6 +58,24 @@ def run(llm: LLM, prompts: list[str], spec, args) -> dict:
     return {"tpot_ms": 1000 * statistics.mean(tpots), "tokens": tokens, "wall_s": wall}
 
 
+def shape_with_smollm2_vocab(shape: str, overrides: dict, tokenizer: str | None) -> str:
+    """A config-only folder of ``shape`` with SmolLM2's vocabulary and special tokens (its tokenizer's)."""
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from shapes import SHAPES, shape_folder
+
+    if shape not in SHAPES:
+        raise SystemExit(f"unknown shape {shape!r}; known: {sorted(SHAPES)}")
+    if not tokenizer or not os.path.isfile(os.path.join(tokenizer, "tokenizer.json")):
+        raise SystemExit(f"--shape needs --tokenizer, a folder with tokenizer.json (got {tokenizer!r}): run "
+                         "python benchmarks/export_tokenizer.py first")
+    name = f"{shape}-smollm2-vocab"
+    SHAPES[name] = {**SHAPES[shape], **SMOLLM2_VOCAB, "max_position_embeddings": 8192, **overrides}
+    return str(shape_folder(name))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="SmolLM2-135M-Instruct")
@@ -60,9 +87,18 @@ def main() -> None:
     p.add_argument("--modes", default=",".join(MODES))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output-json", help="Also write the JSON here.")
+    p.add_argument("--shape", help="Dummy weights of this shape (benchmarks/shapes.py) instead of --model, "
+                   "with SmolLM2's vocabulary; needs --tokenizer.")
+    p.add_argument("--tokenizer", help="SmolLM2's tokenizer folder (python benchmarks/export_tokenizer.py).")
+    p.add_argument("--shape-overrides", default="{}", help="JSON merged into the shape's config (e.g. a tiny one).")
     args = p.parse_args()
 
-    llm = LLM(args.model, device=args.device, max_model_len=1024, max_num_seqs=max(16, args.concurrency))
+    options = dict(device=args.device, max_model_len=1024, max_num_seqs=max(16, args.concurrency))
+    model = args.model
+    if args.shape:
+        model = shape_with_smollm2_vocab(args.shape, json.loads(args.shape_overrides), args.tokenizer)
+        options.update(load_format="dummy", tokenizer=args.tokenizer)
+    llm = LLM(model, **options)
     chat = llm.tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}], tokenize=False,
                                              add_generation_prompt=True)
     prompts = [chat] * args.concurrency
@@ -74,7 +110,7 @@ def main() -> None:
     for _ in range(args.repeat):
         for name in modes:  # interleaved, so machine noise spreads over every mode alike
             rounds[name].append(run(llm, prompts, MODES[name], args))
-    result = {"model": args.model, "device": str(llm.engine.device), "concurrency": args.concurrency,
+    result = {"model": args.shape or args.model, "device": str(llm.engine.device), "concurrency": args.concurrency,
               "output_len": args.output_len, "temperature": args.temperature, "repeat": args.repeat, "modes": {}}
     base = statistics.median(r["tpot_ms"] for r in rounds["free"]) if "free" in rounds else None
     print(f"{'mode':<12} {'TPOT ms':>9} {'vs free':>8} {'tokens':>7}")

@@ -53,6 +53,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     num_cached_tokens: int = 0
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.time()))
+    prompt_logprobs: list[TokenLogprobs] | None = None  # sampling.prompt_logprobs: prompt tokens 1.. scored
 
     # The first (usually only) completion, for the common n=1 case.
     @property
@@ -200,6 +201,8 @@ class LLM:
                     comp.token_ids.extend(piece.token_ids)
                     if piece.logprobs and comp.logprobs is not None:
                         comp.logprobs.extend(piece.logprobs)
+                    if piece.prompt_logprobs:
+                        out.prompt_logprobs = piece.prompt_logprobs
                     if piece.finish_reason is None:
                         continue
                     if completion.stopped_early:

@@ -172,9 +172,9 @@ REFUSED = [
     ("/v1/chat/completions", {"frobnicate": 1}, "frobnicate", "unknown field"),
     ("/v1/chat/completions", {"stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}},
      "stream_options.continuous_usage_stats", "not supported"),
-    ("/v1/completions", {"echo": True}, "echo", "prompt logprobs"),
     ("/v1/completions", {"suffix": "}"}, "suffix", "fill-in-the-middle"),
-    ("/v1/completions", {"prompt_logprobs": 1}, "prompt_logprobs", "prompt logprobs"),
+    ("/v1/chat/completions", {"prompt_logprobs": 1}, "prompt_logprobs", "/v1/completions"),
+    ("/v1/chat/completions", {"echo": True}, "echo", "echoing the last message"),
     ("/v1/completions", {"best_of": 3}, "best_of", "best_of"),
     ("/v1/completions", {"use_beam_search": True}, "use_beam_search", "beam search"),
 ]

@@ -137,8 +137,11 @@ class EngineCore:
                 proposer.capture_graphs(config.max_num_seqs, self.max_model_len)
         self.last_step_tokens = 0
         self._in_flight: tuple | None = None  # (plan, launched step) not yet resolved
+        # Prompt logprobs gathered so far, per request, until its first delta carries them.
+        self._prompt_logprobs: dict[str, list[TokenLogprobs]] = {}
         self.structured = StructuredOutputManager(config.model, config.tokenizer, self.vocab_size,
                                                   self.eos_token_ids)
+        self.runner.before_sampling = self.structured.fill_bitmasks  # overlaps the forward on a GPU
 
     # --- set-up ------------------------------------------------------------------------------------
     def _resolve_max_model_len(self) -> int:
@@ -200,6 +203,8 @@ class EngineCore:
         bad = next((t for t in msg.sampling.logit_bias if t >= self.vocab_size), None)
         if bad is not None:
             raise RequestRejected(f"logit_bias token id {bad} is out of range [0, {self.vocab_size})")
+        if msg.sampling.prompt_logprobs is not None and self.tp_driver is not None:
+            raise RequestRejected("prompt_logprobs cannot be combined with tensor parallelism yet")
         if msg.sampling.structured is not None and self.speculator is not None:
             raise RequestRejected("structured outputs cannot be combined with speculative decoding yet: serve "
                                   "without the spec_decode plugin for constrained requests")
@@ -238,6 +243,8 @@ class EngineCore:
 
     def abort_requests(self, request_ids: list[str]) -> list[TokenDelta]:
         self.structured.remove(request_ids)
+        for rid in request_ids:
+            self._prompt_logprobs.pop(rid, None)
         return [
             TokenDelta(request_id=r.request_id, new_token_ids=[], finish_reason="abort",
                        num_prompt_tokens=r.num_prompt_tokens, num_cached_tokens=r.num_cached_tokens)
@@ -268,7 +275,7 @@ class EngineCore:
         if self.speculator is not None:
             self.speculator.propose(self.scheduler.running, self.scheduler.decoding())
         plan = self.scheduler.schedule()
-        self.structured.fill_bitmasks(plan.seqs)
+        self._fill_prompt_targets(plan)
         self.last_step_tokens = plan.num_tokens
         launched = self.runner.execute(plan) if plan else None
         if launched is not None:
@@ -289,6 +296,7 @@ class EngineCore:
         # A step that just ran long (a burst of prefills) is likely to be followed by another.
         first_token_s = max(self.step_s, self.last_step_s) * (2 if self.async_scheduling else 1)
         for req, kind in self.scheduler.expire(first_token_s):
+            self._prompt_logprobs.pop(req.request_id, None)
             if kind == "queue_timeout" or req.first_scheduled_time is None:
                 self.num_expired_in_queue += 1
                 message = "the request waited past its deadline in the queue and never ran"
@@ -322,19 +330,45 @@ class EngineCore:
         # A grammar's next mask needs the token just sampled: constrained requests also run step by step.
         return not any(r.sampling.uses_penalties or r.sampling.structured is not None for r in running)
 
+    def _fill_prompt_targets(self, plan: SchedulerOutput) -> None:
+        """Tell the runner which prompt tokens this step's positions score, for requests that ask for prompt
+        logprobs and have not had them yet (a request recomputed after preemption is not scored again)."""
+        for s in plan.seqs:
+            if s.sampling.prompt_logprobs is None:
+                continue
+            req = self.scheduler.requests[s.request_id]
+            end = min(s.start_pos + s.num_new_tokens, req.num_prompt_tokens - 1)
+            done = len(self._prompt_logprobs.get(s.request_id, ()))
+            if req.num_output_tokens == 0 and end > done:
+                s.prompt_targets = req.all_token_ids[s.start_pos + 1: end + 1]
+
+    def _gather_prompt_logprobs(self, out: RunnerOutput) -> None:
+        for rid, p in out.prompt_logprobs.items():
+            if rid not in self.scheduler.requests:
+                continue  # finished or aborted meanwhile
+            got = self._prompt_logprobs.setdefault(rid, [])
+            skip = max(0, len(got) + 1 - p.start)  # positions scored again after a preemption
+            got.extend(TokenLogprobs(t, lp, [TopLogprob(i, v) for i, v in zip(ids, vals)], rank)
+                       for t, lp, rank, ids, vals in list(zip(p.token_ids, p.logprobs, p.ranks, p.top_ids,
+                                                             p.top_logprobs))[skip:])
+
     def _update(self, plan: SchedulerOutput, out: RunnerOutput) -> list[TokenDelta]:
         deltas = []
+        if out.prompt_logprobs:
+            self._gather_prompt_logprobs(out)
         for u in self.scheduler.resolve(plan, out):
             req = u.request
             self.structured.accept(req.request_id, u.new_token_ids)
             if u.finished:
                 self.structured.remove([req.request_id])
+            prompt_lps = self._prompt_logprobs.pop(req.request_id, None) if self._prompt_logprobs else None
             lps = out.logprobs.get(req.request_id)
             deltas.append(TokenDelta(
                 request_id=req.request_id, new_token_ids=u.new_token_ids,
                 finish_reason=u.finished.value if u.finished else None,
                 stop_token_id=req.stop_token_id if u.finished is RequestStatus.FINISHED_STOPPED else None,
                 logprobs=_wire_logprobs(u.new_token_ids, lps) if lps is not None else None,
+                prompt_logprobs=prompt_lps,
                 num_prompt_tokens=req.num_prompt_tokens, num_cached_tokens=req.num_cached_tokens,
                 num_draft_tokens=req.num_draft_tokens, num_accepted_tokens=req.num_accepted_tokens,
             ))

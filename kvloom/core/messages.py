@@ -71,11 +71,13 @@ class TopLogprob(msgspec.Struct, array_like=True):
 
 
 class TokenLogprobs(msgspec.Struct, array_like=True):
-    """Logprob of the sampled token and the top-n alternatives at one position."""
+    """Logprob of the sampled (or prompt) token and the top-n alternatives at one position; ``rank`` (1:
+    the most likely token) is given for prompt tokens."""
 
     token_id: int
     logprob: float
     top: list[TopLogprob]
+    rank: int | None = None
 
 
 class RateLimitInfo(msgspec.Struct, omit_defaults=True, kw_only=True):
@@ -102,6 +104,9 @@ class TokenDelta(_Msg):
     finish_reason: str | None = None
     stop_token_id: int | None = None
     logprobs: list[TokenLogprobs] | None = None
+    # sampling.prompt_logprobs: prompt tokens 1.. (the first has no context), each with its top-n; sent
+    # once, on the request's first delta
+    prompt_logprobs: list[TokenLogprobs] | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     error: str | None = None

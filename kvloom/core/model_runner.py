@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Callable
 
 import torch
 
 from kvloom.core.attention import AttentionMetadata
 from kvloom.core.engine.step import RunnerOutput, ScheduledSeq, SchedulerOutput
-from kvloom.core.sampler import SampleResult, Sampler
+from kvloom.core.sampler import PromptScores, SampleResult, Sampler, score_prompt
 
 logger = logging.getLogger("kvloom")
 
@@ -29,6 +30,11 @@ def graph_batch_sizes(max_num_seqs: int, verify_width: int = 1, max_verify_seqs:
     if verify_width > 1 and max_verify_seqs:
         sizes += [b * verify_width for b in graph_batch_sizes(min(max_verify_seqs, max_num_seqs))]
     return sorted(set(sizes))
+
+
+def batch_order(seqs: list[ScheduledSeq]) -> list[ScheduledSeq]:
+    """The order of a flat step's sequences: single-query ones (decodes) first, else as planned."""
+    return sorted(seqs, key=lambda s: s.num_new_tokens != 1)
 
 
 def decode_layout(seqs: list[ScheduledSeq]) -> bool:
@@ -54,6 +60,9 @@ class ModelRunner:
         # are still placeholders on the host are filled from here without waiting for the copy back.
         self._prev_tokens: torch.Tensor | None = None
         self._prev_rows: dict[str, int] = {}
+        # Called with a step's sequences once its forward is launched and before it samples: the engine
+        # fills grammar masks there, on the host while the GPU runs the forward.
+        self.before_sampling: Callable[[list[ScheduledSeq]], None] | None = None
 
     # --- inputs --------------------------------------------------------------------------------
     def _host_inputs(self, order: list[ScheduledSeq]):
@@ -65,8 +74,11 @@ class ModelRunner:
         seq_lens: list[int] = []
         query_lens: list[int] = []
         logits_rows: list[int] = []
+        prompt_rows: list[int] = []  # positions that score prompt tokens, ahead of the sampled rows
         for s in order:
             n = len(s.token_ids)
+            if s.prompt_targets:
+                prompt_rows.extend(range(query_start[-1], query_start[-1] + len(s.prompt_targets)))
             start, end = s.start_pos, s.start_pos + n
             input_ids.extend(s.token_ids)
             positions.extend(range(start, end))
@@ -78,7 +90,7 @@ class ModelRunner:
             logits_rows.extend(range(query_start[-1] - s.num_sample_rows, query_start[-1]))
         max_blocks = max(len(s.block_ids) for s in order)
         table = [s.block_ids + [0] * (max_blocks - len(s.block_ids)) for s in order]
-        return input_ids, positions, slots, query_start, seq_lens, query_lens, logits_rows, table
+        return input_ids, positions, slots, query_start, seq_lens, query_lens, prompt_rows + logits_rows, table
 
     def _decode_rows(self, seqs: list[ScheduledSeq]):
         """Host inputs of a step in the decode layout: one row per token, whose sequence length is its
@@ -125,8 +137,9 @@ class ModelRunner:
         return t.to(self.device, non_blocking=True)
 
     def prepare(self, seqs: list[ScheduledSeq]):
-        """Flat inputs for one step; sequences with a single query (decodes) come first."""
-        order = sorted(seqs, key=lambda s: s.num_new_tokens != 1)
+        """Flat inputs for one step; sequences with a single query (decodes) come first. The rows to keep
+        are the positions that score prompt tokens (``prompt_targets``), then the rows to sample."""
+        order = batch_order(seqs)
         ids, pos, slots, qsl, seq_lens, query_lens, rows, table = self._host_inputs(order)
         meta = AttentionMetadata(
             slot_mapping=self._to_device(slots, torch.int64),
@@ -151,16 +164,26 @@ class ModelRunner:
         gives the ``RunnerOutput``."""
         self.sampler.remove(plan.finished_request_ids)
         seqs = plan.seqs
-        if self.graphs and plan.num_tokens <= self._max_graph_batch and decode_layout(seqs):
+        # Prompt logprobs need logits at prompt positions, which only the eager flat layout keeps.
+        scoring = [s for s in batch_order(seqs) if s.prompt_targets]
+        prompt = None
+        if not scoring and self.graphs and plan.num_tokens <= self._max_graph_batch and decode_layout(seqs):
             logits, sampling = self._replay(seqs)
         else:
-            as_decodes = self.verify_as_decodes and plan.num_draft_tokens and decode_layout(seqs)
+            as_decodes = not scoring and self.verify_as_decodes and plan.num_draft_tokens and decode_layout(seqs)
             ids, pos, meta, rows, sampling = (self._prepare_decode_rows if as_decodes else self.prepare)(seqs)
-            hidden = self.model(ids, pos, meta, self.kv_caches, keep=rows)  # the sampled rows' states
+            hidden = self.model(ids, pos, meta, self.kv_caches, keep=rows)  # the kept rows' states
+            if scoring:
+                num_scored = sum(len(s.prompt_targets) for s in scoring)
+                prompt = score_prompt(hidden[:num_scored], scoring, self.model.compute_logits)
+                prompt.start_copy()
+                hidden = hidden[num_scored:]
             logits = self.model.compute_logits(hidden) if sampling else None
         if not sampling:
             self._prev_tokens, self._prev_rows = None, {}
-            return LaunchedStep(None)
+            return LaunchedStep(None, prompt)
+        if self.before_sampling is not None:
+            self.before_sampling(sampling)
         result = self.sampler.sample(logits, sampling)
         result.start_copy()
         self._prev_tokens = result.tokens
@@ -169,7 +192,7 @@ class ModelRunner:
         for s in sampling:
             self._prev_rows[s.request_id] = row + s.num_sample_rows - 1
             row += s.num_sample_rows
-        return LaunchedStep(result)
+        return LaunchedStep(result, prompt)
 
     def _fill_placeholders(self, order: list[ScheduledSeq], ids_dev: torch.Tensor) -> None:
         """Replace placeholder inputs with the previous step's sampled tokens, on the device. Only a
@@ -258,11 +281,13 @@ class ModelRunner:
 class LaunchedStep:
     """A launched step: ``fetch()`` waits for its tokens and returns them as a ``RunnerOutput``."""
 
-    def __init__(self, sample: SampleResult | None) -> None:
+    def __init__(self, sample: SampleResult | None, prompt: PromptScores | None = None) -> None:
         self.sample = sample
+        self.prompt = prompt
 
     def fetch(self) -> RunnerOutput:
+        prompt = self.prompt.fetch() if self.prompt is not None else {}
         if self.sample is None:
-            return RunnerOutput()
+            return RunnerOutput(prompt_logprobs=prompt)
         sampled, logprobs = self.sample.fetch()
-        return RunnerOutput(sampled, logprobs)
+        return RunnerOutput(sampled, logprobs, prompt)

@@ -9,7 +9,7 @@ from typing import Sequence
 
 import torch
 
-from kvloom.core.engine.step import LogprobLists, ScheduledSeq
+from kvloom.core.engine.step import LogprobLists, PromptLogprobs, ScheduledSeq
 from kvloom.core.sampling_params import SamplingParams
 from kvloom.core.worker import rejection_sampler
 
@@ -70,6 +70,56 @@ class SampleResult:
                         [vals[:k] for vals in top_vals[row: row + m]])
                 row += s.num_sample_rows
         return sampled, logprobs
+
+
+# Full-vocabulary logits of prompt positions are made this many rows at a time, so a long prompt's
+# logprobs never hold [prompt, vocab] floats at once (4096 x 49152 floats is 800 MB).
+PROMPT_LOGITS_ROWS = 256
+
+
+class PromptScores:
+    """Logprobs of the prompt tokens a step scored (``ScheduledSeq.prompt_targets``), still on the
+    device; ``fetch`` brings them to the host per request."""
+
+    def __init__(self, seqs: Sequence[ScheduledSeq], parts: list[torch.Tensor]) -> None:
+        self.seqs = seqs
+        self._parts = parts  # chosen logprob, rank, top values, top ids: one row per scored position
+        self._event = None
+
+    def start_copy(self) -> None:
+        if self._parts[0].is_cuda:
+            self._parts = [t.to("cpu", non_blocking=True) for t in self._parts]
+            self._event = torch.cuda.Event()
+            self._event.record()
+
+    def fetch(self) -> dict[str, PromptLogprobs]:
+        if self._event is not None:
+            self._event.synchronize()
+        chosen, ranks, top_vals, top_ids = (t.tolist() for t in self._parts)
+        out, row = {}, 0
+        for s in self.seqs:
+            n, k = len(s.prompt_targets), s.sampling.prompt_logprobs
+            out[s.request_id] = PromptLogprobs(
+                s.start_pos + 1, list(s.prompt_targets), chosen[row: row + n], ranks[row: row + n],
+                [ids[:k] for ids in top_ids[row: row + n]], [vals[:k] for vals in top_vals[row: row + n]])
+            row += n
+        return out
+
+
+def score_prompt(hidden: torch.Tensor, seqs: Sequence[ScheduledSeq], compute_logits) -> PromptScores:
+    """Logprobs of each ``prompt_targets`` token under the logits of the position before it: ``hidden``
+    holds those positions' final states, in the order of ``seqs``. Raw logprobs (no temperature or
+    penalties), as vLLM's prompt_logprobs and OpenAI's echo report them."""
+    targets = torch.tensor([t for s in seqs for t in s.prompt_targets], dtype=torch.int64).to(hidden.device)
+    k = max(s.sampling.prompt_logprobs for s in seqs)
+    parts: list[list[torch.Tensor]] = [[], [], [], []]
+    for i in range(0, len(targets), PROMPT_LOGITS_ROWS):
+        logprobs = torch.log_softmax(compute_logits(hidden[i: i + PROMPT_LOGITS_ROWS]).float(), dim=-1)
+        chosen = logprobs.gather(1, targets[i: i + PROMPT_LOGITS_ROWS, None])
+        top_vals, top_ids = logprobs.topk(k, dim=-1)
+        for part, t in zip(parts, (chosen[:, 0], (logprobs > chosen).sum(-1) + 1, top_vals, top_ids)):
+            part.append(t)
+    return PromptScores(seqs, [torch.cat(p) for p in parts])
 
 
 class Sampler:

@@ -64,6 +64,9 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     stop_token_ids: list[int] = []
     ignore_eos: bool = False
     logprobs: int | None = None  # top-n logprobs per generated token (0: only the sampled token's)
+    # top-n logprobs of every prompt token after the first (0: only the prompt token's own), computed in
+    # the prefill; such a request skips the prefix cache, since cached positions have no logits
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     logit_bias: dict[int, float] = {}  # token id -> added to its logit before sampling
@@ -103,6 +106,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
             raise ValueError(f"min_tokens={self.min_tokens} must be <= max_tokens={self.max_tokens}")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise ValueError(f"logprobs={self.logprobs!r} must be in [0, 20]")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
+            raise ValueError(f"prompt_logprobs={self.prompt_logprobs!r} must be in [0, 20]")
         if self.seed is not None and not -(2**63) <= self.seed < 2**63:
             raise ValueError(f"seed={self.seed!r} must fit in a signed 64-bit integer")
         if any(not s for s in self.stop):

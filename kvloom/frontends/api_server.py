@@ -52,11 +52,13 @@ from kvloom.frontends.model_cores import close_cores, core_for, start_model_core
 from kvloom.frontends.openai_requests import (
     chat_messages,
     chat_template_options,
+    check_echo,
+    prompt_logprobs,
     sampling_params,
     split_prompts,
     structured_output,
 )
-from kvloom.frontends.openai_responses import ResponseBuilder, UsageCounter
+from kvloom.frontends.openai_responses import CompletionEcho, ResponseBuilder, UsageCounter
 from kvloom.frontends.output import TextDelta, fan_out
 from kvloom.frontends.request_fields import CHAT_RULES, COMPLETION_RULES, check_fields
 from kvloom.frontends.text import load_chat_template
@@ -187,16 +189,25 @@ class OpenAIServer:
         req: api.CompletionRequest = await self._parse_generation(request, api.CompletionRequest)
         core = self.core_for(req.model)
         responses = self.builders[core.ready.model_name]
-        prompts = [core.check_token_ids(p) if isinstance(p, list) else await core.tokenize_text(p)
-                   for p in split_prompts(req.prompt)]
-        sp = sampling_params(req, req.max_tokens, req.logprobs)
+        texts = split_prompts(req.prompt)
+        prompts = [core.check_token_ids(p) if isinstance(p, list) else await core.tokenize_text(p) for p in texts]
+        check_echo(req)
+        # max_tokens=0 (echo only): the engine generates one token, which the response leaves out.
+        sp = sampling_params(req, 1 if req.max_tokens == 0 else req.max_tokens, req.logprobs,
+                             prompt_logprobs=prompt_logprobs(req))
         prepared = [core.prepare(ids, choice, priority=req.priority)
                     for ids in prompts for choice in fan_out(sp, req.n)]
+        echo = None
+        if req.echo or req.prompt_logprobs is not None:
+            shown = [(t if isinstance(t, str) else responses.tokenizer.decode(ids, skip_special_tokens=False), ids)
+                     for t, ids in zip(texts, prompts)]
+            echo = CompletionEcho([p for p in shown for _ in range(req.n)], req.echo, req.logprobs,
+                                  req.prompt_logprobs, generate=req.max_tokens != 0)
         rid = self._request_id(request, "cmpl")
         usage = UsageCounter([len(p) for p in prompts], req.n)
         return await self._respond(request, core, prepared, req.stream, rid,
-                                   lambda merged: responses.collect_completion(rid, merged, usage, len(prepared)),
-                                   lambda merged: responses.completion_events(req, rid, merged, usage))
+                                   lambda merged: responses.collect_completion(rid, merged, usage, len(prepared), echo),
+                                   lambda merged: responses.completion_events(req, rid, merged, usage, echo))
 
     # --- /v1/chat/completions ----------------------------------------------------------------------
     async def chat_completions(self, request: Request):

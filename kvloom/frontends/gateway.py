@@ -154,6 +154,9 @@ class Gateway:
         if msg.sampling.n != 1:
             raise RequestError(400, f"n={msg.sampling.n}: the gateway streams one completion per request; "
                                "send n requests", "n")
+        if msg.sampling.prompt_logprobs is not None:  # TextChunk has no place for them
+            raise RequestError(400, "prompt_logprobs is not served by the gateway: use /v1/completions or kvloom.LLM",
+                               "prompt_logprobs")
         if msg.prompt is not None:
             return await core.tokenize_text(msg.prompt)
         if msg.messages is not None:

@@ -59,10 +59,11 @@ class _GenerationRequest(Struct, kw_only=True):
 
 class CompletionRequest(_GenerationRequest, kw_only=True):
     prompt: str | list[Any]  # text, token ids, or a batch of either
-    max_tokens: Annotated[int, Meta(ge=1)] | None = 16
+    max_tokens: Annotated[int, Meta(ge=0)] | None = 16  # 0: only with echo (the prompt scored, nothing generated)
     logprobs: Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)] | None = None  # OpenAI's 5 is vLLM's 20 here
-    echo: bool = False
+    echo: bool = False  # the prompt before the output, with its logprobs when logprobs is given
     suffix: str | None = None
+    prompt_logprobs: Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)] | None = None  # vLLM's extension
 
 
 class ContentPart(Struct, kw_only=True):
@@ -107,10 +108,20 @@ class UsageInfo(Struct):
 
 
 class CompletionLogprobs(Struct):
+    """OpenAI's legacy shape; with echo, the prompt's first token has ``None`` for its logprob and top."""
+
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]] | None
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None] | None
     text_offset: list[int]
+
+
+class PromptLogprob(Struct):
+    """vLLM's prompt_logprobs entry: one token's logprob, its rank (1: the most likely) and its text."""
+
+    logprob: float
+    rank: int | None
+    decoded_token: str
 
 
 class _Choice(Struct, kw_only=True):
@@ -129,6 +140,8 @@ class _Completion(Struct, kw_only=True):
 class CompletionChoice(_Choice, kw_only=True):
     text: str
     logprobs: CompletionLogprobs | None = None
+    # vLLM's prompt_logprobs: per prompt token (None for the first), token id (as text) -> its entry
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
 
 
 class CompletionResponse(_Completion, kw_only=True):

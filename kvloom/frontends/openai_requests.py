@@ -15,7 +15,8 @@ from kvloom.frontends.tool_parsers import template_messages_tool_calls
 
 
 def sampling_params(req: api._GenerationRequest, max_tokens: int | None, logprobs: int | None,
-                    structured: StructuredOutputSpec | None = None) -> SamplingParams:
+                    structured: StructuredOutputSpec | None = None,
+                    prompt_logprobs: int | None = None) -> SamplingParams:
     """``structured``: a constraint the caller derived (tool_choice); else the request's own, if any."""
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     if structured is None:
@@ -28,11 +29,25 @@ def sampling_params(req: api._GenerationRequest, max_tokens: int | None, logprob
             repetition_penalty=req.repetition_penalty, max_tokens=max_tokens, min_tokens=req.min_tokens,
             stop=stop, stop_token_ids=list(req.stop_token_ids), ignore_eos=req.ignore_eos, logprobs=logprobs,
             skip_special_tokens=req.skip_special_tokens, include_stop_str_in_output=req.include_stop_str_in_output,
-            logit_bias=logit_bias(req.logit_bias), structured=structured,
+            logit_bias=logit_bias(req.logit_bias), structured=structured, prompt_logprobs=prompt_logprobs,
         )
     except ValueError as e:  # SamplingParams names the field first: "top_k=-5 must be ..."
         field = str(e).split("=", 1)[0]
         raise RequestError(400, str(e), field if field.isidentifier() else None) from e
+
+
+def check_echo(req: api.CompletionRequest) -> None:
+    """``max_tokens=0`` only makes sense with ``echo`` (lm-eval-harness scores a prompt that way)."""
+    if req.max_tokens == 0 and not req.echo:
+        raise RequestError(400, "max_tokens=0 generates nothing, so it needs echo=true (the prompt and, with "
+                           "logprobs, its logprobs)", "max_tokens")
+
+
+def prompt_logprobs(req: api.CompletionRequest) -> int | None:
+    """How many alternatives the engine scores at each prompt position: echo shows the prompt with the
+    request's ``logprobs``, vLLM's ``prompt_logprobs`` asks for its own number; None when neither does."""
+    wanted = [k for k in (req.logprobs if req.echo else None, req.prompt_logprobs) if k is not None]
+    return max(wanted) if wanted else None
 
 
 def split_prompts(prompt: str | list[Any]) -> list[str | list[int]]:

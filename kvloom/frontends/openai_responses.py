@@ -3,6 +3,7 @@ streams (with usage chunks and a final error event), and logprobs in the complet
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable
 
 from kvloom.core.messages import TokenLogprobs
@@ -50,6 +51,26 @@ class ToolOutput:
 
 def _tool_output(plan: ToolPlan | None, parser: str | None) -> ToolOutput | None:
     return ToolOutput(plan, parser) if plan is not None and plan.mode != "none" else None
+
+
+@dataclass
+class CompletionEcho:
+    """What a completion choice shows of its prompt: the prompt itself before the output (``echo``), with
+    its logprobs in the legacy shape when ``logprobs`` is given, and vLLM's ``prompt_logprobs`` field.
+    ``generate`` False is ``max_tokens=0``: the engine's one token is not shown or counted."""
+
+    prompts: list[tuple[str, list[int]]]  # per choice: the prompt's text and token ids
+    echo: bool
+    logprobs: int | None
+    prompt_logprobs: int | None
+    generate: bool = True
+
+    def output(self, delta: TextDelta) -> TextDelta:
+        """``delta`` as the client sees it: under max_tokens=0, no text, tokens or logprobs of its own."""
+        if self.generate:
+            return delta
+        return TextDelta("", [], None, "length" if delta.finish_reason is not None else None, None,
+                         delta.num_prompt_tokens, delta.num_cached_tokens, 0, delta.prompt_logprobs)
 
 
 class UsageCounter:
@@ -106,32 +127,48 @@ class ResponseBuilder:
             yield sse(api.ErrorResponse(info))
         yield SSE_DONE
 
-    async def collect_completion(self, rid: str, merged, usage: UsageCounter, count: int) -> api.CompletionResponse:
+    async def collect_completion(self, rid: str, merged, usage: UsageCounter, count: int,
+                                 echo: CompletionEcho | None = None) -> api.CompletionResponse:
         texts = [""] * count
         lps: list[list[TokenLogprobs] | None] = [None] * count
+        prompt_lps: list[list[TokenLogprobs] | None] = [None] * count
         finals: list[TextDelta | None] = [None] * count
         async for index, delta in merged:
+            if echo is not None:
+                delta = echo.output(delta)
+                prompt_lps[index] = prompt_lps[index] or delta.prompt_logprobs
             texts[index] += delta.text
             if delta.logprobs:
                 lps[index] = (lps[index] or []) + delta.logprobs
             if delta.finish_reason is not None:
                 finals[index] = delta
                 usage.add(index, delta)
-        choices = [api.CompletionChoice(index=i, text=texts[i], logprobs=self.completion_logprobs(lps[i], 0),
-                                        finish_reason=finals[i].finish_reason, stop_reason=finals[i].stop_reason)
-                   for i in range(count)]
+        choices = []
+        for i in range(count):
+            choice = api.CompletionChoice(index=i, text=texts[i], logprobs=self.completion_logprobs(lps[i], 0),
+                                          finish_reason=finals[i].finish_reason, stop_reason=finals[i].stop_reason)
+            choices.append(self._with_prompt(choice, echo, i, prompt_lps[i], lps[i]) if echo is not None else choice)
         return api.CompletionResponse(id=rid, choices=choices, model=self.model_name, usage=usage.info())
 
-    def completion_events(self, req: api.CompletionRequest, rid: str, merged, usage: UsageCounter):
+    def completion_events(self, req: api.CompletionRequest, rid: str, merged, usage: UsageCounter,
+                          echo: CompletionEcho | None = None):
         async def events():
             offsets: dict[int, int] = {}
             async for index, delta in merged:
+                first = index not in offsets
+                if echo is not None:
+                    delta = echo.output(delta)
                 lp = self.completion_logprobs(delta.logprobs, offsets.get(index, 0))
-                offsets[index] = offsets.get(index, 0) + len(delta.text)
+                # Offsets advance by the tokens' own texts, as in the whole response's logprobs.
+                offsets[index] = offsets.get(index, 0) + (sum(map(len, lp.tokens)) if lp else len(delta.text))
                 if delta.finish_reason is not None:
                     usage.add(index, delta)
                 choice = api.CompletionChoice(index=index, text=delta.text, logprobs=lp,
                                               finish_reason=delta.finish_reason, stop_reason=delta.stop_reason)
+                if echo is not None and first:  # the prompt comes with the choice's first chunk
+                    choice = self._with_prompt(choice, echo, index, delta.prompt_logprobs, delta.logprobs)
+                    if echo.echo and choice.logprobs is not None:
+                        offsets[index] = sum(len(t) for t in choice.logprobs.tokens)
                 yield sse(api.CompletionResponse(id=rid, choices=[choice], model=self.model_name))
 
         include_usage = req.stream_options is not None and req.stream_options.include_usage
@@ -139,7 +176,37 @@ class ResponseBuilder:
                                                       usage=usage.info())) if include_usage else None
         return self.stream_end(events(), usage_chunk)
 
-    def completion_logprobs(self, lps: list[TokenLogprobs] | None, offset: int) -> api.CompletionLogprobs | None:
+    def _with_prompt(self, choice: api.CompletionChoice, echo: CompletionEcho, index: int,
+                     prompt_lps: list[TokenLogprobs] | None, lps: list[TokenLogprobs] | None) -> api.CompletionChoice:
+        """``choice`` (its output so far) with its prompt: echoed before the text and the logprobs, and as
+        vLLM's prompt_logprobs."""
+        text, ids = echo.prompts[index]
+        if echo.prompt_logprobs is not None:
+            choice.prompt_logprobs = [None] + [self._vllm_prompt_logprob(lp, echo.prompt_logprobs)
+                                               for lp in prompt_lps or ()]
+        if not echo.echo:
+            return choice
+        choice.text = text + choice.text
+        if echo.logprobs is not None:
+            # As OpenAI's legacy completions and vLLM: the prompt's tokens first (the very first one has
+            # no context, so no logprob), each prompt position's top-n together with the prompt token.
+            prompt = [TokenLogprobs(ids[0], None, [])] + list(prompt_lps or ())
+            entries = self.completion_logprobs(prompt + list(lps or ()), 0, top=echo.logprobs,
+                                               with_chosen=len(prompt))
+            entries.top_logprobs[0] = None
+            choice.logprobs = entries
+        return choice
+
+    def _vllm_prompt_logprob(self, lp: TokenLogprobs, k: int) -> dict[str, api.PromptLogprob]:
+        out = {str(lp.token_id): api.PromptLogprob(lp.logprob, lp.rank, self.token_text(lp.token_id))}
+        for rank, t in enumerate(lp.top[:k], 1):
+            out.setdefault(str(t.token_id), api.PromptLogprob(t.logprob, rank, self.token_text(t.token_id)))
+        return out
+
+    def completion_logprobs(self, lps: list[TokenLogprobs] | None, offset: int, top: int | None = None,
+                            with_chosen: int = 0) -> api.CompletionLogprobs | None:
+        """The legacy shape of ``lps`` (at most ``top`` alternatives each); the first ``with_chosen``
+        positions (echoed prompt tokens) list their own token among the alternatives too."""
         if lps is None:
             return None
         tokens = [self.token_text(lp.token_id) for lp in lps]
@@ -147,8 +214,13 @@ class ResponseBuilder:
         for t in tokens:
             text_offset.append(offset)
             offset += len(t)
-        top = [{self.token_text(t.token_id): t.logprob for t in lp.top} for lp in lps]
-        return api.CompletionLogprobs(tokens, [lp.logprob for lp in lps], top, text_offset)
+        tops = []
+        for i, lp in enumerate(lps):
+            entry = {self.token_text(t.token_id): t.logprob for t in lp.top[:top]}
+            if i < with_chosen and lp.logprob is not None:
+                entry.setdefault(self.token_text(lp.token_id), lp.logprob)
+            tops.append(entry)
+        return api.CompletionLogprobs(tokens, [lp.logprob for lp in lps], tops, text_offset)
 
     async def collect_chat(self, rid: str, merged, usage: UsageCounter, n: int, tools: ToolPlan | None = None,
                            parser: str | None = None) -> api.ChatCompletionResponse:

@@ -25,6 +25,7 @@ class TextDelta:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     num_output_tokens: int = 0  # tokens generated so far (usage counts these, text or not)
+    prompt_logprobs: list[TokenLogprobs] | None = None  # sampling.prompt_logprobs: tokens 1.., on the first delta
 
 
 def fan_out(sampling: SamplingParams, n: int) -> list[SamplingParams]:
@@ -71,11 +72,11 @@ class CompletionText:
                 self.stopped_early = finish is None
                 finish, stop_reason = "stop", self._text.stopped_by
         self._held.extend(delta.new_token_ids)
-        if finish is None and not text and not delta.logprobs:
+        if finish is None and not text and not delta.logprobs and not delta.prompt_logprobs:
             return None
         out = TextDelta(text, self._held, delta.logprobs, finish, stop_reason,
                         delta.num_prompt_tokens or self.num_prompt_tokens, delta.num_cached_tokens,
-                        self.num_output_tokens)
+                        self.num_output_tokens, delta.prompt_logprobs)
         self._held = []
         self.finish_reason = finish
         return out

@@ -12,7 +12,7 @@ from kvloom.frontends.frontend_core import RequestError
 _SAMPLER = "it needs the engine's new sampler (token masks); it is not supported yet"
 _WHITESPACE = "a custom whitespace pattern is not supported: JSON output takes the grammar's whitespace"
 _FUNCTIONS = "the deprecated functions API is not supported: send tools and tool_choice"
-_PROMPT_LOGPROBS = "prompt logprobs are not supported yet (the engine returns logprobs of generated tokens only)"
+_PROMPT_LOGPROBS = "prompt logprobs are served by /v1/completions (echo with logprobs, or prompt_logprobs)"
 
 
 def _off(value: Any) -> bool:
@@ -34,7 +34,6 @@ _COMMON: dict[str, Rule] = {
     "allowed_token_ids": (_SAMPLER, lambda v, b: _off(v)),
     "bad_words": (_SAMPLER, lambda v, b: _off(v)),
     "logits_processors": ("custom logits processors are not supported", lambda v, b: _off(v)),
-    "prompt_logprobs": (_PROMPT_LOGPROBS, lambda v, b: v is None),
     "truncate_prompt_tokens": ("prompt truncation is not supported; send a shorter prompt", lambda v, b: v is None),
     "spaces_between_special_tokens": ("only spaces_between_special_tokens=true is supported",
                                       lambda v, b: v in (None, True)),
@@ -54,7 +53,6 @@ _HINTS = {"user", "metadata", "safety_identifier", "prompt_cache_key"}
 
 COMPLETION_RULES: dict[str, Rule] = {
     **_COMMON,
-    "echo": (_PROMPT_LOGPROBS + "; echo returns the prompt with them", lambda v, b: _off(v)),
     "suffix": ("suffix (fill-in-the-middle) is not supported: the served models have no infill template",
                lambda v, b: v is None),
     "add_special_tokens": ("completions always add the tokenizer's special tokens (add_special_tokens=true)",
@@ -62,6 +60,7 @@ COMPLETION_RULES: dict[str, Rule] = {
 }
 CHAT_RULES: dict[str, Rule] = {
     **_COMMON,
+    "prompt_logprobs": (_PROMPT_LOGPROBS, lambda v, b: v is None),
     "functions": (_FUNCTIONS, lambda v, b: _off(v)),
     "function_call": (_FUNCTIONS, lambda v, b: v in (None, "none")),
     "echo": ("echoing the last message is not supported", lambda v, b: _off(v)),

@@ -38,6 +38,9 @@ class ScheduledSeq:
     # Structured outputs: int32 [num_sample_rows, ceil(vocab / 32)] on the host, bit t of a row set where
     # token t is allowed; filled by the engine from the request's grammar matcher after scheduling.
     token_bitmask: object | None = None
+    # Prompt logprobs (sampling.prompt_logprobs): the prompt tokens that follow this step's first fed
+    # positions, one per position whose logits score the prompt (filled by the engine after scheduling).
+    prompt_targets: list[int] | None = None
 
     @property
     def num_new_tokens(self) -> int:
@@ -80,9 +83,23 @@ class LogprobLists:
 
 
 @dataclass(slots=True)
+class PromptLogprobs:
+    """Logprobs of prompt tokens ``start ..`` (``start`` >= 1: the first token has no context), as the
+    prefill scored them: each token's own, its rank in the distribution (1: the most likely) and the top-n."""
+
+    start: int
+    token_ids: list[int]
+    logprobs: list[float]
+    ranks: list[int]
+    top_ids: list[list[int]]
+    top_logprobs: list[list[float]]
+
+
+@dataclass(slots=True)
 class RunnerOutput:
     """What a step produced for each request that sampled: its accepted draft tokens followed by one
     token from the target model (so ``len - 1`` drafts were accepted), and logprobs if asked for."""
 
     sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
     logprobs: dict[str, LogprobLists] = field(default_factory=dict)
+    prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)
