@@ -42,7 +42,8 @@ def draft_engine(tiny_llama, tmp_path_factory):
     """A CPU engine with a draft model (one layer against the target's two, the same width); its GPU
     profile is then run against FakeGpu figures (the forwards themselves run on the CPU)."""
     draft = _make_draft(tmp_path_factory.mktemp("draft") / "small", "llama")
-    llm = LLM(str(tiny_llama), plugins=["spec_decode"], plugin_options=_spec(3, method="draft", draft_model=str(draft)))
+    llm = LLM(str(tiny_llama), device="cpu", plugins=["spec_decode"],
+              plugin_options=_spec(3, method="draft", draft_model=str(draft)))
     return llm.engine
 
 
