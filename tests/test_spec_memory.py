@@ -4,6 +4,8 @@ other processes and other engines hold; ``engine plan`` counts the draft's weigh
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -93,3 +95,35 @@ def test_gpu_profile_runs_the_draft_models_largest_forward_too(draft_engine, mon
     _profile(draft_engine, monkeypatch, gpu, weights=GiB, non_torch=0, activation=GiB)
     cfg = draft_engine.config
     assert calls == [min(cfg.max_num_batched_tokens, draft_engine.max_model_len)]
+
+
+def test_plan_counts_the_draft_models_weights_and_kv_per_token(tiny_llama, tmp_path, capsys):
+    from kvloom.core.config import EngineConfig
+    from kvloom.core.engine_core import EngineCore
+    from tests.test_plan import checkpoint_bytes, plan_json
+
+    draft = _make_draft(tmp_path / "small", "llama")
+    options = {"spec_decode": {"method": "draft", "draft_model": str(draft)}}
+    spec = ["--plugins", "spec_decode", "--plugin-options", json.dumps(options)]
+    # CPU: the plan prints the KV line the engine logs, with both models' bytes per token in it.
+    engine = EngineCore(EngineConfig(model=str(tiny_llama), device="cpu", plugins=["spec_decode"],
+                                     plugin_options=options))
+    plan = plan_json(capsys, "--model", str(tiny_llama), "--device", "cpu", *spec)
+    plain = plan_json(capsys, "--model", str(tiny_llama), "--device", "cpu")
+    assert plan["rows"][0]["kv_cache_line"] == engine.capacity.describe()
+    assert "+ the draft model 256 bytes/token" in plan["rows"][0]["kv_cache_line"]
+    assert plan["draft"]["weight_bytes"] == checkpoint_bytes(engine.proposer.model)
+    assert plan["draft"]["kv_bytes_per_token"] == engine.capacity.draft_bytes_per_token == 256
+    assert plan["rows"][0]["kv_blocks"] == plain["rows"][0]["kv_blocks"] * 2 // 3  # 512 + 256 bytes per token
+
+    # GPU (an estimate for 80 GiB): the draft's weights come out of the budget, and a block costs both
+    # models' KV; tensor parallel sizes other than 1 are not planned (the engine refuses them).
+    gpu = plan_json(capsys, "--model", str(tiny_llama), "--gpu-memory", "80", *spec)
+    gpu_plain = plan_json(capsys, "--model", str(tiny_llama), "--gpu-memory", "80")
+    row, row_plain = gpu["rows"][0], gpu_plain["rows"][0]
+    assert [r["tensor_parallel"] for r in gpu["rows"]] == [1]
+    assert row["weight_bytes_per_gpu"] == row_plain["weight_bytes_per_gpu"] + gpu["draft"]["weight_bytes"]
+    assert row["kv_budget_bytes"] <= row_plain["kv_budget_bytes"] - gpu["draft"]["weight_bytes"]
+    per_token = row["kv_bytes_per_token"] + gpu["draft"]["kv_bytes_per_token"]
+    assert row["kv_blocks"] == row["kv_budget_bytes"] // (16 * per_token)
+    assert any("draft model" in note for note in gpu["notes"])
