@@ -80,17 +80,20 @@ def weight_bytes(hf_config, dtype: torch.dtype, method, device_type: str, tp=Non
 
 def activation_bytes(hf_config, config: EngineConfig, dtype: torch.dtype, max_model_len: int,
                      sample_rows: int | None = None) -> int:
-    """An estimate of the activation peak that the engine's start-up profile measures: one step of
-    ``max_num_batched_tokens`` (hidden states, fused qkv, attention output, gate/up and activation), and
+    """An estimate of what the engine's start-up profile measures besides the weights: one step of
+    ``max_num_batched_tokens`` (hidden states, fused qkv, attention output, gate/up and activation),
     float32 logits and probabilities for ``sample_rows`` rows (default ``max_num_seqs``; a verify step
-    samples a row per draft)."""
+    samples a row per draft), and the profile's own KV blocks (which the engine no longer counts: kept
+    here as headroom, so the estimate errs on the safe side)."""
     n = min(config.max_num_batched_tokens, max_model_len)
     layers, kv_heads, head_dim = capacity.model_dims(hf_config)
     hidden, inter = hf_config.hidden_size, hf_config.intermediate_size
     q = hf_config.num_attention_heads * head_dim
     per_token = (2 * hidden + 2 * q + 2 * kv_heads * head_dim + 3 * inter) * capacity.dtype_size(dtype)
     logits = 2 * min(sample_rows or config.max_num_seqs, n) * hf_config.vocab_size * 4
-    return n * per_token + logits
+    profile_kv = -(-n // config.block_size) * config.block_size * capacity.kv_bytes_per_token(
+        hf_config, capacity.kv_cache_dtype(config, dtype))
+    return n * per_token + logits + profile_kv
 
 
 @dataclass
