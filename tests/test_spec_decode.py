@@ -426,7 +426,7 @@ def test_draft_model_prefills_long_prompts_in_chunks_of_the_step_budget(tiny_lla
     rng = random.Random(3)
     phrase = [rng.randrange(3, 384) for _ in range(30)]
     prompts = [phrase * 10, [rng.randrange(3, 384) for _ in range(200)] + phrase, [4, 5, 6] * 3]
-    budget = dict(max_num_batched_tokens=32)
+    budget = dict(max_num_batched_tokens=32, dtype="float32")  # on a GPU too: bf16 ties flip between layouts
     expected = _greedy(LLM(str(tiny_llama), **budget), prompts)
     # The target as its own draft: a draft KV written wrongly by a chunk would show as a rejected draft.
     llm = LLM(str(tiny_llama), plugins=["spec_decode"], **budget,

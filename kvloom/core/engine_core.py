@@ -178,10 +178,10 @@ class EngineCore:
         del runs
         profile = capacity.GpuProfile.measure(start, weights, activations, capacity.gpu_memory_snapshot(dev))
         budget = profile.kv_budget(cfg.gpu_memory_utilization)
-        logger.info("Memory profile: total %.1f GiB; this engine: weights %.2f GiB, activation peak %.2f GiB, "
-                    "outside PyTorch %.2f GiB; KV budget %.2f GiB", profile.total / capacity.GiB,
-                    weights / capacity.GiB, activations / capacity.GiB, profile.non_torch / capacity.GiB,
-                    budget / capacity.GiB)
+        mib = 1 << 20  # small models' figures round to 0.00 GiB
+        logger.info("Memory profile: total %.1f GiB; this engine: weights %.1f MiB, activation peak %.1f MiB, "
+                    "outside PyTorch %.1f MiB; KV budget %.2f GiB", profile.total / capacity.GiB,
+                    weights / mib, activations / mib, profile.non_torch / mib, budget / capacity.GiB)
         if profile.fits() < profile.share(cfg.gpu_memory_utilization):
             logger.warning("Only %.2f GiB of the GPU is free beside other processes and engines: the KV cache "
                            "gets %.2f GiB instead of the %.2f GiB that gpu_memory_utilization=%g would give",
