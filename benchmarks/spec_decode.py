@@ -97,9 +97,23 @@ def run(llm, prompts, max_tokens: int) -> dict:
         "output_tokens": tokens, "seconds": round(elapsed, 3), "output_tok_s": round(tokens / elapsed, 2),
         "draft_tokens": drafts, "accepted_tokens": accepted,
         "acceptance_rate": round(accepted / drafts, 4) if drafts else 0.0,
-        "mean_acceptance_length": round(1 + accepted / steps, 3) if steps else 0.0,
+        "mean_acceptance_length": round(1 + accepted / steps, 3) if steps else 0.0, "spec_steps": steps,
         "token_ids": [o.token_ids for o in outs],
     }
+
+
+def pooled(runs: list[dict]) -> dict:
+    """Totals over alternated runs of one side (tok/s over the summed time), and each run's tok/s."""
+    tokens, seconds = sum(r["output_tokens"] for r in runs), sum(r["seconds"] for r in runs)
+    drafts, accepted = sum(r["draft_tokens"] for r in runs), sum(r["accepted_tokens"] for r in runs)
+    steps = sum(r["spec_steps"] for r in runs)
+    out = {"output_tokens": tokens, "seconds": round(seconds, 3), "output_tok_s": round(tokens / seconds, 2),
+           "draft_tokens": drafts, "accepted_tokens": accepted,
+           "acceptance_rate": round(accepted / drafts, 4) if drafts else 0.0,
+           "mean_acceptance_length": round(1 + accepted / steps, 3) if steps else 0.0}
+    if len(runs) > 1:
+        out["output_tok_s_per_run"] = [r["output_tok_s"] for r in runs]
+    return out
 
 
 def main() -> None:
@@ -118,6 +132,10 @@ def main() -> None:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads of the engine (default: its own).")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="Timed runs of each side, alternated (baseline, speculation, baseline, ...) so that a slow "
+                        "spell of a shared machine hits both; figures are the totals over the runs.")
     p.add_argument("--output", default=None, help="Also write the JSON here.")
     p.add_argument("--write-prompts", metavar="FILE.jsonl", default=None,
                    help="Only write --batch copy requests (messages, output_len=--max-tokens) for engine bench.")
@@ -136,7 +154,7 @@ def main() -> None:
 
     model, load_format, vocab = model_for_benchmark(args.model, args.shape)
     common = dict(load_format=load_format, dtype=args.dtype, enforce_eager=args.enforce_eager,
-                  max_num_seqs=max(8, args.batch), max_model_len=args.max_model_len)
+                  max_num_seqs=max(8, args.batch), max_model_len=args.max_model_len, threads=args.threads)
     spec_options = {"spec_decode": {"num_speculative_tokens": args.num_speculative_tokens,
                                     "adaptive": args.adaptive == "on" or (args.adaptive == "auto"
                                                                           and args.proposer == "ngram")}}
@@ -152,28 +170,40 @@ def main() -> None:
 
         ids = apply_chat_template(spec.tokenizer, copy_request(args.passage_chars), True)
         prompts = [ids] * args.batch
+    rates = [float(r) for r in args.corrupt.split(",")] if args.proposer == "replay" else [None]
     spec.engine.speculator = None
     run(spec, [prompts[0]], 8)  # warm-up
-    base = run(spec, prompts, args.max_tokens)
+    base_runs = [run(spec, prompts, args.max_tokens)]
     spec.engine.speculator = speculator
+    recorded = {tuple(pr): out for pr, out in zip(prompts, base_runs[0]["token_ids"])}
+    runs: dict = {rate: [] for rate in rates}
+    for i in range(args.repeats):
+        if i:  # alternate: a baseline run between speculation runs
+            spec.engine.speculator = None
+            base_runs.append(run(spec, prompts, args.max_tokens))
+            spec.engine.speculator = speculator
+        for rate in rates:
+            if rate is not None:
+                spec.engine.speculator.proposer = ReplayProposer(recorded, args.num_speculative_tokens, rate, vocab)
+            if not i:
+                run(spec, [prompts[0]], 8)  # warm-up of the verify path
+            runs[rate].append(run(spec, prompts, args.max_tokens))
+    base = pooled(base_runs)
     result = {
         "benchmark": "spec_decode", "model": args.shape or model,
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         "dtype": str(spec.engine.dtype).removeprefix("torch."), "batch": args.batch, "max_tokens": args.max_tokens,
         "prompt_tokens": len(prompts[0]), "proposer": args.proposer, "k": args.num_speculative_tokens,
         "adaptive": spec_options["spec_decode"]["adaptive"], "cuda_graphs": len(spec.engine.runner.graphs),
-        "baseline": {k: v for k, v in base.items() if k != "token_ids"}, "runs": [],
+        "threads": args.threads, "repeats": args.repeats, "baseline": base, "runs": [],
     }
-    rates = [float(r) for r in args.corrupt.split(",")] if args.proposer == "replay" else [None]
     for rate in rates:
-        if rate is not None:
-            recorded = {tuple(pr): out for pr, out in zip(prompts, base["token_ids"])}
-            spec.engine.speculator.proposer = ReplayProposer(recorded, args.num_speculative_tokens, rate, vocab)
-        run(spec, [prompts[0]], 8)  # warm-up of the verify path
-        r = run(spec, prompts, args.max_tokens)
-        row = {k: v for k, v in r.items() if k != "token_ids"}
-        row.update(corrupt=rate, speedup=round(r["output_tok_s"] / base["output_tok_s"], 3),
-                   identical_output=r["token_ids"] == base["token_ids"])
+        row = pooled(runs[rate])
+        row.update(corrupt=rate, speedup=round(row["output_tok_s"] / base["output_tok_s"], 3),
+                   identical_output=all(r["token_ids"] == base_runs[0]["token_ids"] for r in runs[rate] + base_runs))
+        if args.repeats > 1:  # each speculation run against the baseline run before it
+            row["speedup_per_repeat"] = [round(r["output_tok_s"] / b["output_tok_s"], 3)
+                                         for r, b in zip(runs[rate], base_runs)]
         result["runs"].append(row)
     text = json.dumps(result, indent=2)
     print(text)

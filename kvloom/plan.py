@@ -78,19 +78,58 @@ def weight_bytes(hf_config, dtype: torch.dtype, method, device_type: str, tp=Non
     return total
 
 
-def activation_bytes(hf_config, config: EngineConfig, dtype: torch.dtype, max_model_len: int) -> int:
+def activation_bytes(hf_config, config: EngineConfig, dtype: torch.dtype, max_model_len: int,
+                     sample_rows: int | None = None) -> int:
     """An estimate of what the engine's start-up profile measures besides the weights: one step of
     ``max_num_batched_tokens`` (hidden states, fused qkv, attention output, gate/up and activation),
-    float32 logits and probabilities for ``max_num_seqs`` rows, and the profile's own KV blocks."""
+    float32 logits and probabilities for ``sample_rows`` rows (default ``max_num_seqs``; a verify step
+    samples a row per draft), and the profile's own KV blocks (which the engine no longer counts: kept
+    here as headroom, so the estimate errs on the safe side)."""
     n = min(config.max_num_batched_tokens, max_model_len)
     layers, kv_heads, head_dim = capacity.model_dims(hf_config)
     hidden, inter = hf_config.hidden_size, hf_config.intermediate_size
     q = hf_config.num_attention_heads * head_dim
     per_token = (2 * hidden + 2 * q + 2 * kv_heads * head_dim + 3 * inter) * capacity.dtype_size(dtype)
-    logits = 2 * min(config.max_num_seqs, n) * hf_config.vocab_size * 4
+    logits = 2 * min(sample_rows or config.max_num_seqs, n) * hf_config.vocab_size * 4
     profile_kv = -(-n // config.block_size) * config.block_size * capacity.kv_bytes_per_token(
         hf_config, capacity.kv_cache_dtype(config, dtype))
     return n * per_token + logits + profile_kv
+
+
+@dataclass
+class DraftPlan:
+    """The spec_decode draft model (method=draft) as the engine loads it beside the target: dense weights
+    in its dtype, and its own K and V per token in blocks of the same ids as the target's."""
+
+    model: str
+    dtype: str
+    weight_bytes: int
+    kv_bytes_per_token: int
+    activation_bytes: int  # its largest forward (the engine profiles it after the target's)
+
+
+def spec_proposer(config: EngineConfig, hf_config):
+    """The proposer the engine would make for ``--plugins spec_decode`` (its options checked, a draft
+    model's config read and its vocabulary checked), else None."""
+    from kvloom.plugins.manager import PluginManager
+
+    plugins = PluginManager.from_config(config.replace(quantization=None))
+    return plugins.make_spec_proposer(hf_config, config) if "spec_decode" in plugins.enabled else None
+
+
+def draft_plan(proposer, config: EngineConfig, hf_config, dtype: torch.dtype, device: torch.device) -> DraftPlan | None:
+    """The draft model's share when spec_decode runs with method=draft, else None (ngram drafts need no
+    memory of their own)."""
+    if getattr(proposer, "draft_model", None) is None:
+        return None
+    from kvloom.core.engine_core import resolve_dtype
+
+    draft_dtype = dtype if proposer.draft_dtype == "auto" else resolve_dtype(proposer.draft_dtype, device)
+    max_len = capacity.resolve_max_model_len(hf_config, config.max_model_len)
+    return DraftPlan(proposer.draft_model, str(draft_dtype).removeprefix("torch."),
+                     weight_bytes(proposer.hf_config, draft_dtype, None, device.type),
+                     capacity.kv_bytes_per_token(proposer.hf_config, draft_dtype),
+                     activation_bytes(proposer.hf_config, config, draft_dtype, max_len))
 
 
 def valid_tp_sizes(hf_config, sizes) -> list[int]:
@@ -170,6 +209,7 @@ class Plan:
     dims: dict[str, Any]
     notes: list[str]
     replicas: list[ReplicaRow] = dataclasses.field(default_factory=list)
+    draft: DraftPlan | None = None
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -209,13 +249,19 @@ def make_plan(config: EngineConfig, hf_config, model_name: str, *, gpu_memory_gi
     if getattr(hf_config, "gguf_file_bytes", None):
         notes.append(f"weights as the engine holds them: the GGUF file ({_gib(hf_config.gguf_file_bytes)} on disk) "
                      f"is dequantized to {str(dtype).removeprefix('torch.')} at load")
+    proposer = spec_proposer(config, hf_config)
+    draft = draft_plan(proposer, config, hf_config, dtype, device)
+    draft_kv = draft.kv_bytes_per_token if draft is not None else 0
+    if draft is not None:
+        notes.append("spec_decode draft model: its weights are held beside the target's, and its KV cache has "
+                     "the same blocks, so each block costs both models' bytes per token")
     rows = []
     if not on_gpu:
         tp = config.tensor_parallel_size
         share, refusal = rank_weight_bytes(hf_config, dtype, method, device.type, tp)
         if refusal:
             raise ConfigError(refusal)
-        kv = capacity.kv_capacity(config, hf_config, dtype, max_len, None, tp)
+        kv = capacity.kv_capacity(config, hf_config, dtype, max_len, None, tp, draft_kv)
         rows.append(PlanRow(tp, share, None, None, kv))
         if tp > 1:
             notes.append(f"tensor parallel {tp} on the CPU (gloo): weights/KV are per rank; each rank holds its "
@@ -233,16 +279,25 @@ def make_plan(config: EngineConfig, hf_config, model_name: str, *, gpu_memory_gi
         if not tps:
             raise ConfigError(f"none of the tensor-parallel sizes {list(tp_sizes)} divides "
                               f"num_attention_heads={hf_config.num_attention_heads} and the {kv_heads} KV heads")
-        act = activation_bytes(hf_config, config, dtype, max_len)
+        k = 0
+        if proposer is not None:  # the engine refuses spec_decode with tensor parallelism
+            tps, k = [1], proposer.num_speculative_tokens
+            notes.append(f"spec_decode: tensor parallel 1 only; a verify step samples up to max_num_seqs x {k + 1} "
+                         "rows of logits")
+        act = activation_bytes(hf_config, config, dtype, max_len, config.max_num_seqs * (k + 1))
+        if draft is not None:  # the profile runs the draft's forward after the target's: the larger peak counts
+            act = max(act, draft.activation_bytes)
         for tp in tps:
             share, refusal = rank_weight_bytes(hf_config, dtype, method, device.type, tp)
             if refusal:
                 share = weights // tp
                 notes.append(f"TP={tp}: an even split of the weights; the engine refuses this size: {refusal}")
+            if draft is not None:
+                share += draft.weight_bytes
             budget = int(config.gpu_memory_utilization * gpu_memory_gib * GiB) - share - act \
                 - int(CUDA_CONTEXT_GIB * GiB)
             try:
-                kv = capacity.kv_capacity(config, hf_config, dtype, max_len, lambda: max(0, budget), tp)
+                kv = capacity.kv_capacity(config, hf_config, dtype, max_len, lambda: max(0, budget), tp, draft_kv)
             except ConfigError:
                 kv = capacity.KVCapacity(0, config.block_size, capacity.kv_bytes_per_token(
                     hf_config, capacity.kv_cache_dtype(config, dtype), tp), max_len)
@@ -268,7 +323,7 @@ def make_plan(config: EngineConfig, hf_config, model_name: str, *, gpu_memory_gi
                      + "; the router spreads requests over them, so KV tokens and concurrency add up")
     return Plan(model_name, hf_config.architectures[0], device.type, str(dtype).removeprefix("torch."),
                 quantization, max_len, config.block_size, gpu_memory_gib, config.gpu_memory_utilization,
-                params, weights, rows, dims, notes, replicas)
+                params, weights, rows, dims, notes, replicas, draft)
 
 
 def load_plan_config(config: EngineConfig, config_json: str | None):
@@ -309,6 +364,9 @@ def format_plan(plan: Plan) -> str:
         f"2 (K, V) x {d['layers']} layers x {kv_heads} KV heads x {d['head_dim']} x {size} bytes"
         + (f" ({first.kv.dtype})" if first.kv.dtype else ""),
     ]
+    if plan.draft is not None:
+        lines.append(f"Draft model (spec_decode): {plan.draft.model} ({plan.draft.dtype}): weights "
+                     f"{_gib(plan.draft.weight_bytes)}, KV bytes per token {plan.draft.kv_bytes_per_token:,}")
     if plan.device == "cpu" and first.tensor_parallel > 1:
         lines.append(f"Weights per rank ({first.tensor_parallel} ranks): {_gib(first.weight_bytes_per_gpu)} "
                      f"({first.weight_bytes_per_gpu:,} bytes)")

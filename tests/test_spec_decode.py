@@ -420,6 +420,30 @@ def test_draft_model_with_chunked_prefill_preemption_prefix_cache_and_async(llam
     assert llm.engine.kv.num_free_blocks() == 12
 
 
+def test_draft_model_prefills_long_prompts_in_chunks_of_the_step_budget(tiny_llama):
+    """Long prompts reach the draft model in chunks of max_num_batched_tokens, as the target's prefill
+    does (never one forward over a whole prompt), and the outputs stay those without speculation."""
+    rng = random.Random(3)
+    phrase = [rng.randrange(3, 384) for _ in range(30)]
+    prompts = [phrase * 10, [rng.randrange(3, 384) for _ in range(200)] + phrase, [4, 5, 6] * 3]
+    budget = dict(max_num_batched_tokens=32, dtype="float32")  # on a GPU too: bf16 ties flip between layouts
+    expected = _greedy(LLM(str(tiny_llama), **budget), prompts)
+    # The target as its own draft: a draft KV written wrongly by a chunk would show as a rejected draft.
+    llm = LLM(str(tiny_llama), plugins=["spec_decode"], **budget,
+              plugin_options=_spec(3, method="draft", draft_model=str(tiny_llama), adaptive=False))
+    runner = llm.engine.proposer.runner
+    forwards = []
+    execute = runner.execute
+    runner.execute = lambda plan: forwards.append((plan.num_tokens, sum(s.num_sample_rows for s in plan.seqs))) \
+        or execute(plan)
+    assert _greedy(llm, prompts) == expected
+    assert max(tokens for tokens, _ in forwards) <= 32
+    # 300 + 230 prompt tokens went through the draft, most of them in chunks that sample nothing.
+    assert sum(tokens for tokens, rows in forwards if rows == 0) >= 300 + 230 - 3 * 32
+    stats = llm.engine.stats()
+    assert stats.spec_decode_num_drafts > 0 and stats.spec_decode_num_accepted == stats.spec_decode_num_drafts
+
+
 def test_draft_model_shares_the_kv_budget_and_rejects_another_vocabulary(tiny_llama, tmp_path):
     plain = LLM(str(tiny_llama), kv_cache_memory_gib=0.01)
     draft = _make_draft(tmp_path / "small", "llama")

@@ -62,6 +62,8 @@ class KVCapacity:
     bytes_per_token: int
     max_model_len: int
     dtype: str = ""  # the cache's element type, for the log line
+    # A draft model's own cache (spec_decode method=draft): the same blocks, its own K and V per token.
+    draft_bytes_per_token: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -69,7 +71,7 @@ class KVCapacity:
 
     @property
     def bytes(self) -> int:
-        return self.num_tokens * self.bytes_per_token
+        return self.num_tokens * (self.bytes_per_token + self.draft_bytes_per_token)
 
     @property
     def max_concurrency(self) -> float:
@@ -81,7 +83,8 @@ class KVCapacity:
         return (
             f"KV cache: {self.num_blocks} blocks x {self.block_size} tokens = {self.num_tokens} tokens "
             f"({self.bytes / GiB:.2f} GiB, {self.bytes_per_token} bytes/token"
-            f"{', ' + self.dtype if self.dtype else ''}); "
+            f"{', ' + self.dtype if self.dtype else ''}"
+            f"{f' + the draft model {self.draft_bytes_per_token} bytes/token' if self.draft_bytes_per_token else ''}); "
             f"maximum concurrency at max_model_len {self.max_model_len}: {self.max_concurrency:.2f}x"
         )
 
@@ -110,22 +113,92 @@ def resolve_max_model_len(hf_config, wanted: int | None) -> int:
 
 
 def kv_capacity(config: EngineConfig, hf_config, dtype: torch.dtype, max_model_len: int,
-                gpu_kv_budget: Callable[[], int] | None = None, tensor_parallel: int = 1) -> KVCapacity:
+                gpu_kv_budget: Callable[[], int] | None = None, tensor_parallel: int = 1,
+                draft_bytes_per_token: int = 0) -> KVCapacity:
     """The KV cache the engine allocates: ``num_kv_blocks`` if given, else ``kv_cache_memory_gib``, else
     on a GPU ``gpu_kv_budget()`` bytes (the engine profiles, ``engine plan`` estimates), else
     DEFAULT_CPU_KV_GIB. ``dtype`` is the model's; the cache's follows ``config.kv_cache_dtype`` (fp8 halves
-    the bytes per token of bf16, so twice the tokens fit). Raises ConfigError when not even one block fits."""
+    the bytes per token of bf16, so twice the tokens fit). A draft model's cache has as many blocks as the
+    target's and comes out of the same memory: a block costs both models' bytes per token. Raises
+    ConfigError when not even one block fits."""
     cache_dtype = kv_cache_dtype(config, dtype)
     per_token = kv_bytes_per_token(hf_config, cache_dtype, tensor_parallel)
+    both = per_token + draft_bytes_per_token
     if config.num_kv_blocks is not None:
         blocks = config.num_kv_blocks
     elif config.kv_cache_memory_gib is not None:
-        blocks = blocks_for_memory(int(config.kv_cache_memory_gib * GiB), config.block_size, per_token)
+        blocks = blocks_for_memory(int(config.kv_cache_memory_gib * GiB), config.block_size, both)
     elif gpu_kv_budget is not None:
-        blocks = blocks_for_memory(gpu_kv_budget(), config.block_size, per_token)
+        blocks = blocks_for_memory(gpu_kv_budget(), config.block_size, both)
     else:
-        blocks = blocks_for_memory(int(DEFAULT_CPU_KV_GIB * GiB), config.block_size, per_token)
+        blocks = blocks_for_memory(int(DEFAULT_CPU_KV_GIB * GiB), config.block_size, both)
     if blocks < 1:
         raise ConfigError("no memory is left for the KV cache: lower max_num_batched_tokens or raise "
                           f"gpu_memory_utilization={config.gpu_memory_utilization}")
-    return KVCapacity(blocks, config.block_size, per_token, max_model_len, str(cache_dtype).removeprefix("torch."))
+    return KVCapacity(blocks, config.block_size, per_token, max_model_len, str(cache_dtype).removeprefix("torch."),
+                      draft_bytes_per_token)
+
+
+# --- the GPU memory profile's arithmetic --------------------------------------------------------------
+# Left beside the KV cache for what the profile cannot see: allocator fragmentation, the sampler's small
+# per-step tensors.
+PROFILE_RESERVE_BYTES = 64 << 20
+
+
+@dataclass(frozen=True)
+class GpuMemorySnapshot:
+    """The device's memory as this process sees it at one moment, in bytes."""
+
+    total: int
+    free: int  # held by no process
+    allocated: int  # by this process's PyTorch tensors
+    reserved: int  # by this process's PyTorch caching allocator (allocated + cached)
+
+    @property
+    def outside_torch(self) -> int:
+        """In use but not through this process's PyTorch allocator: other processes, and this process's
+        CUDA context and libraries' workspaces."""
+        return self.total - self.free - self.reserved
+
+
+def gpu_memory_snapshot(device: torch.device) -> GpuMemorySnapshot:
+    import gc
+
+    gc.collect()  # an engine dropped earlier in this process may hold its KV cache in a reference cycle
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info(device)
+    return GpuMemorySnapshot(total, free, torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device))
+
+
+@dataclass(frozen=True)
+class GpuProfile:
+    """What one engine's start-up profile measured, in bytes: its own use only. Another process's
+    memory, or another engine's in this process, is not this engine's to count."""
+
+    total: int
+    available: int  # what the KV cache can still be allocated from: free on the device, plus PyTorch's cache
+    weights: int  # allocated while the target (and draft) model loaded
+    activations: int  # the peak of the profile forwards above what was allocated before them
+    non_torch: int  # this process's growth outside PyTorch since the engine began (cuBLAS workspaces, ...)
+
+    @classmethod
+    def measure(cls, start: GpuMemorySnapshot, weights: int, activations: int,
+                end: GpuMemorySnapshot) -> "GpuProfile":
+        """From the snapshots before loading (``start``) and after the profile (``end``). The growth
+        outside PyTorch between them is taken as this engine's (a process that allocates in that window
+        would be counted too: the window is the engine's start-up)."""
+        return cls(end.total, end.free + end.reserved - end.allocated, weights, activations,
+                   max(0, end.outside_torch - start.outside_torch))
+
+    def kv_budget(self, utilization: float) -> int:
+        """``utilization * total`` less this engine's weights, activation peak and growth outside PyTorch;
+        never more than fits beside what others hold now, with the activation peak still to come."""
+        return max(0, min(self.share(utilization), self.fits()))
+
+    def share(self, utilization: float) -> int:
+        return int(utilization * self.total) - self.weights - self.activations - self.non_torch \
+            - PROFILE_RESERVE_BYTES
+
+    def fits(self) -> int:
+        return self.available - self.activations - PROFILE_RESERVE_BYTES

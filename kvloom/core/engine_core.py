@@ -4,7 +4,6 @@ values the scheduler and the runner exchange."""
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 
@@ -60,7 +59,9 @@ class EngineCore:
             keep_freed_memory()
             configure_threads(threads_per_rank(config))
         # Before any weights load, so that a bad draft model fails fast.
-        proposer = self.plugins.make_spec_proposer(self.hf_config, config)
+        self.proposer = proposer = self.plugins.make_spec_proposer(self.hf_config, config)
+        # The profile counts what this engine adds from here on, not what others hold.
+        self._gpu_start = capacity.gpu_memory_snapshot(self.device) if self.device.type == "cuda" else None
         self.tp_driver = None  # tensor parallelism: this process is rank 0 of the group
         if config.tensor_parallel_size > 1:
             from kvloom.core.worker.tp_executor import TPDriver
@@ -80,17 +81,13 @@ class EngineCore:
             logger.info(self.quantization.describe())
 
         draft_kv = getattr(proposer, "allocate_kv", None)
-        if draft_kv is not None:  # the draft model's weights count in the memory profile below
+        if draft_kv is not None:  # the draft model's weights and forward count in the memory profile below
             proposer.load(device=self.device, dtype=self.dtype, load_format=config.load_format,
-                          max_model_len=self.max_model_len, seed=config.seed)
+                          max_model_len=self.max_model_len, seed=config.seed,
+                          max_num_batched_tokens=config.max_num_batched_tokens)
         self.capacity = self._kv_capacity()
         if tp is not None:  # every rank holds every block: the group's capacity is its smallest rank's
             self.capacity = self.tp_driver.group_capacity(self.capacity, self.hf_config, self.dtype, self.quantization)
-        if draft_kv is not None and config.num_kv_blocks is None:
-            # The draft's blocks (the same ids as the target's) come out of the same budget.
-            per_token = self.capacity.bytes_per_token
-            blocks = self.capacity.num_blocks * per_token // (per_token + proposer.kv_bytes_per_token)
-            self.capacity = dataclasses.replace(self.capacity, num_blocks=max(1, blocks))
         logger.info(self.capacity.describe())
         layers, kv_heads, head_dim = self.hf_config.num_hidden_layers, self.model.num_kv_heads, self.model.head_dim
         shape = self.attention_backend.kv_cache_shape(self.capacity.num_blocks, config.block_size, kv_heads, head_dim)
@@ -109,8 +106,11 @@ class EngineCore:
             max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=self.max_model_len,
         )
         self.gate = AdmissionGate()  # no caps or quotas unless the engine process sets them
-        self.scheduler.on_first_step = lambda req, now: self.gate.observe_queue_wait(now - req.arrival_time)
-        self.scheduler.on_finish = lambda req: self.gate.release(req.request_id, req.num_tokens)
+        # Closures over the gate, not self: an engine in a reference cycle keeps its KV cache (and a GPU's
+        # memory) until the garbage collector runs, long after its LLM was dropped.
+        gate = self.gate
+        self.scheduler.on_first_step = lambda req, now: gate.observe_queue_wait(now - req.arrival_time)
+        self.scheduler.on_finish = lambda req: gate.release(req.request_id, req.num_tokens)
         if draft_kv is not None:
             draft_kv(self.capacity.num_blocks, config.block_size, config.seed)
         self.speculator = Speculator(proposer, self.max_model_len, kv=self.kv) if proposer is not None else None
@@ -149,43 +149,55 @@ class EngineCore:
 
     def _kv_capacity(self) -> capacity.KVCapacity:
         # One function for the engine and ``engine plan``; on CUDA the budget is profiled (only if needed).
-        profile = self._profile_free_gpu_memory if self.device.type == "cuda" else None
+        profile = self._profile_free_gpu_memory if self._gpu_start is not None else None  # on CUDA
+        draft = _loaded_draft(self)  # its blocks (the target's ids) come out of the same budget
         return capacity.kv_capacity(self.config, self.hf_config, self.dtype, self.max_model_len, profile,
-                                    self.config.tensor_parallel_size)
+                                    self.config.tensor_parallel_size,
+                                    draft.kv_bytes_per_token if draft is not None else 0)
 
     @torch.inference_mode()
     def _profile_free_gpu_memory(self) -> int:
-        """Bytes left for the KV cache: run the largest step once and take its peak, then
-        ``gpu_memory_utilization * total - peak - memory held outside PyTorch``."""
-        from kvloom.core.attention import AttentionMetadata
-
-        cfg = self.config
+        """Bytes for the KV cache (both models' when there is a draft model): run the largest step
+        through the target and the draft model once, and budget from PyTorch's own figures for this
+        engine (capacity.GpuProfile): ``gpu_memory_utilization * total`` less the weights loaded since
+        the start-up snapshot, the forwards' activation peak and this process's growth outside PyTorch,
+        within what is free on the device."""
+        cfg, dev = self.config, self.device
+        start = self._gpu_start
+        torch.cuda.synchronize(dev)
+        weights = torch.cuda.memory_allocated(dev) - start.allocated
         n = min(cfg.max_num_batched_tokens, self.max_model_len)
-        layers, kv_heads, head_dim = self.hf_config.num_hidden_layers, self.model.num_kv_heads, self.model.head_dim
-        blocks = -(-n // cfg.block_size)
-        shape = self.attention_backend.kv_cache_shape(blocks, cfg.block_size, kv_heads, head_dim)
-        caches = [(torch.empty(shape, dtype=self.kv_cache_dtype, device=self.device),) * 2 for _ in range(layers)]
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        dev = self.device
-        meta = AttentionMetadata(
-            slot_mapping=torch.arange(n, device=dev), block_tables=torch.arange(blocks, device=dev, dtype=torch.int32)[None],
-            seq_lens=torch.tensor([n], device=dev, dtype=torch.int32),
-            query_start_loc=torch.tensor([0, n], device=dev, dtype=torch.int32),
-            num_decodes=0, max_query_len=n, max_seq_len=n, query_lens_cpu=[n], seq_lens_cpu=[n],
-        )
-        hidden = self.model(torch.zeros(n, dtype=torch.long, device=dev), torch.arange(n, device=dev), meta, caches)
-        self.model.compute_logits(hidden[: cfg.max_num_seqs]).softmax(-1)
-        torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated()
-        del caches, hidden
-        free, total = torch.cuda.mem_get_info()
-        outside_torch = total - free - torch.cuda.memory_reserved()
-        budget = int(cfg.gpu_memory_utilization * total) - peak - outside_torch - (cfg.block_size * capacity.GiB // 4096)
-        logger.info("Memory profile: total %.1f GiB, peak %.2f GiB (weights + activations), outside PyTorch %.2f GiB",
-                    total / capacity.GiB, peak / capacity.GiB, outside_torch / capacity.GiB)
-        torch.cuda.empty_cache()
-        return max(0, budget)
+        kv_dtype = capacity.kv_cache_dtype(cfg, self.dtype, dev)
+        draft = _loaded_draft(self)
+        # A verify step samples a row per draft: up to max_num_seqs * (k + 1) rows of logits.
+        proposer = getattr(self, "proposer", None)  # a TP worker shares this profile and has none
+        rows = min(n, cfg.max_num_seqs * (1 + (proposer.num_speculative_tokens if proposer is not None else 0)))
+        runs = [_ProfileRun(self.model, self.attention_backend, self.hf_config.num_hidden_layers, kv_dtype, n,
+                            cfg.block_size, rows, dev)]
+        if draft is not None:  # its first forward after a long prompt is as large (chunked the same way)
+            runs.append(_ProfileRun(draft.model, draft.backend, draft.hf_config.num_hidden_layers, draft.dtype, n,
+                                    cfg.block_size, cfg.max_num_seqs, dev))
+        torch.cuda.synchronize(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+        before = torch.cuda.memory_allocated(dev)  # weights and the profile's own KV blocks
+        for run in runs:
+            run()
+        torch.cuda.synchronize(dev)
+        activations = max(0, torch.cuda.max_memory_allocated(dev) - before)
+        del runs
+        profile = capacity.GpuProfile.measure(start, weights, activations, capacity.gpu_memory_snapshot(dev))
+        budget = profile.kv_budget(cfg.gpu_memory_utilization)
+        mib = 1 << 20  # small models' figures round to 0.00 GiB
+        logger.info("Memory profile: total %.1f GiB; this engine: weights %.1f MiB, activation peak %.1f MiB, "
+                    "outside PyTorch %.1f MiB; KV budget %.2f GiB", profile.total / capacity.GiB,
+                    weights / mib, activations / mib, profile.non_torch / mib, budget / capacity.GiB)
+        if profile.fits() < profile.share(cfg.gpu_memory_utilization):
+            logger.warning("Only %.2f GiB of the GPU is free beside other processes and engines: the KV cache "
+                           "gets %.2f GiB instead of the %.2f GiB that gpu_memory_utilization=%g would give",
+                           profile.available / capacity.GiB, budget / capacity.GiB,
+                           max(0, profile.share(cfg.gpu_memory_utilization)) / capacity.GiB,
+                           cfg.gpu_memory_utilization)
+        return budget
 
     # --- requests ----------------------------------------------------------------------------------
     def add_request(self, msg: AddRequest) -> Request:
@@ -437,3 +449,37 @@ def _eos_ids(hf_config) -> tuple[int, ...]:
     if eos is None:
         return ()
     return tuple(eos) if isinstance(eos, (list, tuple)) else (eos,)
+
+
+def _loaded_draft(engine):
+    """The spec_decode draft-model proposer once its model is loaded, else None (an ngram proposer, no
+    speculation, or a TP worker, which runs the same profile)."""
+    proposer = getattr(engine, "proposer", None)
+    return proposer if getattr(proposer, "model", None) is not None else None
+
+
+class _ProfileRun:
+    """One forward of ``n`` prompt tokens (the largest step) over KV blocks of its own, then softmax over
+    ``rows`` rows of logits: what a model's step costs beyond its weights."""
+
+    def __init__(self, model, backend, layers: int, kv_dtype: torch.dtype, n: int, block_size: int, rows: int,
+                 device: torch.device) -> None:
+        from kvloom.core.attention import AttentionMetadata
+
+        self.model, self.n, self.rows, self.device = model, n, rows, device
+        blocks = -(-n // block_size)
+        shape = backend.kv_cache_shape(blocks, block_size, model.num_kv_heads, model.head_dim)
+        self.caches = [(torch.empty(shape, dtype=kv_dtype, device=device),) * 2 for _ in range(layers)]
+        self.meta = AttentionMetadata(
+            slot_mapping=torch.arange(n, device=device),
+            block_tables=torch.arange(blocks, device=device, dtype=torch.int32)[None],
+            seq_lens=torch.tensor([n], device=device, dtype=torch.int32),
+            query_start_loc=torch.tensor([0, n], device=device, dtype=torch.int32),
+            num_decodes=0, max_query_len=n, max_seq_len=n, query_lens_cpu=[n], seq_lens_cpu=[n],
+        )
+
+    def __call__(self) -> None:
+        n, dev = self.n, self.device
+        hidden = self.model(torch.zeros(n, dtype=torch.long, device=dev), torch.arange(n, device=dev), self.meta,
+                            self.caches)
+        self.model.compute_logits(hidden[: self.rows]).softmax(-1)

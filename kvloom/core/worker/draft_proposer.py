@@ -57,7 +57,7 @@ class DraftModelProposer:
                 f"vocab_size={theirs}: the draft model must share the target's tokenizer and vocabulary")
 
     def load(self, *, device: torch.device, dtype: torch.dtype, load_format: str, max_model_len: int,
-             seed: int) -> None:
+             seed: int, max_num_batched_tokens: int | None = None) -> None:
         from kvloom.core.attention import get_attention_backend
         from kvloom.core.engine_core import resolve_dtype
         from kvloom.core.loader import build_model
@@ -69,6 +69,8 @@ class DraftModelProposer:
                                  device=device, dtype=self.dtype, backend=self.backend, max_positions=max_model_len,
                                  seed=seed + 1)
         self.max_model_len = max_model_len
+        # The draft's forwards stay within the target's step budget (what the memory profile measured).
+        self.max_num_batched_tokens = max_num_batched_tokens or max_model_len
         self.kv_bytes_per_token = capacity.kv_bytes_per_token(self.hf_config, self.dtype)
 
     def allocate_kv(self, num_blocks: int, block_size: int, seed: int) -> None:
@@ -89,9 +91,9 @@ class DraftModelProposer:
     # --- proposing ---------------------------------------------------------------------------------
     @torch.inference_mode()
     def propose(self, requests: Sequence) -> dict[str, list[int]]:
-        """k greedy draft forwards: the first over each request's unseen known tokens (a varlen batch),
-        the others one token per request, fed from the previous forward's tokens on the device. One
-        host sync at the end."""
+        """k greedy draft forwards: the first over each request's unseen known tokens (a varlen batch;
+        after long prompts, chunks within max_num_batched_tokens go first), the others one token per
+        request, fed from the previous forward's tokens on the device. One host sync at the end."""
         if len(self._seen) > 4 * len(requests) + 256:  # finished requests' entries
             live = {r.request_id for r in requests}
             self._seen = {rid: v for rid, v in self._seen.items() if rid in live}
@@ -111,6 +113,8 @@ class DraftModelProposer:
             self._seen[r.request_id] = (n, r.num_preemptions)
         if not first:
             return {}
+        if sum(s.num_new_tokens for s in first) > self.max_num_batched_tokens:
+            first = self._prefill_in_chunks(first)
         steps = [first]
         for j in range(2, self.num_speculative_tokens + 1):
             seqs = [ScheduledSeq(s.request_id, [PLACEHOLDER], s.start_pos + s.num_new_tokens + j - 2, s.block_ids, 1,
@@ -127,3 +131,24 @@ class DraftModelProposer:
             offset += launched.sample.tokens.shape[0]
         tokens = torch.cat(parts).tolist()
         return {s.request_id: [tokens[w[s.request_id]] for w in where if s.request_id in w] for s in first}
+
+    def _prefill_in_chunks(self, first: list[ScheduledSeq]) -> list[ScheduledSeq]:
+        """Feed every unseen token but each request's last in forwards of at most max_num_batched_tokens
+        (chunked prefill, as the target's: a long prompt is never one giant forward), sampling nothing;
+        returns the first proposing forward, one token per request."""
+        budget = self.max_num_batched_tokens
+        chunk: list[ScheduledSeq] = []
+        used = 0
+        for s in first:
+            ids, pos = s.token_ids[:-1], s.start_pos
+            while ids:
+                take = min(len(ids), budget - used)
+                chunk.append(ScheduledSeq(s.request_id, ids[:take], pos, s.block_ids, 0, GREEDY))
+                ids, pos, used = ids[take:], pos + take, used + take
+                if used == budget:
+                    self.runner.execute(SchedulerOutput(0, chunk))
+                    chunk, used = [], 0
+        if chunk:
+            self.runner.execute(SchedulerOutput(0, chunk))
+        return [ScheduledSeq(s.request_id, s.token_ids[-1:], s.start_pos + s.num_new_tokens - 1, s.block_ids, 1,
+                             GREEDY) for s in first]

@@ -50,6 +50,8 @@ class TPWorker:
         self.dtype = resolve_dtype(config.dtype, device, self.hf_config)
         self.max_model_len = capacity.resolve_max_model_len(self.hf_config, config.max_model_len)
         self.attention_backend = get_attention_backend(device)
+        # What the shared memory profile (EngineCore._profile_free_gpu_memory) counts from.
+        self._gpu_start = capacity.gpu_memory_snapshot(device) if device.type == "cuda" else None
         self.model = build_model(
             resolve_model(config.model), self.hf_config, load_format=config.load_format, device=device,
             dtype=self.dtype, backend=self.attention_backend, max_positions=self.max_model_len, seed=config.seed,
