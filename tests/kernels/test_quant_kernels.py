@@ -148,3 +148,52 @@ def test_fp8_per_token_activation_quantization_in_one_kernel(tk, rows, k):
         assert torch.equal(xq[:rows].view(torch.uint8), want.view(torch.uint8))
     assert torch.equal(xq[rows:].cpu().float(), torch.zeros(padded - rows, k))
     assert torch.equal(scale[rows:].cpu(), torch.ones(padded - rows, 1))
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("split", [1, 3])
+def test_int_gemv_without_tensor_cores_matches_the_reference(tk, bits, rows, split):
+    """The decode-row kernel applies each group's zero point and scale to sums over the group
+    (``s * (sum x q - z * sum x)``): the same product as dequantizing first, to float32 rounding."""
+    k, n, group = 256, 96, 32
+    qweight, zeros, scales = random_packed(k, n, bits, group, seed=2)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(3))
+    bias = torch.randn(n)
+    want = qr.int_matmul(x, qweight, zeros, scales, group, bits, bias)
+    args = [t.to(tk.device) for t in (x, qweight, zeros, scales)]
+    cfg = dict(BLOCK_N=32, BLOCK_W=4, SPLIT_K=split, num_warps=4)  # N of 96: three column tiles
+    got = tk.quant.int_gemv(*args, group, bits, bias.to(tk.device), config=cfg)
+    torch.testing.assert_close(got.cpu(), want, atol=1e-4 * 2 ** bits, rtol=1e-4)
+
+
+@pytest.mark.parametrize("rows", [1, 4])
+def test_fp8_gemv_without_tensor_cores_matches_the_dequantized_product(tk, rows):
+    gen = torch.Generator().manual_seed(4)
+    n, k = 80, 300  # neither a multiple of the tiles: the masks are exercised
+    w = torch.randn(n, k, generator=gen) * 0.05
+    scale = qr.fp8_scale_per_row(w)
+    wq = qr.fp8_quantize(w, scale)
+    x = torch.randn(rows, k, generator=gen)
+    bias = torch.randn(n, generator=gen)
+    want = x @ (wq.float() * scale).t() + bias
+    dev = tk.device
+    for cfg in (dict(BLOCK_N=16, BLOCK_K=64, SPLIT_K=1, num_warps=4), dict(BLOCK_N=32, BLOCK_K=128, SPLIT_K=2, num_warps=4)):
+        got = tk.quant.fp8_gemv(x.to(dev), wq.to(dev), scale.to(dev), bias.to(dev), config=cfg)
+        torch.testing.assert_close(got.cpu(), want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_dequantize_then_dense_matmul_is_the_reference_product(tk, bits):
+    """The big-batch path: the packed weight dequantized into a scratch buffer exactly as the reference
+    does, then a dense matmul; a second, smaller layer reuses the buffer."""
+    x = torch.randn(20, 256, generator=torch.Generator().manual_seed(5))
+    for k, n, group in ((256, 96, 32), (128, 64, 64)):
+        qweight, zeros, scales = random_packed(k, n, bits, group, seed=k)
+        dense = qr.int_matmul(torch.eye(k), qweight, zeros, scales, group, bits)  # the dequantized [K, N]
+        buf = torch.empty(k * n, device=tk.device)
+        args = [t.to(tk.device) for t in (qweight, zeros, scales)]
+        torch.testing.assert_close(tk.quant.int_dequantize(*args, group, bits, buf).cpu(), dense, atol=0, rtol=0)
+        want = qr.int_matmul(x[:, :k], qweight, zeros, scales, group, bits)
+        got = tk.quant.int_matmul_dequantized(x[:, :k].to(tk.device), *args, group, bits)
+        torch.testing.assert_close(got.cpu(), want, atol=1e-4, rtol=1e-4)
