@@ -25,6 +25,7 @@ def _int_matmul_kernel(
     stride_xm, stride_om,
     BITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr, DOT_PRECISION: tl.constexpr, GROUP_ALIGNED: tl.constexpr,
+    UNPACK_ROWS: tl.constexpr = False,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -48,10 +49,18 @@ def _int_matmul_kernel(
         x = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         # Each int32 word once ([WORDS, BLOCK_N]), unpacked to its PER rows of K by shifts: the word at
         # row w holds inputs w * PER .. w * PER + PER - 1 (K-packed layout).
-        w_rows = t * WORDS + rw
-        words = tl.load(qw_ptr + w_rows[:, None].to(tl.int64) * N + rn[None, :],
-                        mask=(w_rows < K // PER)[:, None] & n_ok[None, :], other=0)
-        q = tl.reshape((words[:, None, :] >> shifts[None, :, None]) & MASK, (BLOCK_K, BLOCK_N))
+        if UNPACK_ROWS:
+            # Each of the tile's K rows loads its own word (PER rows share one, served from L1) and
+            # shifts it by its position: the [BLOCK_K, BLOCK_N] tile comes out in the plain blocked
+            # layout, without the reshape of the packed words that costs a shuffle through shared memory.
+            words = tl.load(qw_ptr + (k // PER)[:, None].to(tl.int64) * N + rn[None, :],
+                            mask=k_ok[:, None] & n_ok[None, :], other=0)
+            q = (words >> ((k % PER) * BITS)[:, None]) & MASK
+        else:
+            w_rows = t * WORDS + rw
+            words = tl.load(qw_ptr + w_rows[:, None].to(tl.int64) * N + rn[None, :],
+                            mask=(w_rows < K // PER)[:, None] & n_ok[None, :], other=0)
+            q = tl.reshape((words[:, None, :] >> shifts[None, :, None]) & MASK, (BLOCK_K, BLOCK_N))
         if GROUP_ALIGNED:
             # A K tile lies inside one group (the host picks BLOCK_K dividing group_size): its zero point
             # and scale are one row of [G, N], loaded once per tile rather than per element.
@@ -104,16 +113,22 @@ def _fit_block_k(block_k: int, group_size: int) -> tuple[int, bool]:
 SMALL_M = 16
 
 
-def _cfg(bm, bn, bk, split, warps, stages):
-    return triton.Config(dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split), num_warps=warps, num_stages=stages)
+def _cfg(bm, bn, bk, split, warps, stages, unpack_rows=False):
+    tiles = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split)
+    if unpack_rows:  # the int kernel's other way to unpack (the FP8 kernel has no such argument)
+        tiles["UNPACK_ROWS"] = True
+    return triton.Config(tiles, num_warps=warps, num_stages=stages)
 
 
 _INT_SMALL = [_cfg(16, bn, bk, sp, w, st) for bn, bk, sp, w, st in (
     (32, 128, 4, 4, 4), (64, 128, 4, 4, 4), (64, 128, 8, 4, 3), (128, 128, 4, 4, 3), (64, 256, 4, 4, 3),
-    (128, 64, 8, 4, 4), (32, 256, 8, 4, 3), (64, 64, 16, 4, 4), (128, 128, 1, 4, 4))]
+    (128, 64, 8, 4, 4), (32, 256, 8, 4, 3), (64, 64, 16, 4, 4), (128, 128, 1, 4, 4))] + [
+    _cfg(16, bn, bk, sp, w, st, True) for bn, bk, sp, w, st in ((64, 128, 4, 4, 4), (128, 64, 8, 4, 4))]
 _INT_LARGE = [_cfg(bm, bn, bk, 1, w, st) for bm, bn, bk, w, st in (
     (32, 128, 64, 4, 4), (64, 128, 64, 4, 4), (128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (64, 256, 64, 8, 3),
-    (128, 128, 128, 8, 3), (64, 64, 128, 4, 4))]
+    (128, 128, 128, 8, 3), (64, 64, 128, 4, 4))] + [
+    _cfg(bm, bn, bk, 1, w, st, True) for bm, bn, bk, w, st in ((128, 128, 64, 8, 3), (64, 128, 64, 4, 4),
+                                                               (128, 256, 64, 8, 3))]
 _FP8_SMALL = [_cfg(16, bn, bk, sp, w, st) for bn, bk, sp, w, st in (
     (64, 256, 1, 4, 4), (64, 256, 4, 4, 4), (32, 256, 4, 4, 4), (128, 128, 4, 4, 4), (64, 512, 2, 4, 3),
     (128, 256, 2, 8, 3), (32, 512, 2, 4, 3), (16, 256, 1, 4, 4), (64, 128, 8, 4, 4))]

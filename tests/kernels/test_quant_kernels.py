@@ -33,9 +33,10 @@ def test_int_matmul_kernel_matches_the_reference(tk, bits, rows, group):
     args = [t.to(dev) for t in (x, qweight, zeros, scales)]
     got = tk.quant.int_matmul(*args, group, bits, bias.to(dev))
     torch.testing.assert_close(got.cpu(), want, atol=1e-4, rtol=1e-4)
-    # split-K (the decode tiles) and single-pass tiles give the same product
+    # split-K (the decode tiles) and single-pass tiles give the same product, with either way of unpacking
     for cfg in (dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, SPLIT_K=4, num_warps=4),
-                dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=64, SPLIT_K=1, num_warps=4)):
+                dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=64, SPLIT_K=1, num_warps=4),
+                dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, SPLIT_K=2, num_warps=4, UNPACK_ROWS=True)):
         got = tk.quant.int_matmul(*args, group, bits, bias.to(dev), config=cfg)
         torch.testing.assert_close(got.cpu(), want, atol=1e-4, rtol=1e-4)
 
