@@ -198,3 +198,33 @@ def test_dequantize_then_dense_matmul_is_the_reference_product(tk, bits):
         want = qr.int_matmul(x[:, :k], qweight, zeros, scales, group, bits)
         got = tk.quant.int_matmul_dequantized(x[:, :k].to(tk.device), *args, group, bits)
         torch.testing.assert_close(got.cpu(), want, atol=1e-4, rtol=1e-4)
+
+
+@requires_cuda
+@pytest.mark.parametrize("rows", [1, 16, 300])
+def test_every_int4_path_on_the_gpu_at_llama_shapes(rows):
+    """What ``int_matmul`` dispatches to by row count (GEMV, tensor-core kernel, dequantize + cuBLAS), each
+    autotuned at a real shape, against the float32 reference."""
+    from kvloom.kernels import triton_quant
+
+    qweight, zeros, scales = random_packed(4096, 6144, 4, 128, seed=7)
+    x = torch.randn(rows, 4096).to(torch.bfloat16)
+    want = qr.int_matmul(x.float(), qweight, zeros, scales, 128, 4)
+    args = [t.cuda() for t in (x, qweight, zeros, scales)]
+    paths = [triton_quant.int_matmul, triton_quant.int_matmul_dequantized] + [triton_quant.int_gemv] * (rows <= 16)
+    for path in paths:
+        torch.testing.assert_close(path(*args, 128, 4).float().cpu(), want, atol=0.05, rtol=0.02)
+
+
+@requires_cuda
+@pytest.mark.parametrize("rows", [1, 8])
+def test_fp8_gemv_on_the_gpu_at_llama_shapes(rows):
+    from kvloom.kernels import triton_quant
+
+    w = torch.randn(6144, 4096) * 0.02
+    scale = qr.fp8_scale_per_row(w)
+    wq = qr.fp8_quantize(w, scale)
+    x = torch.randn(rows, 4096).to(torch.bfloat16)
+    want = x.float() @ (wq.float() * scale).t()
+    got = triton_quant.fp8_gemv(x.cuda(), wq.cuda(), scale.cuda())
+    torch.testing.assert_close(got.float().cpu(), want, atol=0.02, rtol=0.02)
