@@ -81,7 +81,7 @@ def int_matmul(x, qweight, zeros, scales, group_size, bits, bias=None):
     if use_triton(x):
         from kvloom.kernels import triton_quant
 
-        return triton_quant.int_matmul(x, qweight, zeros, scales, group_size, bits, bias)
+        return triton_quant.int_linear(x, qweight, zeros, scales, group_size, bits, bias)
     from kvloom.kernels import quant_reference
 
     return quant_reference.int_matmul(x, qweight, zeros, scales, group_size, bits, bias)

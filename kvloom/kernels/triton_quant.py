@@ -220,6 +220,8 @@ def int_matmul(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor, scal
 # registers): a decode step is bound by reading the weight, which is half of bf16's bytes, while the
 # W8A8 path pays an activation quantization pass and cuBLASLt's padded 16-row tile.
 FP8_GEMV_MAX_ROWS = 16
+# Up to this many rows, ``fp8_gemv`` (no tensor cores) instead.
+FP8_FMA_GEMV_MAX_ROWS = 1
 
 
 @triton.jit
@@ -557,3 +559,24 @@ def int_matmul_dequantized(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.
     w = int_dequantize(qweight, zeros, scales, group_size, bits, buf)
     out = torch.matmul(x, w)
     return out if bias is None else out + bias
+
+
+# --------------------------------------------------------------------------------------------------
+# Which path a quantized layer takes, by row count (measured at Llama-3-8B's shapes on an H200:
+# benchmarks/quant_kernels_gpu.py, docs/benchmarks.md)
+# --------------------------------------------------------------------------------------------------
+INT_GEMV_MAX_ROWS = 1
+INT_DEQUANTIZE_MIN_ROWS = 1024
+
+
+def int_linear(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor,
+               group_size: int, bits: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """A packed-int layer on CUDA: the GEMV for decode rows, the tensor-core kernel in between, and the
+    dequantized weight through cuBLAS where the batch makes the step compute-bound."""
+    rows = x.numel() // x.shape[-1]
+    per = 32 // bits
+    if rows <= INT_GEMV_MAX_ROWS and group_size % per == 0:
+        return int_gemv(x, qweight, zeros, scales, group_size, bits, bias)
+    if rows >= INT_DEQUANTIZE_MIN_ROWS:
+        return int_matmul_dequantized(x, qweight, zeros, scales, group_size, bits, bias)
+    return int_matmul(x, qweight, zeros, scales, group_size, bits, bias)

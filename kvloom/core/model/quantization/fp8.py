@@ -194,7 +194,10 @@ class FP8LinearMethod:
     def apply(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
         from kvloom.kernels import triton_quant
 
-        if x.numel() <= triton_quant.FP8_GEMV_MAX_ROWS * x.shape[-1]:  # decode-sized: weight-only GEMV
+        rows = x.numel() // x.shape[-1]
+        if rows <= triton_quant.FP8_FMA_GEMV_MAX_ROWS:  # a decode row: the GEMV without tensor cores
+            return triton_quant.fp8_gemv(x, layer.weight, layer.weight_scale, layer.bias)
+        if rows <= triton_quant.FP8_GEMV_MAX_ROWS:  # decode-sized: weight-only GEMV
             return triton_quant.fp8_weight_only_linear(x, layer.weight, layer.weight_scale, layer.bias)
         return fp8_w8a8_linear(x, layer.weight, layer.weight_scale, getattr(layer, "input_scale", None), layer.bias)
 
