@@ -220,8 +220,6 @@ def int_matmul(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor, scal
 # registers): a decode step is bound by reading the weight, which is half of bf16's bytes, while the
 # W8A8 path pays an activation quantization pass and cuBLASLt's padded 16-row tile.
 FP8_GEMV_MAX_ROWS = 16
-# Up to this many rows, ``fp8_gemv`` (no tensor cores) instead.
-FP8_FMA_GEMV_MAX_ROWS = 1
 
 
 @triton.jit
@@ -562,21 +560,57 @@ def int_matmul_dequantized(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.
 
 
 # --------------------------------------------------------------------------------------------------
-# Which path a quantized layer takes, by row count (measured at Llama-3-8B's shapes on an H200:
-# benchmarks/quant_kernels_gpu.py, docs/benchmarks.md)
+# Which path a quantized layer takes, by row count. The crossovers depend on the GPU and the shape, so
+# for decode-sized batches (the sizes the model runner warms up before capturing its CUDA graphs) each
+# candidate is timed once per (row bucket, N, K) and the fastest kept, as Triton's autotuner does for
+# tiles; bigger batches take the dequantize-then-cuBLAS path, whose GEMM is compute-bound there.
 # --------------------------------------------------------------------------------------------------
-INT_GEMV_MAX_ROWS = 1
-INT_DEQUANTIZE_MIN_ROWS = 1024
+CHOOSE_MAX_ROWS = 512
+INT_DEQUANTIZE_MIN_ROWS = 64  # below this the dequantization pass costs more than a whole GEMV
+_CHOSEN: dict[tuple, str] = {}
+
+
+def _choose(key: tuple, candidates: dict, default: str) -> str:
+    """The fastest of ``candidates`` (name -> zero-argument call) for ``key``, timed on first use with
+    CUDA events; ``default`` while a CUDA graph is being captured (nothing may be timed then)."""
+    name = _CHOSEN.get(key)
+    if name is not None:
+        return name
+    if torch.cuda.is_current_stream_capturing():
+        return default
+    times = {}
+    for cand, fn in candidates.items():
+        for _ in range(2):  # compilation and the tile autotuning happen here
+            fn()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(10):
+            fn()
+        end.record()
+        end.synchronize()
+        times[cand] = start.elapsed_time(end)
+    _CHOSEN[key] = name = min(times, key=times.get)
+    return name
 
 
 def int_linear(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor,
                group_size: int, bits: int, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """A packed-int layer on CUDA: the GEMV for decode rows, the tensor-core kernel in between, and the
-    dequantized weight through cuBLAS where the batch makes the step compute-bound."""
+    """A packed-int layer on CUDA: the fastest of the GEMV, the tensor-core kernel and dequantize + cuBLAS
+    for decode-sized batches (timed once per shape), dequantize + cuBLAS beyond."""
     rows = x.numel() // x.shape[-1]
-    per = 32 // bits
-    if rows <= INT_GEMV_MAX_ROWS and group_size % per == 0:
-        return int_gemv(x, qweight, zeros, scales, group_size, bits, bias)
-    if rows >= INT_DEQUANTIZE_MIN_ROWS:
+    if rows > CHOOSE_MAX_ROWS:
         return int_matmul_dequantized(x, qweight, zeros, scales, group_size, bits, bias)
-    return int_matmul(x, qweight, zeros, scales, group_size, bits, bias)
+    paths = {"tensor_core": lambda: int_matmul(x, qweight, zeros, scales, group_size, bits, bias)}
+    if rows <= SMALL_M and group_size % (32 // bits) == 0:
+        paths["gemv"] = lambda: int_gemv(x, qweight, zeros, scales, group_size, bits, bias)
+    if rows >= INT_DEQUANTIZE_MIN_ROWS:
+        paths["dequantize"] = lambda: int_matmul_dequantized(x, qweight, zeros, scales, group_size, bits, bias)
+    key = ("int", _row_bucket(rows), qweight.shape[1], x.shape[-1], bits, group_size, x.dtype)
+    return paths[_choose(key, paths, "tensor_core")]()
+
+
+def fp8_linear_path(rows: int, n: int, k: int, dtype: torch.dtype, candidates: dict) -> str:
+    """Which of an FP8 layer's ``candidates`` (``gemv``, ``gemv_dot``, ``w8a8``) runs ``rows`` rows."""
+    if rows > CHOOSE_MAX_ROWS or len(candidates) == 1:
+        return "w8a8"
+    return _choose(("fp8", _row_bucket(rows), n, k, dtype), candidates, "w8a8")

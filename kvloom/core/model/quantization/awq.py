@@ -10,7 +10,7 @@ from kvloom.core.config import ConfigError
 from kvloom.core.model.linear import LinearBase, set_dense_weight
 from kvloom.core.model.quantization import (QuantizationMethod, check_choice, dense_bytes, dequantized_kernel,
                                             param_bytes)
-from kvloom.core.model.quantization.packed_int import keep_packed, set_packed_weight
+from kvloom.core.model.quantization.packed_int import INT_KERNELS, keep_packed, set_packed_weight
 from kvloom.kernels.quant_reference import dequantize_awq, repack_awq
 
 AWQ_GROUP_SIZES = (32, 64, 128)
@@ -76,7 +76,7 @@ class AWQLinearMethod:
             return
         qweight, zeros = repack_awq(layer.qweight.data, layer.qzeros.data)
         set_packed_weight(layer, qweight, zeros, layer.scales.data, m.group_size, 4)
-        m.kernel = "W4A16 GEMM dequantizing in the kernel (Triton on CUDA), weights repacked along the inputs"
+        m.kernel = INT_KERNELS.format(bits=4) + ", weights repacked along the inputs"
 
     def apply(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
         raise RuntimeError(f"{layer.prefix}: AWQ weights are used before process_weights_after_loading")

@@ -4,8 +4,9 @@ compressed-tensors FP8 checkpoints (channel or tensor weights, dynamic per-token
 and online quantization of a dense checkpoint (per-channel weight scales, dynamic per-token activations).
 
 Where the GPU has FP8 matmuls (Ada, Hopper and later) the layer runs W8A8 through ``torch._scaled_mm``
-with row-wise scales, and decode-sized batches (up to 16 rows) weight-only through a Triton FP8 GEMV
-(bf16 activations: reading the FP8 weight is the whole cost there); elsewhere (the CPU, older GPUs) and for block-wise scales, weight-only: the FP8
+with row-wise scales, and decode-sized batches (up to 16 rows) through whichever is fastest at the shape
+of W8A8 and two weight-only Triton FP8 GEMVs (bf16 activations: reading the FP8 weight is the whole cost
+there; ``triton_quant.fp8_linear_path`` times them once per shape); elsewhere (the CPU, older GPUs) and for block-wise scales, weight-only: the FP8
 weight is dequantized at load, so its rounding is kept and the matmul is dense.
 """
 
@@ -189,17 +190,18 @@ class FP8LinearMethod:
             layer.add_param("input_scale", input_scale)
         self.w8a8 = True
         m.kernel = ("W8A8 torch._scaled_mm, row-wise scales; up to "
-                    f"{_gemv_rows()} rows weight-only FP8 GEMV (Triton)")
+                    f"{_gemv_rows()} rows the fastest of that and two weight-only FP8 GEMVs (Triton)")
 
     def apply(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
         from kvloom.kernels import triton_quant
 
+        w, ws, bias = layer.weight, layer.weight_scale, layer.bias
+        paths = {"w8a8": lambda: fp8_w8a8_linear(x, w, ws, getattr(layer, "input_scale", None), bias)}
         rows = x.numel() // x.shape[-1]
-        if rows <= triton_quant.FP8_FMA_GEMV_MAX_ROWS:  # a decode row: the GEMV without tensor cores
-            return triton_quant.fp8_gemv(x, layer.weight, layer.weight_scale, layer.bias)
-        if rows <= triton_quant.FP8_GEMV_MAX_ROWS:  # decode-sized: weight-only GEMV
-            return triton_quant.fp8_weight_only_linear(x, layer.weight, layer.weight_scale, layer.bias)
-        return fp8_w8a8_linear(x, layer.weight, layer.weight_scale, getattr(layer, "input_scale", None), layer.bias)
+        if rows <= triton_quant.FP8_GEMV_MAX_ROWS:  # decode-sized: weight-only GEMVs read half of bf16's bytes
+            paths["gemv"] = lambda: triton_quant.fp8_gemv(x, w, ws, bias)
+            paths["gemv_dot"] = lambda: triton_quant.fp8_weight_only_linear(x, w, ws, bias)
+        return paths[triton_quant.fp8_linear_path(rows, w.shape[0], w.shape[1], x.dtype, paths)]()
 
     def held_bytes(self, layer: LinearBase, device_type: str) -> int:
         if device_type == "cpu" or self.method.block:  # weight-only: dequantized at load

@@ -10,6 +10,11 @@ import torch
 from kvloom.core.model.linear import LinearBase
 
 
+# The start-up log's kernel: what ``kvloom.kernels.triton_quant.int_linear`` picks from by row count.
+INT_KERNELS = ("W{bits}A16 on CUDA: up to 512 rows the fastest at the shape (timed once) of a Triton GEMV, a "
+               "Triton tensor-core GEMM dequantizing in the kernel, and dequantize + cuBLAS; dequantize + cuBLAS beyond")
+
+
 def keep_packed(device: torch.device, forced: bool | None) -> bool:
     """Run packed (the in-kernel dequantizing GEMM) or dequantize at load: packed on CUDA."""
     return forced if forced is not None else device.type == "cuda"
