@@ -11,11 +11,15 @@ Also the FP8 weight-only GEMV that FP8 layers use for decode-sized batches (``fp
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import triton
 import triton.language as tl
 
 from kvloom.kernels.triton_attention import _dot_precision, _round_to_e4m3
+
+logger = logging.getLogger("kvloom")
 
 
 @triton.jit
@@ -580,8 +584,15 @@ def _choose(key: tuple, candidates: dict, default: str) -> str:
         return default
     times = {}
     for cand, fn in candidates.items():
-        for _ in range(2):  # compilation and the tile autotuning happen here
-            fn()
+        try:
+            for _ in range(2):  # compilation and the tile autotuning happen here
+                fn()
+        except Exception as e:  # noqa: BLE001 - a candidate this GPU or Triton cannot run is left out
+            if cand == default:
+                raise
+            logger.warning("%s path %r failed at rows<=%d, N=%d, K=%d and is not used: %s: %s",
+                           key[0], cand, key[1], key[2], key[3], type(e).__name__, str(e)[:200])
+            continue
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         for _ in range(10):
@@ -590,6 +601,8 @@ def _choose(key: tuple, candidates: dict, default: str) -> str:
         end.synchronize()
         times[cand] = start.elapsed_time(end)
     _CHOSEN[key] = name = min(times, key=times.get)
+    logger.debug("%s layer, rows<=%d, N=%d, K=%d: %s (%s)", key[0], key[1], key[2], key[3], name,
+                 ", ".join(f"{c} {t * 100:.1f} us" for c, t in times.items()))
     return name
 
 
