@@ -557,6 +557,9 @@ def int_matmul_dequantized(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.
     key = (x.device, x.dtype)
     buf = _SCRATCH.get(key)
     if buf is None or buf.numel() < numel:
+        if x.is_cuda and torch.cuda.is_current_stream_capturing():
+            # a buffer made now would live in the graph's private pool, which replays reuse: stay in registers
+            return int_matmul(x, qweight, zeros, scales, group_size, bits, bias)
         buf = _SCRATCH[key] = torch.empty(numel, device=x.device, dtype=x.dtype)
     w = int_dequantize(qweight, zeros, scales, group_size, bits, buf)
     out = torch.matmul(x, w)
