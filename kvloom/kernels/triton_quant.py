@@ -610,15 +610,18 @@ def _choose(key: tuple, candidates: dict, default: str) -> str:
 
 
 def int_linear(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor,
-               group_size: int, bits: int, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """A packed-int layer on CUDA: the fastest of the GEMV, the tensor-core kernel and dequantize + cuBLAS
-    for decode-sized batches (timed once per shape), dequantize + cuBLAS beyond."""
+               group_size: int, bits: int, bias: torch.Tensor | None = None, tinygemm=None) -> torch.Tensor:
+    """A packed-int layer on CUDA: the fastest of the GEMV, the tensor-core kernel, dequantize + cuBLAS and
+    (``tinygemm``: its layout from ``tinygemm_pack``, bf16 only) PyTorch's int4 GEMM for decode-sized
+    batches (timed once per shape), dequantize + cuBLAS beyond."""
     rows = x.numel() // x.shape[-1]
     if rows > CHOOSE_MAX_ROWS:
         return int_matmul_dequantized(x, qweight, zeros, scales, group_size, bits, bias)
     paths = {"tensor_core": lambda: int_matmul(x, qweight, zeros, scales, group_size, bits, bias)}
-    if rows <= SMALL_M and group_size % (32 // bits) == 0:
+    if rows <= 4 and group_size % (32 // bits) == 0:  # the GEMV re-reads the weight per row
         paths["gemv"] = lambda: int_gemv(x, qweight, zeros, scales, group_size, bits, bias)
+    if tinygemm is not None and rows <= SMALL_M and x.dtype == torch.bfloat16:
+        paths["tinygemm"] = lambda: tinygemm_linear(x, *tinygemm, group_size, bias)
     if rows >= INT_DEQUANTIZE_MIN_ROWS:
         paths["dequantize"] = lambda: int_matmul_dequantized(x, qweight, zeros, scales, group_size, bits, bias)
     key = ("int", _row_bucket(rows), qweight.shape[1], x.shape[-1], bits, group_size, x.dtype)
@@ -630,3 +633,39 @@ def fp8_linear_path(rows: int, n: int, k: int, dtype: torch.dtype, candidates: d
     if rows > CHOOSE_MAX_ROWS or len(candidates) == 1:
         return "w8a8"
     return _choose(("fp8", _row_bucket(rows), n, k, dtype), candidates, "w8a8")
+
+
+# --------------------------------------------------------------------------------------------------
+# PyTorch's int4 decode GEMM (tinygemm, ``torch._weight_int4pack_mm``): the fastest of all at one row on
+# an H200 (1.6-1.8x bf16's time at Llama-3-8B's shapes), and collapsing beyond a few rows, so it is one
+# more candidate for decode rows, kept as a second layout made at load beside the K-packed one.
+# --------------------------------------------------------------------------------------------------
+TINYGEMM_GROUPS = (32, 64, 128, 256)
+
+
+def tinygemm_pack(qweight: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, group_size: int):
+    """``(packed, scales_and_zeros)`` in tinygemm's layout from the K-packed 4-bit weight: its dequantization
+    is ``(q - 8) * s + zf``, so ``zf = (8 - z) * s``; scales and zeros in bf16, as the kernel wants. None
+    where the kernel does not take the shape (or this torch lacks it)."""
+    from kvloom.kernels.quant_reference import unpack_int32
+
+    k, n = qweight.shape[0] * 8, qweight.shape[1]
+    if group_size not in TINYGEMM_GROUPS or k % 1024 or n % 8 or not qweight.is_cuda:
+        return None
+    try:
+        w = unpack_int32(qweight, 4, 0).t().contiguous()  # [N, K], 0..15
+        packed = torch._convert_weight_to_int4pack((w[:, ::2] << 4 | w[:, 1::2]).to(torch.uint8), 8)
+        s = scales.float()
+        sz = torch.stack([s, (8 - zeros.float()) * s], -1).to(torch.bfloat16).contiguous()  # [G, N, 2]
+    except (RuntimeError, AttributeError, NotImplementedError):
+        return None
+    return packed, sz
+
+
+def tinygemm_linear(x: torch.Tensor, packed: torch.Tensor, sz: torch.Tensor, group_size: int,
+                    bias: torch.Tensor | None = None) -> torch.Tensor:
+    shape = x.shape
+    out = torch._weight_int4pack_mm(x.reshape(-1, shape[-1]).contiguous(), packed, group_size, sz)
+    if bias is not None:
+        out = out + bias
+    return out.reshape(*shape[:-1], out.shape[-1])

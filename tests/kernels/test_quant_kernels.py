@@ -214,6 +214,14 @@ def test_every_int4_path_on_the_gpu_at_llama_shapes(rows):
     paths = [triton_quant.int_matmul, triton_quant.int_matmul_dequantized] + [triton_quant.int_gemv] * (rows <= 16)
     for path in paths:
         torch.testing.assert_close(path(*args, 128, 4).float().cpu(), want, atol=0.05, rtol=0.02)
+    # PyTorch's int4 GEMM on the second layout (bf16 scales and zeros: a coarser tolerance)
+    tiny = triton_quant.tinygemm_pack(*args[1:], 128)
+    assert tiny is not None
+    got = triton_quant.tinygemm_linear(args[0], *tiny, 128).float().cpu()
+    assert (got - want).abs().max() <= 0.02 * want.abs().max()
+    # and the dispatcher, whichever path it picks for this shape
+    got = triton_quant.int_linear(*args, 128, 4, tinygemm=tiny).float().cpu()
+    assert (got - want).abs().max() <= 0.02 * want.abs().max()
 
 
 @requires_cuda
