@@ -68,11 +68,6 @@ def run_format(args, model: str, fmt: str, vocab: int) -> dict:
     out = llm.generate([prompts[0]], one, use_tqdm=False)[0]
     decode = (args.decode_tokens - 1) / (out.metrics.latency - out.metrics.ttft)
     result["batch1"] = {"decode_tokens": args.decode_tokens, "decode_tok_s": decode, "ttft_ms": out.metrics.ttft * 1e3}
-    if torch.cuda.is_available() and args.device != "cpu" and quantization:
-        from kvloom.kernels import triton_quant
-
-        kind = "fp8" if fmt == "fp8" else "int"  # the path each decode-sized layer shape settled on
-        result["paths"] = {f"rows<={k[1]} n={k[2]} k={k[3]}": v for k, v in triton_quant._CHOSEN.items() if k[0] == kind}
     if args.memory_bandwidth_gbs:
         floor = args.memory_bandwidth_gbs * 1e9 / (result["weight_gb"] * 1e9)
         result["batch1"].update(weight_read_floor_tok_s=floor, fraction_of_floor=decode / floor)
@@ -188,7 +183,7 @@ def main(argv: list[str] | None = None) -> dict:
         print(json.dumps({"run": fmt, "offline_output_tok_s": round(runs[fmt]["offline"]["output_tok_s"], 1),
                           "batch1_decode_tok_s": round(runs[fmt]["batch1"]["decode_tok_s"], 1),
                           "fraction_of_floor": round(runs[fmt]["batch1"].get("fraction_of_floor", 0), 3),
-                          "kv_cache": runs[fmt]["kv_cache"], "paths": runs[fmt].get("paths")}), flush=True)
+                          "kv_cache": runs[fmt]["kv_cache"]}), flush=True)
     base = runs[formats[0]]
     ratios = {fmt: {"offline_output_tok_s": r["offline"]["output_tok_s"] / base["offline"]["output_tok_s"],
                     "batch1_decode_tok_s": r["batch1"]["decode_tok_s"] / base["batch1"]["decode_tok_s"],

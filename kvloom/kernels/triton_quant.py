@@ -11,15 +11,11 @@ Also the FP8 weight-only GEMV that FP8 layers use for decode-sized batches (``fp
 
 from __future__ import annotations
 
-import logging
-
 import torch
 import triton
 import triton.language as tl
 
 from kvloom.kernels.triton_attention import _dot_precision, _round_to_e4m3
-
-logger = logging.getLogger("kvloom")
 
 
 @triton.jit
@@ -567,72 +563,37 @@ def int_matmul_dequantized(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.
 
 
 # --------------------------------------------------------------------------------------------------
-# Which path a quantized layer takes, by row count. The crossovers depend on the GPU and the shape, so
-# for decode-sized batches (the sizes the model runner warms up before capturing its CUDA graphs) each
-# candidate is timed once per (row bucket, N, K) and the fastest kept, as Triton's autotuner does for
-# tiles; bigger batches take the dequantize-then-cuBLAS path, whose GEMM is compute-bound there.
+# Which path a quantized layer takes, by row count and shape: a fixed rule read off the CUDA-graph timings
+# of benchmarks/quant_kernels_gpu.py at Llama-3-8B's shapes on an H200 (docs/benchmarks.md; weights
+# rotated past L2). Timing the candidates at start-up instead was tried and chose wrongly: eager calls
+# of a few microseconds measure their Python launch, not the kernel that a CUDA graph replays.
 # --------------------------------------------------------------------------------------------------
-CHOOSE_MAX_ROWS = 512
-INT_DEQUANTIZE_MIN_ROWS = 64  # below this the dequantization pass costs more than a whole GEMV
-_CHOSEN: dict[tuple, str] = {}
-
-
-def _choose(key: tuple, candidates: dict, default: str) -> str:
-    """The fastest of ``candidates`` (name -> zero-argument call) for ``key``, timed on first use with
-    CUDA events; ``default`` while a CUDA graph is being captured (nothing may be timed then)."""
-    name = _CHOSEN.get(key)
-    if name is not None:
-        return name
-    if torch.cuda.is_current_stream_capturing():
-        return default
-    times = {}
-    for cand, fn in candidates.items():
-        try:
-            for _ in range(2):  # compilation and the tile autotuning happen here
-                fn()
-        except Exception as e:  # noqa: BLE001 - a candidate this GPU or Triton cannot run is left out
-            if cand == default:
-                raise
-            logger.warning("%s path %r failed at rows<=%d, N=%d, K=%d and is not used: %s: %s",
-                           key[0], cand, key[1], key[2], key[3], type(e).__name__, str(e)[:200])
-            continue
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(10):
-            fn()
-        end.record()
-        end.synchronize()
-        times[cand] = start.elapsed_time(end)
-    _CHOSEN[key] = name = min(times, key=times.get)
-    logger.debug("%s layer, rows<=%d, N=%d, K=%d: %s (%s)", key[0], key[1], key[2], key[3], name,
-                 ", ".join(f"{c} {t * 100:.1f} us" for c, t in times.items()))
-    return name
+TINYGEMM_MAX_ROWS = 4  # 1.6-1.8x bf16 at one row; 0.44-0.60x at 16 rows, where the tensor-core kernel wins
+INT_DEQUANTIZE_MIN_ROWS = 64  # 0.54-0.61x bf16 at 256 rows against the tensor-core kernel's 0.28-0.41x
+FP8_SMALL_WEIGHT = 4096 * 4096  # at one row, weights up to this size are latency-bound: the tl.dot GEMV
+FP8_WIDE_N = 16384  # at 2-16 rows, W8A8 beats the weight-only GEMV on wide outputs (gate_up: 1.58x vs 1.28x)
 
 
 def int_linear(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor,
                group_size: int, bits: int, bias: torch.Tensor | None = None, tinygemm=None) -> torch.Tensor:
-    """A packed-int layer on CUDA: the fastest of the GEMV, the tensor-core kernel, dequantize + cuBLAS and
-    (``tinygemm``: its layout from ``tinygemm_pack``, bf16 only) PyTorch's int4 GEMM for decode-sized
-    batches (timed once per shape), dequantize + cuBLAS beyond."""
+    """A packed-int layer on CUDA: PyTorch's int4 GEMM for a few rows (``tinygemm``: its layout from
+    ``tinygemm_pack``, bf16 only), the tensor-core kernel up to 63 rows, dequantize + cuBLAS beyond."""
     rows = x.numel() // x.shape[-1]
-    if rows > CHOOSE_MAX_ROWS:
-        return int_matmul_dequantized(x, qweight, zeros, scales, group_size, bits, bias)
-    paths = {"tensor_core": lambda: int_matmul(x, qweight, zeros, scales, group_size, bits, bias)}
-    if rows <= 4 and group_size % (32 // bits) == 0:  # the GEMV re-reads the weight per row
-        paths["gemv"] = lambda: int_gemv(x, qweight, zeros, scales, group_size, bits, bias)
-    if tinygemm is not None and rows <= SMALL_M and x.dtype == torch.bfloat16:
-        paths["tinygemm"] = lambda: tinygemm_linear(x, *tinygemm, group_size, bias)
+    if tinygemm is not None and rows <= TINYGEMM_MAX_ROWS and x.dtype == torch.bfloat16:
+        return tinygemm_linear(x, *tinygemm, group_size, bias)
     if rows >= INT_DEQUANTIZE_MIN_ROWS:
-        paths["dequantize"] = lambda: int_matmul_dequantized(x, qweight, zeros, scales, group_size, bits, bias)
-    key = ("int", _row_bucket(rows), qweight.shape[1], x.shape[-1], bits, group_size, x.dtype)
-    return paths[_choose(key, paths, "tensor_core")]()
+        return int_matmul_dequantized(x, qweight, zeros, scales, group_size, bits, bias)
+    return int_matmul(x, qweight, zeros, scales, group_size, bits, bias)
 
 
-def fp8_linear_path(rows: int, n: int, k: int, dtype: torch.dtype, candidates: dict) -> str:
-    """Which of an FP8 layer's ``candidates`` (``gemv``, ``gemv_dot``, ``w8a8``) runs ``rows`` rows."""
-    if rows > CHOOSE_MAX_ROWS or len(candidates) == 1:
-        return "w8a8"
-    return _choose(("fp8", _row_bucket(rows), n, k, dtype), candidates, "w8a8")
+def fp8_linear_path(rows: int, n: int, k: int) -> str:
+    """Which of an FP8 layer's paths runs ``rows`` rows: ``gemv`` (no tensor cores), ``gemv_dot`` (the
+    ``tl.dot`` weight-only GEMV) or ``w8a8`` (``_scaled_mm``)."""
+    if rows == 1:
+        return "gemv_dot" if n * k <= FP8_SMALL_WEIGHT else "gemv"
+    if rows <= FP8_GEMV_MAX_ROWS:
+        return "w8a8" if n >= FP8_WIDE_N else "gemv_dot"
+    return "w8a8"
 
 
 # --------------------------------------------------------------------------------------------------

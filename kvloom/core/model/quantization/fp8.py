@@ -4,9 +4,9 @@ compressed-tensors FP8 checkpoints (channel or tensor weights, dynamic per-token
 and online quantization of a dense checkpoint (per-channel weight scales, dynamic per-token activations).
 
 Where the GPU has FP8 matmuls (Ada, Hopper and later) the layer runs W8A8 through ``torch._scaled_mm``
-with row-wise scales, and decode-sized batches (up to 16 rows) through whichever is fastest at the shape
-of W8A8 and two weight-only Triton FP8 GEMVs (bf16 activations: reading the FP8 weight is the whole cost
-there; ``triton_quant.fp8_linear_path`` times them once per shape); elsewhere (the CPU, older GPUs) and for block-wise scales, weight-only: the FP8
+with row-wise scales (fast accumulation), and decode-sized batches (up to 16 rows) W8A8 or one of two
+weight-only Triton FP8 GEMVs (bf16 activations: reading the FP8 weight is the whole cost there), by the
+rule ``triton_quant.fp8_linear_path`` measured on an H200; elsewhere (the CPU, older GPUs) and for block-wise scales, weight-only: the FP8
 weight is dequantized at load, so its rounding is kept and the matmul is dense.
 """
 
@@ -191,19 +191,19 @@ class FP8LinearMethod:
         if input_scale is not None:  # one scale for the fused input: the largest shard's, as vLLM does
             layer.add_param("input_scale", input_scale)
         self.w8a8 = True
-        m.kernel = ("W8A8 torch._scaled_mm, row-wise scales; up to "
-                    f"{_gemv_rows()} rows the fastest of that and two weight-only FP8 GEMVs (Triton)")
+        m.kernel = ("W8A8 torch._scaled_mm, row-wise scales, fast accumulation; up to "
+                    f"{_gemv_rows()} rows by shape that or a weight-only FP8 GEMV (Triton)")
 
     def apply(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
         from kvloom.kernels import triton_quant
 
         w, ws, bias = layer.weight, layer.weight_scale, layer.bias
-        paths = {"w8a8": lambda: fp8_w8a8_linear(x, w, ws, getattr(layer, "input_scale", None), bias)}
-        rows = x.numel() // x.shape[-1]
-        if rows <= triton_quant.FP8_GEMV_MAX_ROWS:  # decode-sized: weight-only GEMVs read half of bf16's bytes
-            paths["gemv"] = lambda: triton_quant.fp8_gemv(x, w, ws, bias)
-            paths["gemv_dot"] = lambda: triton_quant.fp8_weight_only_linear(x, w, ws, bias)
-        return paths[triton_quant.fp8_linear_path(rows, w.shape[0], w.shape[1], x.dtype, paths)]()
+        path = triton_quant.fp8_linear_path(x.numel() // x.shape[-1], w.shape[0], w.shape[1])
+        if path == "gemv":
+            return triton_quant.fp8_gemv(x, w, ws, bias)
+        if path == "gemv_dot":
+            return triton_quant.fp8_weight_only_linear(x, w, ws, bias)
+        return fp8_w8a8_linear(x, w, ws, getattr(layer, "input_scale", None), bias)
 
     def held_bytes(self, layer: LinearBase, device_type: str) -> int:
         if device_type == "cpu" or self.method.block:  # weight-only: dequantized at load

@@ -11,9 +11,8 @@ from kvloom.core.model.linear import LinearBase
 
 
 # The start-up log's kernel: what ``kvloom.kernels.triton_quant.int_linear`` picks from by row count.
-INT_KERNELS = ("W{bits}A16 on CUDA: up to 512 rows the fastest at the shape (timed once) of a Triton GEMV, a "
-               "Triton tensor-core GEMM dequantizing in the kernel, dequantize + cuBLAS, and for up to 16 rows of "
-               "4-bit bf16 PyTorch's int4 GEMM (tinygemm, a second copy of the weight); dequantize + cuBLAS beyond")
+INT_KERNELS = ("W{bits}A16 on CUDA: up to 4 rows PyTorch's int4 GEMM (tinygemm, 4-bit bf16, a second copy of the "
+               "weight), up to 63 rows a Triton tensor-core GEMM dequantizing in the kernel, dequantize + cuBLAS beyond")
 
 
 def keep_packed(device: torch.device, forced: bool | None) -> bool:
