@@ -182,6 +182,7 @@ def main(argv: list[str] | None = None) -> dict:
         runs[fmt] = run_format(args, model, fmt, vocab)
         print(json.dumps({"run": fmt, "offline_output_tok_s": round(runs[fmt]["offline"]["output_tok_s"], 1),
                           "batch1_decode_tok_s": round(runs[fmt]["batch1"]["decode_tok_s"], 1),
+                          "fraction_of_floor": round(runs[fmt]["batch1"].get("fraction_of_floor", 0), 3),
                           "kv_cache": runs[fmt]["kv_cache"]}), flush=True)
     base = runs[formats[0]]
     ratios = {fmt: {"offline_output_tok_s": r["offline"]["output_tok_s"] / base["offline"]["output_tok_s"],

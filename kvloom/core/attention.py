@@ -62,15 +62,18 @@ class AttentionBackend:
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
         scale: float,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ) -> torch.Tensor:
+        """``k_scale``/``v_scale``: the per-tensor scales of an fp8 cache (stored ``x / scale``)."""
         k_cache, v_cache = kv_cache
-        reference.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+        reference.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
         nd = meta.num_decodes
         if nd:
             max_len = max(meta.seq_lens_cpu[:nd])
             decoded = reference.paged_decode_attention(
                 q[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens[:nd], max_len, scale,
-                workspace=self._decode_workspace(k_cache, nd, max_len),
+                workspace=self._decode_workspace(k_cache, nd, max_len), k_scale=k_scale, v_scale=v_scale,
             )
             if nd == meta.num_seqs:
                 return decoded
@@ -79,7 +82,7 @@ class AttentionBackend:
             out[:nd] = decoded
         out[nd:] = reference.paged_prefill_attention(
             q[nd:], k_cache, v_cache, meta.block_tables[nd:], meta.query_lens_cpu[nd:],
-            meta.seq_lens_cpu[nd:], scale,
+            meta.seq_lens_cpu[nd:], scale, k_scale, v_scale,
         )
         return out
 

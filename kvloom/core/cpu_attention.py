@@ -101,29 +101,32 @@ class CPUAttentionBackend:
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
         scale: float,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ) -> torch.Tensor:
         k_cache, v_cache = kv_cache
+        kv_scales = (k_scale, v_scale)
         index = meta.backend_data
         if index is None:  # first layer of the step
             index = meta.backend_data = self._index(meta, k_cache, q.dtype)
         head_dim = k_cache.shape[-1]
         if is_fp8(k_cache.dtype):  # index_copy_ has no float8 kernels: copy the quantized bytes
-            for x, cache in ((k, k_cache), (v, v_cache)):
-                rows = quantize_kv(x.reshape(-1, head_dim), cache.dtype).view(torch.uint8)
+            for x, cache, s in ((k, k_cache, k_scale), (v, v_cache, v_scale)):
+                rows = quantize_kv(x.reshape(-1, head_dim), cache.dtype, s).view(torch.uint8)
                 cache.view(torch.uint8).view(-1, head_dim).index_copy_(0, index.write_rows, rows)
         else:
             k_cache.view(-1, head_dim).index_copy_(0, index.write_rows, k.reshape(-1, head_dim))
             v_cache.view(-1, head_dim).index_copy_(0, index.write_rows, v.reshape(-1, head_dim))
         nd = meta.num_decodes
         if nd == meta.num_seqs:
-            return self._decode(q, k_cache, v_cache, index, scale)
+            return self._decode(q, k_cache, v_cache, index, scale, kv_scales)
         num_tokens, num_heads, _ = q.shape
         if nd == 0 and len(index.prefill_groups) == 1 and index.prefill_groups[0][3] == 0:
             out = None  # one group of prompts covering the whole batch: its result is the output
         else:
             out = q.new_empty(num_tokens, num_heads, head_dim)
         if nd:
-            out[:nd] = self._decode(q[:nd], k_cache, v_cache, index, scale)
+            out[:nd] = self._decode(q[:nd], k_cache, v_cache, index, scale, kv_scales)
         starts = index.starts
         for seqs, q_len, s_len, first in index.prefill_groups:
             n = len(seqs)
@@ -140,7 +143,7 @@ class CPUAttentionBackend:
                     vs = torch.stack([v[starts[i]: starts[i] + q_len] for i in seqs])
                 keys, values = ks.transpose(1, 2), vs.transpose(1, 2)  # [n, Hkv, Q, D] views
             else:  # a chunk after a cached prefix: gather the sequence's whole history
-                keys, values = self._gather_prefix(k_cache, v_cache, meta.block_tables[seqs], s_len, q.dtype)
+                keys, values = self._gather_prefix(k_cache, v_cache, meta.block_tables[seqs], s_len, q.dtype, kv_scales)
             if q.dtype != torch.float32:
                 o = self._prefill_grouped(qs, keys, values, scale)
             elif q_len == s_len:
@@ -161,13 +164,13 @@ class CPUAttentionBackend:
         return out
 
     @staticmethod
-    def _decode(q, k_cache, v_cache, index: _StepIndex, scale: float) -> torch.Tensor:
+    def _decode(q, k_cache, v_cache, index: _StepIndex, scale: float, kv_scales=(1.0, 1.0)) -> torch.Tensor:
         _, num_kv_heads, bs, head_dim = k_cache.shape
         batch, num_heads, _ = q.shape
         length = index.decode_blocks * bs
         keys = k_cache.view(-1, bs, head_dim).index_select(0, index.decode_rows).view(batch, num_kv_heads, length, head_dim)
         values = v_cache.view(-1, bs, head_dim).index_select(0, index.decode_rows).view(batch, num_kv_heads, length, head_dim)
-        keys, values = dequantize_kv(keys, q.dtype), dequantize_kv(values, q.dtype)
+        keys, values = dequantize_kv(keys, q.dtype, kv_scales[0]), dequantize_kv(values, q.dtype, kv_scales[1])
         grouped = q.view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
         if q.dtype == torch.float32:
             # float32 batched matmuls this small run in MKL at a fraction of the fused kernel's speed
@@ -202,7 +205,8 @@ class CPUAttentionBackend:
             n, length, num_heads, head_dim)
 
     @staticmethod
-    def _gather_prefix(k_cache, v_cache, block_tables: torch.Tensor, length: int, dtype: torch.dtype):
+    def _gather_prefix(k_cache, v_cache, block_tables: torch.Tensor, length: int, dtype: torch.dtype,
+                       kv_scales=(1.0, 1.0)):
         """K and V of the first ``length`` cached tokens of each table row: ``[n, Hkv, length, D]``."""
         _, num_kv_heads, bs, head_dim = k_cache.shape
         nblk = -(-length // bs)
@@ -210,4 +214,5 @@ class CPUAttentionBackend:
         n = block_tables.shape[0]
         keys = k_cache.view(-1, bs, head_dim).index_select(0, rows).view(n, num_kv_heads, nblk * bs, head_dim)
         values = v_cache.view(-1, bs, head_dim).index_select(0, rows).view(n, num_kv_heads, nblk * bs, head_dim)
-        return dequantize_kv(keys[:, :, :length], dtype), dequantize_kv(values[:, :, :length], dtype)
+        return (dequantize_kv(keys[:, :, :length], dtype, kv_scales[0]),
+                dequantize_kv(values[:, :, :length], dtype, kv_scales[1]))

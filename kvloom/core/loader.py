@@ -8,6 +8,8 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
+import re
 from pathlib import Path
 from typing import Iterator
 
@@ -159,6 +161,72 @@ def iter_gguf(path: Path, config) -> Iterator[tuple[str, torch.Tensor]]:
         yield name, tensor
 
 
+# --- fp8 KV-cache scales ----------------------------------------------------------------------------
+# Where FP8 checkpoints keep the per-tensor scales of the K and V they were calibrated for: vLLM and
+# compressed-tensors (llm-compressor's kv_cache_scheme) as ``self_attn.k_scale``/``v_scale``, NVIDIA
+# ModelOpt as ``self_attn.k_proj.k_scale``/``v_proj.v_scale``, AutoFP8 as ``k_proj.output_scale``/
+# ``v_proj.output_scale``, older vLLM checkpoints as one ``self_attn.kv_scale`` for both.
+_KV_SCALE = re.compile(r"^(?:model\.)?layers\.(\d+)\.self_attn\.(?:(k_proj|v_proj)\.)?"
+                       r"(k_scale|v_scale|kv_scale|output_scale|q_scale|prob_scale)$")
+_KV_SCALE_TARGET = {(None, "k_scale"): "k", (None, "v_scale"): "v", (None, "kv_scale"): "kv",
+                    ("k_proj", "k_scale"): "k", ("v_proj", "v_scale"): "v",
+                    ("k_proj", "output_scale"): "k", ("v_proj", "output_scale"): "v",
+                    (None, "q_scale"): None, (None, "prob_scale"): None}  # FP8 attention math: not used
+
+
+class KVCacheScales:
+    """The checkpoint's fp8 KV-cache scales, taken out of the weight stream (they belong to no linear
+    layer) and set on each attention layer after loading; an fp8 cache then stores ``x / scale``
+    (``kvloom.kernels.reference.quantize_kv``) instead of assuming 1.0. Other caches do not use them."""
+
+    def __init__(self) -> None:
+        self.scales: dict[tuple[int, str], float] = {}
+        self.unused: list[str] = []
+
+    def split(self, weights: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        """``weights`` without the KV-cache scales, which are kept here."""
+        for name, tensor in weights:
+            m = _KV_SCALE.match(name)
+            if m is None or (m.group(2), m.group(3)) not in _KV_SCALE_TARGET:
+                yield name, tensor
+                continue
+            target = _KV_SCALE_TARGET[(m.group(2), m.group(3))]
+            if target is None:
+                self.unused.append(name)
+                continue
+            if tensor.numel() != 1:
+                raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}; supported: one "
+                                 "per-tensor KV-cache scale (per-head or per-channel KV scales are not supported)")
+            value = float(tensor.float().reshape(()))
+            if not (math.isfinite(value) and value > 0):
+                raise ValueError(f"checkpoint tensor {name!r} is {value}; a KV-cache scale must be positive and finite")
+            for which in ("k", "v") if target == "kv" else (target,):
+                self.scales[(int(m.group(1)), which)] = value
+
+    def apply(self, model: DecoderLM) -> None:
+        """Set each attention layer's ``k_scale``/``v_scale`` from the checkpoint (1.0 where it has none)."""
+        if self.unused:
+            logger.info("Checkpoint tensors not used (FP8 attention math; kvloom quantizes only the KV cache): "
+                        "%s%s", ", ".join(self.unused[:3]), " ..." if len(self.unused) > 3 else "")
+        if not self.scales:
+            return
+        layers = len(model.layers)
+        for (index, which), value in self.scales.items():
+            if index >= layers:
+                raise ValueError(f"checkpoint has a KV-cache {which}_scale for layer {index}; the model has {layers} layers")
+            setattr(model.layers[index].self_attn, f"{which}_scale", value)
+        ks = [self.scales[(i, "k")] for i in range(layers) if (i, "k") in self.scales]
+        vs = [self.scales[(i, "v")] for i in range(layers) if (i, "v") in self.scales]
+        logger.info("KV-cache scales from the checkpoint (used by an fp8 cache): k_scale %s, v_scale %s",
+                    _span(ks, layers), _span(vs, layers))
+
+
+def _span(values: list[float], layers: int) -> str:
+    if not values:
+        return "none (1.0)"
+    return f"{min(values):.4g}..{max(values):.4g} on {len(values)}/{layers} layers"
+
+
 # --- model -----------------------------------------------------------------------------------------
 @contextlib.contextmanager
 def default_dtype(dtype: torch.dtype):
@@ -201,11 +269,13 @@ def build_model(
     else:
         fmt = load_format if load_format != "auto" else ("gguf" if is_gguf(path) else "safetensors")
         weights = iter_gguf(path, config) if fmt == "gguf" else iter_safetensors(path)
-        loaded = model.load_weights(weights)
+        kv_scales = KVCacheScales()
+        loaded = model.load_weights(kv_scales.split(weights))
         missing = [_weight_name(n, s) for n, s in model.required_weights() if (n, s) not in loaded]
         if missing:
             raise ValueError(f"checkpoint {str(path)!r} lacks weights for {', '.join(missing[:5])}"
                              f"{' ...' if len(missing) > 5 else ''}")
+        kv_scales.apply(model)
     model.init_rope(max_positions)
     process_weights_after_loading(model, pack_cpu=pack_cpu_weights)
     return model.eval()

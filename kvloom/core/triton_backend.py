@@ -20,15 +20,19 @@ class TritonAttentionBackend:
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
         scale: float,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ) -> torch.Tensor:
         k_cache, v_cache = kv_cache
-        triton_attention.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+        triton_attention.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
         if meta.num_decodes == meta.num_seqs:
             # ``max_seq_len`` is only a hint for the split count; CUDA graphs capture with a fixed one.
             return triton_attention.paged_decode_attention(
-                q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.max_seq_len, scale
+                q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.max_seq_len, scale,
+                k_scale=k_scale, v_scale=v_scale,
             )
         # Mixed batches: the prefill kernel handles single-query sequences too, in one launch.
         return triton_attention.paged_prefill_attention(
-            q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, meta.max_query_len, scale
+            q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, meta.max_query_len, scale,
+            k_scale=k_scale, v_scale=v_scale,
         )

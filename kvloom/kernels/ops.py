@@ -76,12 +76,13 @@ def silu_and_mul(x):
     return ref.silu_and_mul(x)
 
 
-def int_matmul(x, qweight, zeros, scales, group_size, bits, bias=None):
-    """``x @ W.T`` of a K-packed int4/int8 weight, dequantized inside the matmul (``quant_reference``)."""
+def int_matmul(x, qweight, zeros, scales, group_size, bits, bias=None, tinygemm=None):
+    """``x @ W.T`` of a K-packed int4/int8 weight, dequantized inside the matmul (``quant_reference``).
+    ``tinygemm``: the same 4-bit weight in PyTorch's int4 layout (CUDA), one more decode path."""
     if use_triton(x):
         from kvloom.kernels import triton_quant
 
-        return triton_quant.int_matmul(x, qweight, zeros, scales, group_size, bits, bias)
+        return triton_quant.int_linear(x, qweight, zeros, scales, group_size, bits, bias, tinygemm)
     from kvloom.kernels import quant_reference
 
     return quant_reference.int_matmul(x, qweight, zeros, scales, group_size, bits, bias)

@@ -25,6 +25,7 @@ def _int_matmul_kernel(
     stride_xm, stride_om,
     BITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr, DOT_PRECISION: tl.constexpr, GROUP_ALIGNED: tl.constexpr,
+    UNPACK_ROWS: tl.constexpr = False,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -48,10 +49,18 @@ def _int_matmul_kernel(
         x = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         # Each int32 word once ([WORDS, BLOCK_N]), unpacked to its PER rows of K by shifts: the word at
         # row w holds inputs w * PER .. w * PER + PER - 1 (K-packed layout).
-        w_rows = t * WORDS + rw
-        words = tl.load(qw_ptr + w_rows[:, None].to(tl.int64) * N + rn[None, :],
-                        mask=(w_rows < K // PER)[:, None] & n_ok[None, :], other=0)
-        q = tl.reshape((words[:, None, :] >> shifts[None, :, None]) & MASK, (BLOCK_K, BLOCK_N))
+        if UNPACK_ROWS:
+            # Each of the tile's K rows loads its own word (PER rows share one, served from L1) and
+            # shifts it by its position: the [BLOCK_K, BLOCK_N] tile comes out in the plain blocked
+            # layout, without the reshape of the packed words that costs a shuffle through shared memory.
+            words = tl.load(qw_ptr + (k // PER)[:, None].to(tl.int64) * N + rn[None, :],
+                            mask=k_ok[:, None] & n_ok[None, :], other=0)
+            q = (words >> ((k % PER) * BITS)[:, None]) & MASK
+        else:
+            w_rows = t * WORDS + rw
+            words = tl.load(qw_ptr + w_rows[:, None].to(tl.int64) * N + rn[None, :],
+                            mask=(w_rows < K // PER)[:, None] & n_ok[None, :], other=0)
+            q = tl.reshape((words[:, None, :] >> shifts[None, :, None]) & MASK, (BLOCK_K, BLOCK_N))
         if GROUP_ALIGNED:
             # A K tile lies inside one group (the host picks BLOCK_K dividing group_size): its zero point
             # and scale are one row of [G, N], loaded once per tile rather than per element.
@@ -104,16 +113,22 @@ def _fit_block_k(block_k: int, group_size: int) -> tuple[int, bool]:
 SMALL_M = 16
 
 
-def _cfg(bm, bn, bk, split, warps, stages):
-    return triton.Config(dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split), num_warps=warps, num_stages=stages)
+def _cfg(bm, bn, bk, split, warps, stages, unpack_rows=False):
+    tiles = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split)
+    if unpack_rows:  # the int kernel's other way to unpack (the FP8 kernel has no such argument)
+        tiles["UNPACK_ROWS"] = True
+    return triton.Config(tiles, num_warps=warps, num_stages=stages)
 
 
 _INT_SMALL = [_cfg(16, bn, bk, sp, w, st) for bn, bk, sp, w, st in (
     (32, 128, 4, 4, 4), (64, 128, 4, 4, 4), (64, 128, 8, 4, 3), (128, 128, 4, 4, 3), (64, 256, 4, 4, 3),
-    (128, 64, 8, 4, 4), (32, 256, 8, 4, 3), (64, 64, 16, 4, 4), (128, 128, 1, 4, 4))]
+    (128, 64, 8, 4, 4), (32, 256, 8, 4, 3), (64, 64, 16, 4, 4), (128, 128, 1, 4, 4))] + [
+    _cfg(16, bn, bk, sp, w, st, True) for bn, bk, sp, w, st in ((64, 128, 4, 4, 4), (128, 64, 8, 4, 4))]
 _INT_LARGE = [_cfg(bm, bn, bk, 1, w, st) for bm, bn, bk, w, st in (
     (32, 128, 64, 4, 4), (64, 128, 64, 4, 4), (128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (64, 256, 64, 8, 3),
-    (128, 128, 128, 8, 3), (64, 64, 128, 4, 4))]
+    (128, 128, 128, 8, 3), (64, 64, 128, 4, 4))] + [
+    _cfg(bm, bn, bk, 1, w, st, True) for bm, bn, bk, w, st in ((128, 128, 64, 8, 3), (64, 128, 64, 4, 4),
+                                                               (128, 256, 64, 8, 3))]
 _FP8_SMALL = [_cfg(16, bn, bk, sp, w, st) for bn, bk, sp, w, st in (
     (64, 256, 1, 4, 4), (64, 256, 4, 4, 4), (32, 256, 4, 4, 4), (128, 128, 4, 4, 4), (64, 512, 2, 4, 3),
     (128, 256, 2, 8, 3), (32, 512, 2, 4, 3), (16, 256, 1, 4, 4), (64, 128, 8, 4, 4))]
@@ -322,3 +337,296 @@ def fp8_quantize_rows(x: torch.Tensor, pad_to: int = 16) -> tuple[torch.Tensor, 
     _fp8_quantize_rows_kernel[(rows,)](x, xq, scale, m, k, x.stride(0), xq.stride(0),
                                        BLOCK_K=min(1024, triton.next_power_of_2(k)), min_scale=1e-12)
     return xq, scale
+
+
+# --------------------------------------------------------------------------------------------------
+# GEMVs without tensor cores for a handful of rows, and the dequantize-then-cuBLAS path for big batches
+# --------------------------------------------------------------------------------------------------
+# ``tl.dot`` needs a 16-row tile and the dequantized weight in its operand layout (a shuffle through
+# shared memory per tile); a decode row only needs each weight value once, multiplied and summed along K.
+# These kernels keep the loaded tile in the layout it arrives in (128-bit loads along the contiguous dim)
+# and reduce with plain FMAs. Row programs are the fastest grid axis, so the rows that share a weight
+# tile run together and all but the first read it from L2.
+
+
+@triton.jit
+def _int_gemv_kernel(
+    x_ptr, qw_ptr, z_ptr, s_ptr, out_ptr,
+    M, N, K, group_size, M_BUCKET, stride_xm, stride_om,
+    BITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, SPLIT_K: tl.constexpr,
+):
+    # Within a group, sum_k x_k (q_k - z) s = s (sum_k x_k q_k - z sum_k x_k): the zero point and scale
+    # are applied once per tile and column, so each packed value costs a shift, a mask and an FMA.
+    row = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    PER: tl.constexpr = 32 // BITS
+    MASK: tl.constexpr = (1 << BITS) - 1
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rw = tl.arange(0, BLOCK_W)
+    n_ok = rn < N
+    x_row = x_ptr + row.to(tl.int64) * stride_xm
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for t in range(pid_k, K // (BLOCK_W * PER), SPLIT_K):  # the host makes a tile divide K and the group
+        w_rows = t * BLOCK_W + rw
+        words = tl.load(qw_ptr + w_rows[:, None].to(tl.int64) * N + rn[None, :], mask=n_ok[None, :], other=0)
+        part = tl.zeros((BLOCK_W, BLOCK_N), dtype=tl.float32)
+        xsum = tl.zeros((BLOCK_W,), dtype=tl.float32)
+        for j in tl.static_range(PER):
+            xj = tl.load(x_row + w_rows * PER + j).to(tl.float32)
+            part += ((words >> (j * BITS)) & MASK).to(tl.float32) * xj[:, None]
+            xsum += xj
+        g = ((t * BLOCK_W * PER) // group_size).to(tl.int64) * N + rn
+        z = tl.load(z_ptr + g, mask=n_ok, other=0).to(tl.float32)
+        s = tl.load(s_ptr + g, mask=n_ok, other=0.0).to(tl.float32)
+        acc += s * (tl.sum(part, 0) - z * tl.sum(xsum, 0))
+    out = out_ptr + row.to(tl.int64) * stride_om + rn
+    if SPLIT_K == 1:
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=n_ok)
+    else:
+        tl.atomic_add(out, acc, mask=n_ok)
+
+
+def _gemv_cfg(bn, bw, split, warps, stages=3):
+    return triton.Config(dict(BLOCK_N=bn, BLOCK_W=bw, SPLIT_K=split), num_warps=warps, num_stages=stages)
+
+
+_INT_GEMV = [_gemv_cfg(bn, bw, sp, w) for bn, bw, sp, w in (
+    (128, 16, 1, 4), (64, 16, 1, 4), (32, 16, 1, 2), (128, 16, 4, 4), (64, 16, 4, 4), (256, 16, 4, 8),
+    (128, 8, 8, 4), (256, 8, 2, 8))]
+
+
+def _int_gemv_prune(configs, named_args, **kwargs):
+    g, k, bits = named_args["group_size"], named_args["K"], kwargs.get("BITS", named_args.get("BITS", 4))
+    per = 32 // bits
+    return [c for c in configs if g % (c.kwargs["BLOCK_W"] * per) == 0
+            and k // (c.kwargs["BLOCK_W"] * per) >= c.kwargs["SPLIT_K"]] or configs[:1]
+
+
+def int_gemv(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor,
+             group_size: int, bits: int, bias: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
+    """``int_matmul`` for a few rows without tensor cores (``_int_gemv_kernel``). ``config`` fixes
+    ``BLOCK_N``/``BLOCK_W`` (int32 words per tile along K)/``SPLIT_K``; without it, autotuned on CUDA."""
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    m, k = x2.shape
+    n = qweight.shape[1]
+    per = 32 // bits
+    if config is None and x2.is_cuda:
+        out = torch.zeros((m, n), device=x.device, dtype=torch.float32)
+        if "int_gemv" not in _TUNED:
+            _TUNED["int_gemv"] = _autotuned(_int_gemv_kernel, _INT_GEMV, _int_gemv_prune, ("out_ptr",))
+        _TUNED["int_gemv"][lambda meta: (m, triton.cdiv(n, meta["BLOCK_N"]), meta["SPLIT_K"])](
+            x2, qweight, zeros, scales, out, m, n, k, group_size, _row_bucket(m), x2.stride(0), out.stride(0),
+            BITS=bits)
+    else:
+        cfg = dict(config or dict(BLOCK_N=64, BLOCK_W=16, SPLIT_K=1, num_warps=4))
+        while cfg["BLOCK_W"] > 1 and group_size % (cfg["BLOCK_W"] * per):
+            cfg["BLOCK_W"] //= 2
+        if group_size % (cfg["BLOCK_W"] * per):
+            raise ValueError(f"int_gemv needs group_size={group_size} to be a multiple of {per} inputs")
+        split = cfg["SPLIT_K"]
+        out = (torch.zeros if split > 1 else torch.empty)((m, n), device=x.device,
+                                                          dtype=torch.float32 if split > 1 else x.dtype)
+        _int_gemv_kernel[(m, triton.cdiv(n, cfg["BLOCK_N"]), split)](
+            x2, qweight, zeros, scales, out, m, n, k, group_size, _row_bucket(m), x2.stride(0), out.stride(0),
+            BITS=bits, **cfg)
+    out = out.to(x.dtype)
+    if bias is not None:
+        out = out + bias
+    return out.reshape(*shape[:-1], n)
+
+
+@triton.jit
+def _fp8_gemv_kernel(
+    x_ptr, w_ptr, ws_ptr, out_ptr,
+    M, N, K, M_BUCKET, stride_xm, stride_wn, stride_om,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+):
+    # The FP8 weight [N, K] is read along K (its contiguous dim, 16 values per 128-bit load), converted
+    # in registers and multiplied by the row of x; one reduction along K at the end.
+    row = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    n_ok = rn < N
+    x_row = x_ptr + row.to(tl.int64) * stride_xm
+    w_rows = w_ptr + rn[:, None].to(tl.int64) * stride_wn
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for t in range(pid_k, tl.cdiv(K, BLOCK_K), SPLIT_K):
+        k = t * BLOCK_K + rk
+        k_ok = k < K
+        x = tl.load(x_row + k, mask=k_ok, other=0.0).to(tl.float32)
+        w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        acc += w.to(tl.float32) * x[None, :]
+    res = tl.sum(acc, 1) * tl.load(ws_ptr + rn, mask=n_ok, other=0.0)
+    out = out_ptr + row.to(tl.int64) * stride_om + rn
+    if SPLIT_K == 1:
+        tl.store(out, res.to(out_ptr.dtype.element_ty), mask=n_ok)
+    else:
+        tl.atomic_add(out, res, mask=n_ok)
+
+
+def _fp8_gemv_cfg(bn, bk, split, warps, stages=3):
+    return triton.Config(dict(BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split), num_warps=warps, num_stages=stages)
+
+
+_FP8_GEMV = [_fp8_gemv_cfg(bn, bk, sp, w) for bn, bk, sp, w in (
+    (16, 256, 1, 4), (8, 512, 1, 4), (32, 256, 1, 4), (16, 512, 1, 8), (64, 128, 1, 4), (16, 256, 2, 4),
+    (32, 256, 4, 4), (8, 1024, 1, 8))]
+
+
+def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+             bias: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
+    """``fp8_weight_only_linear`` for a few rows without tensor cores (``_fp8_gemv_kernel``)."""
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    m, k = x2.shape
+    n = weight.shape[0]
+    if config is None and x2.is_cuda:
+        out = torch.zeros((m, n), device=x.device, dtype=torch.float32)
+        if "fp8_gemv" not in _TUNED:
+            _TUNED["fp8_gemv"] = _autotuned(_fp8_gemv_kernel, _FP8_GEMV, None, ("out_ptr",))
+        _TUNED["fp8_gemv"][lambda meta: (m, triton.cdiv(n, meta["BLOCK_N"]), meta["SPLIT_K"])](
+            x2, weight, weight_scale.reshape(-1), out, m, n, k, _row_bucket(m), x2.stride(0), weight.stride(0),
+            out.stride(0))
+        out = out.to(x.dtype)
+    else:
+        cfg = dict(config or dict(BLOCK_N=16, BLOCK_K=256, SPLIT_K=1, num_warps=4))
+        split = cfg["SPLIT_K"]
+        out = (torch.zeros if split > 1 else torch.empty)((m, n), device=x.device,
+                                                          dtype=torch.float32 if split > 1 else x.dtype)
+        _fp8_gemv_kernel[(m, triton.cdiv(n, cfg["BLOCK_N"]), split)](
+            x2, weight, weight_scale.reshape(-1), out, m, n, k, _row_bucket(m), x2.stride(0), weight.stride(0),
+            out.stride(0), **cfg)
+        out = out.to(x.dtype)
+    if bias is not None:
+        out = out + bias
+    return out.reshape(*shape[:-1], n)
+
+
+@triton.jit
+def _int_dequantize_kernel(qw_ptr, z_ptr, s_ptr, w_ptr, N, KW, group_size,
+                           BITS: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_N: tl.constexpr):
+    PER: tl.constexpr = 32 // BITS
+    MASK: tl.constexpr = (1 << BITS) - 1
+    rw = tl.program_id(0) * BLOCK_W + tl.arange(0, BLOCK_W)
+    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    ok = (rw < KW)[:, None] & (rn < N)[None, :]
+    words = tl.load(qw_ptr + rw[:, None].to(tl.int64) * N + rn[None, :], mask=ok, other=0)
+    for j in tl.static_range(PER):
+        k = rw * PER + j
+        g = (k // group_size)[:, None].to(tl.int64) * N + rn[None, :]
+        z = tl.load(z_ptr + g, mask=ok, other=0).to(tl.float32)
+        s = tl.load(s_ptr + g, mask=ok, other=0.0).to(tl.float32)
+        w = (((words >> (j * BITS)) & MASK).to(tl.float32) - z) * s
+        tl.store(w_ptr + k[:, None].to(tl.int64) * N + rn[None, :], w.to(w_ptr.dtype.element_ty), mask=ok)
+
+
+def int_dequantize(qweight: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, group_size: int, bits: int,
+                   out: torch.Tensor) -> torch.Tensor:
+    """The K-packed weight as a dense ``[K, N]`` matrix written into ``out`` (its dtype), as the reference
+    dequantizes it: ``(q - z) * s`` in float32, rounded once."""
+    kw, n = qweight.shape
+    w = out[: kw * (32 // bits) * n].view(kw * (32 // bits), n)
+    _int_dequantize_kernel[(triton.cdiv(kw, 16), triton.cdiv(n, 128))](
+        qweight, zeros, scales, w, n, kw, group_size, BITS=bits, BLOCK_W=16, BLOCK_N=128, num_warps=4)
+    return w
+
+
+_SCRATCH: dict[tuple, torch.Tensor] = {}
+
+
+def int_matmul_dequantized(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor,
+                           group_size: int, bits: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``int_matmul`` for big batches: dequantize the weight into one scratch buffer shared by every layer
+    (the layers run one after another on one stream), then the dense cuBLAS GEMM. Reading the packed
+    weight and writing bf16 costs about one extra pass over the bf16 weight, small beside a GEMM of
+    hundreds of rows, and the GEMM is then cuBLAS's."""
+    kw, n = qweight.shape
+    numel = kw * (32 // bits) * n
+    key = (x.device, x.dtype)
+    buf = _SCRATCH.get(key)
+    if buf is None or buf.numel() < numel:
+        if x.is_cuda and torch.cuda.is_current_stream_capturing():
+            # a buffer made now would live in the graph's private pool, which replays reuse: stay in registers
+            return int_matmul(x, qweight, zeros, scales, group_size, bits, bias)
+        buf = _SCRATCH[key] = torch.empty(numel, device=x.device, dtype=x.dtype)
+    w = int_dequantize(qweight, zeros, scales, group_size, bits, buf)
+    out = torch.matmul(x, w)
+    return out if bias is None else out + bias
+
+
+# --------------------------------------------------------------------------------------------------
+# Which path a quantized layer takes, by row count and shape: a fixed rule read off the CUDA-graph timings
+# of benchmarks/quant_kernels_gpu.py at Llama-3-8B's shapes on an H200 (docs/benchmarks.md; weights
+# rotated past L2). Timing the candidates at start-up instead was tried and chose wrongly: eager calls
+# of a few microseconds measure their Python launch, not the kernel that a CUDA graph replays.
+# --------------------------------------------------------------------------------------------------
+TINYGEMM_MAX_ROWS = 4  # 1.6-1.8x bf16 at one row; 0.44-0.60x at 16 rows, where the tensor-core kernel wins
+INT_DEQUANTIZE_MIN_ROWS = 64  # 0.54-0.61x bf16 at 256 rows against the tensor-core kernel's 0.28-0.41x
+FP8_SMALL_WEIGHT = 4096 * 4096  # at one row, weights up to this size are latency-bound: the tl.dot GEMV
+FP8_WIDE_N = 16384  # at 2-16 rows, W8A8 beats the weight-only GEMV on wide outputs (gate_up: 1.58x vs 1.28x)
+
+
+def int_linear(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor,
+               group_size: int, bits: int, bias: torch.Tensor | None = None, tinygemm=None) -> torch.Tensor:
+    """A packed-int layer on CUDA: PyTorch's int4 GEMM for a few rows (``tinygemm``: its layout from
+    ``tinygemm_pack``, bf16 only), the tensor-core kernel up to 63 rows, dequantize + cuBLAS beyond."""
+    rows = x.numel() // x.shape[-1]
+    if tinygemm is not None and rows <= TINYGEMM_MAX_ROWS and x.dtype == torch.bfloat16:
+        return tinygemm_linear(x, *tinygemm, group_size, bias)
+    if rows >= INT_DEQUANTIZE_MIN_ROWS:
+        return int_matmul_dequantized(x, qweight, zeros, scales, group_size, bits, bias)
+    return int_matmul(x, qweight, zeros, scales, group_size, bits, bias)
+
+
+def fp8_linear_path(rows: int, n: int, k: int) -> str:
+    """Which of an FP8 layer's paths runs ``rows`` rows: ``gemv`` (no tensor cores), ``gemv_dot`` (the
+    ``tl.dot`` weight-only GEMV) or ``w8a8`` (``_scaled_mm``)."""
+    if rows == 1:
+        return "gemv_dot" if n * k <= FP8_SMALL_WEIGHT else "gemv"
+    if rows <= FP8_GEMV_MAX_ROWS:
+        return "w8a8" if n >= FP8_WIDE_N else "gemv_dot"
+    return "w8a8"
+
+
+# --------------------------------------------------------------------------------------------------
+# PyTorch's int4 decode GEMM (tinygemm, ``torch._weight_int4pack_mm``): the fastest of all at one row on
+# an H200 (1.6-1.8x bf16's time at Llama-3-8B's shapes), and collapsing beyond a few rows, so it is one
+# more candidate for decode rows, kept as a second layout made at load beside the K-packed one.
+# --------------------------------------------------------------------------------------------------
+TINYGEMM_GROUPS = (32, 64, 128, 256)
+
+
+def tinygemm_pack(qweight: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, group_size: int):
+    """``(packed, scales_and_zeros)`` in tinygemm's layout from the K-packed 4-bit weight: its dequantization
+    is ``(q - 8) * s + zf``, so ``zf = (8 - z) * s``; scales and zeros in bf16, as the kernel wants. None
+    where the kernel does not take the shape (or this torch lacks it)."""
+    from kvloom.kernels.quant_reference import unpack_int32
+
+    k, n = qweight.shape[0] * 8, qweight.shape[1]
+    if group_size not in TINYGEMM_GROUPS or k % 1024 or n % 8 or not qweight.is_cuda:
+        return None
+    try:
+        w = unpack_int32(qweight, 4, 0).t().contiguous()  # [N, K], 0..15
+        packed = torch._convert_weight_to_int4pack((w[:, ::2] << 4 | w[:, 1::2]).to(torch.uint8), 8)
+        s = scales.float()
+        sz = torch.stack([s, (8 - zeros.float()) * s], -1).to(torch.bfloat16).contiguous()  # [G, N, 2]
+    except (RuntimeError, AttributeError, NotImplementedError):
+        return None
+    return packed, sz
+
+
+def tinygemm_linear(x: torch.Tensor, packed: torch.Tensor, sz: torch.Tensor, group_size: int,
+                    bias: torch.Tensor | None = None) -> torch.Tensor:
+    shape = x.shape
+    out = torch._weight_int4pack_mm(x.reshape(-1, shape[-1]).contiguous(), packed, group_size, sz)
+    if bias is not None:
+        out = out + bias
+    return out.reshape(*shape[:-1], out.shape[-1])

@@ -33,9 +33,10 @@ def test_int_matmul_kernel_matches_the_reference(tk, bits, rows, group):
     args = [t.to(dev) for t in (x, qweight, zeros, scales)]
     got = tk.quant.int_matmul(*args, group, bits, bias.to(dev))
     torch.testing.assert_close(got.cpu(), want, atol=1e-4, rtol=1e-4)
-    # split-K (the decode tiles) and single-pass tiles give the same product
+    # split-K (the decode tiles) and single-pass tiles give the same product, with either way of unpacking
     for cfg in (dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, SPLIT_K=4, num_warps=4),
-                dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=64, SPLIT_K=1, num_warps=4)):
+                dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=64, SPLIT_K=1, num_warps=4),
+                dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, SPLIT_K=2, num_warps=4, UNPACK_ROWS=True)):
         got = tk.quant.int_matmul(*args, group, bits, bias.to(dev), config=cfg)
         torch.testing.assert_close(got.cpu(), want, atol=1e-4, rtol=1e-4)
 
@@ -148,3 +149,90 @@ def test_fp8_per_token_activation_quantization_in_one_kernel(tk, rows, k):
         assert torch.equal(xq[:rows].view(torch.uint8), want.view(torch.uint8))
     assert torch.equal(xq[rows:].cpu().float(), torch.zeros(padded - rows, k))
     assert torch.equal(scale[rows:].cpu(), torch.ones(padded - rows, 1))
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("split", [1, 3])
+def test_int_gemv_without_tensor_cores_matches_the_reference(tk, bits, rows, split):
+    """The decode-row kernel applies each group's zero point and scale to sums over the group
+    (``s * (sum x q - z * sum x)``): the same product as dequantizing first, to float32 rounding."""
+    k, n, group = 256, 96, 32
+    qweight, zeros, scales = random_packed(k, n, bits, group, seed=2)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(3))
+    bias = torch.randn(n)
+    want = qr.int_matmul(x, qweight, zeros, scales, group, bits, bias)
+    args = [t.to(tk.device) for t in (x, qweight, zeros, scales)]
+    cfg = dict(BLOCK_N=32, BLOCK_W=4, SPLIT_K=split, num_warps=4)  # N of 96: three column tiles
+    got = tk.quant.int_gemv(*args, group, bits, bias.to(tk.device), config=cfg)
+    torch.testing.assert_close(got.cpu(), want, atol=1e-4 * 2 ** bits, rtol=1e-4)
+
+
+@pytest.mark.parametrize("rows", [1, 4])
+def test_fp8_gemv_without_tensor_cores_matches_the_dequantized_product(tk, rows):
+    gen = torch.Generator().manual_seed(4)
+    n, k = 80, 300  # neither a multiple of the tiles: the masks are exercised
+    w = torch.randn(n, k, generator=gen) * 0.05
+    scale = qr.fp8_scale_per_row(w)
+    wq = qr.fp8_quantize(w, scale)
+    x = torch.randn(rows, k, generator=gen)
+    bias = torch.randn(n, generator=gen)
+    want = x @ (wq.float() * scale).t() + bias
+    dev = tk.device
+    for cfg in (dict(BLOCK_N=16, BLOCK_K=64, SPLIT_K=1, num_warps=4), dict(BLOCK_N=32, BLOCK_K=128, SPLIT_K=2, num_warps=4)):
+        got = tk.quant.fp8_gemv(x.to(dev), wq.to(dev), scale.to(dev), bias.to(dev), config=cfg)
+        torch.testing.assert_close(got.cpu(), want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_dequantize_then_dense_matmul_is_the_reference_product(tk, bits):
+    """The big-batch path: the packed weight dequantized into a scratch buffer exactly as the reference
+    does, then a dense matmul; a second, smaller layer reuses the buffer."""
+    x = torch.randn(20, 256, generator=torch.Generator().manual_seed(5))
+    for k, n, group in ((256, 96, 32), (128, 64, 64)):
+        qweight, zeros, scales = random_packed(k, n, bits, group, seed=k)
+        dense = qr.int_matmul(torch.eye(k), qweight, zeros, scales, group, bits)  # the dequantized [K, N]
+        buf = torch.empty(k * n, device=tk.device)
+        args = [t.to(tk.device) for t in (qweight, zeros, scales)]
+        torch.testing.assert_close(tk.quant.int_dequantize(*args, group, bits, buf).cpu(), dense, atol=0, rtol=0)
+        want = qr.int_matmul(x[:, :k], qweight, zeros, scales, group, bits)
+        got = tk.quant.int_matmul_dequantized(x[:, :k].to(tk.device), *args, group, bits)
+        torch.testing.assert_close(got.cpu(), want, atol=1e-4, rtol=1e-4)
+
+
+@requires_cuda
+@pytest.mark.parametrize("rows", [1, 16, 300])
+def test_every_int4_path_on_the_gpu_at_llama_shapes(rows):
+    """What ``int_matmul`` dispatches to by row count (GEMV, tensor-core kernel, dequantize + cuBLAS), each
+    autotuned at a real shape, against the float32 reference."""
+    from kvloom.kernels import triton_quant
+
+    qweight, zeros, scales = random_packed(4096, 6144, 4, 128, seed=7)
+    x = torch.randn(rows, 4096).to(torch.bfloat16)
+    want = qr.int_matmul(x.float(), qweight, zeros, scales, 128, 4)
+    args = [t.cuda() for t in (x, qweight, zeros, scales)]
+    paths = [triton_quant.int_matmul, triton_quant.int_matmul_dequantized] + [triton_quant.int_gemv] * (rows <= 16)
+    for path in paths:
+        torch.testing.assert_close(path(*args, 128, 4).float().cpu(), want, atol=0.05, rtol=0.02)
+    # PyTorch's int4 GEMM on the second layout (bf16 scales and zeros: a coarser tolerance)
+    tiny = triton_quant.tinygemm_pack(*args[1:], 128)
+    assert tiny is not None
+    got = triton_quant.tinygemm_linear(args[0], *tiny, 128).float().cpu()
+    assert (got - want).abs().max() <= 0.02 * want.abs().max()
+    # and the dispatcher, whichever path it picks for this shape
+    got = triton_quant.int_linear(*args, 128, 4, tinygemm=tiny).float().cpu()
+    assert (got - want).abs().max() <= 0.02 * want.abs().max()
+
+
+@requires_cuda
+@pytest.mark.parametrize("rows", [1, 8])
+def test_fp8_gemv_on_the_gpu_at_llama_shapes(rows):
+    from kvloom.kernels import triton_quant
+
+    w = torch.randn(6144, 4096) * 0.02
+    scale = qr.fp8_scale_per_row(w)
+    wq = qr.fp8_quantize(w, scale)
+    x = torch.randn(rows, 4096).to(torch.bfloat16)
+    want = x.float() @ (wq.float() * scale).t()
+    got = triton_quant.fp8_gemv(x.cuda(), wq.cuda(), scale.cuda())
+    torch.testing.assert_close(got.float().cpu(), want, atol=0.02, rtol=0.02)

@@ -121,6 +121,9 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.layer_idx = layer_idx
         self.backend = backend
+        # Per-tensor scales of an fp8 KV cache (stored x / scale): 1.0, or the checkpoint's k_scale/v_scale
+        # (kvloom.core.loader.KVCacheScales); other caches ignore them.
+        self.k_scale = self.v_scale = 1.0
 
     def forward(self, rope, h, meta: AttentionMetadata, kv_cache) -> torch.Tensor:
         qkv = self.qkv_proj(h)
@@ -132,7 +135,10 @@ class Attention(nn.Module):
             q = self.q_norm(q)
             k = self.k_norm(k)
         q, k = ops.apply_rotary(rope, q, k)
-        out = self.backend.forward(q, k, v, kv_cache, meta, self.scale)
+        if kv_cache[0].dtype == torch.float8_e4m3fn and (self.k_scale, self.v_scale) != (1.0, 1.0):
+            out = self.backend.forward(q, k, v, kv_cache, meta, self.scale, k_scale=self.k_scale, v_scale=self.v_scale)
+        else:
+            out = self.backend.forward(q, k, v, kv_cache, meta, self.scale)
         return self.tp.all_reduce(self.o_proj(out.reshape(-1, self.q_size)))
 
 

@@ -10,7 +10,7 @@ from kvloom.core.config import ConfigError
 from kvloom.core.model.linear import LinearBase, set_dense_weight
 from kvloom.core.model.quantization import (QuantizationMethod, check_choice, dense_bytes, dequantized_kernel,
                                             param_bytes)
-from kvloom.core.model.quantization.packed_int import keep_packed, set_packed_weight
+from kvloom.core.model.quantization.packed_int import INT_KERNELS, keep_packed, set_packed_weight, tinygemm_bytes
 from kvloom.kernels.quant_reference import dequantize_awq, repack_awq
 
 AWQ_GROUP_SIZES = (32, 64, 128)
@@ -76,7 +76,7 @@ class AWQLinearMethod:
             return
         qweight, zeros = repack_awq(layer.qweight.data, layer.qzeros.data)
         set_packed_weight(layer, qweight, zeros, layer.scales.data, m.group_size, 4)
-        m.kernel = "W4A16 GEMM dequantizing in the kernel (Triton on CUDA), weights repacked along the inputs"
+        m.kernel = INT_KERNELS.format(bits=4) + ", weights repacked along the inputs"
 
     def apply(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
         raise RuntimeError(f"{layer.prefix}: AWQ weights are used before process_weights_after_loading")
@@ -85,7 +85,8 @@ class AWQLinearMethod:
         if device_type == "cpu":
             return dense_bytes(layer)
         zeros = layer.qzeros.numel() * 8  # unpacked to a uint8 each
-        return param_bytes(layer) - layer.qzeros.numel() * 4 + zeros
+        return (param_bytes(layer) - layer.qzeros.numel() * 4 + zeros
+                + tinygemm_bytes(layer, 4, self.method.group_size, device_type))
 
     @torch.no_grad()
     def init_dummy(self, layer: LinearBase, gen: torch.Generator) -> None:

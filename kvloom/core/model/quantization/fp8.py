@@ -4,8 +4,9 @@ compressed-tensors FP8 checkpoints (channel or tensor weights, dynamic per-token
 and online quantization of a dense checkpoint (per-channel weight scales, dynamic per-token activations).
 
 Where the GPU has FP8 matmuls (Ada, Hopper and later) the layer runs W8A8 through ``torch._scaled_mm``
-with row-wise scales, and decode-sized batches (up to 16 rows) weight-only through a Triton FP8 GEMV
-(bf16 activations: reading the FP8 weight is the whole cost there); elsewhere (the CPU, older GPUs) and for block-wise scales, weight-only: the FP8
+with row-wise scales (fast accumulation), and decode-sized batches (up to 16 rows) W8A8 or one of two
+weight-only Triton FP8 GEMVs (bf16 activations: reading the FP8 weight is the whole cost there), by the
+rule ``triton_quant.fp8_linear_path`` measured on an H200; elsewhere (the CPU, older GPUs) and for block-wise scales, weight-only: the FP8
 weight is dequantized at load, so its rounding is kept and the matmul is dense.
 """
 
@@ -52,8 +53,10 @@ def fp8_w8a8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.T
         if pad:
             xq = F.pad(xq.view(torch.uint8), (0, 0, 0, pad)).view(FP8_DTYPE)
             scale = F.pad(scale, (0, 0, 0, pad), value=1.0)
+    # Hopper's fast accumulation: 1.05-1.15x the GEMM at 256-4096 rows of Llama-3-8B (H200,
+    # benchmarks/quant_kernels_gpu.py), within the tolerance of tests/kernels' W8A8 test.
     out = torch._scaled_mm(xq, weight.t(), scale_a=scale.contiguous(), scale_b=weight_scale.reshape(1, -1),
-                           out_dtype=x.dtype)[:rows]
+                           out_dtype=x.dtype, use_fast_accum=x2.is_cuda)[:rows]
     if bias is not None:
         out = out + bias
     return out.reshape(*shape[:-1], weight.shape[0])
@@ -188,15 +191,19 @@ class FP8LinearMethod:
         if input_scale is not None:  # one scale for the fused input: the largest shard's, as vLLM does
             layer.add_param("input_scale", input_scale)
         self.w8a8 = True
-        m.kernel = ("W8A8 torch._scaled_mm, row-wise scales; up to "
-                    f"{_gemv_rows()} rows weight-only FP8 GEMV (Triton)")
+        m.kernel = ("W8A8 torch._scaled_mm, row-wise scales, fast accumulation; up to "
+                    f"{_gemv_rows()} rows by shape that or a weight-only FP8 GEMV (Triton)")
 
     def apply(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
         from kvloom.kernels import triton_quant
 
-        if x.numel() <= triton_quant.FP8_GEMV_MAX_ROWS * x.shape[-1]:  # decode-sized: weight-only GEMV
-            return triton_quant.fp8_weight_only_linear(x, layer.weight, layer.weight_scale, layer.bias)
-        return fp8_w8a8_linear(x, layer.weight, layer.weight_scale, getattr(layer, "input_scale", None), layer.bias)
+        w, ws, bias = layer.weight, layer.weight_scale, layer.bias
+        path = triton_quant.fp8_linear_path(x.numel() // x.shape[-1], w.shape[0], w.shape[1])
+        if path == "gemv":
+            return triton_quant.fp8_gemv(x, w, ws, bias)
+        if path == "gemv_dot":
+            return triton_quant.fp8_weight_only_linear(x, w, ws, bias)
+        return fp8_w8a8_linear(x, w, ws, getattr(layer, "input_scale", None), bias)
 
     def held_bytes(self, layer: LinearBase, device_type: str) -> int:
         if device_type == "cpu" or self.method.block:  # weight-only: dequantized at load

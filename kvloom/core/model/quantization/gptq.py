@@ -11,7 +11,7 @@ from kvloom.core.config import ConfigError
 from kvloom.core.model.linear import LinearBase, set_dense_weight
 from kvloom.core.model.quantization import (QuantizationMethod, check_choice, dense_bytes, dequantized_kernel,
                                             param_bytes)
-from kvloom.core.model.quantization.packed_int import keep_packed, set_packed_weight
+from kvloom.core.model.quantization.packed_int import INT_KERNELS, keep_packed, set_packed_weight, tinygemm_bytes
 from kvloom.kernels.quant_reference import dequantize_gptq, repack_gptq
 
 GPTQ_BITS = (4, 8)
@@ -128,7 +128,7 @@ class GPTQLinearMethod:
             return
         qweight, zeros = repack_gptq(layer.qweight.data, layer.qzeros.data, m.bits, m.checkpoint_format == "gptq", perm)
         set_packed_weight(layer, qweight, zeros, layer.scales.data, g, m.bits, perm)
-        m.kernel = (f"W{m.bits}A16 GEMM dequantizing in the kernel (Triton on CUDA)"
+        m.kernel = (INT_KERNELS.format(bits=m.bits)
                     + (", inputs sorted by group (desc_act)" if perm is not None else ""))
 
     def apply(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
@@ -138,7 +138,9 @@ class GPTQLinearMethod:
         if device_type == "cpu":
             return dense_bytes(layer)
         per_word = 32 // self.method.bits
-        return param_bytes(layer) - layer.qzeros.numel() * 4 + layer.qzeros.numel() * per_word
+        group = self.method.group_size if self.method.group_size > 0 else layer.input_size
+        return (param_bytes(layer) - layer.qzeros.numel() * 4 + layer.qzeros.numel() * per_word
+                + tinygemm_bytes(layer, self.method.bits, group, device_type))
 
     @torch.no_grad()
     def init_dummy(self, layer: LinearBase, gen: torch.Generator) -> None:

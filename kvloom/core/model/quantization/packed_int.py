@@ -10,6 +10,11 @@ import torch
 from kvloom.core.model.linear import LinearBase
 
 
+# The start-up log's kernel: what ``kvloom.kernels.triton_quant.int_linear`` picks from by row count.
+INT_KERNELS = ("W{bits}A16 on CUDA: up to 4 rows PyTorch's int4 GEMM (tinygemm, 4-bit bf16, a second copy of the "
+               "weight), up to 63 rows a Triton tensor-core GEMM dequantizing in the kernel, dequantize + cuBLAS beyond")
+
+
 def keep_packed(device: torch.device, forced: bool | None) -> bool:
     """Run packed (the in-kernel dequantizing GEMM) or dequantize at load: packed on CUDA."""
     return forced if forced is not None else device.type == "cuda"
@@ -28,6 +33,15 @@ def set_packed_weight(layer: LinearBase, qweight: torch.Tensor, zeros: torch.Ten
         layer.register_buffer("perm", perm, persistent=False)
     else:
         layer.perm = None
+    layer.tinygemm = None
+    if bits == 4 and qweight.is_cuda and layer.params_dtype == torch.bfloat16:
+        from kvloom.kernels.triton_quant import tinygemm_pack
+
+        pack = tinygemm_pack(qweight, zeros, scales, group_size)
+        if pack is not None:  # a second copy of the weight (half a byte per value): a decode path
+            layer.register_buffer("tinygemm_weight", pack[0], persistent=False)
+            layer.register_buffer("tinygemm_scales_zeros", pack[1], persistent=False)
+            layer.tinygemm = (layer.tinygemm_weight, layer.tinygemm_scales_zeros)
     layer.method = PackedIntLinearMethod(group_size, bits)
 
 
@@ -49,7 +63,17 @@ class PackedIntLinearMethod:
 
         if layer.perm is not None:
             x = x.index_select(-1, layer.perm)
-        return ops.int_matmul(x, layer.qweight, layer.zeros, layer.scales, self.group_size, self.bits, layer.bias)
+        return ops.int_matmul(x, layer.qweight, layer.zeros, layer.scales, self.group_size, self.bits, layer.bias,
+                              layer.tinygemm)
 
     def held_bytes(self, layer: LinearBase, device_type: str) -> int:
-        return sum(p.numel() * p.element_size() for p in layer.parameters(recurse=False))
+        tiny = sum(t.numel() * t.element_size() for t in (layer.tinygemm or ()))
+        return sum(p.numel() * p.element_size() for p in layer.parameters(recurse=False)) + tiny
+
+
+def tinygemm_bytes(layer: LinearBase, bits: int, group_size: int, device_type: str) -> int:
+    """What the second, tinygemm layout of a 4-bit layer adds on CUDA in bf16 (``engine plan``)."""
+    if bits != 4 or device_type != "cuda" or layer.params_dtype != torch.bfloat16 or group_size not in (32, 64, 128, 256) \
+            or layer.input_size % 1024:
+        return 0
+    return layer.input_size * layer.output_size // 2 + (layer.input_size // group_size) * layer.output_size * 4
