@@ -106,11 +106,6 @@ class EngineCore:
             max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=self.max_model_len,
         )
         self.gate = AdmissionGate()  # no caps or quotas unless the engine process sets them
-        # Closures over the gate, not self: an engine in a reference cycle keeps its KV cache (and a GPU's
-        # memory) until the garbage collector runs, long after its LLM was dropped.
-        gate = self.gate
-        self.scheduler.on_first_step = lambda req, now: gate.observe_queue_wait(now - req.arrival_time)
-        self.scheduler.on_finish = lambda req: gate.release(req.request_id, req.num_tokens)
         if draft_kv is not None:
             draft_kv(self.capacity.num_blocks, config.block_size, config.seed)
         self.speculator = Speculator(proposer, self.max_model_len, kv=self.kv) if proposer is not None else None
@@ -200,6 +195,20 @@ class EngineCore:
         return budget
 
     # --- requests ----------------------------------------------------------------------------------
+    @property
+    def gate(self) -> AdmissionGate:
+        return self._gate
+
+    @gate.setter
+    def gate(self, gate: AdmissionGate) -> None:
+        """The engine process sets its own gate (caps, quotas) after construction: the scheduler's
+        callbacks must follow it. They close over the gate, not self: an engine in a reference cycle
+        keeps its KV cache (and a GPU's memory) until the garbage collector runs, long after its LLM
+        was dropped."""
+        self._gate = gate
+        self.scheduler.on_first_step = lambda req, now: gate.observe_queue_wait(now - req.arrival_time)
+        self.scheduler.on_finish = lambda req: gate.release(req.request_id, req.num_tokens)
+
     def add_request(self, msg: AddRequest) -> Request:
         """Admit a request or raise RequestRejected naming the value and the limit."""
         prompt = msg.prompt_token_ids

@@ -313,7 +313,7 @@ def build_app(engine_address: str | list[str], engine_config: EngineConfig, serv
             logger.error("%s", e)
             logging.shutdown()
             os._exit(3)
-        server.metrics.set_model(server.core.ready.model_name)
+        server.metrics.set_model(server.core.ready.model_name, list(server.cores))
         server.responses = ResponseBuilder(server.core.tokenizer, server.core.ready.model_name)
         server.builders = {name: ResponseBuilder(core.tokenizer, name) for name, core in server.cores.items()}
         try:

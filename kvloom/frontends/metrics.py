@@ -156,10 +156,16 @@ class FrontendMetrics:
         self._latency = Histogram("kvloom_request_latency_seconds", "Time from arrival to the last token.",
                                   ["model"], buckets=LATENCY_BUCKETS, registry=r)
 
-    def set_model(self, model: str) -> None:
+    def set_model(self, model: str, served: list[str] = ()) -> None:
         """Name the first served model (known once its engine is ready): the label of requests that
-        name no model, or fail before one is known."""
+        name no model, or fail before one is known. Every served model's token counters and latency
+        histograms are written from the start, at zero, so a scrape before the first request already
+        has them (a labelled series otherwise appears only once it is used)."""
         self.model = model
+        for name in [model, *served]:
+            for series in (self._prompt_tokens, self._generation_tokens, self._ttft, self._tpot, self._itl,
+                           self._latency):
+                series.labels(name)
 
     def count_prompt_tokens(self, count: int, model: str | None = None) -> None:
         self._prompt_tokens.labels(model or self.model).inc(count)
