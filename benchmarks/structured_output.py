@@ -55,7 +55,9 @@ def run(llm: LLM, prompts: list[str], spec, args) -> dict:
         tokens += n
         if n > 1:
             tpots.append((o.metrics.finish_time - o.metrics.first_token_time) / (n - 1))
-    return {"tpot_ms": 1000 * statistics.mean(tpots), "tokens": tokens, "wall_s": wall}
+    # Every prompt is the same and so is the seed: a mode whose language lets the first token end the
+    # output (EOS allowed at once) ends every request there, and that round has no TPOT to give.
+    return {"tpot_ms": 1000 * statistics.mean(tpots) if tpots else None, "tokens": tokens, "wall_s": wall}
 
 
 def shape_with_smollm2_vocab(shape: str, overrides: dict, tokenizer: str | None) -> str:
@@ -112,15 +114,22 @@ def main() -> None:
             rounds[name].append(run(llm, prompts, MODES[name], args))
     result = {"model": args.shape or args.model, "device": str(llm.engine.device), "concurrency": args.concurrency,
               "output_len": args.output_len, "temperature": args.temperature, "repeat": args.repeat, "modes": {}}
-    base = statistics.median(r["tpot_ms"] for r in rounds["free"]) if "free" in rounds else None
+    def median_tpot(rs: list[dict]) -> float | None:
+        measured = [r["tpot_ms"] for r in rs if r["tpot_ms"] is not None]
+        return statistics.median(measured) if measured else None
+
+    base = median_tpot(rounds["free"]) if "free" in rounds else None
     print(f"{'mode':<12} {'TPOT ms':>9} {'vs free':>8} {'tokens':>7}")
     for name, rs in rounds.items():
-        tpot = statistics.median(r["tpot_ms"] for r in rs)
+        tpot = median_tpot(rs)
         tokens = statistics.median(r["tokens"] for r in rs)
-        ratio = tpot / base if base else None
-        result["modes"][name] = {"tpot_ms": round(tpot, 3), "ratio_to_free": ratio and round(ratio, 3),
+        ratio = tpot / base if base and tpot is not None else None
+        result["modes"][name] = {"tpot_ms": tpot and round(tpot, 3), "ratio_to_free": ratio and round(ratio, 3),
                                  "tokens": tokens, "runs": rs}
-        print(f"{name:<12} {tpot:>9.2f} {ratio if ratio else float('nan'):>8.3f} {tokens:>7.0f}")
+        shown = f"{tpot:>9.2f}" if tpot is not None else f"{'-':>9}"
+        print(f"{name:<12} {shown} {ratio if ratio else float('nan'):>8.3f} {tokens:>7.0f}")
+        if tpot is None:
+            print(f"  {name}: every request ended at its first token in every round: no TPOT to measure")
     text = json.dumps(result, indent=2)
     print(text)
     if args.output_json:

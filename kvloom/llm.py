@@ -4,6 +4,7 @@ driving the engine core in this process with a progress bar."""
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Sequence
@@ -17,6 +18,8 @@ from kvloom.core.sampling_params import SamplingParams
 from kvloom.frontends.output import CompletionText, fan_out
 from kvloom.frontends.text import apply_chat_template, has_tokenizer, load_tokenizer
 
+logger = logging.getLogger("kvloom")
+
 
 @dataclass
 class CompletionOutput:
@@ -26,6 +29,7 @@ class CompletionOutput:
     finish_reason: str | None
     stop_reason: str | int | None = None  # the stop string or stop token that ended it
     logprobs: list[TokenLogprobs] | None = None
+    error: str | None = None  # why the engine ended it, when finish_reason is "error"
 
 
 @dataclass
@@ -209,6 +213,11 @@ class LLM:
                         engine.abort_requests([delta.request_id])
                     comp.finish_reason = piece.finish_reason
                     comp.stop_reason = piece.stop_reason
+                    if delta.finish_reason == "error":
+                        # The engine refused or failed it (e.g. a grammar that does not compile): say why,
+                        # on the output and in the log, instead of an empty completion with no reason.
+                        comp.error = delta.error
+                        logger.warning("Request %s ended with an error: %s", delta.request_id, delta.error)
                     out.num_cached_tokens = delta.num_cached_tokens
                     out.metrics.num_draft_tokens += delta.num_draft_tokens
                     out.metrics.num_accepted_tokens += delta.num_accepted_tokens

@@ -75,6 +75,16 @@ def test_a_grammar_that_does_not_compile_rejects_its_request(llm):
     assert "invalid regex" in delta.error and "parenthesis" in delta.error
 
 
+def test_kvloom_llm_says_why_a_request_ended_with_an_error(llm):
+    # Through the offline API the same refusal is an output with its reason, not an empty completion
+    # with finish_reason "error" and nothing to say why; the good request beside it still completes.
+    params = [SamplingParams(max_tokens=4, structured=StructuredOutputSpec(kind="regex", spec="((")),
+              SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)]
+    bad, good = [o.outputs[0] for o in llm.generate(PROMPTS[:2], params, use_tqdm=False)]
+    assert bad.finish_reason == "error" and bad.text == "" and "invalid regex" in bad.error
+    assert good.finish_reason == "length" and len(good.token_ids) == 4 and good.error is None
+
+
 def test_logit_bias_forces_a_token_and_bans_the_greedy_one(llm):
     forced = _gen(llm, PROMPTS[:1], temperature=1.0, seed=0, max_tokens=6, ignore_eos=True, logit_bias={77: 100})
     assert forced[0].token_ids == [77] * 6
