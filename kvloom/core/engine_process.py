@@ -9,6 +9,7 @@ step of a loaded CPU engine can take seconds). Every other decision stays with t
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hmac
 import logging
 import os
@@ -77,12 +78,12 @@ class EngineServer:
         self._outbound_pull.bind(self._outbound_address)
         self._outbound = self.ctx.socket(zmq.PUSH)
         self._outbound.setsockopt(zmq.SNDHWM, 0)
+        self._outbound.setsockopt(zmq.LINGER, 0)  # closed after the inbox thread took all it will take
         self._outbound.connect(self._outbound_address)
         self.inbound: queue.SimpleQueue = queue.SimpleQueue()
         self._pending_adds = 0  # AddRequests in ``inbound`` the loop has not taken yet
         self._pending_lock = threading.Lock()
         self._loop_seen = time.monotonic()  # the loop's last turn: a stale one means it may be hung
-        self.num_refused_early = 0
         self._inbox_thread = threading.Thread(target=self._inbox, name="kvloom-engine-inbox", daemon=True)
         self._inbox_thread.start()
         self.core = None
@@ -153,7 +154,9 @@ class EngineServer:
         self.fail_frontends(message)
         if self.core is not None:
             self.core.shutdown()
-        self._outbound.send_multipart([_STOP])
+        # NOBLOCK: an inbox thread that died has closed its end, and a blocking send would wait for ever.
+        with contextlib.suppress(zmq.Again):
+            self._outbound.send_multipart([_STOP], zmq.NOBLOCK)
         self._inbox_thread.join(timeout=10)
         self._outbound.close()
         self.ctx.term()
@@ -263,15 +266,13 @@ class EngineServer:
         refusal = gate.refuse_if_queue_full(queued)
         if refusal is None:
             return False
-        delta = _error_delta(msg.request_id, refusal.message, refusal.kind)
-        delta.retry_after = refusal.retry_after
+        delta = _refusal_delta(msg.request_id, refusal)
         try:
             self.socket.send_multipart([ident, encode(StepOutputs(outputs=[delta]))], zmq.NOBLOCK)
         except zmq.ZMQError as e:
             if e.errno != zmq.EHOSTUNREACH:
                 raise
             self.inbound.put((ident, _GONE))
-        self.num_refused_early += 1
         return True
 
     def _reject_malformed(self, ident: bytes, data: bytes, error: Exception) -> None:
@@ -332,9 +333,7 @@ class EngineServer:
             self.outbox[ident].append(_error_delta(msg.request_id, str(e), "rejected"))
             return
         except Refusal as e:
-            delta = _error_delta(msg.request_id, e.message, e.kind)
-            delta.retry_after, delta.rate_limit = e.retry_after, e.rate_limit
-            self.outbox[ident].append(delta)
+            self.outbox[ident].append(_refusal_delta(msg.request_id, e))
             return
         self.owners[msg.request_id] = ident
 
@@ -404,6 +403,13 @@ def _add_request_id(data: bytes) -> str | None:
 
 def _error_delta(request_id: str, message: str, kind: str) -> TokenDelta:
     return TokenDelta(request_id=request_id, new_token_ids=[], finish_reason="error", error=message, error_kind=kind)
+
+
+def _refusal_delta(request_id: str, refusal) -> TokenDelta:
+    """The error delta of a gate ``Refusal``: its kind, message, Retry-After and rate-limit headers."""
+    delta = _error_delta(request_id, refusal.message, refusal.kind)
+    delta.retry_after, delta.rate_limit = refusal.retry_after, refusal.rate_limit
+    return delta
 
 
 def serve_engine(config: EngineConfig, address: str, model_name: str | None = None,
