@@ -27,7 +27,8 @@ REPO = Path(__file__).resolve().parents[1]
 VARIANTS = {"kvloom": {}, "spin": {"GOMP_SPINCOUNT": "300000"}, "passive": {"OMP_WAIT_POLICY": "PASSIVE"},
             "active": {"OMP_WAIT_POLICY": "ACTIVE"}}
 OPENMP_VARIABLES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME")
-BUSY_LOOP = "import os, sys\nos.sched_setaffinity(0, {int(sys.argv[1])})\nwhile True:\n    pass\n"
+BUSY_LOOP = ("import os, sys\nos.sched_setaffinity(0, {int(sys.argv[1])})\nos.setpriority(os.PRIO_PROCESS, 0, int(sys.argv[2]))\n"
+             "while True:\n    pass\n")
 
 
 def child(args) -> None:
@@ -46,18 +47,19 @@ def child(args) -> None:
     print(json.dumps({"threads": torch.get_num_threads(), "wait_policy": os.environ.get("OMP_WAIT_POLICY"),
                       "spin_count": os.environ.get("GOMP_SPINCOUNT")}), flush=True)
     for state in args.schedule:
-        busy = None
+        busy = []
         if state == "l":
-            busy = subprocess.Popen([sys.executable, "-c", BUSY_LOOP, str(args.busy_core)])
-            time.sleep(0.5)  # the loop is spinning before the clock starts
+            busy = [subprocess.Popen([sys.executable, "-c", BUSY_LOOP, core, str(args.busy_nice)])
+                    for core in args.busy_core.split(",")]
+            time.sleep(0.5)  # the loops are spinning before the clock starts
         try:
             t0 = time.perf_counter()
             outs = llm.generate(prompts, params, use_tqdm=False)
             elapsed = time.perf_counter() - t0
         finally:
-            if busy is not None:
-                busy.kill()
-                busy.wait()
+            for b in busy:
+                b.kill()
+                b.wait()
         tokens = sum(len(o.outputs[0].token_ids) for o in outs)
         print(json.dumps({"state": "loaded" if state == "l" else "quiet", "seconds": elapsed,
                           "output_tok_s": tokens / elapsed, "load_average": os.getloadavg()[0]}), flush=True)
@@ -70,7 +72,8 @@ def run_variant(args, name: str) -> dict:
     schedule = "ql" * args.repeat
     cmd = [sys.executable, __file__, "--child", "--schedule", schedule, "--model", args.model, "--dtype", args.dtype,
            "--num-requests", str(args.num_requests), "--prompt-len", str(args.prompt_len),
-           "--output-len", str(args.output_len), "--busy-core", str(args.busy_core), "--seed", str(args.seed)]
+           "--output-len", str(args.output_len), "--busy-core", args.busy_core, "--busy-nice", str(args.busy_nice),
+           "--seed", str(args.seed)]
     if args.threads:
         cmd += ["--threads", str(args.threads)]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
@@ -97,8 +100,10 @@ def main() -> None:
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--repeat", type=int, default=3, help="Quiet/loaded pairs per variant.")
     p.add_argument("--variants", default="kvloom,spin,passive", help=f"Comma-separated, of {sorted(VARIANTS)}.")
-    p.add_argument("--busy-core", type=int, default=max(os.sched_getaffinity(0)),
-                   help="The core the busy loop is pinned to.")
+    p.add_argument("--busy-core", default=str(max(os.sched_getaffinity(0))),
+                   help="The core a busy loop is pinned to (a comma-separated list: one loop per core).")
+    p.add_argument("--busy-nice", type=int, default=0,
+                   help="The busy loops' nice value (19: lower-priority work beside the engine, e.g. a test run).")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=1800.0, help="Seconds per variant.")
     p.add_argument("--output-json", help="Also write the JSON here.")
@@ -113,7 +118,7 @@ def main() -> None:
         raise SystemExit(f"--variants: unknown {unknown}; known: {sorted(VARIANTS)}")
     result = {"benchmark": "cpu_contention", "model": args.model,
               "workload": f"{args.num_requests} x ({args.prompt_len} + {args.output_len})",
-              "cores": sorted(os.sched_getaffinity(0)), "busy_core": args.busy_core,
+              "cores": sorted(os.sched_getaffinity(0)), "busy_core": args.busy_core, "busy_nice": args.busy_nice,
               "variants": [run_variant(args, n) for n in names]}
     text = json.dumps(result, indent=1)
     print(text)

@@ -71,3 +71,75 @@ def test_threads_is_a_config_key_and_a_flag(tiny_llama, tmp_path):
         assert "CPU: 1 thread (" in server.log() and "OpenMP spin count 20000" in server.log()
     finally:
         server.stop()
+
+
+class FakeMachine:
+    """/proc/stat and this process's CPU time, advanced by hand: ``run(seconds, own=…, others=…,
+    niced=…)`` says how many cores this engine, other processes and niced processes kept busy."""
+
+    def __init__(self) -> None:
+        self.now = self.busy = self.niced = self.own = 0.0
+
+    def run(self, seconds: float, own: float, others: float = 0.0, niced: float = 0.0) -> None:
+        self.now += seconds
+        self.own += own * seconds
+        self.busy += (own + others) * seconds
+        self.niced += niced * seconds
+
+    def governor(self, max_threads: int = 2, cores=(0, 1), niced_compete: bool = False):
+        from kvloom.core.cpu_threads import ThreadGovernor
+
+        self.set_calls: list[int] = []
+        return ThreadGovernor(max_threads, cores, interval_s=0.5, clock=lambda: self.now,
+                              core_times=lambda cores: (self.busy, self.niced), own_cpu=lambda: self.own,
+                              set_threads=self.set_calls.append, niced_compete=niced_compete)
+
+
+def test_governor_gives_a_core_taken_by_another_process_back_and_takes_it_again_when_freed():
+    m = FakeMachine()
+    g = m.governor()
+    m.run(0.6, own=2.0)  # quiet: both cores ours
+    assert g.maybe_adjust() == 2 and m.set_calls == []
+    m.run(0.6, own=1.5, others=0.5)  # a busy loop at our priority shares one core with a thread of ours
+    assert g.maybe_adjust() == 1 and m.set_calls == [1]
+    m.run(0.6, own=1.0, others=1.0)  # it keeps that core: one thread stays
+    assert g.maybe_adjust() == 1
+    m.run(0.6, own=1.0, others=0.1)  # the loop ended (a little other work is not a core): the thread comes back
+    assert g.maybe_adjust() == 2 and m.set_calls == [1, 2]
+
+
+def test_governor_ignores_niced_work_and_small_loads_and_does_not_flap_near_the_threshold():
+    m = FakeMachine()
+    g = m.governor()
+    m.run(0.6, own=1.9, niced=0.1)  # a test run at nice 19 on both cores: the engine's threads win them
+    assert g.maybe_adjust() == 2
+    m.run(0.6, own=1.8, others=0.25)  # an API server using a quarter of a core: no thread given up
+    assert g.maybe_adjust() == 2
+    m.run(0.6, own=1.6, others=0.4)  # above the 0.3-core threshold: one given up
+    assert g.maybe_adjust() == 1
+    m.run(0.6, own=1.0, others=0.25)  # below the threshold but not by the release margin: kept at one
+    assert g.maybe_adjust() == 1
+    assert m.set_calls == [1]
+    # An engine that runs niced itself shares its cores with niced work as with any other.
+    niced = FakeMachine()
+    g = niced.governor(niced_compete=True)
+    niced.run(0.6, own=1.0, niced=1.0)
+    assert g.maybe_adjust() == 1
+
+
+def test_governor_reads_only_every_interval_and_never_goes_below_one_or_above_its_ceiling():
+    m = FakeMachine()
+    g = m.governor(max_threads=2, cores=(0, 1, 2, 3))
+    m.run(0.2, own=2.0, others=3.5)
+    assert g.maybe_adjust() == 2 and m.set_calls == []  # too soon: nothing read
+    m.run(0.4, own=0.5, others=3.5)
+    assert g.maybe_adjust() == 1  # three and a half of four cores taken: one thread, never zero
+    m.run(0.6, own=1.0, others=0.0)
+    assert g.maybe_adjust() == 2  # four free cores, but no more than the ceiling of two
+
+
+def test_an_engine_with_threads_set_or_one_core_keeps_its_count(tiny_llama):
+    from kvloom import LLM
+
+    assert LLM(tiny_llama, threads=1, num_kv_blocks=32).engine.thread_governor is None
+    assert LLM(tiny_llama, adaptive_threads=False, num_kv_blocks=32).engine.thread_governor is None

@@ -57,7 +57,11 @@ class EngineConfig:
                                              "whatever gpu_memory_utilization leaves).")
     num_kv_blocks: int | None = _opt(None, "Exact number of KV blocks (overrides the memory-based size).")
     threads: int | None = _opt(None, "CPU threads of the engine's matmuls and attention (default: the cores this "
-                               "process may run on, from its affinity mask).")
+                               "process may run on, from its affinity mask, fewer while other processes keep "
+                               "some of them busy: see adaptive_threads).")
+    adaptive_threads: bool = _opt(True, "On the CPU, without threads set: run one thread fewer for each core "
+                                  "other processes at the engine's priority keep busy, and take it back when "
+                                  "they stop (a team of threads goes at the pace of its slowest).")
     seed: int = _opt(0, "Seed for dummy weights and for sampling of requests without their own seed.")
     enforce_eager: bool = _opt(False, "Never capture CUDA graphs.")
     stats_log_interval: float = _opt(10.0, "Seconds between the served engine's stats lines in the log "

@@ -14,7 +14,7 @@ from kvloom.core.attention import get_attention_backend
 from kvloom.core.config import ConfigError, EngineConfig
 from kvloom.core.cpu_linear import cpu_has_native_bf16
 from kvloom.core.cpu_malloc import keep_freed_memory
-from kvloom.core.cpu_threads import configure_threads
+from kvloom.core.cpu_threads import ThreadGovernor, available_core_ids, available_cores, configure_threads
 from kvloom.core.distributed import check_tp_size, threads_per_rank
 from kvloom.core.kv_cache import KVCacheManager
 from kvloom.core.loader import build_model, load_hf_config
@@ -40,6 +40,9 @@ class RequestRejected(ValueError):
     """A request that can never run (bad tokens, over the context or over the whole KV cache)."""
 
 
+GOVERNOR_LAYER_STRIDE = 4  # CPU thread count re-checked before every 4th decoder layer (a clock read)
+
+
 class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
         config.validate()
@@ -55,9 +58,13 @@ class EngineCore:
         self.vocab_size = self.hf_config.vocab_size
 
         check_tp_size(self.hf_config, config.tensor_parallel_size)
+        self.thread_governor = None
         if self.device.type == "cpu":
             keep_freed_memory()
-            configure_threads(threads_per_rank(config))
+            threads = configure_threads(threads_per_rank(config))
+            if config.adaptive_threads and config.threads is None and config.tensor_parallel_size == 1 \
+                    and available_cores() > 1:
+                self.thread_governor = ThreadGovernor(threads, available_core_ids())
         # Before any weights load, so that a bad draft model fails fast.
         self.proposer = proposer = self.plugins.make_spec_proposer(self.hf_config, config)
         # The profile counts what this engine adds from here on, not what others hold.
@@ -77,6 +84,17 @@ class EngineCore:
             quantization=self.quantization, tp=tp,
         )
         logger.info("Loaded %s (%s, %s) in %.1fs", config.model, self.dtype, self.device, time.perf_counter() - t0)
+        if self.thread_governor is not None:
+            # Checked inside the forward, every few layers: a long prefill step must not run out its whole
+            # length on a team that another process has just started to slow down.
+            # The hook holds the governor, not the engine: no cycle keeps a dropped engine's KV cache alive.
+            governor = self.thread_governor
+
+            def check_threads(module, args) -> None:  # a pre-hook's return value would replace the inputs
+                governor.maybe_adjust()
+
+            for layer in list(self.model.layers)[::GOVERNOR_LAYER_STRIDE]:
+                layer.register_forward_pre_hook(check_threads)
         if self.quantization is not None:
             logger.info(self.quantization.describe())
 
