@@ -133,24 +133,52 @@ class StructuredOutputManager:
 
     # --- the step ------------------------------------------------------------------------------------
     def fill_bitmasks(self, seqs: Sequence[ScheduledSeq]) -> None:
-        """Give each constrained sequence that samples this step the mask of the tokens its grammar
-        allows next."""
+        """Give each constrained sequence that samples this step one mask per sampled row: row ``j`` allows
+        what its grammar allows after the sequence's drafts ``0..j-1`` (the last row, the bonus token's,
+        after all of them), so the target's rows are verified under exactly the constrained distribution.
+
+        The masks are filled round by round over the batch: round ``j`` fills row ``j`` of every sequence
+        still walking its drafts, then advances those matchers by draft ``j``. A sequence stops walking
+        at a draft its grammar rejects; that row's mask forbids the draft, so the target rejects it
+        there and the rows after it are discarded anyway. The matchers are then rolled back: ``accept``
+        advances them over the tokens that stay, once the step is verified."""
         if not self._matchers:
             return
-        constrained = [s for s in seqs if s.samples and s.request_id in self._matchers]
+        # A matcher that accepted a stop token has nothing left to allow (only ignore_eos gets here).
+        constrained = [s for s in seqs if s.samples and s.request_id in self._matchers
+                       and not self._matchers[s.request_id].is_terminated()]
         if not constrained:
             return
         import xgrammar
 
         if self._batch is None:
             self._batch = xgrammar.BatchGrammarMatcher(max_threads=FILL_THREADS)
-        # One mask tensor for the step: each sequence's first sampled row is its grammar's next-token mask.
+        # One mask tensor for the step; rows[i] is sequence i's first sampled row.
         rows = [0]
         for s in constrained:
             rows.append(rows[-1] + s.num_sample_rows)
-        masks = xgrammar.allocate_token_bitmask(rows[-1], self.vocab_size)
-        self._batch.batch_fill_next_token_bitmask([self._matchers[s.request_id] for s in constrained], masks,
-                                                  rows[:-1])
+        masks = xgrammar.allocate_token_bitmask(rows[-1], self.vocab_size)  # all allowed until filled
+        matchers = [self._matchers[s.request_id] for s in constrained]
+        advanced = [0] * len(constrained)
+        walking = list(range(len(constrained)))
+        j = 0
+        while walking:
+            self._batch.batch_fill_next_token_bitmask([matchers[i] for i in walking], masks,
+                                                      [rows[i] + j for i in walking])
+            walking = [i for i in walking if j < len(constrained[i].draft_token_ids)]
+            if walking:
+                kept = xgrammar.BatchGrammarMatcher.batch_accept_token(
+                    [matchers[i] for i in walking], [constrained[i].draft_token_ids[j] for i in walking])
+                walking = [i for i, ok in zip(walking, kept) if ok]
+                for i in walking:
+                    advanced[i] += 1
+                # A draft that ended the grammar (a stop token) leaves no next mask to fill; the request
+                # stops there if the target keeps it.
+                walking = [i for i in walking if not matchers[i].is_terminated()]
+            j += 1
+        back = [(m, n) for m, n in zip(matchers, advanced) if n]
+        if back:
+            xgrammar.BatchGrammarMatcher.batch_rollback([m for m, _ in back], [n for _, n in back])
         for s, start, end in zip(constrained, rows, rows[1:]):
             s.token_bitmask = masks[start:end]
 
