@@ -35,6 +35,52 @@ def choice_grammar(choices: list[str]) -> str:
     return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
 
 
+# What a regex may use to be compiled as one automaton (xgrammar's ``Regex("...")`` rule) rather than
+# expanded into grammar rules: Python's parse of it, as a conservative check of its constructs.
+_AUTOMATON_OPS = {"LITERAL", "NOT_LITERAL", "ANY", "IN", "BRANCH", "SUBPATTERN", "MAX_REPEAT"}
+_AUTOMATON_CLASS_ITEMS = {"LITERAL", "RANGE", "NEGATE", "CATEGORY"}
+
+
+def regex_automaton_grammar(pattern: str) -> str | None:
+    """``root ::= Regex("pattern")`` when ``pattern`` is made of literals, character classes, groups,
+    alternation and greedy repetition only, else None.
+
+    xgrammar's ``compile_regex`` expands a regex into grammar rules: a bounded repetition such as
+    ``[a-z]{2,9}`` becomes a chain of optional rules, and every vocabulary token that can cross one
+    of their ends has to be replayed through the parser at each step, for each request. Compiled as
+    one automaton, the same language keeps those tokens in its precomputed masks. Anything else
+    (anchors, lookaround, back-references, lazy repetition, inline flags) keeps ``compile_regex``."""
+    import re
+    import re._parser as sre_parse
+
+    if "(?" in pattern:
+        return None
+    try:
+        parsed = sre_parse.parse(pattern)
+    except (re.error, RecursionError, OverflowError):
+        return None
+    if parsed.state.flags & ~re.UNICODE:
+        return None
+
+    def simple(items) -> bool:
+        for op, value in items:
+            name = str(op)
+            if name not in _AUTOMATON_OPS:
+                return False
+            if name == "IN" and any(str(o) not in _AUTOMATON_CLASS_ITEMS for o, _ in value):
+                return False
+            if name == "BRANCH" and not all(simple(b) for b in value[1]):
+                return False
+            if name == "SUBPATTERN" and (value[1] or value[2] or not simple(value[3])):
+                return False
+            if name == "MAX_REPEAT" and not simple(value[2]):
+                return False
+        return True
+
+    # JSON string escapes are EBNF's too, so the literal carries the pattern unchanged.
+    return f"root ::= Regex({json.dumps(pattern, ensure_ascii=False)})" if simple(parsed) else None
+
+
 class StructuredOutputManager:
     """Grammar compilation and per-request matchers. The tokenizer is loaded on the compile thread at
     the first constrained request, so an engine that never sees one pays nothing."""
@@ -70,6 +116,12 @@ class StructuredOutputManager:
                 schema = spec.spec if spec.kind == "json" else '{"type": "object"}'
                 return compiler.compile_json_schema(schema, strict_mode=spec.strict, any_whitespace=spec.any_whitespace)
             if spec.kind == "regex":
+                automaton = regex_automaton_grammar(spec.spec)
+                if automaton is not None:
+                    try:
+                        return compiler.compile_grammar(automaton)
+                    except (RuntimeError, ValueError):
+                        pass  # compile_regex names what is wrong, or compiles what the automaton could not
                 return compiler.compile_regex(spec.spec)
             if spec.kind == "choice":
                 return compiler.compile_grammar(choice_grammar(json.loads(spec.spec)))
