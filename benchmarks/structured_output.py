@@ -65,7 +65,8 @@ def mask_fill_only(llm: LLM, prompts: list[str], modes: list[str], args) -> dict
     """Time what a constrained step costs the host: filling one mask per request for 16 requests (the
     engine's own ``StructuredOutputManager.fill_bitmasks``), step by step along a real generation of
     each mode (the tokens the model wrote under it, replayed), with no forward to hide behind. Also
-    times the same fills one matcher at a time on one thread, and each grammar's compile."""
+    times the same fills one matcher at a time on one thread, and each mode's set-up (the tokenizer's
+    vocabulary for xgrammar, then the grammar's compile)."""
     import xgrammar
 
     from kvloom.core.engine.step import ScheduledSeq
@@ -179,7 +180,7 @@ def main() -> None:
     modes = args.modes.split(",")
     if args.mask_fill_only:
         fills = mask_fill_only(llm, prompts, modes, args)
-        print(f"{'mode':<12} {'compile s':>9} {'steps':>6} {'fill ms/step: mean':>19} {'median':>7} {'p90':>7} "
+        print(f"{'mode':<12} {'set-up s':>9} {'steps':>6} {'fill ms/step: mean':>19} {'median':>7} {'p90':>7} "
               f"{'max':>7} {'one by one':>11}")
         for name, f in fills.items():
             b = f["batched_ms"]

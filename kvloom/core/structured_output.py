@@ -45,11 +45,12 @@ def regex_automaton_grammar(pattern: str) -> str | None:
     """``root ::= Regex("pattern")`` when ``pattern`` is made of literals, character classes, groups,
     alternation and greedy repetition only, else None.
 
-    xgrammar's ``compile_regex`` expands a regex into grammar rules: a bounded repetition such as
-    ``[a-z]{2,9}`` becomes a chain of optional rules, and every vocabulary token that can cross one
-    of their ends has to be replayed through the parser at each step, for each request. Compiled as
-    one automaton, the same language keeps those tokens in its precomputed masks. Anything else
-    (anchors, lookaround, back-references, lazy repetition, inline flags) keeps ``compile_regex``."""
+    xgrammar's ``compile_regex`` expands a regex into grammar rules (a bounded repetition such as
+    ``[a-z]{2,9}`` becomes a chain of optional rules), and the tokens that can cross a rule's end are
+    replayed through the parser at every step, for every request: 16 masks of the benchmark's regex
+    took 10 ms a step on a CPU. As one automaton the same language's masks come from its precomputed
+    states: 0.25 ms (docs/benchmarks.md). Anything else (anchors, lookaround, back-references, lazy
+    repetition, inline flags) keeps ``compile_regex``."""
     import re
     import re._parser as sre_parse
 
