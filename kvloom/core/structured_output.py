@@ -52,7 +52,11 @@ def regex_automaton_grammar(pattern: str) -> str | None:
     states: 0.25 ms (docs/benchmarks.md). Anything else (anchors, lookaround, back-references, lazy
     repetition, inline flags) keeps ``compile_regex``."""
     import re
-    import re._parser as sre_parse
+
+    try:
+        import re._parser as sre_parse
+    except ImportError:  # Python 3.10
+        import sre_parse
 
     if "(?" in pattern:
         return None
