@@ -3,6 +3,7 @@ LLM, unconstrained and under a JSON Schema, a regex and a choice-free EBNF gramm
 table and JSON with each mode's TPOT and its ratio to unconstrained.
 
     python benchmarks/structured_output.py                              # SmolLM2 on this machine
+    python benchmarks/structured_output.py --mask-fill-only             # the host's mask fill per step only
     python benchmarks/export_tokenizer.py && python benchmarks/structured_output.py --device cuda \
         --shape qwen3-0.6b --tokenizer .smollm2-tokenizer --output-len 256 --repeat 3   # the H200, no download
 
@@ -60,6 +61,75 @@ def run(llm: LLM, prompts: list[str], spec, args) -> dict:
     return {"tpot_ms": 1000 * statistics.mean(tpots) if tpots else None, "tokens": tokens, "wall_s": wall}
 
 
+def mask_fill_only(llm: LLM, prompts: list[str], modes: list[str], args) -> dict:
+    """Time what a constrained step costs the host: filling one mask per request for 16 requests (the
+    engine's own ``StructuredOutputManager.fill_bitmasks``), step by step along a real generation of
+    each mode (the tokens the model wrote under it, replayed), with no forward to hide behind. Also
+    times the same fills one matcher at a time on one thread, and each mode's set-up (the tokenizer's
+    vocabulary for xgrammar, then the grammar's compile)."""
+    import xgrammar
+
+    from kvloom.core.engine.step import ScheduledSeq
+    from kvloom.core.structured_output import StructuredOutputManager
+
+    engine = llm.engine
+    result = {}
+    for name in modes:
+        spec = MODES[name]
+        if spec is None:
+            continue
+        # A seed per request: 16 different generations, so the matchers stand in different states as a
+        # server's requests would (the TPOT runs share one seed, so there all 16 write the same text).
+        params = [SamplingParams(temperature=args.temperature, seed=args.seed + i, max_tokens=args.output_len,
+                                 structured=spec) for i in range(len(prompts))]
+        outputs = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        manager = StructuredOutputManager(engine.config.model, engine.config.tokenizer, engine.vocab_size,
+                                          engine.eos_token_ids)
+        t0 = time.perf_counter()
+        for i in range(len(outputs)):
+            manager.submit(_FillRequest(f"r{i}", spec))
+        ready: list = []
+        while len(ready) < len(outputs):
+            got, failed = manager.take_compiled(wait_s=1.0)
+            if failed:
+                raise SystemExit(f"{name}: {failed[0][1]}")
+            ready += got
+        compile_s = time.perf_counter() - t0
+        sp = SamplingParams(temperature=args.temperature)
+        batched, single = [], []
+        for step in range(max(len(t) for t in outputs)):
+            live = [i for i, t in enumerate(outputs) if step < len(t)]
+            seqs = [ScheduledSeq(f"r{i}", [0], 0, [0], 1, sp) for i in live]
+            t0 = time.perf_counter()
+            manager.fill_bitmasks(seqs)
+            batched.append(1000 * (time.perf_counter() - t0))
+            mask = xgrammar.allocate_token_bitmask(1, engine.vocab_size)
+            t0 = time.perf_counter()
+            for i in live:
+                manager._matchers[f"r{i}"].fill_next_token_bitmask(mask)
+            single.append(1000 * (time.perf_counter() - t0))
+            for i in live:
+                manager.accept(f"r{i}", [outputs[i][step]])
+        manager.close()
+        result[name] = {
+            "compile_s": round(compile_s, 3), "steps": len(batched), "tokens": sum(len(t) for t in outputs),
+            "batched_ms": {"mean": round(statistics.mean(batched), 3), "median": round(statistics.median(batched), 3),
+                           "p90": round(sorted(batched)[int(0.9 * (len(batched) - 1))], 3),
+                           "max": round(max(batched), 3)},
+            "one_by_one_ms": {"mean": round(statistics.mean(single), 3), "median": round(statistics.median(single), 3),
+                              "max": round(max(single), 3)},
+        }
+    return result
+
+
+class _FillRequest:
+    """What ``StructuredOutputManager.submit`` reads of a request."""
+
+    def __init__(self, request_id: str, spec) -> None:
+        self.request_id = request_id
+        self.sampling = SamplingParams(structured=spec)
+
+
 def shape_with_smollm2_vocab(shape: str, overrides: dict, tokenizer: str | None) -> str:
     """A config-only folder of ``shape`` with SmolLM2's vocabulary and special tokens (its tokenizer's)."""
     import os
@@ -93,6 +163,9 @@ def main() -> None:
                    "with SmolLM2's vocabulary; needs --tokenizer.")
     p.add_argument("--tokenizer", help="SmolLM2's tokenizer folder (python benchmarks/export_tokenizer.py).")
     p.add_argument("--shape-overrides", default="{}", help="JSON merged into the shape's config (e.g. a tiny one).")
+    p.add_argument("--mask-fill-only", action="store_true",
+                   help="Time the host's mask fill per step for --concurrency requests of each constrained mode "
+                   "along a generation, instead of the TPOT runs.")
     args = p.parse_args()
 
     options = dict(device=args.device, max_model_len=1024, max_num_seqs=max(16, args.concurrency))
@@ -105,6 +178,21 @@ def main() -> None:
                                              add_generation_prompt=True)
     prompts = [chat] * args.concurrency
     modes = args.modes.split(",")
+    if args.mask_fill_only:
+        fills = mask_fill_only(llm, prompts, modes, args)
+        print(f"{'mode':<12} {'set-up s':>9} {'steps':>6} {'fill ms/step: mean':>19} {'median':>7} {'p90':>7} "
+              f"{'max':>7} {'one by one':>11}")
+        for name, f in fills.items():
+            b = f["batched_ms"]
+            print(f"{name:<12} {f['compile_s']:>9.3f} {f['steps']:>6} {b['mean']:>19.3f} {b['median']:>7.3f} "
+                  f"{b['p90']:>7.3f} {b['max']:>7.3f} {f['one_by_one_ms']['mean']:>11.3f}")
+        text = json.dumps({"model": args.shape or args.model, "concurrency": args.concurrency,
+                           "output_len": args.output_len, "temperature": args.temperature, "fill": fills}, indent=2)
+        print(text)
+        if args.output_json:
+            with open(args.output_json, "w") as f:
+                f.write(text + "\n")
+        return
     # Warm up each mode once (compiles and caches the grammars, as a server's first request would).
     for name in modes:
         llm.generate(prompts[:2], SamplingParams(max_tokens=4, structured=MODES[name]), use_tqdm=False)

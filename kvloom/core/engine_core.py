@@ -244,9 +244,6 @@ class EngineCore:
             raise RequestRejected(f"logit_bias token id {bad} is out of range [0, {self.vocab_size})")
         if msg.sampling.prompt_logprobs is not None and self.tp_driver is not None:
             raise RequestRejected("prompt_logprobs cannot be combined with tensor parallelism yet")
-        if msg.sampling.structured is not None and self.speculator is not None:
-            raise RequestRejected("structured outputs cannot be combined with speculative decoding yet: serve "
-                                  "without the spec_decode plugin for constrained requests")
         try:
             check_priority(msg.priority)
         except ValueError as e:

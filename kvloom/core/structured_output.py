@@ -35,6 +35,57 @@ def choice_grammar(choices: list[str]) -> str:
     return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
 
 
+# What a regex may use to be compiled as one automaton (xgrammar's ``Regex("...")`` rule) rather than
+# expanded into grammar rules: Python's parse of it, as a conservative check of its constructs.
+_AUTOMATON_OPS = {"LITERAL", "NOT_LITERAL", "ANY", "IN", "BRANCH", "SUBPATTERN", "MAX_REPEAT"}
+_AUTOMATON_CLASS_ITEMS = {"LITERAL", "RANGE", "NEGATE", "CATEGORY"}
+
+
+def regex_automaton_grammar(pattern: str) -> str | None:
+    """``root ::= Regex("pattern")`` when ``pattern`` is made of literals, character classes, groups,
+    alternation and greedy repetition only, else None.
+
+    xgrammar's ``compile_regex`` expands a regex into grammar rules (a bounded repetition such as
+    ``[a-z]{2,9}`` becomes a chain of optional rules), and the tokens that can cross a rule's end are
+    replayed through the parser at every step, for every request: 16 masks of the benchmark's regex
+    took 10 ms a step on a CPU. As one automaton the same language's masks come from its precomputed
+    states: 0.25 ms (docs/benchmarks.md). Anything else (anchors, lookaround, back-references, lazy
+    repetition, inline flags) keeps ``compile_regex``."""
+    import re
+
+    try:
+        import re._parser as sre_parse
+    except ImportError:  # Python 3.10
+        import sre_parse
+
+    if "(?" in pattern:
+        return None
+    try:
+        parsed = sre_parse.parse(pattern)
+    except (re.error, RecursionError, OverflowError):
+        return None
+    if parsed.state.flags & ~re.UNICODE:
+        return None
+
+    def simple(items) -> bool:
+        for op, value in items:
+            name = str(op)
+            if name not in _AUTOMATON_OPS:
+                return False
+            if name == "IN" and any(str(o) not in _AUTOMATON_CLASS_ITEMS for o, _ in value):
+                return False
+            if name == "BRANCH" and not all(simple(b) for b in value[1]):
+                return False
+            if name == "SUBPATTERN" and (value[1] or value[2] or not simple(value[3])):
+                return False
+            if name == "MAX_REPEAT" and not simple(value[2]):
+                return False
+        return True
+
+    # JSON string escapes are EBNF's too, so the literal carries the pattern unchanged.
+    return f"root ::= Regex({json.dumps(pattern, ensure_ascii=False)})" if simple(parsed) else None
+
+
 class StructuredOutputManager:
     """Grammar compilation and per-request matchers. The tokenizer is loaded on the compile thread at
     the first constrained request, so an engine that never sees one pays nothing."""
@@ -70,6 +121,12 @@ class StructuredOutputManager:
                 schema = spec.spec if spec.kind == "json" else '{"type": "object"}'
                 return compiler.compile_json_schema(schema, strict_mode=spec.strict, any_whitespace=spec.any_whitespace)
             if spec.kind == "regex":
+                automaton = regex_automaton_grammar(spec.spec)
+                if automaton is not None:
+                    try:
+                        return compiler.compile_grammar(automaton)
+                    except (RuntimeError, ValueError):
+                        pass  # compile_regex names what is wrong, or compiles what the automaton could not
                 return compiler.compile_regex(spec.spec)
             if spec.kind == "choice":
                 return compiler.compile_grammar(choice_grammar(json.loads(spec.spec)))
@@ -133,24 +190,52 @@ class StructuredOutputManager:
 
     # --- the step ------------------------------------------------------------------------------------
     def fill_bitmasks(self, seqs: Sequence[ScheduledSeq]) -> None:
-        """Give each constrained sequence that samples this step the mask of the tokens its grammar
-        allows next."""
+        """Give each constrained sequence that samples this step one mask per sampled row: row ``j`` allows
+        what its grammar allows after the sequence's drafts ``0..j-1`` (the last row, the bonus token's,
+        after all of them), so the target's rows are verified under exactly the constrained distribution.
+
+        The masks are filled round by round over the batch: round ``j`` fills row ``j`` of every sequence
+        still walking its drafts, then advances those matchers by draft ``j``. A sequence stops walking
+        at a draft its grammar rejects; that row's mask forbids the draft, so the target rejects it
+        there and the rows after it are discarded anyway. The matchers are then rolled back: ``accept``
+        advances them over the tokens that stay, once the step is verified."""
         if not self._matchers:
             return
-        constrained = [s for s in seqs if s.samples and s.request_id in self._matchers]
+        # A matcher that accepted a stop token has nothing left to allow (only ignore_eos gets here).
+        constrained = [s for s in seqs if s.samples and s.request_id in self._matchers
+                       and not self._matchers[s.request_id].is_terminated()]
         if not constrained:
             return
         import xgrammar
 
         if self._batch is None:
             self._batch = xgrammar.BatchGrammarMatcher(max_threads=FILL_THREADS)
-        # One mask tensor for the step: each sequence's first sampled row is its grammar's next-token mask.
+        # One mask tensor for the step; rows[i] is sequence i's first sampled row.
         rows = [0]
         for s in constrained:
             rows.append(rows[-1] + s.num_sample_rows)
-        masks = xgrammar.allocate_token_bitmask(rows[-1], self.vocab_size)
-        self._batch.batch_fill_next_token_bitmask([self._matchers[s.request_id] for s in constrained], masks,
-                                                  rows[:-1])
+        masks = xgrammar.allocate_token_bitmask(rows[-1], self.vocab_size)  # all allowed until filled
+        matchers = [self._matchers[s.request_id] for s in constrained]
+        advanced = [0] * len(constrained)
+        walking = list(range(len(constrained)))
+        j = 0
+        while walking:
+            self._batch.batch_fill_next_token_bitmask([matchers[i] for i in walking], masks,
+                                                      [rows[i] + j for i in walking])
+            walking = [i for i in walking if j < len(constrained[i].draft_token_ids)]
+            if walking:
+                kept = xgrammar.BatchGrammarMatcher.batch_accept_token(
+                    [matchers[i] for i in walking], [constrained[i].draft_token_ids[j] for i in walking])
+                walking = [i for i, ok in zip(walking, kept) if ok]
+                for i in walking:
+                    advanced[i] += 1
+                # A draft that ended the grammar (a stop token) leaves no next mask to fill; the request
+                # stops there if the target keeps it.
+                walking = [i for i in walking if not matchers[i].is_terminated()]
+            j += 1
+        back = [(m, n) for m, n in zip(matchers, advanced) if n]
+        if back:
+            xgrammar.BatchGrammarMatcher.batch_rollback([m for m, _ in back], [n for _, n in back])
         for s, start, end in zip(constrained, rows, rows[1:]):
             s.token_bitmask = masks[start:end]
 
