@@ -291,3 +291,12 @@ def test_ab_compares_two_plugin_combinations(tiny_llama, tmp_path, capsys):
     assert header == ["figure", "none", "prefix_cache", "ratio"]
     assert "output tok/s" in table and "TTFT p50 ms" in table and "x\n" in table
     assert (tmp_path / "bench.png").read_bytes()[:8] == PNG_MAGIC
+
+
+def test_ab_engine_line_shows_speculative_decodings_drafts():
+    from kvloom.bench.report import engine_stats_line
+
+    line = engine_stats_line({"preemptions": 0, "spec_decode_drafts": 1234, "spec_decode_accepted": 1000,
+                              "spec_decode_verify_steps": 300})
+    assert "1,234 drafts verified (1,000 accepted) in 300 request-steps" in line
+    assert "drafts" not in engine_stats_line({"preemptions": 2})  # an engine without the counters

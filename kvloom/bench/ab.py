@@ -25,7 +25,10 @@ KV_LINE = re.compile(r"(KV cache: .*)$", re.MULTILINE)
 STOP_TIMEOUT_S = 60.0
 ENGINE_COUNTERS = {"preemptions": "kvloom_num_preemptions_total",
                    "prefix_cache_queries": "kvloom_prefix_cache_queries_total",
-                   "prefix_cache_hits": "kvloom_prefix_cache_hits_total"}
+                   "prefix_cache_hits": "kvloom_prefix_cache_hits_total",
+                   "spec_decode_drafts": "kvloom_spec_decode_num_draft_tokens_total",
+                   "spec_decode_accepted": "kvloom_spec_decode_num_accepted_tokens_total",
+                   "spec_decode_verify_steps": "kvloom_spec_decode_num_verify_steps_total"}
 
 
 def combination_name(plugins: list[str]) -> str:
@@ -80,7 +83,8 @@ class ServerProcess:
 
 
 def engine_stats(url: str) -> dict[str, float]:
-    """The engine's counters from our server's /metrics after the load (preemptions, prefix-cache hits)."""
+    """The engine's counters from our server's /metrics after the load (preemptions, prefix-cache hits,
+    speculative decoding's drafts)."""
     from prometheus_client.parser import text_string_to_metric_families
 
     text = httpx.get(url + "/metrics", timeout=30).text

@@ -110,7 +110,11 @@ def engine_stats_line(stats: dict[str, float]) -> str:
     """Our engine's counters over the whole run (warm-up and every level)."""
     queries, hits = stats.get("prefix_cache_queries", 0), stats.get("prefix_cache_hits", 0)
     cache = f"{hits:,.0f} of {queries:,.0f} prompt tokens from the prefix cache" if queries else "no prefix cache lookups"
-    return f"engine: {cache}, {stats.get('preemptions', 0):,.0f} preemptions"
+    line = f"engine: {cache}, {stats.get('preemptions', 0):,.0f} preemptions"
+    if "spec_decode_drafts" in stats:
+        line += (f", {stats['spec_decode_drafts']:,.0f} drafts verified ({stats.get('spec_decode_accepted', 0):,.0f} "
+                 f"accepted) in {stats.get('spec_decode_verify_steps', 0):,.0f} request-steps")
+    return line
 
 
 def comparison_table(runs: list[dict[str, Any]], level_index: int = 0) -> str:

@@ -19,7 +19,7 @@ from kvloom.core.distributed import check_tp_size, threads_per_rank
 from kvloom.core.kv_cache import KVCacheManager
 from kvloom.core.loader import build_model, load_hf_config
 from kvloom.core.engine.gate import AdmissionGate
-from kvloom.core.engine.speculation import Speculator
+from kvloom.core.engine.speculation import Speculator, logits_row_weight
 from kvloom.core.engine.step import RunnerOutput, SchedulerOutput
 from kvloom.core.messages import AddRequest, EngineStats, TokenDelta, TokenLogprobs, TopLogprob
 from kvloom.core.model_files import resolve_model
@@ -126,7 +126,8 @@ class EngineCore:
         self.gate = AdmissionGate()  # no caps or quotas unless the engine process sets them
         if draft_kv is not None:
             draft_kv(self.capacity.num_blocks, config.block_size, config.seed)
-        self.speculator = Speculator(proposer, self.max_model_len, kv=self.kv) if proposer is not None else None
+        self.speculator = (Speculator(proposer, self.max_model_len, kv=self.kv, logits_weight=logits_row_weight(
+            self.hf_config)) if proposer is not None else None)
         logger.info("Plugins: %s", ", ".join(f"{kind}={name}" for kind, name in self.plugins.enabled.items()))
         # --- end of plugins ---
         self.num_expired_in_queue = 0
@@ -149,7 +150,8 @@ class EngineCore:
             if draft_kv is not None:
                 proposer.capture_graphs(config.max_num_seqs, self.max_model_len)
         self.last_step_tokens = 0
-        self._in_flight: tuple | None = None  # (plan, launched step) not yet resolved
+        self._in_flight: tuple | None = None  # (plan, launched step, when its step began) not yet resolved
+        self._last_done = 0.0  # when the newest step's tokens were applied (perf_counter)
         # Prompt logprobs gathered so far, per request, until its first delta carries them.
         self._prompt_logprobs: dict[str, list[TokenLogprobs]] = {}
         self.structured = StructuredOutputManager(config.model, config.tokenizer, self.vocab_size,
@@ -309,7 +311,7 @@ class EngineCore:
         deltas += [] if self._can_overlap() else self.flush()
         deltas += self._expire()
         if self.speculator is not None:
-            self.speculator.propose(self.scheduler.running, self.scheduler.decoding())
+            self.speculator.propose(self.scheduler)
         plan = self.scheduler.schedule()
         self._fill_prompt_targets(plan)
         self.last_step_tokens = plan.num_tokens
@@ -319,9 +321,10 @@ class EngineCore:
         deltas += self.flush()
         if launched is not None:
             if self.async_scheduling:
-                self._in_flight = (plan, launched)
+                self._in_flight = (plan, launched, started)
             else:
                 deltas += self._update(plan, launched.fetch())
+                self._observe(plan, started)
             self.last_step_s = time.perf_counter() - started
             self.step_s += STEP_TIME_WEIGHT * (self.last_step_s - self.step_s)
         return deltas
@@ -348,9 +351,20 @@ class EngineCore:
         """Wait for the step still in flight (async scheduling) and return its tokens."""
         if self._in_flight is None:
             return []
-        plan, launched = self._in_flight
+        plan, launched, started = self._in_flight
         self._in_flight = None
-        return self._update(plan, launched.fetch())
+        deltas = self._update(plan, launched.fetch())
+        self._observe(plan, started)
+        return deltas
+
+    def _observe(self, plan: SchedulerOutput, started: float) -> None:
+        """Time a step for the speculator's cost model: from its start (or the previous step's end, when
+        it overlapped that one) to its tokens applied, which is the step's share of the wall time."""
+        now = time.perf_counter()
+        if self.speculator is not None:
+            self.speculator.observe(plan.num_tokens, sum(s.num_sample_rows for s in plan.seqs),
+                                    now - max(started, self._last_done))
+        self._last_done = now
 
     def _can_overlap(self) -> bool:
         """Penalties need every earlier token on the host, and so does a proposer: such steps wait for
@@ -361,7 +375,7 @@ class EngineCore:
         if self._in_flight is not None and self._in_flight[0].num_draft_tokens:
             return False  # its rejected drafts roll back tokens that the next plan would build on
         running = self.scheduler.running
-        if self.speculator is not None and self.speculator.wants_host_tokens(running):
+        if self.speculator is not None and self.speculator.wants_host_tokens(self.scheduler):
             return False
         # A grammar's next mask needs the token just sampled: constrained requests also run step by step.
         return not any(r.sampling.uses_penalties or r.sampling.structured is not None for r in running)

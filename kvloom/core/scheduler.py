@@ -1,6 +1,7 @@
 """Continuous batching by token counts: each step gives running requests, then waiting ones, as many
-tokens as the budget allows. Draft tokens of speculative decoding are just more tokens to compute;
-the ones the target rejects roll ``num_computed_tokens`` back. Pure bookkeeping: no tensors here.
+tokens as the budget allows. Draft tokens of speculative decoding are just more tokens to compute,
+given what the budget has left after every known token (prefill first); the ones the target rejects
+roll ``num_computed_tokens`` back. Pure bookkeeping: no tensors here.
 
 ``schedule()`` returns a plain ``SchedulerOutput`` and ``update(plan, runner_output)`` applies a plain
 ``RunnerOutput``: the live ``Request`` objects never leave the scheduler."""
@@ -131,10 +132,7 @@ class Scheduler:
                 break
             if req.status is not RequestStatus.RUNNING or req.awaiting_final_token:
                 continue  # preempted earlier in this loop, or its last token is already in flight
-            num_new = min(req.num_tokens_with_spec - req.num_computed_tokens, budget)
-            if req.spec_token_ids and not self.kv.allocate_slots(req, num_new):
-                req.spec_token_ids = []  # drafts never preempt anyone: verify them when blocks are spare
-                num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)  # its drafts come last, below
             while not self.kv.allocate_slots(req, num_new):
                 victim = self.policy.select_victim(self.running, now)
                 budget += self._preempt(victim, preempted, scheduled)
@@ -164,12 +162,46 @@ class Scheduler:
                 scheduled[req.request_id] = (req, num_new)
                 budget -= num_new
 
+        # Blocks are short when someone was preempted: drafts wait for a step with spare ones.
+        self._schedule_drafts(scheduled, 0 if preempted else budget)
         self._step_id += 1
         plan = SchedulerOutput(self._step_id, [self._scheduled_seq(r, n) for r, n in scheduled.values()],
                                self._finished_ids, [r.request_id for r in preempted])
         self._finished_ids = []
         self._launched[plan.step_id] = [r for r, _ in scheduled.values()]
         return plan
+
+    def _schedule_drafts(self, scheduled: dict[str, tuple[Request, int]], budget: int) -> None:
+        """Give draft tokens to verify what the step budget has left once every known token (running
+        requests' and the admitted prefill) has its share: drafts never displace a prefill chunk, and
+        never preempt anyone (without spare blocks a request verifies nothing this step)."""
+        for rid, (req, num_new) in list(scheduled.items()):
+            if not req.spec_token_ids:
+                continue
+            extra = min(len(req.spec_token_ids), budget)
+            whole = num_new == req.num_tokens - req.num_computed_tokens  # drafts follow the newest token
+            if not extra or not whole or not self.kv.allocate_slots(req, num_new + extra):
+                req.spec_token_ids = []
+                continue
+            req.spec_token_ids = req.spec_token_ids[:extra]
+            scheduled[rid] = (req, num_new + extra)
+            budget -= extra
+
+    def plain_step_tokens(self) -> int:
+        """About how many tokens the next step computes without drafts: the known tokens of running
+        requests, then the prefill of the waiting requests that the free blocks and ``max_num_seqs``
+        admit, in admission order, within ``max_num_batched_tokens`` (prefix-cache hits not counted)."""
+        budget = self.max_num_batched_tokens
+        tokens = sum(r.num_tokens - r.num_computed_tokens for r in self.running if not r.awaiting_final_token)
+        free, seats = self.kv.num_free_blocks(), self.max_num_seqs - len(self.running)
+        if tokens < budget and seats > 0 and self.waiting:
+            for req in self.policy.waiting_order(self.waiting, self.clock()):
+                need = self.kv.blocks_for(min(req.num_tokens, budget - tokens))
+                if seats == 0 or tokens >= budget or need > free:
+                    break
+                tokens += req.num_tokens - req.num_computed_tokens
+                free, seats = free - need, seats - 1
+        return min(tokens, budget)
 
     def _scheduled_seq(self, req: Request, num_new: int) -> ScheduledSeq:
         start, end = req.num_computed_tokens, req.num_computed_tokens + num_new

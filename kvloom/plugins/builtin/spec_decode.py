@@ -35,7 +35,10 @@ def kvloom_plugin_info() -> PluginInfo:
             PluginOption("draft_model", "", "draft: the draft model (any model kvloom loads: folder, .gguf)."),
             PluginOption("draft_dtype", "auto", "draft: the draft model's dtype.",
                          choices=("auto", "float32", "bfloat16", "float16")),
-            PluginOption("adaptive", True, "Skip proposing where it cannot pay off (the two rules below)."),
+            PluginOption("adaptive", True, "Skip proposing where it cannot pay off (the rules below)."),
+            PluginOption("goodput", True, "Propose only the drafts that raise the step's expected tokens per "
+                         "second, by a model of step time against step size fitted to the engine's recent steps "
+                         "(compute-bound steps: none; memory-bound: nearly all)."),
             PluginOption("min_acceptance", 0.2, "A request whose recent acceptance rate falls below this stops "
                          "proposing for retry_after_steps steps."),
             PluginOption("retry_after_steps", 16, "Steps a low-acceptance request waits before proposing again."),
@@ -52,7 +55,8 @@ def kvloom_spec_proposer(hf_config: Any, config: Any, options: dict[str, Any]):
     check_options(options)
     k = options["num_speculative_tokens"]
     policy = SpeculationPolicy(min_acceptance=options["min_acceptance"], retry_after_steps=options["retry_after_steps"],
-                               max_batch_size=options["max_batch_size"], adaptive=options["adaptive"])
+                               max_batch_size=options["max_batch_size"], adaptive=options["adaptive"],
+                               goodput=options["goodput"])
     if options["method"] == "ngram":
         from kvloom.core.worker.ngram_proposer import NgramProposer
 
