@@ -24,8 +24,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gguf_to_hf import DEFAULT_FOLDER, export  # noqa: E402
-from vllm_peer import VLLM_PYTHON  # noqa: E402
+from gguf_to_hf import DEFAULT_FOLDER  # noqa: E402
+from vllm_peer import VLLM_PYTHON, engines_to_run  # noqa: E402
 
 # Run by each engine's python with: model folder, dtype, max_model_len, kv GiB, repeat, workload JSON path.
 # vLLM starts worker processes by spawning, so its LLM must be made under `if __name__ == "__main__"`.
@@ -107,10 +107,7 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output-json", help="Also write the JSON here.")
     args = p.parse_args()
-    engines = [e.strip() for e in args.engines.split(",") if e.strip()]
-    if "vllm" in engines and not args.vllm_python.exists():
-        raise SystemExit(f"no vLLM virtualenv at {args.vllm_python}: run ../shared/tools/vllm-cpu-peer.sh first")
-    export(args.model, args.dtype)
+    engines = engines_to_run(args)
     vocab = json.loads((args.model / "config.json").read_text())["vocab_size"]
     rng = random.Random(args.seed)
     work = {"prompts": [[rng.randrange(10, vocab - 10) for _ in range(args.input_len)] for _ in range(args.num_requests)],

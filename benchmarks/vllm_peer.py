@@ -98,6 +98,15 @@ def bench(url: str, args, out: Path) -> dict:
     return json.loads(out.read_text())
 
 
+def engines_to_run(args) -> list[str]:
+    """``--engines`` as a list, once vLLM's virtualenv and the model folder are there."""
+    engines = [e.strip() for e in args.engines.split(",") if e.strip()]
+    if "vllm" in engines and not args.vllm_python.exists():
+        raise SystemExit(f"no vLLM virtualenv at {args.vllm_python}: run ../shared/tools/vllm-cpu-peer.sh first")
+    export(args.model, args.dtype)
+    return engines
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", type=Path, default=DEFAULT_FOLDER, help="A Hugging Face folder (made if missing).")
@@ -118,10 +127,7 @@ def main() -> None:
     p.add_argument("--kvloom-arg", action="append", default=[], help="An extra flag for kvloom's server (repeat).")
     p.add_argument("--output-json", help="Also write the JSON here.")
     args = p.parse_args()
-    engines = [e.strip() for e in args.engines.split(",") if e.strip()]
-    if "vllm" in engines and not args.vllm_python.exists():
-        raise SystemExit(f"no vLLM virtualenv at {args.vllm_python}: run ../shared/tools/vllm-cpu-peer.sh first")
-    export(args.model, args.dtype)
+    engines = engines_to_run(args)
     log_dir = Path(tempfile.mkdtemp(prefix="kvloom-vllm-peer-"))
     runs: dict[str, list[dict]] = {e: [] for e in engines}
     for rnd in range(args.rounds):
