@@ -111,19 +111,26 @@ def test_int_matmul_on_the_gpu_at_llama_shapes(rows):
     torch.testing.assert_close(got.float().cpu(), want, atol=0.05, rtol=0.02)
 
 
-@pytest.mark.parametrize("rows", [1, 7, 16])
-@pytest.mark.parametrize("split", [1, 3])
-def test_fp8_weight_only_gemv_matches_the_dequantized_product(tk, rows, split):
-    """The decode path of FP8 layers: bf16/float32 activations times the FP8 weight with its per-channel
-    scales, no activation quantization."""
-    gen = torch.Generator().manual_seed(0)
-    n, k = 80, 300  # neither a multiple of the tiles: the masks are exercised
+def fp8_layer(rows: int, seed: int):
+    """An FP8 layer (weight, per-channel scales, bias) of a shape that is no multiple of any tile, so
+    the kernels' masks are exercised; activations of ``rows`` rows and the dequantized product."""
+    gen = torch.Generator().manual_seed(seed)
+    n, k = 80, 300
     w = torch.randn(n, k, generator=gen) * 0.05
     scale = qr.fp8_scale_per_row(w)
     wq = qr.fp8_quantize(w, scale)
     x = torch.randn(rows, k, generator=gen)
     bias = torch.randn(n, generator=gen)
     want = x @ (wq.float() * scale).t() + bias
+    return x, wq, scale, bias, want
+
+
+@pytest.mark.parametrize("rows", [1, 7, 16])
+@pytest.mark.parametrize("split", [1, 3])
+def test_fp8_weight_only_gemv_matches_the_dequantized_product(tk, rows, split):
+    """The decode path of FP8 layers: bf16/float32 activations times the FP8 weight with its per-channel
+    scales, no activation quantization."""
+    x, wq, scale, bias, want = fp8_layer(rows, seed=0)
     dev = tk.device
     cfg = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=64, SPLIT_K=split, num_warps=4)
     got = tk.quant.fp8_weight_only_linear(x.to(dev), wq.to(dev), scale.to(dev), bias.to(dev), config=cfg)
@@ -170,14 +177,7 @@ def test_int_gemv_without_tensor_cores_matches_the_reference(tk, bits, rows, spl
 
 @pytest.mark.parametrize("rows", [1, 4])
 def test_fp8_gemv_without_tensor_cores_matches_the_dequantized_product(tk, rows):
-    gen = torch.Generator().manual_seed(4)
-    n, k = 80, 300  # neither a multiple of the tiles: the masks are exercised
-    w = torch.randn(n, k, generator=gen) * 0.05
-    scale = qr.fp8_scale_per_row(w)
-    wq = qr.fp8_quantize(w, scale)
-    x = torch.randn(rows, k, generator=gen)
-    bias = torch.randn(n, generator=gen)
-    want = x @ (wq.float() * scale).t() + bias
+    x, wq, scale, bias, want = fp8_layer(rows, seed=4)
     dev = tk.device
     for cfg in (dict(BLOCK_N=16, BLOCK_K=64, SPLIT_K=1, num_warps=4), dict(BLOCK_N=32, BLOCK_K=128, SPLIT_K=2, num_warps=4)):
         got = tk.quant.fp8_gemv(x.to(dev), wq.to(dev), scale.to(dev), bias.to(dev), config=cfg)
