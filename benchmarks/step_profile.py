@@ -13,11 +13,14 @@ queue point to its last kernel's end, and the gap to the next step's first event
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import random
 import statistics
 import sys
 import time
+import traceback
+import warnings
 from pathlib import Path
 
 import torch
@@ -45,6 +48,10 @@ def main() -> None:
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=16384)
     p.add_argument("--output", default=None, help="Write the figures as JSON here.")
+    p.add_argument("--sync-debug", action="store_true",
+                   help="CUDA: also count the host-device synchronisations torch reports during the run "
+                        "(torch.cuda.set_sync_debug_mode), by where in kvloom they happen. Allocator syncs "
+                        "(cudaFree, cudaHostAlloc) are not reported.")
     args = p.parse_args()
     from kvloom import LLM, SamplingParams
 
@@ -76,11 +83,22 @@ def main() -> None:
         return launched
 
     runner.execute = execute
+    syncs: collections.Counter = collections.Counter()
     if cuda:
         torch.cuda.synchronize()
+        if args.sync_debug:
+            def record(message, category, filename, lineno, file=None, line=None):
+                frames = [f for f in traceback.extract_stack()[:-1] if "/kvloom/" in f.filename]
+                where = f"{frames[-1].filename.split('/kvloom/')[-1]}:{frames[-1].lineno} {frames[-1].name}" \
+                    if frames else f"{filename}:{lineno}"
+                syncs[f"{where}: {str(message)[:80]}"] += 1
+            warnings.showwarning = record
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     if cuda:
+        torch.cuda.set_sync_debug_mode("default")
         torch.cuda.synchronize()
     wall = time.perf_counter() - t0
     runner.execute = original
@@ -113,6 +131,8 @@ def main() -> None:
             "device_ms_p50": round(statistics.median(dev), 3) if dev else None,
             "launch_ms_p50": round(statistics.median(k["launch_ms"]), 3),
             "launch_ms_total": round(sum(k["launch_ms"]), 1)}
+    if args.sync_debug:
+        result["syncs"] = dict(syncs.most_common(15))
     print(json.dumps(result, indent=2))
     if args.output:
         Path(args.output).write_text(json.dumps(result, indent=2))
