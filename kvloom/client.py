@@ -7,7 +7,8 @@ is for asyncio. Both stream text chunks or return a whole completion::
             print(chunk.text, end="", flush=True)
 
 Sampling options are ``SamplingParams`` fields (``max_tokens``, ``temperature``, ``top_p``, ``stop``,
-``seed``, ``logprobs``, ...).
+``seed``, ``logprobs``, ...). ``prompt_logprobs=N`` scores the prompt too (what loglikelihood evaluations
+read): the first chunk, and the ``Completion``, carry ``prompt_logprobs``.
 """
 
 from __future__ import annotations
@@ -59,10 +60,14 @@ class Completion:
     stop_reason: str | int | None = None
     usage: Usage | None = None
     logprobs: list[TokenLogprobs] | None = None
+    # prompt_logprobs=N: prompt tokens 1.. scored (the first has no context), each with its rank and top N
+    prompt_logprobs: list[TokenLogprobs] | None = None
 
     def add(self, chunk: TextChunk) -> None:
         self.text += chunk.text
         self.token_ids.extend(chunk.token_ids)
+        if chunk.prompt_logprobs is not None:
+            self.prompt_logprobs = chunk.prompt_logprobs
         if chunk.logprobs:
             self.logprobs = (self.logprobs or []) + chunk.logprobs
         if chunk.finish_reason is not None:

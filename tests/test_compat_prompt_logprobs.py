@@ -1,6 +1,7 @@
 """Prompt logprobs (what lm-eval-harness's loglikelihood tasks read through ``echo`` + ``logprobs``): the
 engine scores every prompt token in the prefill, equal to transformers' log_softmax on the same float32
-model, whether the prompt is prefilled in one step or in chunks, and also when its prefix is cached."""
+model, whether the prompt is prefilled in one step or in chunks, and also when its prefix is cached;
+served by ``/v1/completions``, ``kvloom.LLM`` and the ZMQ gateway (``kvloom.client`` and a raw socket)."""
 
 from __future__ import annotations
 
@@ -93,9 +94,12 @@ def server(tiny_llama, tmp_path_factory):
     from tests.server_utils import EngineServer
 
     # Chunks of 16 tokens: the prompt logprobs cross chunk boundaries; a prefix cache that must not skip them.
+    tmp = tmp_path_factory.mktemp("echo")
     srv = EngineServer(["--model", str(tiny_llama), "--dtype", "float32", "--max-num-batched-tokens", "16",
                         "--block-size", "16", "--num-kv-blocks", "64", "--plugins", "prefix_cache",
-                        "--max-model-len", "256", "--served-model-name", "m"], tmp_path_factory.mktemp("echo"))
+                        "--max-model-len", "256", "--served-model-name", "m", "--gateway", f"ipc://{tmp}/gw.sock"],
+                       tmp)
+    srv.gateway = f"ipc://{tmp}/gw.sock"
     try:
         yield srv.wait_ready()
     finally:
@@ -203,3 +207,87 @@ def test_offline_llm_returns_prompt_logprobs(tiny_llama, expected):
     out = llm.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1), use_tqdm=False)[0]
     want = expected.gather(1, torch.tensor(PROMPT[1:])[:, None])[:, 0]
     assert torch.allclose(torch.tensor([lp.logprob for lp in out.prompt_logprobs]), want, atol=1e-4)
+
+
+# --- through the ZMQ gateway: kvloom.client and a client in any language (a raw DEALER socket) ---------
+def _check_against_transformers(lps, prompt, expected, top):
+    assert [lp.token_id for lp in lps] == prompt[1:]
+    want = expected[: len(prompt) - 1].gather(1, torch.tensor(prompt[1:])[:, None])[:, 0]
+    torch.testing.assert_close(torch.tensor([lp.logprob for lp in lps]), want, atol=1e-4, rtol=0)
+    best = expected[: len(prompt) - 1].topk(top, dim=-1)
+    assert [[t.token_id for t in lp.top] for lp in lps] == best.indices.tolist()
+    torch.testing.assert_close(torch.tensor([[t.logprob for t in lp.top] for lp in lps]), best.values,
+                               atol=1e-4, rtol=0)
+    assert [lp.rank for lp in lps] == ((expected[: len(prompt) - 1] > want[:, None]).sum(-1) + 1).tolist()
+
+
+@pytest.fixture(scope="module")
+def offline(tiny_llama):
+    """kvloom.LLM's prompt logprobs of PROMPT, top TOP: what the gateway must return too."""
+    from kvloom import LLM
+
+    llm = LLM(str(tiny_llama), dtype="float32", num_kv_blocks=32)
+    return llm.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=3, prompt_logprobs=TOP),
+                        use_tqdm=False)[0]
+
+
+def test_gateway_client_gets_the_prompt_logprobs_of_the_offline_llm(server, expected, offline):
+    import asyncio
+
+    from kvloom.client import AsyncClient, Client
+
+    with Client(server.gateway, timeout=60) as gw:
+        chunks = list(gw.stream(prompt_token_ids=PROMPT, max_tokens=3, temperature=0.0, prompt_logprobs=TOP))
+        whole = gw.generate(prompt_token_ids=PROMPT, max_tokens=3, temperature=0.0, prompt_logprobs=TOP)
+        plain = gw.generate(prompt_token_ids=PROMPT, max_tokens=1, temperature=0.0)
+        one_token = gw.generate(prompt_token_ids=PROMPT[:1], max_tokens=1, temperature=0.0, prompt_logprobs=1)
+
+    async def from_async_client():
+        async with AsyncClient(server.gateway, timeout=60) as gw:
+            return await gw.generate(prompt_token_ids=PROMPT, max_tokens=1, temperature=0.0, prompt_logprobs=TOP)
+
+    # Sent once, on the first chunk; the same prompt a second time (its blocks now cached) is scored again.
+    assert chunks[0].prompt_logprobs is not None and all(c.prompt_logprobs is None for c in chunks[1:])
+    for got in (chunks[0].prompt_logprobs, whole.prompt_logprobs, asyncio.run(from_async_client()).prompt_logprobs):
+        assert len(got) == len(offline.prompt_logprobs) == len(PROMPT) - 1
+        for a, b in zip(got, offline.prompt_logprobs):
+            assert (a.token_id, a.rank, [t.token_id for t in a.top]) == (b.token_id, b.rank, [t.token_id for t in b.top])
+            assert abs(a.logprob - b.logprob) < 1e-4
+            assert all(abs(x.logprob - y.logprob) < 1e-4 for x, y in zip(a.top, b.top))
+        _check_against_transformers(got, PROMPT, expected, TOP)
+    assert whole.token_ids == offline.token_ids and whole.usage.prompt_tokens == len(PROMPT)
+    assert plain.prompt_logprobs is None  # not asked: not sent
+    assert one_token.prompt_logprobs == []  # asked, but a one-token prompt has nothing to score
+
+
+def test_gateway_prompt_logprobs_on_a_raw_socket(server, expected):
+    import msgspec
+    import zmq
+
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVTIMEO, 60_000)
+    sock.connect(server.gateway)
+    try:
+        def ask(sampling):
+            sock.send(msgspec.msgpack.encode({"type": "Generate", "request_id": "r", "prompt_token_ids": PROMPT[:20],
+                                              "sampling": {"max_tokens": 1, "temperature": 0, **sampling}}))
+            return msgspec.msgpack.decode(sock.recv())
+
+        reply = ask({"prompt_logprobs": 2})
+        assert reply["type"] == "TextChunk" and reply["finish_reason"] == "length", reply
+        # TokenLogprobs travel as arrays: [token_id, logprob, [[token_id, logprob], ...top], rank].
+        rows = reply["prompt_logprobs"]
+        assert [r[0] for r in rows] == PROMPT[1:20] and all(len(r[2]) == 2 for r in rows)
+        want = expected[:19].gather(1, torch.tensor(PROMPT[1:20])[:, None])[:, 0]
+        torch.testing.assert_close(torch.tensor([r[1] for r in rows]), want, atol=1e-4, rtol=0)
+        assert [r[3] for r in rows] == ((expected[:19] > want[:, None]).sum(-1) + 1).tolist()
+        assert [[t[0] for t in r[2]] for r in rows] == expected[:19].topk(2, dim=-1).indices.tolist()
+        # Validated as strictly as over HTTP: out of range or of the wrong type is a 400 naming the field.
+        for bad, needle in [(21, "prompt_logprobs=21 must be in [0, 20]"), (-1, "prompt_logprobs=-1"),
+                            ("5", "prompt_logprobs")]:
+            refused = ask({"prompt_logprobs": bad})
+            assert refused["type"] == "RequestFailed" and refused["status"] == 400, refused
+            assert needle in refused["message"]
+    finally:
+        sock.close()

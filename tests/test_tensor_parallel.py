@@ -1,7 +1,8 @@
 """Tensor parallelism on the CPU (gloo, two processes): greedy parity with transformers on the tiny Llama,
 Qwen2 and Qwen3 models under chunked prefill and the prefix cache, a clear error for sizes that do not
-divide the model, `engine plan` agreeing with the start-up log, the real server with
-``--tensor-parallel-size 2``, and a killed worker taking the engine down instead of hanging it."""
+divide the model, prompt logprobs equal to one rank's and transformers', `engine plan` agreeing with the
+start-up log, the real server with ``--tensor-parallel-size 2``, and a killed worker taking the engine down
+instead of hanging it."""
 
 from __future__ import annotations
 
@@ -81,6 +82,57 @@ def test_tp2_greedy_parity_with_chunked_prefill_and_prefix_cache(family_model, c
     assert row.kv.describe() in log
     assert row.kv.bytes_per_token == 2 * 2 * (kv_heads // 2) * head_dim * 4  # K/V x layers x heads x dim x fp32
     assert plan.rows[0].weight_bytes_per_gpu < plan.weight_bytes * 0.6  # half the matrices, the norms whole
+
+
+def _prompt_logprob_rows(out) -> tuple[list[int], torch.Tensor, list[int], list[list[int]], torch.Tensor]:
+    lps = out.prompt_logprobs
+    return ([lp.token_id for lp in lps], torch.tensor([lp.logprob for lp in lps]), [lp.rank for lp in lps],
+            [[t.token_id for t in lp.top] for lp in lps], torch.tensor([[t.logprob for t in lp.top] for lp in lps]))
+
+
+@pytest.mark.parametrize("async_scheduling", ["off", "on"])
+def test_tp2_prompt_logprobs_equal_the_single_rank_engine_and_transformers(tiny_llama, async_scheduling):
+    from tests.test_compat_prompt_logprobs import hf_prompt_logprobs
+
+    rng = random.Random(2)
+    # 300 tokens under a 280-token budget: two prefill chunks, the first scoring more rows than one
+    # logits slice (sampler.PROMPT_LOGITS_ROWS), so each rank gathers several slices of prompt logits.
+    # Beside it, a short prompt that asks too (scored in the second step, beside the long one's tail)
+    # and one that does not.
+    prompts = [[1] + [rng.randrange(3, 384) for _ in range(299)], [1] + [rng.randrange(3, 384) for _ in range(20)],
+               [rng.randrange(3, 384) for _ in range(9)]]
+    top = 4
+    wants = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, prompt_logprobs=top)
+    params = [wants, wants, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)]
+    options = dict(dtype="float32", block_size=8, num_kv_blocks=96, max_num_batched_tokens=280,
+                   async_scheduling=async_scheduling)
+    single = LLM(config=EngineConfig(model=str(tiny_llama), **options))
+    one_rank = single.generate(prompts, params, use_tqdm=False)
+    del single
+    llm = LLM(config=EngineConfig(model=str(tiny_llama), tensor_parallel_size=2, **options))
+    try:
+        two_ranks = llm.generate(prompts, params, use_tqdm=False)
+    finally:
+        llm.engine.shutdown()
+    assert [o.token_ids for o in two_ranks] == [o.token_ids for o in one_rank] == hf_greedy(tiny_llama, prompts, 4)
+    assert two_ranks[2].prompt_logprobs is None and one_rank[2].prompt_logprobs is None
+    for prompt, got, ref in zip(prompts[:2], two_ranks, one_rank):
+        expected = hf_prompt_logprobs(tiny_llama, prompt)
+        ids, lps, ranks, top_ids, top_lps = _prompt_logprob_rows(got)
+        ref_ids, ref_lps, ref_ranks, _, ref_top_lps = _prompt_logprob_rows(ref)
+        assert ids == ref_ids == prompt[1:]
+        want = expected.gather(1, torch.tensor(prompt[1:])[:, None])[:, 0]
+        torch.testing.assert_close(lps, ref_lps, atol=1e-4, rtol=0)
+        torch.testing.assert_close(lps, want, atol=1e-4, rtol=0)
+        # The top alternatives and ranks, read so that two tokens within float noise of each other may
+        # swap places: the listed logprobs are transformers' best ones, each under the token listed with it.
+        torch.testing.assert_close(top_lps, expected.topk(top, dim=-1).values, atol=1e-4, rtol=0)
+        torch.testing.assert_close(top_lps, ref_top_lps, atol=1e-4, rtol=0)
+        torch.testing.assert_close(expected.gather(1, torch.tensor(top_ids)), top_lps, atol=1e-4, rtol=0)
+        lowest = (expected > want[:, None] + 1e-4).sum(-1) + 1
+        highest = (expected > want[:, None] - 1e-4).sum(-1) + 1
+        assert all(lo <= r <= hi for r, lo, hi in zip(ranks, lowest.tolist(), highest.tolist()))
+        assert all(lo <= r <= hi for r, lo, hi in zip(ref_ranks, lowest.tolist(), highest.tolist()))
 
 
 def test_sizes_that_do_not_divide_the_model_are_refused(tiny_llama):

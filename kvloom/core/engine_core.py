@@ -244,8 +244,6 @@ class EngineCore:
         bad = next((t for t in msg.sampling.logit_bias if t >= self.vocab_size), None)
         if bad is not None:
             raise RequestRejected(f"logit_bias token id {bad} is out of range [0, {self.vocab_size})")
-        if msg.sampling.prompt_logprobs is not None and self.tp_driver is not None:
-            raise RequestRejected("prompt_logprobs cannot be combined with tensor parallelism yet")
         try:
             check_priority(msg.priority)
         except ValueError as e:

@@ -242,12 +242,15 @@ class Usage(msgspec.Struct, omit_defaults=True, kw_only=True):
 
 class TextChunk(_Msg):
     """New text of a request. The last chunk has ``finish_reason`` (``stop``, ``length`` or
-    ``abort``), ``stop_reason`` (the stop string or token id that ended it, if any) and ``usage``."""
+    ``abort``), ``stop_reason`` (the stop string or token id that ended it, if any) and ``usage``.
+    With ``sampling.prompt_logprobs`` the first chunk has ``prompt_logprobs``: prompt tokens 1.. (the
+    first has no context), each with its rank and top-n."""
 
     request_id: str
     text: str
     token_ids: list[int] = []
     logprobs: list[TokenLogprobs] | None = None
+    prompt_logprobs: list[TokenLogprobs] | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     usage: Usage | None = None

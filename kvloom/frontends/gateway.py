@@ -154,9 +154,6 @@ class Gateway:
         if msg.sampling.n != 1:
             raise RequestError(400, f"n={msg.sampling.n}: the gateway streams one completion per request; "
                                "send n requests", "n")
-        if msg.sampling.prompt_logprobs is not None:  # TextChunk has no place for them
-            raise RequestError(400, "prompt_logprobs is not served by the gateway: use /v1/completions or kvloom.LLM",
-                               "prompt_logprobs")
         if msg.prompt is not None:
             return await core.tokenize_text(msg.prompt)
         if msg.messages is not None:
@@ -194,14 +191,17 @@ class Gateway:
 
     async def _send_chunks(self, core: FrontendCore, ident: bytes, request_id: str,
                            prepared: PreparedRequest) -> None:
+        # Asked for, prompt logprobs come on the first chunk, [] for a one-token prompt (nothing to score).
+        scored = [] if prepared.sampling.prompt_logprobs is not None else None
         async for d in core.generate(prepared):
             usage = None
             if d.finish_reason is not None:
                 usage = Usage(prompt_tokens=d.num_prompt_tokens, completion_tokens=d.num_output_tokens,
                               cached_tokens=d.num_cached_tokens)
             self._reply(ident, TextChunk(request_id=request_id, text=d.text, token_ids=d.token_ids,
-                                         logprobs=d.logprobs, finish_reason=d.finish_reason,
-                                         stop_reason=d.stop_reason, usage=usage))
+                                         logprobs=d.logprobs, prompt_logprobs=d.prompt_logprobs or scored,
+                                         finish_reason=d.finish_reason, stop_reason=d.stop_reason, usage=usage))
+            scored = None
 
     def _reply(self, ident: bytes, msg) -> None:
         self._send(ident, [ident, encode(msg)])

@@ -34,6 +34,7 @@ from kvloom.core.distributed import (COLLECTIVE_TIMEOUT_S, STORE_HOST, WORKER_EN
                                      init_group)
 from kvloom.core.engine.step import SchedulerOutput
 from kvloom.core.model_runner import LaunchedStep, ModelRunner
+from kvloom.core.sampler import PROMPT_LOGITS_ROWS
 
 logger = logging.getLogger("kvloom")
 
@@ -240,13 +241,20 @@ class TPWorkerRunner(ModelRunner):
     @torch.inference_mode()
     def execute(self, plan: SchedulerOutput) -> None:
         seqs = plan.seqs
-        if self.graphs and len(seqs) <= self._max_graph_batch and all(s.num_new_tokens == 1 for s in seqs):
+        # Rank 0 runs a step that scores prompt tokens eagerly (graphs keep no prompt positions): so does this one.
+        num_scored = sum(len(s.prompt_targets) for s in seqs if s.prompt_targets)
+        if (not num_scored and self.graphs and len(seqs) <= self._max_graph_batch
+                and all(s.num_new_tokens == 1 for s in seqs)):
             _, sampling = self._replay(seqs)
         else:
             ids, pos, meta, rows, sampling = self.prepare(seqs)
             hidden = self.model(ids, pos, meta, self.kv_caches, keep=rows)
+            # Each logits all-gather pairs with one of rank 0's: the scored prompt rows first, in
+            # score_prompt's slices, then the sampled rows. Only rank 0 reads the logits.
+            for i in range(0, num_scored, PROMPT_LOGITS_ROWS):
+                self.model.compute_logits(hidden[i: min(i + PROMPT_LOGITS_ROWS, num_scored)])
             if sampling:
-                self.model.compute_logits(hidden)  # its all-gather pairs with rank 0's
+                self.model.compute_logits(hidden[num_scored:])
         if not sampling:
             self._prev_tokens, self._prev_rows = None, {}
             return
