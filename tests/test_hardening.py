@@ -179,6 +179,27 @@ def test_gateway_refuses_boolean_token_ids(server):
     sock.close()
 
 
+@pytest.mark.parametrize("msg, field", [
+    ({"type": "Generate", "request_id": "u1", "prompt_token_ids": [1, 2], "sampling": {"prompt_logprob": 3}},
+     "prompt_logprob"),
+    ({"type": "Generate", "request_id": "u2", "prompt_token_ids": [1, 2], "temperature": 0}, "temperature"),
+    ({"type": "Generate", "request_id": "u3", "messages": [{"role": "user", "content": "hi", "name": "x"}]},
+     "name"),
+    ({"type": "Generate", "request_id": "u4", "prompt": "hi",
+      "sampling": {"structured": {"kind": "regex", "spec": "a+", "flags": "i"}}}, "flags"),
+])
+def test_gateway_unknown_fields_are_400_naming_them_under_the_request_id(server, msg, field):
+    """A misspelt or unsupported key is an error the client gets under its own request id, not a field
+    silently dropped (which returned a plain completion without what was asked for)."""
+    sock = gateway_socket(server)
+    sock.send(msgspec.msgpack.encode(msg))
+    refused = m.decode_gateway_reply(sock.recv())
+    assert isinstance(refused, m.RequestFailed) and refused.status == 400, refused
+    assert refused.request_id == msg["request_id"] and f"`{field}`" in refused.message, refused.message
+    sock.close()
+    completes(server)
+
+
 def test_a_request_the_engine_cannot_decode_ends_with_an_error(engine):
     sock = raw_socket(engine)
     # Booleans where token ids belong: the engine's typed decoder refuses the whole message.

@@ -15,8 +15,9 @@ import msgspec
 from kvloom.core.sampling_params import SamplingParams
 
 
-class _Msg(msgspec.Struct, tag=True, omit_defaults=True, kw_only=True):
-    pass
+class _Msg(msgspec.Struct, tag=True, omit_defaults=True, kw_only=True, forbid_unknown_fields=True):
+    """A field the receiver does not know is an error naming it, never silently dropped (a misspelt
+    ``prompt_logprob`` must not quietly return nothing)."""
 
 
 # frontend -> engine -------------------------------------------------------------------------------
@@ -198,7 +199,7 @@ EngineMessage = Union[StepOutputs, UtilityResult, EngineError, EngineReady, Hear
 
 
 # service -> ZMQ gateway (text in) -----------------------------------------------------------------
-class ChatMessage(msgspec.Struct, omit_defaults=True, kw_only=True):
+class ChatMessage(msgspec.Struct, omit_defaults=True, kw_only=True, forbid_unknown_fields=True):
     role: str
     content: str
 

@@ -22,7 +22,7 @@ STRUCTURED_KINDS = {
 }
 
 
-class StructuredOutputSpec(msgspec.Struct, omit_defaults=True, kw_only=True, frozen=True):
+class StructuredOutputSpec(msgspec.Struct, omit_defaults=True, kw_only=True, frozen=True, forbid_unknown_fields=True):
     """The constraint on a request's output, as text: the engine compiles it (xgrammar) and keeps a
     matcher per request. It crosses the process boundary as this value, never as a compiled object;
     being frozen, it is also the key of the engine's grammar cache."""
@@ -42,7 +42,7 @@ class StructuredOutputSpec(msgspec.Struct, omit_defaults=True, kw_only=True, fro
                              f"{MAX_GRAMMAR_CHARS}")
 
 
-class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
+class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True, forbid_unknown_fields=True):
     """How to pick each next token and when to stop. ``temperature=0`` is greedy (exact, deterministic).
 
     Text-level options (``stop`` strings, ``skip_special_tokens``) are applied by the frontends; the

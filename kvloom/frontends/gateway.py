@@ -36,6 +36,16 @@ logger = logging.getLogger("kvloom.gateway")
 SEND_QUEUE_LIMIT = 100_000  # replies queued for one client that does not read before its requests stop
 
 
+def _request_id_of(data: bytes) -> str:
+    """The ``request_id`` of a message that did not validate, if it is a map with a string one."""
+    try:
+        raw = msgspec.msgpack.decode(data)
+    except (msgspec.DecodeError, RecursionError):
+        return ""
+    rid = raw.get("request_id") if isinstance(raw, dict) else None
+    return rid if isinstance(rid, str) else ""
+
+
 class Gateway:
     """Serves every model in ``cores`` (by served name; a ``Generate`` naming none goes to the first)."""
 
@@ -117,7 +127,10 @@ class Gateway:
         try:
             msg = decode_gateway_request(data)
         except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as e:
-            self._reply(ident, RequestFailed(request_id="", message=f"malformed message: {e}", status=400))
+            # A well-formed message with a bad field (an unknown key, a wrong type) still names its request:
+            # answer under that id, so the client waiting on it gets the error instead of nothing.
+            self._reply(ident, RequestFailed(request_id=_request_id_of(data), message=f"malformed message: {e}",
+                                             status=400))
             return
         if isinstance(msg, Generate):
             self._generate(ident, msg)
