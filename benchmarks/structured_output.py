@@ -158,6 +158,8 @@ def main() -> None:
     p.add_argument("--repeat", type=int, default=1, help="Rounds over the modes (the median is reported).")
     p.add_argument("--modes", default=",".join(MODES))
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--async-scheduling", choices=["on", "off", "auto"], default="auto",
+                   help="The engine's async scheduling (auto: on for CUDA only), to measure it either way.")
     p.add_argument("--output-json", help="Also write the JSON here.")
     p.add_argument("--shape", help="Dummy weights of this shape (benchmarks/shapes.py) instead of --model, "
                    "with SmolLM2's vocabulary; needs --tokenizer.")
@@ -168,7 +170,8 @@ def main() -> None:
                    "along a generation, instead of the TPOT runs.")
     args = p.parse_args()
 
-    options = dict(device=args.device, max_model_len=1024, max_num_seqs=max(16, args.concurrency))
+    options = dict(device=args.device, max_model_len=1024, max_num_seqs=max(16, args.concurrency),
+                   async_scheduling=args.async_scheduling)
     model = args.model
     if args.shape:
         model = shape_with_smollm2_vocab(args.shape, json.loads(args.shape_overrides), args.tokenizer)
@@ -200,7 +203,8 @@ def main() -> None:
     for _ in range(args.repeat):
         for name in modes:  # interleaved, so machine noise spreads over every mode alike
             rounds[name].append(run(llm, prompts, MODES[name], args))
-    result = {"model": args.shape or args.model, "device": str(llm.engine.device), "concurrency": args.concurrency,
+    result = {"model": args.shape or args.model, "device": str(llm.engine.device),
+              "async_scheduling": llm.engine.async_scheduling, "concurrency": args.concurrency,
               "output_len": args.output_len, "temperature": args.temperature, "repeat": args.repeat, "modes": {}}
     def median_tpot(rs: list[dict]) -> float | None:
         measured = [r["tpot_ms"] for r in rs if r["tpot_ms"] is not None]
