@@ -108,8 +108,7 @@ def mask_fill_only(llm: LLM, prompts: list[str], modes: list[str], args) -> dict
             for i in live:
                 manager._matchers[f"r{i}"].fill_next_token_bitmask(mask)
             single.append(1000 * (time.perf_counter() - t0))
-            for i in live:
-                manager.accept(f"r{i}", [outputs[i][step]])
+            manager.accept_step(step, {f"r{i}": [outputs[i][step]] for i in live})
         manager.close()
         result[name] = {
             "compile_s": round(compile_s, 3), "steps": len(batched), "tokens": sum(len(t) for t in outputs),
