@@ -65,7 +65,7 @@ def _batch():
 @pytest.fixture(scope="module")
 def step_by_step(tiny_llama):
     prompts, params, kinds = _batch()
-    outs = LLM(str(tiny_llama), async_scheduling="off").generate(prompts, params, use_tqdm=False)
+    outs = LLM(str(tiny_llama), dtype="float32", async_scheduling="off").generate(prompts, params, use_tqdm=False)
     return prompts, params, kinds, outs
 
 
@@ -84,7 +84,7 @@ def _check(kinds, outs):
                          ids=["plain", "preempting", "chunked"])
 def test_async_greedy_constrained_outputs_equal_step_by_step(step_by_step, tiny_llama, options):
     prompts, params, kinds, want = step_by_step
-    llm = LLM(str(tiny_llama), async_scheduling="on", **options)
+    llm = LLM(str(tiny_llama), dtype="float32", async_scheduling="on", **options)
     engine = llm.engine
     got = llm.generate(prompts, params, use_tqdm=False)
     assert _tokens(got) == _tokens(want)
@@ -98,7 +98,7 @@ def test_async_greedy_constrained_outputs_equal_step_by_step(step_by_step, tiny_
 
 
 def test_constrained_steps_overlap_like_free_ones(tiny_llama):
-    llm = LLM(str(tiny_llama), async_scheduling="on")
+    llm = LLM(str(tiny_llama), dtype="float32", async_scheduling="on")
     engine = llm.engine
     params = [SamplingParams(temperature=0.0, max_tokens=MAX_NEW, structured=spec) for spec in SPECS.values()]
     start = engine.num_overlapped_steps
@@ -114,7 +114,7 @@ def test_constrained_steps_overlap_like_free_ones(tiny_llama):
 def test_an_abort_while_a_step_is_in_flight_and_a_reused_id(tiny_llama):
     # The aborted request's token is still in flight when its id is admitted again: the new request's
     # grammar must start fresh. Had it taken the old request's digit, it would write one digit too few.
-    llm = LLM(str(tiny_llama), async_scheduling="on")
+    llm = LLM(str(tiny_llama), dtype="float32", async_scheduling="on")
     engine = llm.engine
     prompt = llm.tokenizer.encode(PROMPTS[2])
     sp = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, structured=StructuredOutputSpec(kind="regex",
@@ -138,7 +138,7 @@ def test_an_abort_while_a_step_is_in_flight_and_a_reused_id(tiny_llama):
 
 def test_spec_decoding_with_async_scheduling_keeps_constrained_outputs(step_by_step, tiny_llama):
     prompts, params, kinds, want = step_by_step
-    llm = LLM(str(tiny_llama), async_scheduling="on", plugins=["spec_decode"], plugin_options={
+    llm = LLM(str(tiny_llama), dtype="float32", async_scheduling="on", plugins=["spec_decode"], plugin_options={
         "spec_decode": {"num_speculative_tokens": 3, "prompt_lookup_min": 1}})
     got = llm.generate(prompts, params, use_tqdm=False)
     assert _tokens(got) == _tokens(want)
