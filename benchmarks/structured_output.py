@@ -96,7 +96,7 @@ def mask_fill_only(llm: LLM, prompts: list[str], modes: list[str], args) -> dict
             ready += got
         compile_s = time.perf_counter() - t0
         sp = SamplingParams(temperature=args.temperature)
-        batched, single = [], []
+        batched, single, accept_batched, accept_single = [], [], [], []
         for step in range(max(len(t) for t in outputs)):
             live = [i for i, t in enumerate(outputs) if step < len(t)]
             seqs = [ScheduledSeq(f"r{i}", [0], 0, [0], 1, sp) for i in live]
@@ -108,8 +108,18 @@ def mask_fill_only(llm: LLM, prompts: list[str], modes: list[str], args) -> dict
             for i in live:
                 manager._matchers[f"r{i}"].fill_next_token_bitmask(mask)
             single.append(1000 * (time.perf_counter() - t0))
-            for i in live:
-                manager.accept(f"r{i}", [outputs[i][step]])
+            # The step's accept, both ways: the engine's (one call for the batch), then, rolled back, one
+            # accept_token per matcher from Python.
+            going = [i for i in live if not manager._matchers[f"r{i}"].is_terminated()]
+            t0 = time.perf_counter()
+            manager.accept_step(step, {f"r{i}": [outputs[i][step]] for i in going})
+            accept_batched.append(1000 * (time.perf_counter() - t0))
+            for i in going:
+                manager._matchers[f"r{i}"].rollback(1)
+            t0 = time.perf_counter()
+            for i in going:
+                manager._matchers[f"r{i}"].accept_token(outputs[i][step])
+            accept_single.append(1000 * (time.perf_counter() - t0))
         manager.close()
         result[name] = {
             "compile_s": round(compile_s, 3), "steps": len(batched), "tokens": sum(len(t) for t in outputs),
@@ -118,6 +128,8 @@ def mask_fill_only(llm: LLM, prompts: list[str], modes: list[str], args) -> dict
                            "max": round(max(batched), 3)},
             "one_by_one_ms": {"mean": round(statistics.mean(single), 3), "median": round(statistics.median(single), 3),
                               "max": round(max(single), 3)},
+            "accept_ms": {"batched": round(statistics.mean(accept_batched), 4),
+                          "one_by_one": round(statistics.mean(accept_single), 4)},
         }
     return result
 
@@ -158,6 +170,8 @@ def main() -> None:
     p.add_argument("--repeat", type=int, default=1, help="Rounds over the modes (the median is reported).")
     p.add_argument("--modes", default=",".join(MODES))
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--async-scheduling", choices=["on", "off", "auto"], default="auto",
+                   help="The engine's async scheduling (auto: on for CUDA only), to measure it either way.")
     p.add_argument("--output-json", help="Also write the JSON here.")
     p.add_argument("--shape", help="Dummy weights of this shape (benchmarks/shapes.py) instead of --model, "
                    "with SmolLM2's vocabulary; needs --tokenizer.")
@@ -168,7 +182,8 @@ def main() -> None:
                    "along a generation, instead of the TPOT runs.")
     args = p.parse_args()
 
-    options = dict(device=args.device, max_model_len=1024, max_num_seqs=max(16, args.concurrency))
+    options = dict(device=args.device, max_model_len=1024, max_num_seqs=max(16, args.concurrency),
+                   async_scheduling=args.async_scheduling)
     model = args.model
     if args.shape:
         model = shape_with_smollm2_vocab(args.shape, json.loads(args.shape_overrides), args.tokenizer)
@@ -181,11 +196,12 @@ def main() -> None:
     if args.mask_fill_only:
         fills = mask_fill_only(llm, prompts, modes, args)
         print(f"{'mode':<12} {'set-up s':>9} {'steps':>6} {'fill ms/step: mean':>19} {'median':>7} {'p90':>7} "
-              f"{'max':>7} {'one by one':>11}")
+              f"{'max':>7} {'one by one':>11} {'accept ms/step':>15} {'one by one':>11}")
         for name, f in fills.items():
             b = f["batched_ms"]
             print(f"{name:<12} {f['compile_s']:>9.3f} {f['steps']:>6} {b['mean']:>19.3f} {b['median']:>7.3f} "
-                  f"{b['p90']:>7.3f} {b['max']:>7.3f} {f['one_by_one_ms']['mean']:>11.3f}")
+                  f"{b['p90']:>7.3f} {b['max']:>7.3f} {f['one_by_one_ms']['mean']:>11.3f} "
+                  f"{f['accept_ms']['batched']:>15.4f} {f['accept_ms']['one_by_one']:>11.4f}")
         text = json.dumps({"model": args.shape or args.model, "concurrency": args.concurrency,
                            "output_len": args.output_len, "temperature": args.temperature, "fill": fills}, indent=2)
         print(text)
@@ -200,7 +216,8 @@ def main() -> None:
     for _ in range(args.repeat):
         for name in modes:  # interleaved, so machine noise spreads over every mode alike
             rounds[name].append(run(llm, prompts, MODES[name], args))
-    result = {"model": args.shape or args.model, "device": str(llm.engine.device), "concurrency": args.concurrency,
+    result = {"model": args.shape or args.model, "device": str(llm.engine.device),
+              "async_scheduling": llm.engine.async_scheduling, "concurrency": args.concurrency,
               "output_len": args.output_len, "temperature": args.temperature, "repeat": args.repeat, "modes": {}}
     def median_tpot(rs: list[dict]) -> float | None:
         measured = [r["tpot_ms"] for r in rs if r["tpot_ms"] is not None]

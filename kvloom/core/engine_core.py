@@ -150,6 +150,7 @@ class EngineCore:
             if draft_kv is not None:
                 proposer.capture_graphs(config.max_num_seqs, self.max_model_len)
         self.last_step_tokens = 0
+        self.num_overlapped_steps = 0  # launched while the previous step was still in flight
         self._in_flight: tuple | None = None  # (plan, launched step, when its step began) not yet resolved
         self._last_done = 0.0  # when the newest step's tokens were applied (perf_counter)
         # Prompt logprobs gathered so far, per request, until its first delta carries them.
@@ -313,6 +314,8 @@ class EngineCore:
         plan = self.scheduler.schedule()
         self._fill_prompt_targets(plan)
         self.last_step_tokens = plan.num_tokens
+        if plan and self._in_flight is not None:
+            self.num_overlapped_steps += 1
         launched = self.runner.execute(plan) if plan else None
         if launched is not None:
             self.scheduler.advance(plan)
@@ -320,6 +323,7 @@ class EngineCore:
         if launched is not None:
             if self.async_scheduling:
                 self._in_flight = (plan, launched, started)
+                self.structured.defer(plan.step_id, launched.fetch)
             else:
                 deltas += self._update(plan, launched.fetch())
                 self._observe(plan, started)
@@ -372,11 +376,11 @@ class EngineCore:
             return False
         if self._in_flight is not None and self._in_flight[0].num_draft_tokens:
             return False  # its rejected drafts roll back tokens that the next plan would build on
-        running = self.scheduler.running
         if self.speculator is not None and self.speculator.wants_host_tokens(self.scheduler):
             return False
-        # A grammar's next mask needs the token just sampled: constrained requests also run step by step.
-        return not any(r.sampling.uses_penalties or r.sampling.structured is not None for r in running)
+        # A grammar's next mask needs the token in flight only when the next step samples: the manager
+        # takes it then (StructuredOutputManager.defer), so constrained requests overlap like free ones.
+        return not any(r.sampling.uses_penalties for r in self.scheduler.running)
 
     def _fill_prompt_targets(self, plan: SchedulerOutput) -> None:
         """Tell the runner which prompt tokens this step's positions score, for requests that ask for prompt
@@ -404,9 +408,11 @@ class EngineCore:
         deltas = []
         if out.prompt_logprobs:
             self._gather_prompt_logprobs(out)
-        for u in self.scheduler.resolve(plan, out):
+        updates = self.scheduler.resolve(plan, out)
+        if self.structured.has_matchers:
+            self.structured.accept_step(plan.step_id, {u.request.request_id: u.new_token_ids for u in updates})
+        for u in updates:
             req = u.request
-            self.structured.accept(req.request_id, u.new_token_ids)
             if u.finished:
                 self.structured.remove([req.request_id])
             prompt_lps = self._prompt_logprobs.pop(req.request_id, None) if self._prompt_logprobs else None

@@ -279,15 +279,20 @@ class ModelRunner:
 
 
 class LaunchedStep:
-    """A launched step: ``fetch()`` waits for its tokens and returns them as a ``RunnerOutput``."""
+    """A launched step: ``fetch()`` waits for its tokens and returns them as a ``RunnerOutput`` (the same
+    one each time: structured outputs take a step's tokens before the engine applies them)."""
 
     def __init__(self, sample: SampleResult | None, prompt: PromptScores | None = None) -> None:
         self.sample = sample
         self.prompt = prompt
+        self._output: RunnerOutput | None = None
 
     def fetch(self) -> RunnerOutput:
-        prompt = self.prompt.fetch() if self.prompt is not None else {}
-        if self.sample is None:
-            return RunnerOutput(prompt_logprobs=prompt)
-        sampled, logprobs = self.sample.fetch()
-        return RunnerOutput(sampled, logprobs, prompt)
+        if self._output is None:
+            prompt = self.prompt.fetch() if self.prompt is not None else {}
+            if self.sample is None:
+                self._output = RunnerOutput(prompt_logprobs=prompt)
+            else:
+                sampled, logprobs = self.sample.fetch()
+                self._output = RunnerOutput(sampled, logprobs, prompt)
+        return self._output

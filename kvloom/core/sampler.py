@@ -294,10 +294,13 @@ def _apply_token_bitmasks(logits: torch.Tensor, seqs: Sequence[ScheduledSeq]) ->
             rows.extend(range(row, row + s.num_sample_rows))
             masks.append(s.token_bitmask)
         row += s.num_sample_rows
-    full = torch.full((row, masks[0].shape[1]), -1, dtype=torch.int32)  # -1: every token allowed
+    # -1: every token allowed. Pinned on CUDA (the caching host allocator keeps it until its copy is
+    # done), so the copy is one DMA on the stream rather than a staged copy through the driver. Every row
+    # is in it, so the kernel needs no row indices (a list it would copy to the device on every call).
+    full = torch.full((row, masks[0].shape[1]), -1, dtype=torch.int32, pin_memory=logits.is_cuda)
     full[rows] = torch.cat(masks)
     xgrammar.apply_token_bitmask_inplace(logits, full.to(logits.device, non_blocking=True),
-                                         vocab_size=logits.shape[1], indices=rows)
+                                         vocab_size=logits.shape[1])
 
 
 def target_probs(logits: torch.Tensor, row_params: list[SamplingParams]) -> torch.Tensor:

@@ -1,7 +1,8 @@
 """Structured outputs in the engine: grammars (JSON Schema, regex, choice, EBNF) compiled by xgrammar on
 a worker thread and cached by spec, one grammar matcher per constrained request, and the token
 bitmasks the sampler applies. The engine core parks a constrained request here until its grammar is
-compiled, so compiling never stalls a step."""
+compiled, so compiling never stalls a step. Under async scheduling a matcher takes the token of the step
+in flight only when the next step's masks are filled, after that step's forward is launched."""
 
 from __future__ import annotations
 
@@ -11,9 +12,11 @@ import os
 import re
 from collections import OrderedDict
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
-from kvloom.core.engine.step import ScheduledSeq
+import torch
+
+from kvloom.core.engine.step import RunnerOutput, ScheduledSeq
 from kvloom.core.sampling_params import StructuredOutputSpec
 
 logger = logging.getLogger("kvloom")
@@ -86,6 +89,16 @@ def regex_automaton_grammar(pattern: str) -> str | None:
     return f"root ::= Regex({json.dumps(pattern, ensure_ascii=False)})" if simple(parsed) else None
 
 
+def xgrammar_accept(matchers: list, tokens: list[int]) -> list[bool]:
+    """Each matcher advanced by its token, in one call into xgrammar rather than a Python loop of
+    ``accept_token`` (figures in docs/benchmarks.md, structured outputs, session 8)."""
+    import xgrammar
+
+    if len(matchers) == 1:
+        return [matchers[0].accept_token(tokens[0])]
+    return xgrammar.BatchGrammarMatcher.batch_accept_token(matchers, tokens)
+
+
 class StructuredOutputManager:
     """Grammar compilation and per-request matchers. The tokenizer is loaded on the compile thread at
     the first constrained request, so an engine that never sees one pays nothing."""
@@ -99,7 +112,12 @@ class StructuredOutputManager:
         self._grammars: OrderedDict[StructuredOutputSpec, Future] = OrderedDict()
         self._pending: dict[str, tuple[Any, Future]] = {}  # request id -> (request, compiled grammar)
         self._matchers: dict[str, Any] = {}
+        self._advanced: dict[str, int] = {}  # request id -> the newest step whose tokens its matcher took
+        # The step launched and not yet applied (async scheduling): its id, and how to wait for its tokens.
+        self._deferred: tuple[int, Callable[[], RunnerOutput]] | None = None
         self._batch = None  # xgrammar.BatchGrammarMatcher: one step's masks filled at once, on C++ threads
+        self._masks: torch.Tensor | None = None  # the steps' mask rows, reused while large enough
+        self.num_deferred_accepts = 0  # steps whose tokens were taken at the next step's fill (steps overlapped)
 
     # --- compilation ---------------------------------------------------------------------------------
     def _compile_future(self, spec: StructuredOutputSpec) -> Future:
@@ -187,6 +205,11 @@ class StructuredOutputManager:
     def remove(self, request_ids: Sequence[str]) -> None:
         for rid in request_ids:
             self._matchers.pop(rid, None)
+            self._advanced.pop(rid, None)
+
+    @property
+    def has_matchers(self) -> bool:
+        return bool(self._matchers)
 
     # --- the step ------------------------------------------------------------------------------------
     def fill_bitmasks(self, seqs: Sequence[ScheduledSeq]) -> None:
@@ -201,7 +224,9 @@ class StructuredOutputManager:
         advances them over the tokens that stay, once the step is verified."""
         if not self._matchers:
             return
-        # A matcher that accepted a stop token has nothing left to allow (only ignore_eos gets here).
+        self._take_deferred(seqs)
+        # A matcher that accepted a stop token has nothing left to allow (only ignore_eos gets here, or a
+        # request whose stop token was taken from the step in flight: this step's token is dropped).
         constrained = [s for s in seqs if s.samples and s.request_id in self._matchers
                        and not self._matchers[s.request_id].is_terminated()]
         if not constrained:
@@ -214,7 +239,7 @@ class StructuredOutputManager:
         rows = [0]
         for s in constrained:
             rows.append(rows[-1] + s.num_sample_rows)
-        masks = xgrammar.allocate_token_bitmask(rows[-1], self.vocab_size)  # all allowed until filled
+        masks = self._mask_rows(rows[-1])
         matchers = [self._matchers[s.request_id] for s in constrained]
         advanced = [0] * len(constrained)
         walking = list(range(len(constrained)))
@@ -239,19 +264,64 @@ class StructuredOutputManager:
         for s, start, end in zip(constrained, rows, rows[1:]):
             s.token_bitmask = masks[start:end]
 
-    def accept(self, request_id: str, token_ids: Sequence[int]) -> None:
-        """Advance the request's matcher over its new tokens."""
-        matcher = self._matchers.get(request_id)
-        if matcher is None:
+    def _mask_rows(self, n: int) -> torch.Tensor:
+        """``n`` rows of the reused mask buffer, every token allowed until filled (a row a draft walk does
+        not reach stays so). The sampler copies the rows it applies before the next step fills them."""
+        words = (self.vocab_size + 31) // 32
+        if self._masks is None or self._masks.shape[0] < n:
+            self._masks = torch.empty(max(n, 2 * (self._masks.shape[0] if self._masks is not None else 8)), words,
+                                      dtype=torch.int32)
+        masks = self._masks[:n]
+        masks.fill_(-1)
+        return masks
+
+    def defer(self, step_id: int, fetch: Callable[[], RunnerOutput]) -> None:
+        """Step ``step_id`` is launched and its tokens are not applied yet (async scheduling): the next
+        step's fill first takes them, from ``fetch``, for the sequences whose newest token they are. By
+        then that step's forward is queued behind them, so waiting for them costs the device nothing."""
+        self._deferred = (step_id, fetch) if self._matchers else None
+
+    def _take_deferred(self, seqs: Sequence[ScheduledSeq]) -> None:
+        if self._deferred is None:
             return
-        for t in token_ids:
-            if matcher.is_terminated():
+        # A placeholder is a token of the step in flight (only one is, and only its newest token): the
+        # sequence's mask needs its matcher past that token. A request new in this step has none, so
+        # a reused request id never takes an aborted namesake's token.
+        waiting = [s.request_id for s in seqs if s.num_placeholders and s.samples and s.request_id in self._matchers]
+        if not waiting:
+            return
+        step_id, fetch = self._deferred
+        self._deferred = None
+        sampled = fetch().sampled_token_ids
+        self.accept_step(step_id, {rid: sampled[rid] for rid in waiting if rid in sampled})
+        self.num_deferred_accepts += 1
+
+    def accept_step(self, step_id: int, tokens: dict[str, Sequence[int]]) -> None:
+        """Advance each request's matcher over its tokens from step ``step_id``, once: a matcher that took
+        them at the next step's fill skips them when the step is applied. Batched: round ``j`` advances
+        every matcher that has a ``j``-th token (one round unless drafts were verified)."""
+        if self._deferred is not None and self._deferred[0] <= step_id:
+            self._deferred = None
+        todo = []
+        for rid, toks in tokens.items():
+            matcher = self._matchers.get(rid)
+            if matcher is None or not toks or self._advanced.get(rid, -1) >= step_id:
+                continue
+            self._advanced[rid] = step_id
+            todo.append((rid, matcher, toks))
+        j = 0
+        while todo:
+            todo = [t for t in todo if not t[1].is_terminated()]
+            if not todo:
                 break
-            if not matcher.accept_token(t):
-                # Only a stop token the grammar has not reached yet can get here (ignore_eos, max_tokens);
-                # the mask stops anything else. The request ends on that token anyway.
-                logger.debug("Request %s: token %d not accepted by its grammar", request_id, t)
-                break
+            kept = xgrammar_accept([m for _, m, _ in todo], [toks[j] for _, _, toks in todo])
+            for (rid, _, toks), ok in zip(todo, kept):
+                if not ok:
+                    # Only a stop token the grammar has not reached yet can get here (ignore_eos, max_tokens);
+                    # the mask stops anything else. The request ends on that token anyway.
+                    logger.debug("Request %s: token %d not accepted by its grammar", rid, toks[j])
+            j += 1
+            todo = [t for t, ok in zip(todo, kept) if ok and len(t[2]) > j]
 
     def close(self) -> None:
         if self._pool is not None:
