@@ -6,42 +6,18 @@ constrained steps did overlap."""
 
 from __future__ import annotations
 
-import json
 import re
 
-import jsonschema
 import pytest
 
 from kvloom import LLM, SamplingParams
 from kvloom.core.messages import AddRequest
 from kvloom.core.sampling_params import StructuredOutputSpec
+from tests.test_structured_output_spec import MAX_NEW, SPECS
+from tests.test_structured_output_spec import _satisfies as satisfies
 
-SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
-                                           "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]},
-                                                    "maxItems": 3}},
-          "required": ["name", "tags"], "additionalProperties": False}
-REGEX = r"([a-z]{2,5} [0-9]{1,3}, ){1,3}[a-z]{1,4}\."
-CHOICES = ["the quick brown fox", "the lazy dog", "Paris is the capital"]
-GRAMMAR = 'root ::= ("ab" | "cd" | " "){1,12} "."'
-SPECS = {
-    "json_schema": StructuredOutputSpec(kind="json", spec=json.dumps(SCHEMA), any_whitespace=False),
-    "regex": StructuredOutputSpec(kind="regex", spec=REGEX),
-    "choice": StructuredOutputSpec(kind="choice", spec=json.dumps(CHOICES)),
-    "grammar": StructuredOutputSpec(kind="grammar", spec=GRAMMAR),
-}
+# The constraints and their checks are the spec-decoding tests': the same languages, run under async here.
 PROMPTS = ["The quick brown fox", "Paris is the capital", "Numbers: 0 1 2", "Once upon a time", "abc 12, de 3"]
-MAX_NEW = 48  # every language is finite: greedy outputs end by their grammar within it
-
-
-def _satisfies(kind: str, text: str) -> bool:
-    if kind == "json_schema":
-        jsonschema.validate(json.loads(text, strict=False), SCHEMA)
-        return True
-    if kind == "regex":
-        return re.fullmatch(REGEX, text) is not None
-    if kind == "choice":
-        return text in CHOICES
-    return re.fullmatch(r"(ab|cd| ){1,12}\.", text) is not None
 
 
 def _batch():
@@ -77,7 +53,7 @@ def _check(kinds, outs):
     for kind, o in zip(kinds, outs):
         for c in o.outputs:
             if kind is not None:
-                assert c.finish_reason == "stop" and _satisfies(kind, c.text), (kind, c.text)
+                assert c.finish_reason == "stop" and satisfies(kind, c.text), (kind, c.text)
 
 
 @pytest.mark.parametrize("options", [{}, {"num_kv_blocks": 14, "block_size": 8}, {"max_num_batched_tokens": 9}],
