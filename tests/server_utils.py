@@ -68,6 +68,18 @@ class EngineServer:
         self.stop()
         raise RuntimeError(f"engine not healthy within {timeout}s:\n{self.log()}")
 
+    def __enter__(self) -> "EngineServer":
+        """``with EngineServer(...) as srv:`` waits until it serves and stops it on the way out, also when
+        it never became ready (``__exit__`` does not run when ``__enter__`` raises)."""
+        try:
+            return self.wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
     def descendants(self) -> list[int]:
         return descendants(self.proc.pid)
 

@@ -59,10 +59,8 @@ def server(tiny_llama, tmp_path_factory):
     template.write_text(TEMPLATE)
     port = free_port()
     srv = EngineServer(vllm_line(str(tiny_llama), port, str(template)), tmp, port=port, api_key=API_KEY)
-    try:
-        yield srv.wait_ready()
-    finally:
-        srv.stop()
+    with srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")

@@ -100,10 +100,8 @@ def server(tiny_llama, tmp_path_factory):
                         "--max-model-len", "256", "--served-model-name", "m", "--gateway", f"ipc://{tmp}/gw.sock"],
                        tmp)
     srv.gateway = f"ipc://{tmp}/gw.sock"
-    try:
-        yield srv.wait_ready()
-    finally:
-        srv.stop()
+    with srv:
+        yield srv
 
 
 @pytest.fixture

@@ -26,10 +26,8 @@ def server(tiny_llama, tmp_path_factory):
     srv = EngineServer(["--model", str(tiny_llama), "--num-kv-blocks", "256", "--api-workers", "2",
                         "--served-model-name", SERVED, "--api-key", API_KEY, "--stats-log-interval", "1"],
                        tmp, api_key=API_KEY)
-    try:
-        yield srv.wait_ready()
-    finally:
-        srv.stop()
+    with srv:
+        yield srv
 
 
 @pytest.fixture

@@ -23,10 +23,8 @@ def server(tiny_llama, tmp_path_factory):
     srv = EngineServer(["--model", str(tiny_llama), "--num-kv-blocks", "512", "--gateway", gateway], tmp)
     srv.gateway = gateway
     srv.model = str(tiny_llama)
-    try:
-        yield srv.wait_ready()
-    finally:
-        srv.stop()
+    with srv:
+        yield srv
 
 
 def test_fuzzed_bodies_and_messages_never_get_a_5xx_or_hang(server):

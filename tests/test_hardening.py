@@ -29,10 +29,8 @@ def server(tiny_llama, tmp_path_factory):
     srv = EngineServer(["--model", str(tiny_llama), "--num-kv-blocks", str(NUM_BLOCKS), "--gateway", gateway,
                         "--max-request-body-mb", "1"], tmp)
     srv.gateway = gateway
-    try:
-        yield srv.wait_ready()
-    finally:
-        srv.stop()
+    with srv:
+        yield srv
 
 
 @pytest.fixture

@@ -20,10 +20,8 @@ NEAR_INT64_MAX = 2**63 - 2  # n=3 from here crosses the int64 limit: both paths 
 def server(tiny_llama, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("output_path")
     srv = EngineServer(["--model", str(tiny_llama), "--num-kv-blocks", "256", "--api-workers", "1"], tmp)
-    try:
-        yield srv.wait_ready()
-    finally:
-        srv.stop()
+    with srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")

@@ -27,10 +27,8 @@ def server(tiny_llama, tmp_path_factory):
                         "--gateway", gateway, "--api-key", API_KEY], tmp, api_key=API_KEY)
     srv.gateway = gateway
     srv.model = str(tiny_llama)
-    try:
-        yield srv.wait_ready()
-    finally:
-        srv.stop()
+    with srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")

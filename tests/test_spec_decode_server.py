@@ -22,10 +22,8 @@ def server(tiny_llama, tmp_path_factory):
     options = json.dumps({"spec_decode": {"num_speculative_tokens": 4, "prompt_lookup_min": 1}})
     srv = EngineServer(["--model", str(tiny_llama), "--num-kv-blocks", "256", "--plugins", "prefix_cache,spec_decode",
                         "--plugin-options", options], tmp)
-    try:
-        yield srv.wait_ready()
-    finally:
-        srv.stop()
+    with srv:
+        yield srv
 
 
 def test_streamed_greedy_output_equals_no_speculation_and_metrics_show_acceptance(server, tiny_llama):

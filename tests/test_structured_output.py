@@ -37,10 +37,8 @@ PROMPTS = {"person": "Describe a person as JSON.", "colors": "List some colors a
 @pytest.fixture(scope="module")
 def server(smollm2_path, tmp_path_factory):
     srv = EngineServer(["--max-model-len", "1024", "--num-kv-blocks", "256"], tmp_path_factory.mktemp("so"))
-    try:
-        yield srv.wait_ready()
-    finally:
-        srv.stop()
+    with srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")

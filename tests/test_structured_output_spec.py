@@ -193,10 +193,8 @@ def spec_server(smollm2_path, tmp_path_factory):
     options = json.dumps({"spec_decode": {"num_speculative_tokens": 3, "prompt_lookup_min": 1}})
     srv = EngineServer(["--max-model-len", "1024", "--num-kv-blocks", "256", "--plugins", "spec_decode",
                         "--plugin-options", options], tmp_path_factory.mktemp("so-spec"))
-    try:
-        yield srv.wait_ready()
-    finally:
-        srv.stop()
+    with srv:
+        yield srv
 
 
 @pytest.mark.slow

@@ -49,10 +49,8 @@ def tiny(tiny_llama, tmp_path_factory):
     srv = EngineServer(["--model", str(tiny_llama), "--num-kv-blocks", "256", "--served-model-name", SERVED,
                         "--chat-template", str(tmp / "hermes.jinja"), "--tool-call-parser", "hermes",
                         "--enable-auto-tool-choice"], tmp)
-    try:
-        yield srv.wait_ready()
-    finally:
-        srv.stop()
+    with srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")
@@ -171,10 +169,8 @@ def test_parsers_read_hermes_and_llama3_calls_whole_and_streamed():
 @pytest.fixture(scope="module")
 def smol(smollm2_path, tmp_path_factory):
     srv = EngineServer(["--max-model-len", "1024", "--num-kv-blocks", "256"], tmp_path_factory.mktemp("tools-smol"))
-    try:
-        yield srv.wait_ready()
-    finally:
-        srv.stop()
+    with srv:
+        yield srv
 
 
 @pytest.mark.slow
