@@ -95,6 +95,8 @@ def main() -> None:
             warnings.showwarning = record
             warnings.simplefilter("always")
             torch.cuda.set_sync_debug_mode("warn")
+    alloc_keys = ("num_alloc_retries", "num_device_alloc", "num_device_free", "num_sync_all_streams", "num_ooms")
+    alloc_before = {k: torch.cuda.memory_stats().get(k, 0) for k in alloc_keys} if cuda else {}
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     if cuda:
@@ -131,6 +133,10 @@ def main() -> None:
             "device_ms_p50": round(statistics.median(dev), 3) if dev else None,
             "launch_ms_p50": round(statistics.median(k["launch_ms"]), 3),
             "launch_ms_total": round(sum(k["launch_ms"]), 1)}
+    if cuda:  # the caching allocator's own syncs: a retry frees cached blocks (cudaFree waits for the device)
+        stats = torch.cuda.memory_stats()
+        result["allocator"] = {k: stats.get(k, 0) - alloc_before[k] for k in alloc_keys}
+        result["allocator"]["reserved_gib"] = round(torch.cuda.memory_reserved() / 2**30, 2)
     if args.sync_debug:
         result["syncs"] = dict(syncs.most_common(15))
     print(json.dumps(result, indent=2))

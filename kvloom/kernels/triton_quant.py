@@ -273,6 +273,8 @@ def fp8_weight_only_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: 
         x2 = x2.contiguous()
     m, k = x2.shape
     n = weight.shape[0]
+    if config is None and x2.is_cuda and m == 1:
+        config = fp8_row_tiles(n, k)
     if config is None and x2.is_cuda:
         out = torch.zeros((m, n), device=x.device, dtype=torch.float32)
         _tuned("fp8_small")[_grid(m, n)](x2, weight, weight_scale.reshape(-1), out, m, n, k, _row_bucket(m),
@@ -414,6 +416,8 @@ def int_gemv(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor, scales
     m, k = x2.shape
     n = qweight.shape[1]
     per = 32 // bits
+    if config is None and x2.is_cuda and m == 1:
+        config = fp8_row_tiles(n, k)
     if config is None and x2.is_cuda:
         out = torch.zeros((m, n), device=x.device, dtype=torch.float32)
         if "int_gemv" not in _TUNED:
@@ -488,6 +492,8 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
         x2 = x2.contiguous()
     m, k = x2.shape
     n = weight.shape[0]
+    if config is None and x2.is_cuda and m == 1:
+        config = fp8_row_tiles(n, k)
     if config is None and x2.is_cuda:
         out = torch.zeros((m, n), device=x.device, dtype=torch.float32)
         if "fp8_gemv" not in _TUNED:
@@ -570,7 +576,6 @@ def int_matmul_dequantized(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.
 # --------------------------------------------------------------------------------------------------
 TINYGEMM_MAX_ROWS = 4  # 1.6-1.8x bf16 at one row; 0.44-0.60x at 16 rows, where the tensor-core kernel wins
 INT_DEQUANTIZE_MIN_ROWS = 64  # 0.54-0.61x bf16 at 256 rows against the tensor-core kernel's 0.28-0.41x
-FP8_SMALL_WEIGHT = 4096 * 4096  # at one row, weights up to this size are latency-bound: the tl.dot GEMV
 FP8_WIDE_N = 16384  # at 2-16 rows, W8A8 beats the weight-only GEMV on wide outputs (gate_up: 1.58x vs 1.28x)
 
 
@@ -586,11 +591,29 @@ def int_linear(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor, scal
     return int_matmul(x, qweight, zeros, scales, group_size, bits, bias)
 
 
+# One row of a weight up to 6144 x 4096: fixed tiles of the FMA GEMV, read off a sweep of 132 tile configs
+# on an H200 (benchmarks/gemv_sweep_gpu.py, session 9, CUDA-graph replay, weights past L2): Llama-3-8B's
+# qkv_proj 9.98 us with 8 x 512 tiles (the autotuned GEMV 12.85 us), o_proj 7.47 us with 8 x 1024 (the
+# tl.dot GEMV 12.54 us). The autotuner, timing eager calls, had picked slower tiles. Larger weights keep it.
+FP8_ROW_TILES = (
+    (4096 * 4096, dict(BLOCK_N=8, BLOCK_K=1024, SPLIT_K=1, num_warps=4, num_stages=2)),
+    (6144 * 4096, dict(BLOCK_N=8, BLOCK_K=512, SPLIT_K=1, num_warps=4, num_stages=2)),
+)
+
+
+def fp8_row_tiles(n: int, k: int) -> dict | None:
+    """The FMA GEMV's fixed tiles for one row of an ``[n, k]`` FP8 weight, or None (autotuned)."""
+    for limit, tiles in FP8_ROW_TILES:
+        if n * k <= limit:
+            return dict(tiles)
+    return None
+
+
 def fp8_linear_path(rows: int, n: int, k: int) -> str:
     """Which of an FP8 layer's paths runs ``rows`` rows: ``gemv`` (no tensor cores), ``gemv_dot`` (the
     ``tl.dot`` weight-only GEMV) or ``w8a8`` (``_scaled_mm``)."""
     if rows == 1:
-        return "gemv_dot" if n * k <= FP8_SMALL_WEIGHT else "gemv"
+        return "gemv"  # fixed tiles up to 6144 x 4096 (fp8_row_tiles), autotuned beyond
     if rows <= FP8_GEMV_MAX_ROWS:
         return "w8a8" if n >= FP8_WIDE_N else "gemv_dot"
     return "w8a8"

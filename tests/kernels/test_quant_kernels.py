@@ -184,6 +184,20 @@ def test_fp8_gemv_without_tensor_cores_matches_the_dequantized_product(tk, rows)
         torch.testing.assert_close(got.cpu(), want, atol=1e-4, rtol=1e-4)
 
 
+def test_fp8_one_row_fixed_tiles_match_the_dequantized_product(tk):
+    """Both fixed one-row tile shapes (``fp8_row_tiles``) on ``fp8_layer``'s ragged shape (K below their K
+    tiles, N no multiple of their N tile: the masks); beyond 6144 x 4096 the autotuner picks."""
+    from kvloom.kernels.triton_quant import FP8_ROW_TILES, fp8_row_tiles
+
+    assert fp8_row_tiles(4096, 4096) == FP8_ROW_TILES[0][1] and fp8_row_tiles(6144, 4096) == FP8_ROW_TILES[1][1]
+    assert fp8_row_tiles(28672, 4096) is None
+    x, wq, scale, bias, want = fp8_layer(1, seed=6)
+    for _, tiles in FP8_ROW_TILES:
+        got = tk.quant.fp8_gemv(x.to(tk.device), wq.to(tk.device), scale.to(tk.device), bias.to(tk.device),
+                                config=tiles)
+        torch.testing.assert_close(got.cpu(), want, atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.parametrize("bits", [4, 8])
 def test_dequantize_then_dense_matmul_is_the_reference_product(tk, bits):
     """The big-batch path: the packed weight dequantized into a scratch buffer exactly as the reference
@@ -225,11 +239,12 @@ def test_every_int4_path_on_the_gpu_at_llama_shapes(rows):
 
 
 @requires_cuda
-@pytest.mark.parametrize("rows", [1, 8])
-def test_fp8_gemv_on_the_gpu_at_llama_shapes(rows):
+@pytest.mark.parametrize("rows,n", [(1, 6144), (1, 4096), (8, 6144)])
+def test_fp8_gemv_on_the_gpu_at_llama_shapes(rows, n):
+    """qkv_proj and o_proj: at one row the fixed tiles, at eight the autotuned ones."""
     from kvloom.kernels import triton_quant
 
-    w = torch.randn(6144, 4096) * 0.02
+    w = torch.randn(n, 4096) * 0.02
     scale = qr.fp8_scale_per_row(w)
     wq = qr.fp8_quantize(w, scale)
     x = torch.randn(rows, 4096).to(torch.bfloat16)
