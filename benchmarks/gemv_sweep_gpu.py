@@ -82,7 +82,7 @@ def main(argv=None):
                  "best": best, "failed": sum(1 for t in timings if t[2])}
             print(json.dumps(r), flush=True)
             results.append(r)
-        del bf16_w, ws_list
+        del bf16_w
         torch.cuda.empty_cache()
     if args.output:
         Path(args.output).write_text(json.dumps(results, indent=1))

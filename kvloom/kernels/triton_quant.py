@@ -273,8 +273,6 @@ def fp8_weight_only_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: 
         x2 = x2.contiguous()
     m, k = x2.shape
     n = weight.shape[0]
-    if config is None and x2.is_cuda and m == 1:
-        config = fp8_row_tiles(n, k)
     if config is None and x2.is_cuda:
         out = torch.zeros((m, n), device=x.device, dtype=torch.float32)
         _tuned("fp8_small")[_grid(m, n)](x2, weight, weight_scale.reshape(-1), out, m, n, k, _row_bucket(m),
@@ -416,8 +414,6 @@ def int_gemv(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor, scales
     m, k = x2.shape
     n = qweight.shape[1]
     per = 32 // bits
-    if config is None and x2.is_cuda and m == 1:
-        config = fp8_row_tiles(n, k)
     if config is None and x2.is_cuda:
         out = torch.zeros((m, n), device=x.device, dtype=torch.float32)
         if "int_gemv" not in _TUNED:
