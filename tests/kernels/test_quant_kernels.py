@@ -185,12 +185,13 @@ def test_fp8_gemv_without_tensor_cores_matches_the_dequantized_product(tk, rows)
 
 
 def test_fp8_one_row_fixed_tiles_match_the_dequantized_product(tk):
-    """Both fixed one-row tile shapes (``fp8_row_tiles``) on ``fp8_layer``'s ragged shape (K below their K
-    tiles, N no multiple of their N tile: the masks); beyond 6144 x 4096 the autotuner picks."""
+    """Every fixed one-row tile shape (``fp8_row_tiles``, one per Llama-3-8B projection) on ``fp8_layer``'s
+    ragged shape (K below their K tiles, N no multiple of their N tile: the masks); beyond, the autotuner."""
     from kvloom.kernels.triton_quant import FP8_ROW_TILES, fp8_row_tiles
 
-    assert fp8_row_tiles(4096, 4096) == FP8_ROW_TILES[0][1] and fp8_row_tiles(6144, 4096) == FP8_ROW_TILES[1][1]
-    assert fp8_row_tiles(28672, 4096) is None
+    assert [fp8_row_tiles(n, k) for n, k in ((4096, 4096), (6144, 4096), (4096, 14336), (28672, 4096))] == \
+        [tiles for _, tiles in FP8_ROW_TILES]
+    assert fp8_row_tiles(128256, 4096) is None
     x, wq, scale, bias, want = fp8_layer(1, seed=6)
     for _, tiles in FP8_ROW_TILES:
         got = tk.quant.fp8_gemv(x.to(tk.device), wq.to(tk.device), scale.to(tk.device), bias.to(tk.device),
