@@ -42,7 +42,7 @@ def main(argv=None):
     import gemlite
     from gemlite import DType, GemLiteLinearTriton
 
-    from kvloom.core.model.quantization.fp8 import fp8_w8a8_linear
+    from kvloom.core.model.quantization.fp8 import fp8_linear
     from kvloom.kernels import quant_reference as qr
     from kvloom.kernels import triton_quant as tq
 
@@ -92,14 +92,6 @@ def main(argv=None):
         w4_ref = ((q.float() - z.float().repeat_interleave(g, 1)) * s.float().repeat_interleave(g, 1))
         fp8_ref = wq.float() * ws.float().reshape(n, 1)
 
-        def fp8_kvloom(x, t):
-            path = tq.fp8_linear_path(x.shape[0], n, k)
-            if path == "gemv":
-                return tq.fp8_gemv(x, *t)
-            if path == "gemv_dot":
-                return tq.fp8_weight_only_linear(x, *t)
-            return fp8_w8a8_linear(x, t[0], t[1], None, None)
-
         for rows in [int(r) for r in args.rows.split(",")]:
             x = (torch.randn(rows, k, device=dev, generator=gen)).to(dtype)
             paths = {"bf16": (lambda t: F.linear(x, t), bf16_w),
@@ -108,7 +100,7 @@ def main(argv=None):
                 paths["tinygemm"] = (lambda t: tq.tinygemm_linear(x, *t[3], g), kv_int4)
             if gl_w4:
                 paths["gemlite_w4"] = (lambda t: t(x), gl_w4)
-            paths["fp8_kvloom"] = (lambda t: fp8_kvloom(x, t), kv_fp8)
+            paths["fp8_kvloom"] = (lambda t: fp8_linear(x, t[0], t[1], None, None), kv_fp8)
             if gl_fp8:
                 paths["gemlite_fp8"] = (lambda t: t(x), gl_fp8)
             if gl_bf16:
@@ -123,12 +115,13 @@ def main(argv=None):
             for path in paths:
                 if isinstance(r.get(path), dict) and path != "bf16":
                     r[path]["x_bf16"] = round(base / r[path]["us"], 3)
-            for path, lst, ref in (("gemlite_w4", gl_w4, w4_ref), ("gemlite_fp8", gl_fp8, fp8_ref),
-                                   ("int4_kvloom", None, w4_ref), ("fp8_kvloom", None, fp8_ref)):
+            for path, ref in (("gemlite_w4", w4_ref), ("gemlite_fp8", fp8_ref), ("int4_kvloom", w4_ref),
+                              ("fp8_kvloom", fp8_ref)):
                 if not isinstance(r.get(path), dict):
                     continue
+                fn, weights = paths[path]
                 want = x.float() @ ref.t()
-                got = (lst[0](x) if lst else paths[path][0]((kv_int4 if "int4" in path else kv_fp8)[0])).float()
+                got = fn(weights[0]).float()
                 r[path]["max_rel_err"] = float((got - want).abs().max() / want.abs().max())
             print(json.dumps(r), flush=True)
             results.append(r)

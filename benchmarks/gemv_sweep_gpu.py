@@ -30,6 +30,7 @@ def main(argv=None):
     p.add_argument("--fp8-projs", default="qkv,o", help="The projections whose FP8 weights are swept too.")
     p.add_argument("--output", default=None)
     args = p.parse_args(argv)
+    from kvloom.core.model.quantization.fp8 import fp8_linear
     from kvloom.kernels import quant_reference as qr
     from kvloom.kernels import triton_quant as tq
 
@@ -60,10 +61,8 @@ def main(argv=None):
                 wq = qr.fp8_quantize(w, ws)
                 ws_list = [(wq, ws)] + [(wq.clone(), ws.clone()) for _ in range(copies(wq.numel(), True) - 1)]
                 want = F.linear(x.float(), wq.float() * ws.float().reshape(n, 1))
-                path = tq.fp8_linear_path(1, n, k)
-                fn = {"gemv": lambda t: tq.fp8_gemv(x, *t), "gemv_dot": lambda t: tq.fp8_weight_only_linear(x, *t)
-                      }.get(path)
-                rule = {"path": path, "us": round(timed(fn, ws_list, True), 2)} if fn else {"path": path}
+                rule = {"path": tq.fp8_linear_path(1, n, k),
+                        "us": round(timed(lambda t: fp8_linear(x, t[0], t[1], None, None), ws_list, True), 2)}
             timings = []
             for c in grid:
                 try:

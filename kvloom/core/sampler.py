@@ -77,6 +77,12 @@ class SampleResult:
 PROMPT_LOGITS_ROWS = 256
 
 
+def prompt_logits_slices(num_rows: int) -> list[slice]:
+    """The slices of scored rows whose logits are made one at a time (a TP worker's all-gathers pair with
+    rank 0's through these)."""
+    return [slice(i, min(i + PROMPT_LOGITS_ROWS, num_rows)) for i in range(0, num_rows, PROMPT_LOGITS_ROWS)]
+
+
 class PromptScores:
     """Logprobs of the prompt tokens a step scored (``ScheduledSeq.prompt_targets``), still on the
     device; ``fetch`` brings them to the host per request."""
@@ -113,9 +119,9 @@ def score_prompt(hidden: torch.Tensor, seqs: Sequence[ScheduledSeq], compute_log
     targets = torch.tensor([t for s in seqs for t in s.prompt_targets], dtype=torch.int64).to(hidden.device)
     k = max(s.sampling.prompt_logprobs for s in seqs)
     parts: list[list[torch.Tensor]] = [[], [], [], []]
-    for i in range(0, len(targets), PROMPT_LOGITS_ROWS):
-        logprobs = torch.log_softmax(compute_logits(hidden[i: i + PROMPT_LOGITS_ROWS]).float(), dim=-1)
-        chosen = logprobs.gather(1, targets[i: i + PROMPT_LOGITS_ROWS, None])
+    for rows in prompt_logits_slices(len(targets)):
+        logprobs = torch.log_softmax(compute_logits(hidden[rows]).float(), dim=-1)
+        chosen = logprobs.gather(1, targets[rows, None])
         top_vals, top_ids = logprobs.topk(k, dim=-1)
         for part, t in zip(parts, (chosen[:, 0], (logprobs > chosen).sum(-1) + 1, top_vals, top_ids)):
             part.append(t)

@@ -34,7 +34,7 @@ from kvloom.core.distributed import (COLLECTIVE_TIMEOUT_S, STORE_HOST, WORKER_EN
                                      init_group)
 from kvloom.core.engine.step import SchedulerOutput
 from kvloom.core.model_runner import LaunchedStep, ModelRunner
-from kvloom.core.sampler import PROMPT_LOGITS_ROWS
+from kvloom.core.sampler import prompt_logits_slices
 
 logger = logging.getLogger("kvloom")
 
@@ -251,8 +251,8 @@ class TPWorkerRunner(ModelRunner):
             hidden = self.model(ids, pos, meta, self.kv_caches, keep=rows)
             # Each logits all-gather pairs with one of rank 0's: the scored prompt rows first, in
             # score_prompt's slices, then the sampled rows. Only rank 0 reads the logits.
-            for i in range(0, num_scored, PROMPT_LOGITS_ROWS):
-                self.model.compute_logits(hidden[i: min(i + PROMPT_LOGITS_ROWS, num_scored)])
+            for rows in prompt_logits_slices(num_scored):
+                self.model.compute_logits(hidden[rows])
             if sampling:
                 self.model.compute_logits(hidden[num_scored:])
         if not sampling:

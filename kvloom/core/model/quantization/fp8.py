@@ -62,6 +62,20 @@ def fp8_w8a8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.T
     return out.reshape(*shape[:-1], weight.shape[0])
 
 
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+               input_scale: torch.Tensor | None, bias: torch.Tensor | None) -> torch.Tensor:
+    """An FP8 layer on CUDA: the path ``triton_quant.fp8_linear_path`` picks for the row count and shape
+    (a weight-only GEMV for decode-sized batches, W8A8 beyond)."""
+    from kvloom.kernels import triton_quant
+
+    path = triton_quant.fp8_linear_path(x.numel() // x.shape[-1], weight.shape[0], weight.shape[1])
+    if path == "gemv":
+        return triton_quant.fp8_gemv(x, weight, weight_scale, bias)
+    if path == "gemv_dot":
+        return triton_quant.fp8_weight_only_linear(x, weight, weight_scale, bias)
+    return fp8_w8a8_linear(x, weight, weight_scale, input_scale, bias)
+
+
 class FP8Method(QuantizationMethod):
     name = "fp8"
     bits = 8
@@ -195,15 +209,7 @@ class FP8LinearMethod:
                     f"{_gemv_rows()} rows by shape that or a weight-only FP8 GEMV (Triton)")
 
     def apply(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
-        from kvloom.kernels import triton_quant
-
-        w, ws, bias = layer.weight, layer.weight_scale, layer.bias
-        path = triton_quant.fp8_linear_path(x.numel() // x.shape[-1], w.shape[0], w.shape[1])
-        if path == "gemv":
-            return triton_quant.fp8_gemv(x, w, ws, bias)
-        if path == "gemv_dot":
-            return triton_quant.fp8_weight_only_linear(x, w, ws, bias)
-        return fp8_w8a8_linear(x, w, ws, getattr(layer, "input_scale", None), bias)
+        return fp8_linear(x, layer.weight, layer.weight_scale, getattr(layer, "input_scale", None), layer.bias)
 
     def held_bytes(self, layer: LinearBase, device_type: str) -> int:
         if device_type == "cpu" or self.method.block:  # weight-only: dequantized at load
