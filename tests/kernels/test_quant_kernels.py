@@ -175,6 +175,40 @@ def test_int_gemv_without_tensor_cores_matches_the_reference(tk, bits, rows, spl
     torch.testing.assert_close(got.cpu(), want, atol=1e-4 * 2 ** bits, rtol=1e-4)
 
 
+@pytest.mark.parametrize("group", [32, 64, 128])
+@pytest.mark.parametrize("split", [1, 2])
+def test_int4_row_gemv_matches_the_reference(tk, group, split):
+    """The bit-pattern GEMV on its row-major layout (``int4_row_pack``): each nibble becomes the float
+    ``1 + q / 128`` and each group's offset and zero point come off its sums, the same product as
+    dequantizing first, to float32 rounding; three rows, N of 80 (a partial column tile), a bias, tiles of
+    one and of several groups."""
+    k, n = 512, 80
+    qweight, zeros, scales = random_packed(k, n, 4, group, seed=11)
+    x = torch.randn(3, k, generator=torch.Generator().manual_seed(12))
+    bias = torch.randn(n)
+    want = qr.int_matmul(x, qweight, zeros, scales, group, 4, bias)
+    packed = tk.quant.int4_row_pack(qweight.to(tk.device))
+    assert packed.shape == (n, k // 8) and packed.dtype == torch.int32
+    args = [t.to(tk.device) for t in (x, packed, zeros, scales)]
+    for block_k in (group, 256):
+        cfg = dict(BLOCK_N=32, BLOCK_K=block_k, SPLIT_K=split, num_warps=4)
+        got = tk.quant.int4_row_gemv(*args, group, bias.to(tk.device), config=cfg)
+        torch.testing.assert_close(got.cpu(), want, atol=1e-4, rtol=1e-4)
+
+
+def test_int4_row_pack_places_each_input_where_the_kernel_reads_it():
+    """Nibble ``j`` of word ``w`` of an output row holds input ``(w // 4) * 32 + 4 * j + w % 4``."""
+    from kvloom.kernels.triton_quant import int4_row_pack
+
+    k, n = 64, 3
+    q = (torch.arange(k * n).reshape(k, n) * 7) % 16
+    packed = int4_row_pack(qr.pack_int32(q, 4, 0))
+    for row in range(n):
+        for w in range(k // 8):
+            for j in range(8):
+                assert (int(packed[row, w]) >> (4 * j)) & 15 == int(q[(w // 4) * 32 + 4 * j + w % 4, row])
+
+
 @pytest.mark.parametrize("rows", [1, 4])
 def test_fp8_gemv_without_tensor_cores_matches_the_dequantized_product(tk, rows):
     x, wq, scale, bias, want = fp8_layer(rows, seed=4)
@@ -237,6 +271,20 @@ def test_every_int4_path_on_the_gpu_at_llama_shapes(rows):
     # and the dispatcher, whichever path it picks for this shape
     got = triton_quant.int_linear(*args, 128, 4, tinygemm=tiny).float().cpu()
     assert (got - want).abs().max() <= 0.02 * want.abs().max()
+
+
+@requires_cuda
+@pytest.mark.parametrize("rows", [1, 2])
+def test_int4_row_gemv_on_the_gpu_at_llama_shapes(rows):
+    """qkv_proj's shape in bf16, the engine's default tile, against the float32 reference."""
+    from kvloom.kernels import triton_quant
+
+    qweight, zeros, scales = random_packed(4096, 6144, 4, 128, seed=13)
+    x = torch.randn(rows, 4096).to(torch.bfloat16)
+    want = qr.int_matmul(x.float(), qweight, zeros, scales, 128, 4)
+    packed = triton_quant.int4_row_pack(qweight.cuda())
+    got = triton_quant.int4_row_gemv(x.cuda(), packed, zeros.cuda(), scales.cuda(), 128).float().cpu()
+    assert (got - want).abs().max() <= 0.01 * want.abs().max()
 
 
 @requires_cuda
