@@ -30,6 +30,7 @@ def main(argv=None):
     p.add_argument("--rows", default="1,2,4", help="Row counts; the sweep runs at the first, the others time "
                                                    "its five best configs.")
     p.add_argument("--group", type=int, default=128)
+    p.add_argument("--quick", action="store_true", help="A smaller grid (BLOCK_K 512 and 1024, BLOCK_N up to 64).")
     p.add_argument("--output", default=None)
     args = p.parse_args(argv)
     from kvloom.kernels import quant_reference as qr
@@ -38,7 +39,9 @@ def main(argv=None):
     rows_list = [int(r) for r in args.rows.split(",")]
     grid = [dict(BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=sp, num_warps=w, num_stages=st)
             for bn, bk, sp, w, st in itertools.product((16, 32, 64, 128), (256, 512, 1024), (1, 2, 4), (4, 8), (2, 3))
-            if 2048 <= bn * bk <= 65536]
+            if 2048 <= bn * bk <= 65536 and (not args.quick or (bk >= 512 and bn <= 64))]
+    grid.append(dict(tq.INT4_ROW_TILE))
+    grid.append(dict(tq.INT4_ROW_LONG_K))
     dev, g = "cuda", args.group
     results = []
     for name, (k, n) in projection_shapes(SHAPES[args.shape]).items():
@@ -83,7 +86,11 @@ def main(argv=None):
                 best.append({"us": round(us, 2), "x_cublas": round(cublas / us, 3), "x_tinygemm": round(tinygemm / us, 3),
                              "tb_s": round(nbytes / us / 1e6, 2), "cfg": c,
                              "max_rel_err": float((got - want).abs().max() / want.abs().max())})
+            engine_cfg = tq.int4_row_tiles(n, k)
+            engine_us = timed(lambda t: tq.int4_row_gemv(x, *t, g, config=engine_cfg), rows_w, True)
             r = {"proj": name, "n": n, "k": k, "rows": rows, "group": g, "cublas_bf16_us": round(cublas, 2),
+                 "engine": {"layout": tq.int4_decode_layout(n, k, g, torch.bfloat16), "row_tiles": engine_cfg,
+                            "row_us": round(engine_us, 2)},
                  "tinygemm_us": round(tinygemm, 2), "tinygemm_x_cublas": round(cublas / tinygemm, 3),
                  "tinygemm_max_rel_err": tiny_err, "best": best,
                  "failed": sum(1 for t in timings if t[0] == float("inf"))}

@@ -76,13 +76,14 @@ def silu_and_mul(x):
     return ref.silu_and_mul(x)
 
 
-def int_matmul(x, qweight, zeros, scales, group_size, bits, bias=None, tinygemm=None):
+def int_matmul(x, qweight, zeros, scales, group_size, bits, bias=None, tinygemm=None, row=None):
     """``x @ W.T`` of a K-packed int4/int8 weight, dequantized inside the matmul (``quant_reference``).
-    ``tinygemm``: the same 4-bit weight in PyTorch's int4 layout (CUDA), one more decode path."""
+    ``tinygemm`` / ``row``: the same 4-bit weight in a decode layout (CUDA): PyTorch's int4 one, or the
+    row GEMV's with its tiles (``triton_quant.int4_row_pack``)."""
     if use_triton(x):
         from kvloom.kernels import triton_quant
 
-        return triton_quant.int_linear(x, qweight, zeros, scales, group_size, bits, bias, tinygemm)
+        return triton_quant.int_linear(x, qweight, zeros, scales, group_size, bits, bias, tinygemm, row)
     from kvloom.kernels import quant_reference
 
     return quant_reference.int_matmul(x, qweight, zeros, scales, group_size, bits, bias)

@@ -466,14 +466,26 @@ def int4_row_pack(qweight: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
+def _int4_row_group_sums(part, xs, z, s, BLOCK_N: tl.constexpr, GPT: tl.constexpr, WPG: tl.constexpr):
+    """One row's tile: ``sum_k x_k (q_k - z) s`` per output, from ``part = sum x (1 + q / 128)`` per word
+    and ``xs = sum x`` per word column."""
+    dot = tl.sum(tl.reshape(part, (BLOCK_N, GPT, WPG)), 2)
+    sx = tl.sum(tl.reshape(xs, (GPT, WPG)), 1)
+    return s * (128.0 * dot - (128.0 + z) * sx[None, :])
+
+
+@triton.jit
 def _int4_row_gemv_kernel(
     x_ptr, qw_ptr, z_ptr, s_ptr, out_ptr,
     M, N, K, stride_xm, stride_qn, stride_om, NIB_MASK,
-    GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+    GROUP: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,
 ):
-    # NIB_MASK (0x000F0000) comes in as an argument, not an immediate: ptxas then keeps it in a register
-    # instead of rematerializing it before every OR with 1.0's bits (a third fewer instructions).
-    row = tl.program_id(0)
+    # Up to four rows of x share each unpacked value (one FMA per row); their accumulators are spelled
+    # out, since a [ROWS, ...] tensor would cost layout shuffles. NIB_MASK (0x000F0000) comes in as an
+    # argument, not an immediate: ptxas then keeps it in a register instead of rematerializing it before
+    # every OR with 1.0's bits (a third fewer instructions).
+    pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
     KW: tl.constexpr = BLOCK_K // 8
@@ -483,44 +495,89 @@ def _int4_row_gemv_kernel(
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rw = tl.arange(0, KW)
     n_ok = rn < N
-    x_row = x_ptr + row.to(tl.int64) * stride_xm + (rw // 4) * 32 + (rw % 4)
+    row0 = pid_m * ROWS
+    x0 = x_ptr + row0.to(tl.int64) * stride_xm + (rw // 4) * 32 + (rw % 4)
+    ok1 = row0 + 1 + 0 * rw < M  # whether rows 1-3 of the block exist, as [KW] masks for the x loads
+    ok2 = row0 + 2 + 0 * rw < M
+    ok3 = row0 + 3 + 0 * rw < M
+    rows_left = M - row0 + 0 * rn  # and for the stores ([BLOCK_N])
     w_rows = qw_ptr + rn[:, None].to(tl.int64) * stride_qn + rw[None, :]
-    acc = tl.zeros((BLOCK_N, GPT), dtype=tl.float32)
+    acc0 = tl.zeros((BLOCK_N, GPT), dtype=tl.float32)
+    acc1 = tl.zeros((BLOCK_N, GPT), dtype=tl.float32)
+    acc2 = tl.zeros((BLOCK_N, GPT), dtype=tl.float32)
+    acc3 = tl.zeros((BLOCK_N, GPT), dtype=tl.float32)
     for t in range(pid_k, K // BLOCK_K, SPLIT_K):
         words = tl.load(w_rows + t * KW, mask=n_ok[:, None], other=0)
-        part = tl.zeros((BLOCK_N, KW), dtype=tl.float32)
-        xs = tl.zeros((KW,), dtype=tl.float32)
+        p0 = tl.zeros((BLOCK_N, KW), dtype=tl.float32)
+        p1 = tl.zeros((BLOCK_N, KW), dtype=tl.float32)
+        p2 = tl.zeros((BLOCK_N, KW), dtype=tl.float32)
+        p3 = tl.zeros((BLOCK_N, KW), dtype=tl.float32)
+        s0 = tl.zeros((KW,), dtype=tl.float32)
+        s1 = tl.zeros((KW,), dtype=tl.float32)
+        s2 = tl.zeros((KW,), dtype=tl.float32)
+        s3 = tl.zeros((KW,), dtype=tl.float32)
+        xt = x0 + t * BLOCK_K
         for j in tl.static_range(8):
-            xj = tl.load(x_row + t * BLOCK_K + 4 * j).to(tl.float32)
             if j < 4:
                 bits = (words << (16 - 4 * j)) & NIB_MASK
             elif j == 4:
                 bits = words & NIB_MASK
             else:
                 bits = (words >> (4 * j - 16)) & NIB_MASK
-            part += (bits | ONE).to(tl.float32, bitcast=True) * xj[None, :]  # (1 + q / 128) x
-            xs += xj
-        dot = tl.sum(tl.reshape(part, (BLOCK_N, GPT, WPG)), 2)  # per group: sum x (1 + q / 128)
-        sx = tl.sum(tl.reshape(xs, (GPT, WPG)), 1)
+            f = (bits | ONE).to(tl.float32, bitcast=True)  # 1 + q / 128
+            xj = tl.load(xt + 4 * j).to(tl.float32)
+            p0 += f * xj[None, :]
+            s0 += xj
+            if ROWS > 1:
+                xj = tl.load(xt + stride_xm + 4 * j, mask=ok1, other=0.0).to(tl.float32)
+                p1 += f * xj[None, :]
+                s1 += xj
+            if ROWS > 2:
+                xj = tl.load(xt + 2 * stride_xm + 4 * j, mask=ok2, other=0.0).to(tl.float32)
+                p2 += f * xj[None, :]
+                s2 += xj
+            if ROWS > 3:
+                xj = tl.load(xt + 3 * stride_xm + 4 * j, mask=ok3, other=0.0).to(tl.float32)
+                p3 += f * xj[None, :]
+                s3 += xj
         gi = (t * GPT + tl.arange(0, GPT)).to(tl.int64)[None, :] * N + rn[:, None]  # [BLOCK_N, GPT]
         z = tl.load(z_ptr + gi, mask=n_ok[:, None], other=0).to(tl.float32)
         s = tl.load(s_ptr + gi, mask=n_ok[:, None], other=0.0).to(tl.float32)
-        acc += s * (128.0 * dot - (128.0 + z) * sx[None, :])
-    res = tl.sum(acc, 1)
-    out = out_ptr + row.to(tl.int64) * stride_om + rn
+        acc0 += _int4_row_group_sums(p0, s0, z, s, BLOCK_N, GPT, WPG)
+        if ROWS > 1:
+            acc1 += _int4_row_group_sums(p1, s1, z, s, BLOCK_N, GPT, WPG)
+        if ROWS > 2:
+            acc2 += _int4_row_group_sums(p2, s2, z, s, BLOCK_N, GPT, WPG)
+        if ROWS > 3:
+            acc3 += _int4_row_group_sums(p3, s3, z, s, BLOCK_N, GPT, WPG)
+    out = out_ptr + row0.to(tl.int64) * stride_om + rn
     if SPLIT_K == 1:
-        tl.store(out, res.to(out_ptr.dtype.element_ty), mask=n_ok)
+        tl.store(out, tl.sum(acc0, 1).to(out_ptr.dtype.element_ty), mask=n_ok)
+        if ROWS > 1:
+            tl.store(out + stride_om, tl.sum(acc1, 1).to(out_ptr.dtype.element_ty), mask=n_ok & (rows_left > 1))
+        if ROWS > 2:
+            tl.store(out + 2 * stride_om, tl.sum(acc2, 1).to(out_ptr.dtype.element_ty), mask=n_ok & (rows_left > 2))
+        if ROWS > 3:
+            tl.store(out + 3 * stride_om, tl.sum(acc3, 1).to(out_ptr.dtype.element_ty), mask=n_ok & (rows_left > 3))
     else:
-        tl.atomic_add(out, res, mask=n_ok)
+        tl.atomic_add(out, tl.sum(acc0, 1), mask=n_ok)
+        if ROWS > 1:
+            tl.atomic_add(out + stride_om, tl.sum(acc1, 1), mask=n_ok & (rows_left > 1))
+        if ROWS > 2:
+            tl.atomic_add(out + 2 * stride_om, tl.sum(acc2, 1), mask=n_ok & (rows_left > 2))
+        if ROWS > 3:
+            tl.atomic_add(out + 3 * stride_om, tl.sum(acc3, 1), mask=n_ok & (rows_left > 3))
 
 
-INT4_ROW_TILE = dict(BLOCK_N=32, BLOCK_K=512, SPLIT_K=1, num_warps=4, num_stages=3)
+INT4_ROW_TILE = dict(BLOCK_N=16, BLOCK_K=1024, SPLIT_K=1, num_warps=4, num_stages=3)
+INT4_ROW_MAX_ROWS = 4  # rows per program: each unpacked value serves up to this many rows of x
 
 
 def int4_row_gemv(x: torch.Tensor, packed: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor,
                   group_size: int, bias: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
     """``x [.., K] @ W.T`` of a 4-bit weight in ``int4_row_pack``'s layout (``zeros``/``scales`` ``[G, N]``
-    as ``int_matmul`` takes them), one program per row of x."""
+    as ``int_matmul`` takes them); each program takes up to ``INT4_ROW_MAX_ROWS`` rows of x (``ROWS`` in
+    ``config`` sets it)."""
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
     if x2.stride(-1) != 1:
@@ -539,9 +596,10 @@ def int4_row_gemv(x: torch.Tensor, packed: torch.Tensor, zeros: torch.Tensor, sc
     split = cfg["SPLIT_K"]
     out = (torch.zeros if split > 1 else torch.empty)((m, n), device=x.device,
                                                       dtype=torch.float32 if split > 1 else x.dtype)
-    _int4_row_gemv_kernel[(m, triton.cdiv(n, cfg["BLOCK_N"]), split)](
+    rows = cfg.pop("ROWS", min(m, INT4_ROW_MAX_ROWS))
+    _int4_row_gemv_kernel[(triton.cdiv(m, rows), triton.cdiv(n, cfg["BLOCK_N"]), split)](
         x2, packed, zeros, scales, out, m, n, k, x2.stride(0), packed.stride(0), out.stride(0), 0x000F0000,
-        GROUP=group_size, **cfg)
+        GROUP=group_size, ROWS=rows, **cfg)
     out = out.to(x.dtype)
     if bias is not None:
         out = out + bias
@@ -685,15 +743,43 @@ FP8_WIDE_N = 16384  # at 2-16 rows, W8A8 beats the weight-only GEMV on wide outp
 
 
 def int_linear(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor,
-               group_size: int, bits: int, bias: torch.Tensor | None = None, tinygemm=None) -> torch.Tensor:
-    """A packed-int layer on CUDA: PyTorch's int4 GEMM for a few rows (``tinygemm``: its layout from
-    ``tinygemm_pack``, bf16 only), the tensor-core kernel up to 63 rows, dequantize + cuBLAS beyond."""
+               group_size: int, bits: int, bias: torch.Tensor | None = None, tinygemm=None,
+               row=None) -> torch.Tensor:
+    """A packed-int layer on CUDA. Up to 4 rows its decode copy: ``row`` (``(packed, tiles)``, the row GEMV's
+    layout from ``int4_row_pack``) or ``tinygemm`` (PyTorch's int4 layout from ``tinygemm_pack``, bf16);
+    beyond, the tensor-core kernel up to 63 rows, dequantize + cuBLAS from 64."""
     rows = x.numel() // x.shape[-1]
+    if row is not None and rows <= INT4_ROW_MAX_ROWS:
+        return int4_row_gemv(x, row[0], zeros, scales, group_size, bias, config=row[1])
     if tinygemm is not None and rows <= TINYGEMM_MAX_ROWS and x.dtype == torch.bfloat16:
         return tinygemm_linear(x, *tinygemm, group_size, bias)
     if rows >= INT_DEQUANTIZE_MIN_ROWS:
         return int_matmul_dequantized(x, qweight, zeros, scales, group_size, bits, bias)
     return int_matmul(x, qweight, zeros, scales, group_size, bits, bias)
+
+
+# Which decode copy a 4-bit layer gets, by shape, from benchmarks/int4_gemv_sweep_gpu.py at Llama-3-8B's
+# shapes on an H200 (session 10; one row, CUDA-graph replay, weights past L2, microseconds against
+# tinygemm's): qkv_proj 8.99 (9.26), gate_up_proj 27.44 (33.2), down_proj 17.59 (18.69), but o_proj 8.02
+# (6.87). So weights of 4096 x 4096 and less keep tinygemm where it takes them; the others, and any shape
+# tinygemm does not take, the row GEMV. Its tiles: split-K for long, narrow weights (down_proj: 64
+# outputs a program, K in four).
+INT4_ROW_MIN_WEIGHT = 4096 * 4096 + 1
+INT4_ROW_LONG_K = dict(BLOCK_N=64, BLOCK_K=1024, SPLIT_K=4, num_warps=8, num_stages=2)
+
+
+def int4_decode_layout(n: int, k: int, group_size: int, dtype: torch.dtype) -> str | None:
+    """``"row"`` (the row GEMV's copy), ``"tinygemm"`` or None: a 4-bit ``[n, k]`` layer's decode copy."""
+    row_ok = group_size % 32 == 0 and k % group_size == 0 and dtype in (torch.bfloat16, torch.float16)
+    tiny_ok = group_size in TINYGEMM_GROUPS and k % 1024 == 0 and n % 8 == 0 and dtype == torch.bfloat16
+    if row_ok and (n * k >= INT4_ROW_MIN_WEIGHT or not tiny_ok):
+        return "row"
+    return "tinygemm" if tiny_ok else None
+
+
+def int4_row_tiles(n: int, k: int) -> dict:
+    """The row GEMV's tiles for an ``[n, k]`` weight."""
+    return dict(INT4_ROW_LONG_K if k >= 8192 and n <= 8192 else INT4_ROW_TILE)
 
 
 # One row of FP8 weights: fixed tiles of the FMA GEMV, read off a sweep of 132 tile configs per shape on an

@@ -11,8 +11,9 @@ from kvloom.core.model.linear import LinearBase
 
 
 # The start-up log's kernel: what ``kvloom.kernels.triton_quant.int_linear`` picks from by row count.
-INT_KERNELS = ("W{bits}A16 on CUDA: up to 4 rows PyTorch's int4 GEMM (tinygemm, 4-bit bf16, a second copy of the "
-               "weight), up to 63 rows a Triton tensor-core GEMM dequantizing in the kernel, dequantize + cuBLAS beyond")
+INT_KERNELS = ("W{bits}A16 on CUDA: up to 4 rows a 4-bit GEMV on a second, row-major copy of the weight (Triton; "
+               "PyTorch's int4 GEMM, tinygemm, for weights of 4096 x 4096 and less), up to 63 rows a Triton "
+               "tensor-core GEMM dequantizing in the kernel, dequantize + cuBLAS beyond")
 
 
 def keep_packed(device: torch.device, forced: bool | None) -> bool:
@@ -33,15 +34,21 @@ def set_packed_weight(layer: LinearBase, qweight: torch.Tensor, zeros: torch.Ten
         layer.register_buffer("perm", perm, persistent=False)
     else:
         layer.perm = None
-    layer.tinygemm = None
-    if bits == 4 and qweight.is_cuda and layer.params_dtype == torch.bfloat16:
-        from kvloom.kernels.triton_quant import tinygemm_pack
+    layer.tinygemm = layer.int4_row = None
+    if bits == 4 and qweight.is_cuda:
+        from kvloom.kernels import triton_quant as tq
 
-        pack = tinygemm_pack(qweight, zeros, scales, group_size)
-        if pack is not None:  # a second copy of the weight (half a byte per value): a decode path
-            layer.register_buffer("tinygemm_weight", pack[0], persistent=False)
-            layer.register_buffer("tinygemm_scales_zeros", pack[1], persistent=False)
-            layer.tinygemm = (layer.tinygemm_weight, layer.tinygemm_scales_zeros)
+        k, n = qweight.shape[0] * 8, qweight.shape[1]
+        layout = tq.int4_decode_layout(n, k, group_size, layer.params_dtype)
+        if layout == "row":  # a second copy of the weight (half a byte per value): the 1-4 row path
+            layer.register_buffer("int4_row_weight", tq.int4_row_pack(qweight), persistent=False)
+            layer.int4_row = (layer.int4_row_weight, tq.int4_row_tiles(n, k))
+        elif layout == "tinygemm":
+            pack = tq.tinygemm_pack(qweight, zeros, scales, group_size)
+            if pack is not None:  # the same, in PyTorch's int4 layout with bf16 scales and zeros
+                layer.register_buffer("tinygemm_weight", pack[0], persistent=False)
+                layer.register_buffer("tinygemm_scales_zeros", pack[1], persistent=False)
+                layer.tinygemm = (layer.tinygemm_weight, layer.tinygemm_scales_zeros)
     layer.method = PackedIntLinearMethod(group_size, bits)
 
 
@@ -64,16 +71,22 @@ class PackedIntLinearMethod:
         if layer.perm is not None:
             x = x.index_select(-1, layer.perm)
         return ops.int_matmul(x, layer.qweight, layer.zeros, layer.scales, self.group_size, self.bits, layer.bias,
-                              layer.tinygemm)
+                              layer.tinygemm, layer.int4_row)
 
     def held_bytes(self, layer: LinearBase, device_type: str) -> int:
-        tiny = sum(t.numel() * t.element_size() for t in (layer.tinygemm or ()))
-        return sum(p.numel() * p.element_size() for p in layer.parameters(recurse=False)) + tiny
+        second = list(layer.tinygemm or ()) + ([layer.int4_row[0]] if layer.int4_row else [])
+        return sum(p.numel() * p.element_size() for p in [*layer.parameters(recurse=False), *second])
 
 
 def tinygemm_bytes(layer: LinearBase, bits: int, group_size: int, device_type: str) -> int:
-    """What the second, tinygemm layout of a 4-bit layer adds on CUDA in bf16 (``engine plan``)."""
-    if bits != 4 or device_type != "cuda" or layer.params_dtype != torch.bfloat16 or group_size not in (32, 64, 128, 256) \
-            or layer.input_size % 1024:
+    """What the second, decode layout of a 4-bit layer adds on CUDA (``engine plan``): the row GEMV's
+    half a byte a weight, or tinygemm's half a byte a weight and a bf16 scale and zero per group."""
+    if bits != 4 or device_type != "cuda":
         return 0
-    return layer.input_size * layer.output_size // 2 + (layer.input_size // group_size) * layer.output_size * 4
+    from kvloom.kernels.triton_quant import int4_decode_layout
+
+    k, n = layer.input_size, layer.output_size
+    layout = int4_decode_layout(n, k, group_size, layer.params_dtype)
+    if layout is None:
+        return 0
+    return k * n // 2 + (k // group_size * n * 4 if layout == "tinygemm" else 0)
