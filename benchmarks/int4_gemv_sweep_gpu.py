@@ -1,6 +1,7 @@
-"""Tile sweep of kvloom's 4-bit row GEMV (``triton_quant.int4_row_gemv``: nibbles turned into floats by
-bit patterns, one FMA each) against cuBLAS on the bf16 weight and PyTorch's int4 GEMM (tinygemm, the
-engine's 1-4 row path until now), at a model's projection shapes, group 128. Timed like
+"""Tile sweep of kvloom's 4-bit decode kernels, ``--kernel row`` (``triton_quant.int4_row_gemv``: nibbles
+turned into floats by bit patterns, one FMA each) or ``--kernel mma`` (``int4_mma_gemm``: bf16 from bit
+patterns into the tensor cores, output-major), against cuBLAS on the bf16 weight, PyTorch's int4 GEMM
+(tinygemm) and the K-packed tensor-core kernel (``int_matmul``), at a model's projection shapes, group 128. Timed like
 ``quant_kernels_gpu.py``: a CUDA graph of many calls with the weights rotated past L2. Prints one JSON
 line per projection and row count: cuBLAS's and tinygemm's microseconds, and the five fastest tile
 configs with bf16's time over theirs and their error against the float32 product.
@@ -31,6 +32,7 @@ def main(argv=None):
                                                    "its five best configs.")
     p.add_argument("--group", type=int, default=128)
     p.add_argument("--quick", action="store_true", help="A smaller grid (BLOCK_K 512 and 1024, BLOCK_N up to 64).")
+    p.add_argument("--kernel", default="row", choices=["row", "mma"])
     p.add_argument("--output", default=None)
     args = p.parse_args(argv)
     from kvloom.kernels import quant_reference as qr
@@ -42,6 +44,12 @@ def main(argv=None):
             if 2048 <= bn * bk <= 65536 and (not args.quick or (bk >= 512 and bn <= 64))]
     grid.append(dict(tq.INT4_ROW_TILE))
     grid.append(dict(tq.INT4_ROW_LONG_K))
+    if args.kernel == "mma":
+        grid = [dict(BLOCK_N=bn, SPLIT_K=sp, num_warps=w, num_stages=st)
+                for bn, sp, w, st in itertools.product((32, 64, 128), (1, 2, 4), (2, 4, 8), (2, 3, 4))
+                if bn // w >= 8] + [dict(tq.INT4_MMA_TILE)]
+    pack, run = ((tq.int4_row_pack, tq.int4_row_gemv) if args.kernel == "row" else
+                 (tq.int4_mma_pack, tq.int4_mma_gemm))
     dev, g = "cuda", args.group
     results = []
     for name, (k, n) in projection_shapes(SHAPES[args.shape]).items():
@@ -51,7 +59,7 @@ def main(argv=None):
         zeros = torch.randint(4, 12, (k // g, n), device=dev, generator=gen).to(torch.uint8)
         scales = (torch.rand(k // g, n, device=dev, generator=gen) * 0.004 + 0.002).half()
         qweight = qr.pack_int32(q, 4, 0)
-        packed = tq.int4_row_pack(qweight)
+        packed = pack(qweight)
         dense = ((q.float() - zeros.float().repeat_interleave(g, 0)) * scales.float().repeat_interleave(g, 0))  # [K, N]
         tiny = tinygemm_pack(q, zeros, scales)
         nbytes = packed.numel() * 4
@@ -71,7 +79,7 @@ def main(argv=None):
             timings = []
             for c in configs:
                 try:
-                    us = timed(lambda t: tq.int4_row_gemv(x, *t, g, config=c), rows_w, True)
+                    us = timed(lambda t: run(x, *t, g, config=c), rows_w, True)
                 except Exception as e:  # noqa: BLE001 - a config that does not compile or fit: skip it
                     timings.append((float("inf"), c))
                     print(json.dumps({"proj": name, "cfg": c, "error": f"{type(e).__name__}: {e}"[:200]}), flush=True)
@@ -82,15 +90,20 @@ def main(argv=None):
                 ranked = timings
             best = []
             for us, c in timings[:5]:
-                got = tq.int4_row_gemv(x, packed, zeros, scales, g, config=c).float()
+                got = run(x, packed, zeros, scales, g, config=c).float()
                 best.append({"us": round(us, 2), "x_cublas": round(cublas / us, 3), "x_tinygemm": round(tinygemm / us, 3),
                              "tb_s": round(nbytes / us / 1e6, 2), "cfg": c,
                              "max_rel_err": float((got - want).abs().max() / want.abs().max())})
-            engine_cfg = tq.int4_row_tiles(n, k)
-            engine_us = timed(lambda t: tq.int4_row_gemv(x, *t, g, config=engine_cfg), rows_w, True)
+            engine_cfg = tq.int4_row_tiles(n, k) if args.kernel == "row" else dict(tq.INT4_MMA_TILE)
+            engine_us = timed(lambda t: run(x, *t, g, config=engine_cfg), rows_w, True)
+            kq = [(qweight, zeros, scales)] + [(qweight.clone(), zeros.clone(), scales.clone())
+                                              for _ in range(copies(nbytes, True) - 1)]
+            tc_us = timed(lambda t: tq.int_matmul(x, *t, g, 4), kq, True)
+            del kq
             r = {"proj": name, "n": n, "k": k, "rows": rows, "group": g, "cublas_bf16_us": round(cublas, 2),
-                 "engine": {"layout": tq.int4_decode_layout(n, k, g, torch.bfloat16), "row_tiles": engine_cfg,
-                            "row_us": round(engine_us, 2)},
+                 "kernel": args.kernel, "tensor_core_kpacked_us": round(tc_us, 2),
+                 "engine": {"layout": tq.int4_decode_layout(n, k, g, torch.bfloat16), "tiles": engine_cfg,
+                            "us": round(engine_us, 2)},
                  "tinygemm_us": round(tinygemm, 2), "tinygemm_x_cublas": round(cublas / tinygemm, 3),
                  "tinygemm_max_rel_err": tiny_err, "best": best,
                  "failed": sum(1 for t in timings if t[0] == float("inf"))}

@@ -569,6 +569,111 @@ def _int4_row_gemv_kernel(
             tl.atomic_add(out + 3 * stride_om, tl.sum(acc3, 1), mask=n_ok & (rows_left > 3))
 
 
+# --------------------------------------------------------------------------------------------------
+# 4-bit GEMM for 1-16 rows on the tensor cores, output-major: ``out.T = W x.T`` with the dequantized
+# weight tile as the MMA's first operand and x's rows (padded to 16) as its second, so one row costs what
+# sixteen do. A shift and a mask of a word give two nibbles in the two 16-bit halves at once; OR-ed with
+# 0x4300 (bf16 128.0) each half is the bf16 ``128 + q`` exactly. Per group the MMA sums ``(128 + q) x``
+# in float32, and ``s (d - (128 + z) sum x)`` takes out the offset and the zero point. The layout
+# (``int4_mma_pack``): ``[N, K / 8]`` int32, 8 consecutive inputs a word, input ``2 j + h`` of a word in
+# nibble ``j + 4 h``, so that the pair a shift by ``4 j`` gives is two consecutive inputs.
+# --------------------------------------------------------------------------------------------------
+
+INT4_MMA_SLOTS = tuple((o // 2) + 4 * (o % 2) for o in range(8))
+
+
+def int4_mma_pack(qweight: torch.Tensor) -> torch.Tensor:
+    """The tensor-core GEMV's ``[N, K / 8]`` layout of a K-packed 4-bit ``qweight [K / 8, N]``."""
+    from kvloom.kernels.quant_reference import pack_int32, unpack_int32
+
+    return pack_int32(unpack_int32(qweight, 4, 0).t(), 4, 1, INT4_MMA_SLOTS)
+
+
+@triton.jit
+def _int4_pair(words, SHIFT: tl.constexpr, BITS: tl.constexpr):
+    """Nibbles ``SHIFT / 4`` and ``SHIFT / 4 + 4`` of each word as bf16 ``128 + q``: ``[..., 2]``. Without
+    ``BITS`` (the Triton interpreter, which gets bf16 bitcasts and bf16 dots wrong) by conversion."""
+    if BITS:
+        v = ((words >> SHIFT) & 0x000F000F) | 0x43004300
+        lo = (v & 0xFFFF).to(tl.int16).to(tl.bfloat16, bitcast=True)
+        hi = (v >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
+    else:
+        lo = (((words >> SHIFT) & 15) + 128).to(tl.float32).to(tl.bfloat16)  # (int to bf16 directly is
+        # a bitcast in the interpreter)
+        hi = (((words >> (SHIFT + 16)) & 15) + 128).to(tl.float32).to(tl.bfloat16)
+    return tl.join(lo, hi)
+
+
+@triton.jit
+def _int4_mma_kernel(
+    x_ptr, qw_ptr, z_ptr, s_ptr, out_ptr,
+    M, N, K, stride_xm, stride_qn, stride_om,
+    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr,
+    BITS: tl.constexpr = True,
+):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    KW: tl.constexpr = GROUP // 8
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm = tl.arange(0, BLOCK_M)
+    n_ok = rn < N
+    m_ok = rm < M
+    w_rows = qw_ptr + rn[:, None].to(tl.int64) * stride_qn + tl.arange(0, KW)[None, :]
+    x_rows = x_ptr + rm[:, None].to(tl.int64) * stride_xm + tl.arange(0, GROUP)[None, :]
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for g in range(pid_k, K // GROUP, SPLIT_K):
+        words = tl.load(w_rows + g * KW, mask=n_ok[:, None], other=0)
+        x = tl.load(x_rows + g * GROUP, mask=m_ok[:, None], other=0.0)  # [BLOCK_M, GROUP]
+        pairs = tl.join(tl.join(_int4_pair(words, 0, BITS), _int4_pair(words, 4, BITS)),
+                        tl.join(_int4_pair(words, 8, BITS), _int4_pair(words, 12, BITS)))  # [BN, KW, h, j % 2, j // 2]
+        a = tl.reshape(tl.permute(pairs, (0, 1, 4, 3, 2)), (BLOCK_N, GROUP))  # input 2 j + h of each word
+        if BITS:
+            d = tl.dot(a, tl.trans(x.to(tl.bfloat16)))  # [BN, BM]: sum (128 + q) x, float32
+        else:  # the interpreter's bf16 dot reads bit patterns as numbers: the same sums in float32
+            d = tl.dot(a.to(tl.float32), tl.trans(x.to(tl.float32)))
+        sx = tl.sum(x.to(tl.float32), 1)
+        gi = rn.to(tl.int64) + g * N
+        z = tl.load(z_ptr + gi, mask=n_ok, other=0).to(tl.float32)
+        s = tl.load(s_ptr + gi, mask=n_ok, other=0.0).to(tl.float32)
+        acc += s[:, None] * (d - (128.0 + z)[:, None] * sx[None, :])
+    out = out_ptr + rm[None, :].to(tl.int64) * stride_om + rn[:, None]
+    ok = n_ok[:, None] & m_ok[None, :]
+    if SPLIT_K == 1:
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=ok)
+    else:
+        tl.atomic_add(out, acc, mask=ok)
+
+
+INT4_MMA_MAX_ROWS = 16
+INT4_MMA_TILE = dict(BLOCK_N=64, SPLIT_K=1, num_warps=4, num_stages=3)
+
+
+def int4_mma_gemm(x: torch.Tensor, packed: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor,
+                  group_size: int, bias: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
+    """``x [.., K] @ W.T`` for up to ``INT4_MMA_MAX_ROWS`` rows of bf16/fp16 x, a 4-bit weight in
+    ``int4_mma_pack``'s layout (``zeros``/``scales`` ``[G, N]``, as ``int_matmul`` takes them)."""
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    m, k = x2.shape
+    n = packed.shape[0]
+    if m > INT4_MMA_MAX_ROWS or k % group_size or group_size % 16:
+        raise ValueError(f"int4_mma_gemm takes up to {INT4_MMA_MAX_ROWS} rows (got {m}) and groups of a multiple "
+                         f"of 16 dividing K (group_size={group_size}, K={k})")
+    cfg = dict(config or INT4_MMA_TILE)
+    split = cfg["SPLIT_K"]
+    out = (torch.zeros if split > 1 else torch.empty)((m, n), device=x.device,
+                                                      dtype=torch.float32 if split > 1 else x.dtype)
+    _int4_mma_kernel[(triton.cdiv(n, cfg["BLOCK_N"]), split)](
+        x2, packed, zeros, scales, out, m, n, k, x2.stride(0), packed.stride(0), out.stride(0),
+        GROUP=group_size, BLOCK_M=16, BITS=x2.is_cuda, **cfg)
+    out = out.to(x.dtype)
+    if bias is not None:
+        out = out + bias
+    return out.reshape(*shape[:-1], n)
+
+
 INT4_ROW_TILE = dict(BLOCK_N=16, BLOCK_K=1024, SPLIT_K=1, num_warps=4, num_stages=3)
 INT4_ROW_MAX_ROWS = 4  # rows per program: each unpacked value serves up to this many rows of x
 

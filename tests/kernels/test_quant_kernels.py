@@ -211,6 +211,25 @@ def test_each_int4_layer_gets_one_decode_copy_by_shape():
     assert int4_row_tiles(4096, 14336) == INT4_ROW_LONG_K and int4_row_tiles(6144, 4096) == INT4_ROW_TILE
 
 
+@pytest.mark.parametrize("group", [32, 128])
+@pytest.mark.parametrize("split", [1, 2])
+def test_int4_tensor_core_gemv_matches_the_reference(tk, group, split):
+    """The output-major tensor-core kernel (``int4_mma_gemm``): bf16 ``128 + q`` from bit patterns, the
+    offset and zero point off each group's sums; 1, 5 and 16 rows (padded to 16), N of 80 (a partial tile)."""
+    k, n = 256, 80
+    qweight, zeros, scales = random_packed(k, n, 4, group, seed=14)
+    packed = tk.quant.int4_mma_pack(qweight.to(tk.device))
+    assert packed.shape == (n, k // 8) and packed.dtype == torch.int32
+    bias = torch.randn(n)
+    for rows in (1, 5, 16):
+        x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).to(torch.bfloat16)
+        want = qr.int_matmul(x.float(), qweight, zeros, scales, group, 4, bias)
+        args = [t.to(tk.device) for t in (x, packed, zeros, scales)]
+        cfg = dict(BLOCK_N=32, SPLIT_K=split, num_warps=2)
+        got = tk.quant.int4_mma_gemm(*args, group, bias.to(tk.device), config=cfg).float().cpu()
+        assert (got - want).abs().max() <= 0.01 * want.abs().max()  # bf16 output; exact sums inside
+
+
 def test_int4_row_pack_places_each_input_where_the_kernel_reads_it():
     """Nibble ``j`` of word ``w`` of an output row holds input ``(w // 4) * 32 + 4 * j + w % 4``."""
     from kvloom.kernels.triton_quant import int4_row_pack
