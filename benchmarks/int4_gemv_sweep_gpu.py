@@ -48,8 +48,7 @@ def main(argv=None):
         grid = [dict(BLOCK_N=bn, SPLIT_K=sp, num_warps=w, num_stages=st)
                 for bn, sp, w, st in itertools.product((32, 64, 128), (1, 2, 4), (2, 4, 8), (2, 3, 4))
                 if bn // w >= 8] + [dict(tq.INT4_MMA_TILE)]
-    pack, run = ((tq.int4_row_pack, tq.int4_row_gemv) if args.kernel == "row" else
-                 (tq.int4_mma_pack, tq.int4_mma_gemm))
+    run = tq.int4_row_gemv if args.kernel == "row" else tq.int4_mma_gemm
     dev, g = "cuda", args.group
     results = []
     for name, (k, n) in projection_shapes(SHAPES[args.shape]).items():
@@ -59,7 +58,7 @@ def main(argv=None):
         zeros = torch.randint(4, 12, (k // g, n), device=dev, generator=gen).to(torch.uint8)
         scales = (torch.rand(k // g, n, device=dev, generator=gen) * 0.004 + 0.002).half()
         qweight = qr.pack_int32(q, 4, 0)
-        packed = pack(qweight)
+        packed = tq.int4_row_pack(qweight)  # both kernels read the row layout
         dense = ((q.float() - zeros.float().repeat_interleave(g, 0)) * scales.float().repeat_interleave(g, 0))  # [K, N]
         tiny = tinygemm_pack(q, zeros, scales)
         nbytes = packed.numel() * 4
@@ -102,8 +101,9 @@ def main(argv=None):
             del kq
             r = {"proj": name, "n": n, "k": k, "rows": rows, "group": g, "cublas_bf16_us": round(cublas, 2),
                  "kernel": args.kernel, "tensor_core_kpacked_us": round(tc_us, 2),
-                 "engine": {"layout": tq.int4_decode_layout(n, k, g, torch.bfloat16), "tiles": engine_cfg,
-                            "us": round(engine_us, 2)},
+                 "engine": {"tiles": engine_cfg, "us": round(engine_us, 2),
+                            "int4_linear_us": round(timed(lambda t: tq.int4_linear(x, *t, g, tinygemm=tiny), rows_w,
+                                                          True), 2)},
                  "tinygemm_us": round(tinygemm, 2), "tinygemm_x_cublas": round(cublas / tinygemm, 3),
                  "tinygemm_max_rel_err": tiny_err, "best": best,
                  "failed": sum(1 for t in timings if t[0] == float("inf"))}

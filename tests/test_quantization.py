@@ -268,8 +268,7 @@ def test_engine_plan_sizes_each_format_from_the_engines_layers(tmp_path, capsys)
     linear = 32 * 4096 * (4096 + 2 * 1024 + 4096 + 3 * 14336)  # the projections of Llama-3-8B
     assert sizes[None] - sizes["fp8"] == linear * 2 - (linear + 4 * 32 * (4096 + 2 * 1024 + 4096 + 2 * 14336 + 4096))
     # int4: half a byte a weight, plus an fp16 scale and a uint8 zero point per 128 inputs; on a bf16 GPU also
-    # the decode rows' second copy: half a byte a weight (the row GEMV's), and for o_proj (4096 x 4096, which
-    # keeps tinygemm) a bf16 scale and zero per 128 inputs too
+    # the decode rows' second (tinygemm) copy: half a byte a weight and a bf16 scale and zero per 128 inputs
     int4 = linear // 2 + linear // 128 * 3
-    second = linear // 2 + 32 * 4096 * 4096 // 128 * 4
-    assert sizes[None] - sizes["awq"] == linear * 2 - (int4 + second) == sizes[None] - sizes["gptq"]
+    tinygemm = linear // 2 + linear // 128 * 4
+    assert sizes[None] - sizes["awq"] == linear * 2 - (int4 + tinygemm) == sizes[None] - sizes["gptq"]

@@ -76,14 +76,21 @@ def silu_and_mul(x):
     return ref.silu_and_mul(x)
 
 
-def int_matmul(x, qweight, zeros, scales, group_size, bits, bias=None, tinygemm=None, row=None):
+def int_matmul(x, qweight, zeros, scales, group_size, bits, bias=None, tinygemm=None):
     """``x @ W.T`` of a K-packed int4/int8 weight, dequantized inside the matmul (``quant_reference``).
-    ``tinygemm`` / ``row``: the same 4-bit weight in a decode layout (CUDA): PyTorch's int4 one, or the
-    row GEMV's with its tiles (``triton_quant.int4_row_pack``)."""
+    ``tinygemm``: the same 4-bit weight in PyTorch's int4 layout (CUDA), one more decode path."""
     if use_triton(x):
         from kvloom.kernels import triton_quant
 
-        return triton_quant.int_linear(x, qweight, zeros, scales, group_size, bits, bias, tinygemm, row)
+        return triton_quant.int_linear(x, qweight, zeros, scales, group_size, bits, bias, tinygemm)
     from kvloom.kernels import quant_reference
 
     return quant_reference.int_matmul(x, qweight, zeros, scales, group_size, bits, bias)
+
+
+def int4_row_matmul(x, packed, zeros, scales, group_size, bias=None, tinygemm=None):
+    """``x @ W.T`` of a 4-bit weight in the row layout (``triton_quant.int4_row_pack``, CUDA only; other
+    devices hold the formats dequantized). ``tinygemm``: PyTorch's int4 copy of it, a decode path."""
+    from kvloom.kernels import triton_quant
+
+    return triton_quant.int4_linear(x, packed, zeros, scales, group_size, bias, tinygemm)

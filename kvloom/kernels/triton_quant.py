@@ -466,26 +466,14 @@ def int4_row_pack(qweight: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _int4_row_group_sums(part, xs, z, s, BLOCK_N: tl.constexpr, GPT: tl.constexpr, WPG: tl.constexpr):
-    """One row's tile: ``sum_k x_k (q_k - z) s`` per output, from ``part = sum x (1 + q / 128)`` per word
-    and ``xs = sum x`` per word column."""
-    dot = tl.sum(tl.reshape(part, (BLOCK_N, GPT, WPG)), 2)
-    sx = tl.sum(tl.reshape(xs, (GPT, WPG)), 1)
-    return s * (128.0 * dot - (128.0 + z) * sx[None, :])
-
-
-@triton.jit
 def _int4_row_gemv_kernel(
     x_ptr, qw_ptr, z_ptr, s_ptr, out_ptr,
     M, N, K, stride_xm, stride_qn, stride_om, NIB_MASK,
-    GROUP: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    SPLIT_K: tl.constexpr,
+    GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
 ):
-    # Up to four rows of x share each unpacked value (one FMA per row); their accumulators are spelled
-    # out, since a [ROWS, ...] tensor would cost layout shuffles. NIB_MASK (0x000F0000) comes in as an
-    # argument, not an immediate: ptxas then keeps it in a register instead of rematerializing it before
-    # every OR with 1.0's bits (a third fewer instructions).
-    pid_m = tl.program_id(0)
+    # NIB_MASK (0x000F0000) comes in as an argument, not an immediate: ptxas then keeps it in a register
+    # instead of rematerializing it before every OR with 1.0's bits (a third fewer instructions).
+    row = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
     KW: tl.constexpr = BLOCK_K // 8
@@ -495,112 +483,66 @@ def _int4_row_gemv_kernel(
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rw = tl.arange(0, KW)
     n_ok = rn < N
-    row0 = pid_m * ROWS
-    x0 = x_ptr + row0.to(tl.int64) * stride_xm + (rw // 4) * 32 + (rw % 4)
-    ok1 = row0 + 1 + 0 * rw < M  # whether rows 1-3 of the block exist, as [KW] masks for the x loads
-    ok2 = row0 + 2 + 0 * rw < M
-    ok3 = row0 + 3 + 0 * rw < M
-    rows_left = M - row0 + 0 * rn  # and for the stores ([BLOCK_N])
+    x_row = x_ptr + row.to(tl.int64) * stride_xm + (rw // 4) * 32 + (rw % 4)
     w_rows = qw_ptr + rn[:, None].to(tl.int64) * stride_qn + rw[None, :]
-    acc0 = tl.zeros((BLOCK_N, GPT), dtype=tl.float32)
-    acc1 = tl.zeros((BLOCK_N, GPT), dtype=tl.float32)
-    acc2 = tl.zeros((BLOCK_N, GPT), dtype=tl.float32)
-    acc3 = tl.zeros((BLOCK_N, GPT), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_N, GPT), dtype=tl.float32)
     for t in range(pid_k, K // BLOCK_K, SPLIT_K):
         words = tl.load(w_rows + t * KW, mask=n_ok[:, None], other=0)
-        p0 = tl.zeros((BLOCK_N, KW), dtype=tl.float32)
-        p1 = tl.zeros((BLOCK_N, KW), dtype=tl.float32)
-        p2 = tl.zeros((BLOCK_N, KW), dtype=tl.float32)
-        p3 = tl.zeros((BLOCK_N, KW), dtype=tl.float32)
-        s0 = tl.zeros((KW,), dtype=tl.float32)
-        s1 = tl.zeros((KW,), dtype=tl.float32)
-        s2 = tl.zeros((KW,), dtype=tl.float32)
-        s3 = tl.zeros((KW,), dtype=tl.float32)
-        xt = x0 + t * BLOCK_K
+        part = tl.zeros((BLOCK_N, KW), dtype=tl.float32)
+        xs = tl.zeros((KW,), dtype=tl.float32)
         for j in tl.static_range(8):
+            xj = tl.load(x_row + t * BLOCK_K + 4 * j).to(tl.float32)
             if j < 4:
                 bits = (words << (16 - 4 * j)) & NIB_MASK
             elif j == 4:
                 bits = words & NIB_MASK
             else:
                 bits = (words >> (4 * j - 16)) & NIB_MASK
-            f = (bits | ONE).to(tl.float32, bitcast=True)  # 1 + q / 128
-            xj = tl.load(xt + 4 * j).to(tl.float32)
-            p0 += f * xj[None, :]
-            s0 += xj
-            if ROWS > 1:
-                xj = tl.load(xt + stride_xm + 4 * j, mask=ok1, other=0.0).to(tl.float32)
-                p1 += f * xj[None, :]
-                s1 += xj
-            if ROWS > 2:
-                xj = tl.load(xt + 2 * stride_xm + 4 * j, mask=ok2, other=0.0).to(tl.float32)
-                p2 += f * xj[None, :]
-                s2 += xj
-            if ROWS > 3:
-                xj = tl.load(xt + 3 * stride_xm + 4 * j, mask=ok3, other=0.0).to(tl.float32)
-                p3 += f * xj[None, :]
-                s3 += xj
+            part += (bits | ONE).to(tl.float32, bitcast=True) * xj[None, :]  # (1 + q / 128) x
+            xs += xj
+        dot = tl.sum(tl.reshape(part, (BLOCK_N, GPT, WPG)), 2)  # per group: sum x (1 + q / 128)
+        sx = tl.sum(tl.reshape(xs, (GPT, WPG)), 1)
         gi = (t * GPT + tl.arange(0, GPT)).to(tl.int64)[None, :] * N + rn[:, None]  # [BLOCK_N, GPT]
         z = tl.load(z_ptr + gi, mask=n_ok[:, None], other=0).to(tl.float32)
         s = tl.load(s_ptr + gi, mask=n_ok[:, None], other=0.0).to(tl.float32)
-        acc0 += _int4_row_group_sums(p0, s0, z, s, BLOCK_N, GPT, WPG)
-        if ROWS > 1:
-            acc1 += _int4_row_group_sums(p1, s1, z, s, BLOCK_N, GPT, WPG)
-        if ROWS > 2:
-            acc2 += _int4_row_group_sums(p2, s2, z, s, BLOCK_N, GPT, WPG)
-        if ROWS > 3:
-            acc3 += _int4_row_group_sums(p3, s3, z, s, BLOCK_N, GPT, WPG)
-    out = out_ptr + row0.to(tl.int64) * stride_om + rn
+        acc += s * (128.0 * dot - (128.0 + z) * sx[None, :])
+    res = tl.sum(acc, 1)
+    out = out_ptr + row.to(tl.int64) * stride_om + rn
     if SPLIT_K == 1:
-        tl.store(out, tl.sum(acc0, 1).to(out_ptr.dtype.element_ty), mask=n_ok)
-        if ROWS > 1:
-            tl.store(out + stride_om, tl.sum(acc1, 1).to(out_ptr.dtype.element_ty), mask=n_ok & (rows_left > 1))
-        if ROWS > 2:
-            tl.store(out + 2 * stride_om, tl.sum(acc2, 1).to(out_ptr.dtype.element_ty), mask=n_ok & (rows_left > 2))
-        if ROWS > 3:
-            tl.store(out + 3 * stride_om, tl.sum(acc3, 1).to(out_ptr.dtype.element_ty), mask=n_ok & (rows_left > 3))
+        tl.store(out, res.to(out_ptr.dtype.element_ty), mask=n_ok)
     else:
-        tl.atomic_add(out, tl.sum(acc0, 1), mask=n_ok)
-        if ROWS > 1:
-            tl.atomic_add(out + stride_om, tl.sum(acc1, 1), mask=n_ok & (rows_left > 1))
-        if ROWS > 2:
-            tl.atomic_add(out + 2 * stride_om, tl.sum(acc2, 1), mask=n_ok & (rows_left > 2))
-        if ROWS > 3:
-            tl.atomic_add(out + 3 * stride_om, tl.sum(acc3, 1), mask=n_ok & (rows_left > 3))
+        tl.atomic_add(out, res, mask=n_ok)
 
 
 # --------------------------------------------------------------------------------------------------
-# 4-bit GEMM for 1-16 rows on the tensor cores, output-major: ``out.T = W x.T`` with the dequantized
-# weight tile as the MMA's first operand and x's rows (padded to 16) as its second, so one row costs what
-# sixteen do. A shift and a mask of a word give two nibbles in the two 16-bit halves at once; OR-ed with
-# 0x4300 (bf16 128.0) each half is the bf16 ``128 + q`` exactly. Per group the MMA sums ``(128 + q) x``
-# in float32, and ``s (d - (128 + z) sum x)`` takes out the offset and the zero point. The layout
-# (``int4_mma_pack``): ``[N, K / 8]`` int32, 8 consecutive inputs a word, input ``2 j + h`` of a word in
-# nibble ``j + 4 h``, so that the pair a shift by ``4 j`` gives is two consecutive inputs.
+# 4-bit GEMM for 2-63 rows on the tensor cores, output-major (``out.T = W x.T``: the dequantized weight
+# tile is the MMA's first operand, x's rows padded to 16, 32 or 64 its second), on the row GEMV's layout.
+# A shift and a mask of a word give two nibbles in its two 16-bit halves at once; OR-ed with 0x4300 (bf16
+# 128.0; for fp16 x 0x6400, 1024.0) each half is exactly ``OFF + q``. Per group the MMA sums
+# ``(OFF + q) x`` in float32 and ``s (d - (OFF + z) sum x)`` takes out the offset and the zero point. The
+# tile's K order is the layout's (input ``(w // 4) * 32 + 4 j + w % 4`` at word ``w``, nibble ``j``),
+# which x is loaded in.
 # --------------------------------------------------------------------------------------------------
-
-INT4_MMA_SLOTS = tuple((o // 2) + 4 * (o % 2) for o in range(8))
-
-
-def int4_mma_pack(qweight: torch.Tensor) -> torch.Tensor:
-    """The tensor-core GEMV's ``[N, K / 8]`` layout of a K-packed 4-bit ``qweight [K / 8, N]``."""
-    from kvloom.kernels.quant_reference import pack_int32, unpack_int32
-
-    return pack_int32(unpack_int32(qweight, 4, 0).t(), 4, 1, INT4_MMA_SLOTS)
 
 
 @triton.jit
-def _int4_pair(words, SHIFT: tl.constexpr, BITS: tl.constexpr):
-    """Nibbles ``SHIFT / 4`` and ``SHIFT / 4 + 4`` of each word as bf16 ``128 + q``: ``[..., 2]``. Without
-    ``BITS`` (the Triton interpreter, which gets bf16 bitcasts and bf16 dots wrong) by conversion."""
+def _int4_pair(words, SHIFT: tl.constexpr, F16: tl.constexpr, BITS: tl.constexpr):
+    """Nibbles ``SHIFT / 4`` and ``SHIFT / 4 + 4`` of each word as ``OFF + q`` (bf16, or fp16 with ``F16``):
+    ``[..., 2]``. Without ``BITS`` (the Triton interpreter, which gets 16-bit float bitcasts and dots wrong)
+    by conversion."""
     if BITS:
-        v = ((words >> SHIFT) & 0x000F000F) | 0x43004300
-        lo = (v & 0xFFFF).to(tl.int16).to(tl.bfloat16, bitcast=True)
-        hi = (v >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
+        if F16:
+            v = ((words >> SHIFT) & 0x000F000F) | 0x64006400
+            lo = (v & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True)
+            hi = (v >> 16).to(tl.int16).to(tl.float16, bitcast=True)
+        else:
+            v = ((words >> SHIFT) & 0x000F000F) | 0x43004300
+            lo = (v & 0xFFFF).to(tl.int16).to(tl.bfloat16, bitcast=True)
+            hi = (v >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
     else:
-        lo = (((words >> SHIFT) & 15) + 128).to(tl.float32).to(tl.bfloat16)  # (int to bf16 directly is
-        # a bitcast in the interpreter)
-        hi = (((words >> (SHIFT + 16)) & 15) + 128).to(tl.float32).to(tl.bfloat16)
+        off = 1024 if F16 else 128
+        lo = (((words >> SHIFT) & 15) + off).to(tl.float32)
+        hi = (((words >> (SHIFT + 16)) & 15) + off).to(tl.float32)
     return tl.join(lo, hi)
 
 
@@ -609,33 +551,39 @@ def _int4_mma_kernel(
     x_ptr, qw_ptr, z_ptr, s_ptr, out_ptr,
     M, N, K, stride_xm, stride_qn, stride_om,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr,
-    BITS: tl.constexpr = True,
+    F16: tl.constexpr = False, BITS: tl.constexpr = True,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     KW: tl.constexpr = GROUP // 8
+    OFF: tl.constexpr = 1024.0 if F16 else 128.0
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.arange(0, BLOCK_M)
     n_ok = rn < N
     m_ok = rm < M
+    # Column c of the tile: word w = c // 8, e = c % 8 = 2 jj + h from the pairs below, nibble jj + 4 h.
+    c = tl.arange(0, GROUP)
+    w = c // 8
+    nib = (c % 8) // 2 + 4 * (c % 2)
+    xoff = (w // 4) * 32 + 4 * nib + w % 4
     w_rows = qw_ptr + rn[:, None].to(tl.int64) * stride_qn + tl.arange(0, KW)[None, :]
-    x_rows = x_ptr + rm[:, None].to(tl.int64) * stride_xm + tl.arange(0, GROUP)[None, :]
+    x_rows = x_ptr + rm[:, None].to(tl.int64) * stride_xm + xoff[None, :]
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for g in range(pid_k, K // GROUP, SPLIT_K):
         words = tl.load(w_rows + g * KW, mask=n_ok[:, None], other=0)
-        x = tl.load(x_rows + g * GROUP, mask=m_ok[:, None], other=0.0)  # [BLOCK_M, GROUP]
-        pairs = tl.join(tl.join(_int4_pair(words, 0, BITS), _int4_pair(words, 4, BITS)),
-                        tl.join(_int4_pair(words, 8, BITS), _int4_pair(words, 12, BITS)))  # [BN, KW, h, j % 2, j // 2]
-        a = tl.reshape(tl.permute(pairs, (0, 1, 4, 3, 2)), (BLOCK_N, GROUP))  # input 2 j + h of each word
+        x = tl.load(x_rows + g * GROUP, mask=m_ok[:, None], other=0.0)  # [BLOCK_M, GROUP], the tile's order
+        pairs = tl.join(tl.join(_int4_pair(words, 0, F16, BITS), _int4_pair(words, 4, F16, BITS)),
+                        tl.join(_int4_pair(words, 8, F16, BITS), _int4_pair(words, 12, F16, BITS)))
+        a = tl.reshape(tl.permute(pairs, (0, 1, 4, 3, 2)), (BLOCK_N, GROUP))  # [BN, KW, jj, h]
         if BITS:
-            d = tl.dot(a, tl.trans(x.to(tl.bfloat16)))  # [BN, BM]: sum (128 + q) x, float32
-        else:  # the interpreter's bf16 dot reads bit patterns as numbers: the same sums in float32
-            d = tl.dot(a.to(tl.float32), tl.trans(x.to(tl.float32)))
+            d = tl.dot(a, tl.trans(x.to(a.dtype)))  # [BN, BM]: sum (OFF + q) x, float32
+        else:
+            d = tl.dot(a, tl.trans(x.to(tl.float32)))
         sx = tl.sum(x.to(tl.float32), 1)
         gi = rn.to(tl.int64) + g * N
         z = tl.load(z_ptr + gi, mask=n_ok, other=0).to(tl.float32)
         s = tl.load(s_ptr + gi, mask=n_ok, other=0.0).to(tl.float32)
-        acc += s[:, None] * (d - (128.0 + z)[:, None] * sx[None, :])
+        acc += s[:, None] * (d - (OFF + z)[:, None] * sx[None, :])
     out = out_ptr + rm[None, :].to(tl.int64) * stride_om + rn[:, None]
     ok = n_ok[:, None] & m_ok[None, :]
     if SPLIT_K == 1:
@@ -644,45 +592,74 @@ def _int4_mma_kernel(
         tl.atomic_add(out, acc, mask=ok)
 
 
-INT4_MMA_MAX_ROWS = 16
-INT4_MMA_TILE = dict(BLOCK_N=64, SPLIT_K=1, num_warps=4, num_stages=3)
+INT4_MMA_MAX_ROWS = 64
+INT4_MMA_TILE = dict(BLOCK_N=64, SPLIT_K=4, num_warps=4, num_stages=3)
 
 
 def int4_mma_gemm(x: torch.Tensor, packed: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor,
                   group_size: int, bias: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
-    """``x [.., K] @ W.T`` for up to ``INT4_MMA_MAX_ROWS`` rows of bf16/fp16 x, a 4-bit weight in
-    ``int4_mma_pack``'s layout (``zeros``/``scales`` ``[G, N]``, as ``int_matmul`` takes them)."""
+    """``x [.., K] @ W.T`` for up to ``INT4_MMA_MAX_ROWS`` rows of bf16/fp16 x and a 4-bit weight in
+    ``int4_row_pack``'s layout (``zeros``/``scales`` ``[G, N]``, as ``int_matmul`` takes them)."""
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     m, k = x2.shape
     n = packed.shape[0]
-    if m > INT4_MMA_MAX_ROWS or k % group_size or group_size % 16:
-        raise ValueError(f"int4_mma_gemm takes up to {INT4_MMA_MAX_ROWS} rows (got {m}) and groups of a multiple "
-                         f"of 16 dividing K (group_size={group_size}, K={k})")
+    if m > INT4_MMA_MAX_ROWS or k % group_size or group_size % 32 or x2.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"int4_mma_gemm takes up to {INT4_MMA_MAX_ROWS} rows (got {m}) of bf16 or fp16 x "
+                         f"(got {x2.dtype}) and groups of a multiple of 32 dividing K (group_size={group_size}, K={k})")
     cfg = dict(config or INT4_MMA_TILE)
     split = cfg["SPLIT_K"]
     out = (torch.zeros if split > 1 else torch.empty)((m, n), device=x.device,
                                                       dtype=torch.float32 if split > 1 else x.dtype)
     _int4_mma_kernel[(triton.cdiv(n, cfg["BLOCK_N"]), split)](
         x2, packed, zeros, scales, out, m, n, k, x2.stride(0), packed.stride(0), out.stride(0),
-        GROUP=group_size, BLOCK_M=16, BITS=x2.is_cuda, **cfg)
+        GROUP=group_size, BLOCK_M=max(16, triton.next_power_of_2(m)), F16=x2.dtype == torch.float16,
+        BITS=x2.is_cuda, **cfg)
     out = out.to(x.dtype)
     if bias is not None:
         out = out + bias
     return out.reshape(*shape[:-1], n)
 
 
+@triton.jit
+def _int4_row_dequantize_kernel(qw_ptr, z_ptr, s_ptr, w_ptr, N, K, stride_qn,
+                                GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    KW: tl.constexpr = BLOCK_K // 8
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rw = tl.program_id(1) * KW + tl.arange(0, KW)
+    n_ok = rn < N
+    ok = n_ok[:, None] & (rw < K // 8)[None, :]
+    words = tl.load(qw_ptr + rn[:, None].to(tl.int64) * stride_qn + rw[None, :], mask=ok, other=0)
+    base = (rw // 4) * 32 + rw % 4
+    gi = (base // GROUP)[None, :].to(tl.int64) * N + rn[:, None]  # a word's 8 inputs share a group
+    z = tl.load(z_ptr + gi, mask=ok, other=0).to(tl.float32)
+    s = tl.load(s_ptr + gi, mask=ok, other=0.0).to(tl.float32)
+    for j in tl.static_range(8):
+        w = (((words >> (4 * j)) & 15).to(tl.float32) - z) * s
+        tl.store(w_ptr + rn[:, None].to(tl.int64) * K + (base + 4 * j)[None, :], w.to(w_ptr.dtype.element_ty), mask=ok)
+
+
+def int4_row_dequantize(packed: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, group_size: int,
+                        out: torch.Tensor) -> torch.Tensor:
+    """The row layout's weight as a dense ``[N, K]`` matrix written into ``out`` (its dtype), as the
+    reference dequantizes it: ``(q - z) * s`` in float32, rounded once."""
+    n, kw = packed.shape
+    w = out[: n * kw * 8].view(n, kw * 8)
+    _int4_row_dequantize_kernel[(triton.cdiv(n, 64), triton.cdiv(kw * 8, 256))](
+        packed, zeros, scales, w, n, kw * 8, packed.stride(0), GROUP=group_size, BLOCK_N=64, BLOCK_K=256,
+        num_warps=4)
+    return w
+
+
 INT4_ROW_TILE = dict(BLOCK_N=16, BLOCK_K=1024, SPLIT_K=1, num_warps=4, num_stages=3)
-INT4_ROW_MAX_ROWS = 4  # rows per program: each unpacked value serves up to this many rows of x
 
 
 def int4_row_gemv(x: torch.Tensor, packed: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor,
                   group_size: int, bias: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
     """``x [.., K] @ W.T`` of a 4-bit weight in ``int4_row_pack``'s layout (``zeros``/``scales`` ``[G, N]``
-    as ``int_matmul`` takes them); each program takes up to ``INT4_ROW_MAX_ROWS`` rows of x (``ROWS`` in
-    ``config`` sets it)."""
+    as ``int_matmul`` takes them), one program per row of x (the engine runs it at one row)."""
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
     if x2.stride(-1) != 1:
@@ -701,10 +678,9 @@ def int4_row_gemv(x: torch.Tensor, packed: torch.Tensor, zeros: torch.Tensor, sc
     split = cfg["SPLIT_K"]
     out = (torch.zeros if split > 1 else torch.empty)((m, n), device=x.device,
                                                       dtype=torch.float32 if split > 1 else x.dtype)
-    rows = cfg.pop("ROWS", min(m, INT4_ROW_MAX_ROWS))
-    _int4_row_gemv_kernel[(triton.cdiv(m, rows), triton.cdiv(n, cfg["BLOCK_N"]), split)](
+    _int4_row_gemv_kernel[(m, triton.cdiv(n, cfg["BLOCK_N"]), split)](
         x2, packed, zeros, scales, out, m, n, k, x2.stride(0), packed.stride(0), out.stride(0), 0x000F0000,
-        GROUP=group_size, ROWS=rows, **cfg)
+        GROUP=group_size, **cfg)
     out = out.to(x.dtype)
     if bias is not None:
         out = out + bias
@@ -836,6 +812,26 @@ def int_matmul_dequantized(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.
     return out if bias is None else out + bias
 
 
+def int4_row_matmul_dequantized(x: torch.Tensor, packed: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor,
+                                group_size: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``int_matmul_dequantized`` on the row layout: the dense ``[N, K]`` weight in the shared scratch
+    buffer, then cuBLAS. Inside a CUDA-graph capture without a big enough buffer (the eager warm-up makes it
+    first), 64-row slices of the tensor-core kernel instead."""
+    n, k = packed.shape[0], packed.shape[1] * 8
+    key = (x.device, x.dtype)
+    buf = _SCRATCH.get(key)
+    if buf is None or buf.numel() < n * k:
+        if x.is_cuda and torch.cuda.is_current_stream_capturing():
+            x2 = x.reshape(-1, k)
+            out = torch.cat([int4_mma_gemm(x2[i:i + INT4_MMA_MAX_ROWS], packed, zeros, scales, group_size)
+                             for i in range(0, x2.shape[0], INT4_MMA_MAX_ROWS)])
+            out = out.reshape(*x.shape[:-1], n)
+            return out if bias is None else out + bias
+        buf = _SCRATCH[key] = torch.empty(n * k, device=x.device, dtype=x.dtype)
+    w = int4_row_dequantize(packed, zeros, scales, group_size, buf)
+    return torch.nn.functional.linear(x, w, bias)
+
+
 # --------------------------------------------------------------------------------------------------
 # Which path a quantized layer takes, by row count and shape: a fixed rule read off the CUDA-graph timings
 # of benchmarks/quant_kernels_gpu.py at Llama-3-8B's shapes on an H200 (docs/benchmarks.md; weights
@@ -848,14 +844,10 @@ FP8_WIDE_N = 16384  # at 2-16 rows, W8A8 beats the weight-only GEMV on wide outp
 
 
 def int_linear(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor,
-               group_size: int, bits: int, bias: torch.Tensor | None = None, tinygemm=None,
-               row=None) -> torch.Tensor:
-    """A packed-int layer on CUDA. Up to 4 rows its decode copy: ``row`` (``(packed, tiles)``, the row GEMV's
-    layout from ``int4_row_pack``) or ``tinygemm`` (PyTorch's int4 layout from ``tinygemm_pack``, bf16);
-    beyond, the tensor-core kernel up to 63 rows, dequantize + cuBLAS from 64."""
+               group_size: int, bits: int, bias: torch.Tensor | None = None, tinygemm=None) -> torch.Tensor:
+    """A K-packed layer on CUDA (8-bit; 4-bit layers run ``int4_linear`` on the row layout): PyTorch's int4
+    GEMM for a few rows (``tinygemm``), the tensor-core kernel up to 63 rows, dequantize + cuBLAS beyond."""
     rows = x.numel() // x.shape[-1]
-    if row is not None and rows <= INT4_ROW_MAX_ROWS:
-        return int4_row_gemv(x, row[0], zeros, scales, group_size, bias, config=row[1])
     if tinygemm is not None and rows <= TINYGEMM_MAX_ROWS and x.dtype == torch.bfloat16:
         return tinygemm_linear(x, *tinygemm, group_size, bias)
     if rows >= INT_DEQUANTIZE_MIN_ROWS:
@@ -863,28 +855,37 @@ def int_linear(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor, scal
     return int_matmul(x, qweight, zeros, scales, group_size, bits, bias)
 
 
-# Which decode copy a 4-bit layer gets, by shape, from benchmarks/int4_gemv_sweep_gpu.py at Llama-3-8B's
-# shapes on an H200 (session 10; one row, CUDA-graph replay, weights past L2, microseconds against
-# tinygemm's): qkv_proj 8.99 (9.26), gate_up_proj 27.44 (33.2), down_proj 17.59 (18.69), but o_proj 8.02
-# (6.87). So weights of 4096 x 4096 and less keep tinygemm where it takes them; the others, and any shape
-# tinygemm does not take, the row GEMV. Its tiles: split-K for long, narrow weights (down_proj: 64
-# outputs a program, K in four).
+# 4-bit layers on CUDA hold the row layout (``int4_row_pack``) and, where PyTorch's int4 GEMM takes the
+# shape, tinygemm's copy of the weight. By rows (benchmarks/int4_gemv_sweep_gpu.py at Llama-3-8B's shapes
+# on an H200, session 10; CUDA-graph replay, weights past L2; microseconds):
+# * one row: the row GEMV, except on weights of 4096 x 4096 and less, where tinygemm is faster (o_proj
+#   6.84 against 8.02); qkv_proj 8.99 (tinygemm 9.26), gate_up_proj 27.44 (33.2), down_proj 17.59 (18.69);
+# * 2-4 rows: tinygemm (gate_up 34.6 at 2 rows, 47.1 at 4), the tensor-core kernel where it is missing;
+# * 5-63 rows: the output-major tensor-core kernel, about bf16's time and flat in rows (gate_up 53 at 8
+#   and 16 rows; the K-packed tensor-core kernel it replaces took 67-70, tinygemm 79-135);
+# * 64 rows and more: dequantize into the scratch buffer, then cuBLAS.
+# Row GEMV tiles: split-K for long, narrow weights (down_proj: 64 outputs a program, K in four).
 INT4_ROW_MIN_WEIGHT = 4096 * 4096 + 1
 INT4_ROW_LONG_K = dict(BLOCK_N=64, BLOCK_K=1024, SPLIT_K=4, num_warps=8, num_stages=2)
-
-
-def int4_decode_layout(n: int, k: int, group_size: int, dtype: torch.dtype) -> str | None:
-    """``"row"`` (the row GEMV's copy), ``"tinygemm"`` or None: a 4-bit ``[n, k]`` layer's decode copy."""
-    row_ok = group_size % 32 == 0 and k % group_size == 0 and dtype in (torch.bfloat16, torch.float16)
-    tiny_ok = group_size in TINYGEMM_GROUPS and k % 1024 == 0 and n % 8 == 0 and dtype == torch.bfloat16
-    if row_ok and (n * k >= INT4_ROW_MIN_WEIGHT or not tiny_ok):
-        return "row"
-    return "tinygemm" if tiny_ok else None
 
 
 def int4_row_tiles(n: int, k: int) -> dict:
     """The row GEMV's tiles for an ``[n, k]`` weight."""
     return dict(INT4_ROW_LONG_K if k >= 8192 and n <= 8192 else INT4_ROW_TILE)
+
+
+def int4_linear(x: torch.Tensor, packed: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor,
+                group_size: int, bias: torch.Tensor | None = None, tinygemm=None) -> torch.Tensor:
+    """A 4-bit layer on CUDA, on the row layout (and tinygemm's copy where there is one), by rows."""
+    rows = x.numel() // x.shape[-1]
+    n, k = packed.shape[0], packed.shape[1] * 8
+    if rows == 1 and (tinygemm is None or n * k >= INT4_ROW_MIN_WEIGHT or x.dtype != torch.bfloat16):
+        return int4_row_gemv(x, packed, zeros, scales, group_size, bias, config=int4_row_tiles(n, k))
+    if tinygemm is not None and rows <= TINYGEMM_MAX_ROWS and x.dtype == torch.bfloat16:
+        return tinygemm_linear(x, *tinygemm, group_size, bias)
+    if rows < INT_DEQUANTIZE_MIN_ROWS and x.dtype in (torch.bfloat16, torch.float16):
+        return int4_mma_gemm(x, packed, zeros, scales, group_size, bias)
+    return int4_row_matmul_dequantized(x, packed, zeros, scales, group_size, bias)
 
 
 # One row of FP8 weights: fixed tiles of the FMA GEMV, read off a sweep of 132 tile configs per shape on an
