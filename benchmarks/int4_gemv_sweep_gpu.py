@@ -103,7 +103,9 @@ def main(argv=None):
                  "kernel": args.kernel, "tensor_core_kpacked_us": round(tc_us, 2),
                  "engine": {"tiles": engine_cfg, "us": round(engine_us, 2),
                             "int4_linear_us": round(timed(lambda t: tq.int4_linear(x, *t, g, tinygemm=tiny), rows_w,
-                                                          True), 2)},
+                                                          True), 2),
+                            "dequantize_cublas_us": round(timed(lambda t: tq.int4_row_matmul_dequantized(x, *t, g),
+                                                                rows_w, True), 2)},
                  "tinygemm_us": round(tinygemm, 2), "tinygemm_x_cublas": round(cublas / tinygemm, 3),
                  "tinygemm_max_rel_err": tiny_err, "best": best,
                  "failed": sum(1 for t in timings if t[0] == float("inf"))}

@@ -520,8 +520,8 @@ def _int4_row_gemv_kernel(
 # A shift and a mask of a word give two nibbles in its two 16-bit halves at once; OR-ed with 0x4300 (bf16
 # 128.0; for fp16 x 0x6400, 1024.0) each half is exactly ``OFF + q``. Per group the MMA sums
 # ``(OFF + q) x`` in float32 and ``s (d - (OFF + z) sum x)`` takes out the offset and the zero point. The
-# tile's K order is the layout's (input ``(w // 4) * 32 + 4 j + w % 4`` at word ``w``, nibble ``j``),
-# which x is loaded in.
+# tile's K order is the layout's (input ``(w // 4) * 32 + 4 j + w % 4`` at word ``w``, nibble ``j``): x is
+# loaded in input order (vector loads) and permuted to it in registers.
 # --------------------------------------------------------------------------------------------------
 
 
@@ -561,17 +561,15 @@ def _int4_mma_kernel(
     rm = tl.arange(0, BLOCK_M)
     n_ok = rn < N
     m_ok = rm < M
-    # Column c of the tile: word w = c // 8, e = c % 8 = 2 jj + h from the pairs below, nibble jj + 4 h.
-    c = tl.arange(0, GROUP)
-    w = c // 8
-    nib = (c % 8) // 2 + 4 * (c % 2)
-    xoff = (w // 4) * 32 + 4 * nib + w % 4
     w_rows = qw_ptr + rn[:, None].to(tl.int64) * stride_qn + tl.arange(0, KW)[None, :]
-    x_rows = x_ptr + rm[:, None].to(tl.int64) * stride_xm + xoff[None, :]
+    x_rows = x_ptr + rm[:, None].to(tl.int64) * stride_xm + tl.arange(0, GROUP)[None, :]
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for g in range(pid_k, K // GROUP, SPLIT_K):
         words = tl.load(w_rows + g * KW, mask=n_ok[:, None], other=0)
-        x = tl.load(x_rows + g * GROUP, mask=m_ok[:, None], other=0.0)  # [BLOCK_M, GROUP], the tile's order
+        x = tl.load(x_rows + g * GROUP, mask=m_ok[:, None], other=0.0)  # [BLOCK_M, GROUP], inputs in order
+        # Input (w // 4) * 32 + 16 h + 4 jj + w % 4 of the group is column 8 w + 2 jj + h of the tile below:
+        # x [BM, w // 4, h, jj, w % 4] -> [BM, w // 4, w % 4, jj, h].
+        x = tl.reshape(tl.permute(tl.reshape(x, (BLOCK_M, KW // 4, 2, 4, 4)), (0, 1, 4, 3, 2)), (BLOCK_M, GROUP))
         pairs = tl.join(tl.join(_int4_pair(words, 0, F16, BITS), _int4_pair(words, 4, F16, BITS)),
                         tl.join(_int4_pair(words, 8, F16, BITS), _int4_pair(words, 12, F16, BITS)))
         a = tl.reshape(tl.permute(pairs, (0, 1, 4, 3, 2)), (BLOCK_N, GROUP))  # [BN, KW, jj, h]
@@ -593,6 +591,7 @@ def _int4_mma_kernel(
 
 
 INT4_MMA_MAX_ROWS = 64
+INT4_MMA_FAST_ROWS = 16  # beyond, x's permutation and sums cost more than dequantizing for cuBLAS
 INT4_MMA_TILE = dict(BLOCK_N=64, SPLIT_K=4, num_warps=4, num_stages=3)
 
 
@@ -626,19 +625,32 @@ def int4_mma_gemm(x: torch.Tensor, packed: torch.Tensor, zeros: torch.Tensor, sc
 @triton.jit
 def _int4_row_dequantize_kernel(qw_ptr, z_ptr, s_ptr, w_ptr, N, K, stride_qn,
                                 GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    # Each word's 8 values are put in input order in registers, so that the [BLOCK_N, BLOCK_K] tile is one
+    # contiguous store per row (not 8 strided ones).
     KW: tl.constexpr = BLOCK_K // 8
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rw = tl.program_id(1) * KW + tl.arange(0, KW)
     n_ok = rn < N
     ok = n_ok[:, None] & (rw < K // 8)[None, :]
     words = tl.load(qw_ptr + rn[:, None].to(tl.int64) * stride_qn + rw[None, :], mask=ok, other=0)
-    base = (rw // 4) * 32 + rw % 4
-    gi = (base // GROUP)[None, :].to(tl.int64) * N + rn[:, None]  # a word's 8 inputs share a group
+    gi = (((rw // 4) * 32) // GROUP)[None, :].to(tl.int64) * N + rn[:, None]  # a word's 8 inputs share a group
     z = tl.load(z_ptr + gi, mask=ok, other=0).to(tl.float32)
     s = tl.load(s_ptr + gi, mask=ok, other=0.0).to(tl.float32)
-    for j in tl.static_range(8):
-        w = (((words >> (4 * j)) & 15).to(tl.float32) - z) * s
-        tl.store(w_ptr + rn[:, None].to(tl.int64) * K + (base + 4 * j)[None, :], w.to(w_ptr.dtype.element_ty), mask=ok)
+    v0 = ((words & 15).to(tl.float32) - z) * s
+    v1 = (((words >> 4) & 15).to(tl.float32) - z) * s
+    v2 = (((words >> 8) & 15).to(tl.float32) - z) * s
+    v3 = (((words >> 12) & 15).to(tl.float32) - z) * s
+    v4 = (((words >> 16) & 15).to(tl.float32) - z) * s
+    v5 = (((words >> 20) & 15).to(tl.float32) - z) * s
+    v6 = (((words >> 24) & 15).to(tl.float32) - z) * s
+    v7 = (((words >> 28) & 15).to(tl.float32) - z) * s
+    vals = tl.join(tl.join(tl.join(v0, v1), tl.join(v2, v3)), tl.join(tl.join(v4, v5), tl.join(v6, v7)))
+    # [BN, KW, a, b, c] holds nibble a + 2 b + 4 c; word w = 4 (w // 4) + w % 4; input (w // 4) * 32 + 4 nib + w % 4
+    vals = tl.reshape(vals, (BLOCK_N, KW // 4, 4, 2, 2, 2))
+    vals = tl.reshape(tl.permute(vals, (0, 1, 5, 4, 3, 2)), (BLOCK_N, BLOCK_K))
+    rk = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    tl.store(w_ptr + rn[:, None].to(tl.int64) * K + rk[None, :], vals.to(w_ptr.dtype.element_ty),
+             mask=n_ok[:, None] & (rk < K)[None, :])
 
 
 def int4_row_dequantize(packed: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, group_size: int,
@@ -861,9 +873,9 @@ def int_linear(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor, scal
 # * one row: the row GEMV, except on weights of 4096 x 4096 and less, where tinygemm is faster (o_proj
 #   6.84 against 8.02); qkv_proj 8.99 (tinygemm 9.26), gate_up_proj 27.44 (33.2), down_proj 17.59 (18.69);
 # * 2-4 rows: tinygemm (gate_up 34.6 at 2 rows, 47.1 at 4), the tensor-core kernel where it is missing;
-# * 5-63 rows: the output-major tensor-core kernel, about bf16's time and flat in rows (gate_up 53 at 8
-#   and 16 rows; the K-packed tensor-core kernel it replaces took 67-70, tinygemm 79-135);
-# * 64 rows and more: dequantize into the scratch buffer, then cuBLAS.
+# * 5-16 rows: the output-major tensor-core kernel, about bf16's time and flat in rows (gate_up 53 at 8
+#   and 16 rows; the K-packed tensor-core kernel took 67-70, tinygemm 79-135);
+# * 17 rows and more: dequantize into the scratch buffer, then cuBLAS.
 # Row GEMV tiles: split-K for long, narrow weights (down_proj: 64 outputs a program, K in four).
 INT4_ROW_MIN_WEIGHT = 4096 * 4096 + 1
 INT4_ROW_LONG_K = dict(BLOCK_N=64, BLOCK_K=1024, SPLIT_K=4, num_warps=8, num_stages=2)
@@ -883,7 +895,7 @@ def int4_linear(x: torch.Tensor, packed: torch.Tensor, zeros: torch.Tensor, scal
         return int4_row_gemv(x, packed, zeros, scales, group_size, bias, config=int4_row_tiles(n, k))
     if tinygemm is not None and rows <= TINYGEMM_MAX_ROWS and x.dtype == torch.bfloat16:
         return tinygemm_linear(x, *tinygemm, group_size, bias)
-    if rows < INT_DEQUANTIZE_MIN_ROWS and x.dtype in (torch.bfloat16, torch.float16):
+    if rows <= INT4_MMA_FAST_ROWS and x.dtype in (torch.bfloat16, torch.float16):
         return int4_mma_gemm(x, packed, zeros, scales, group_size, bias)
     return int4_row_matmul_dequantized(x, packed, zeros, scales, group_size, bias)
 
