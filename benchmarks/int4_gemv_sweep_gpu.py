@@ -93,7 +93,7 @@ def main(argv=None):
                 best.append({"us": round(us, 2), "x_cublas": round(cublas / us, 3), "x_tinygemm": round(tinygemm / us, 3),
                              "tb_s": round(nbytes / us / 1e6, 2), "cfg": c,
                              "max_rel_err": float((got - want).abs().max() / want.abs().max())})
-            engine_cfg = tq.int4_row_tiles(n, k) if args.kernel == "row" else dict(tq.INT4_MMA_TILE)
+            engine_cfg = tq.int4_row_tiles(n, k) if args.kernel == "row" else tq.int4_mma_tiles(rows, n)
             engine_us = timed(lambda t: run(x, *t, g, config=engine_cfg), rows_w, True)
             kq = [(qweight, zeros, scales)] + [(qweight.clone(), zeros.clone(), scales.clone())
                                               for _ in range(copies(nbytes, True) - 1)]

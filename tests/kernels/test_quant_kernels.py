@@ -196,10 +196,14 @@ def test_int4_row_gemv_matches_the_reference(tk, group, split):
         torch.testing.assert_close(got.cpu(), want, atol=1e-4, rtol=1e-4)
 
 
-def test_int4_row_tiles_split_k_for_long_narrow_weights():
-    from kvloom.kernels.triton_quant import INT4_ROW_LONG_K, INT4_ROW_TILE, int4_row_tiles
+def test_int4_tiles_by_shape_and_rows():
+    """The row GEMV splits K on long, narrow weights; the tensor-core kernel widens its tile beyond 16 rows
+    and on wide weights."""
+    from kvloom.kernels import triton_quant as tq
 
-    assert int4_row_tiles(4096, 14336) == INT4_ROW_LONG_K and int4_row_tiles(6144, 4096) == INT4_ROW_TILE
+    assert tq.int4_row_tiles(4096, 14336) == tq.INT4_ROW_LONG_K and tq.int4_row_tiles(6144, 4096) == tq.INT4_ROW_TILE
+    assert [tq.int4_mma_tiles(r, n) for r, n in ((8, 6144), (32, 4096), (8, 28672))] == \
+        [tq.INT4_MMA_TILE, tq.INT4_MMA_TILE_ROWS, tq.INT4_MMA_TILE_WIDE]
 
 
 @pytest.mark.parametrize("group", [32, 128])
