@@ -590,7 +590,13 @@ def _int4_mma_kernel(
         tl.atomic_add(out, acc, mask=ok)
 
 
-INT4_MMA_MAX_ROWS = 64
+INT4_MMA_MAX_ROWS = 64  # what the kernel takes (x padded to 16, 32 or 64 rows)
+# What the engine gives it: up to 16 rows. Alone it is faster than dequantize + cuBLAS at 32 and 63 rows
+# too (gate_up 70 and 95 against 173 us), but end to end (256 x (512 + 256) offline, the same H200 run,
+# session 10) routing 17-63 rows to it gave 5,100 output tok/s against 7,303 with 16: those rows come in
+# eager mixed steps (the last layer's kept rows); an unverified guess is that each new row count compiles its
+# variant there, inside the timed run.
+INT4_MMA_ROWS = 16
 # Tiles from benchmarks/int4_gemv_sweep_gpu.py --kernel mma on an H200 (session 10): 64 outputs and K in four
 # up to 16 rows; 128 outputs a program beyond (o_proj at 63 rows 25.6 against 28.2 us) and for wide
 # weights (gate_up_proj, 28672 outputs, K whole: 95 against 146 us at 63 rows, 60 against 63 at 4-16).
@@ -884,9 +890,9 @@ def int_linear(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor, scal
 # * one row: the row GEMV, except on weights of 4096 x 4096 and less, where tinygemm is faster (o_proj
 #   6.84 against 8.02); qkv_proj 8.99 (tinygemm 9.26), gate_up_proj 27.44 (33.2), down_proj 17.59 (18.69);
 # * 2-4 rows: tinygemm (gate_up 34.6 at 2 rows, 47.1 at 4), the tensor-core kernel where it is missing;
-# * 5-63 rows: the output-major tensor-core kernel on the row layout (gate_up 60 at 8 and 16 rows, 70 at
-#   32, 95 at 63; the K-packed tensor-core kernel took 67-94, dequantize + cuBLAS 173-175, tinygemm 78-510);
-# * 64 rows and more: dequantize into the scratch buffer, then cuBLAS.
+# * 5-16 rows: the output-major tensor-core kernel on the row layout (gate_up 60 at 8 and 16 rows; the
+#   K-packed tensor-core kernel took 67-70, dequantize + cuBLAS 173, tinygemm 78-135);
+# * 17 rows and more: dequantize into the scratch buffer, then cuBLAS (``INT4_MMA_ROWS`` says why).
 # Row GEMV tiles: split-K for long, narrow weights (down_proj: 64 outputs a program, K in four).
 INT4_ROW_MIN_WEIGHT = 4096 * 4096 + 1
 INT4_ROW_LONG_K = dict(BLOCK_N=64, BLOCK_K=1024, SPLIT_K=4, num_warps=8, num_stages=2)
@@ -906,7 +912,7 @@ def int4_linear(x: torch.Tensor, packed: torch.Tensor, zeros: torch.Tensor, scal
         return int4_row_gemv(x, packed, zeros, scales, group_size, bias, config=int4_row_tiles(n, k))
     if tinygemm is not None and rows <= TINYGEMM_MAX_ROWS and x.dtype == torch.bfloat16:
         return tinygemm_linear(x, *tinygemm, group_size, bias)
-    if rows < INT4_MMA_MAX_ROWS and x.dtype in (torch.bfloat16, torch.float16):
+    if rows <= INT4_MMA_ROWS and x.dtype in (torch.bfloat16, torch.float16):
         return int4_mma_gemm(x, packed, zeros, scales, group_size, bias, config=int4_mma_tiles(rows, n))
     return int4_row_matmul_dequantized(x, packed, zeros, scales, group_size, bias)
 

@@ -16,7 +16,7 @@ from kvloom.core.model.linear import LinearBase
 INT_KERNELS = {
     4: ("W4A16 on CUDA, row-major 4-bit layout: one row a Triton GEMV (nibbles to floats by bit patterns; "
         "PyTorch's int4 GEMM, tinygemm, on weights of 4096 x 4096 and less), 2-4 rows tinygemm (a second copy "
-        "of the weight), up to 63 rows a Triton tensor-core GEMM dequantizing in the kernel, dequantize + cuBLAS "
+        "of the weight), up to 16 rows a Triton tensor-core GEMM dequantizing in the kernel, dequantize + cuBLAS "
         "beyond"),
     8: ("W8A16 on CUDA: up to 63 rows a Triton tensor-core GEMM dequantizing in the kernel, dequantize + cuBLAS "
         "beyond"),
