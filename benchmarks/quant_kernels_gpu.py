@@ -8,7 +8,7 @@ row count: microseconds per call, GB/s of weight bytes read, and bf16's time ove
     python benchmarks/quant_kernels_gpu.py --profile bf16,fp8,awq                        # + decode profile
     TRITON_INTERPRET=1 python benchmarks/quant_kernels_gpu.py --tiny                     # code paths, CPU
 
-Paths: ``int4`` (the tensor-core W4A16 kernel), ``int4_gemv`` (no tensor cores, for a few rows),
+Paths: ``int4`` (the tensor-core W4A16 kernel), ``int4_gemv`` (the row GEMV on its layout, no tensor cores),
 ``int4_deq`` (dequantize into a scratch buffer, then cuBLAS), ``int4_tinygemm`` (PyTorch's
 ``_weight_int4pack_mm``, for reference); ``fp8_w8a8`` (per-token activation quantization + ``_scaled_mm``),
 ``fp8_mm_only`` (``_scaled_mm`` on already quantized activations), ``fp8_w8a8_fast`` (with
@@ -109,6 +109,9 @@ def bench_shape(name: str, k: int, n: int, rows_list, group: int, dtype, dev: st
     int4_bytes = qweight.numel() * 4 + zeros.numel() + scales.numel() * 2
     int4_w = [(qweight, zeros, scales)] + [(qweight.clone(), zeros.clone(), scales.clone())
                                            for _ in range(copies(int4_bytes, cuda) - 1)]
+    packed = tq.int4_row_pack(qweight)  # the row GEMV's layout (what the engine's 4-bit layers hold on CUDA)
+    row_w = [(packed, zeros, scales)] + [(packed.clone(), zeros.clone(), scales.clone())
+                                        for _ in range(copies(int4_bytes, cuda) - 1)]
     fp8_w = [(wq, ws)] + [(wq.clone(), ws.clone()) for _ in range(copies(wq.numel(), cuda) - 1)]
     tiny = None
     if cuda:
@@ -127,7 +130,7 @@ def bench_shape(name: str, k: int, n: int, rows_list, group: int, dtype, dev: st
             "int4_deq": (lambda t: tq.int_matmul_dequantized(x, *t, group, 4), int4_w, int4_bytes),
         }
         if rows <= 16:
-            paths["int4_gemv"] = (lambda t: tq.int_gemv(x, *t, group, 4), int4_w, int4_bytes)
+            paths["int4_gemv"] = (lambda t: tq.int4_row_gemv(x, *t, group), row_w, int4_bytes)
             paths["fp8_gemv_dot"] = (lambda t: tq.fp8_weight_only_linear(x, *t), fp8_w, wq.numel() + 4 * n)
             paths["fp8_gemv"] = (lambda t: tq.fp8_gemv(x, *t), fp8_w, wq.numel() + 4 * n)
         if cuda:
@@ -152,7 +155,7 @@ def bench_shape(name: str, k: int, n: int, rows_list, group: int, dtype, dev: st
         if cuda and tiny is not None and rows <= 256:  # how far each int4 path is from the reference product
             want = tq.int_matmul_dequantized(x, qweight, zeros, scales, group, 4).float()
             for path, fn in (("int4", lambda: tq.int_matmul(x, qweight, zeros, scales, group, 4)),
-                             ("int4_gemv", lambda: tq.int_gemv(x, qweight, zeros, scales, group, 4) if rows <= 16 else None),
+                             ("int4_gemv", lambda: tq.int4_row_gemv(x, *row_w[0], group) if rows <= 16 else None),
                              ("int4_tinygemm", lambda: torch._weight_int4pack_mm(x, tiny[0][0], group, tiny[0][1]))):
                 try:
                     got = fn()

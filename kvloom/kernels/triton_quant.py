@@ -80,6 +80,27 @@ def _int_matmul_kernel(
         tl.atomic_add(out, acc, mask=m_ok[:, None] & n_ok[None, :])
 
 
+def _rows_2d(x: torch.Tensor) -> torch.Tensor:
+    """``x [.., K]`` as ``[rows, K]`` with a unit last stride."""
+    x2 = x.reshape(-1, x.shape[-1])
+    return x2 if x2.stride(-1) == 1 else x2.contiguous()
+
+
+def _out_buffer(m: int, n: int, split: int, like: torch.Tensor) -> torch.Tensor:
+    """A kernel's ``[m, n]`` output: zeroed float32 for split-K's atomic adds, else ``like``'s dtype."""
+    if split > 1:
+        return torch.zeros((m, n), device=like.device, dtype=torch.float32)
+    return torch.empty((m, n), device=like.device, dtype=like.dtype)
+
+
+def _finish(out: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``out [rows, n]`` in x's dtype and leading shape, plus ``bias``."""
+    out = out.to(x.dtype)
+    if bias is not None:
+        out = out + bias
+    return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
 def tile_config(m: int, n: int, k: int) -> dict:
     """Tiles by row count: GEMV-shaped with split-K for decode (enough programs to stream the packed
     weight with the whole GPU), larger and pipelined tiles for batched steps."""
@@ -346,97 +367,8 @@ def fp8_quantize_rows(x: torch.Tensor, pad_to: int = 16) -> tuple[torch.Tensor, 
 # shared memory per tile); a decode row only needs each weight value once, multiplied and summed along K.
 # These kernels keep the loaded tile in the layout it arrives in (128-bit loads along the contiguous dim)
 # and reduce with plain FMAs. Row programs are the fastest grid axis, so the rows that share a weight
-# tile run together and all but the first read it from L2.
-
-
-@triton.jit
-def _int_gemv_kernel(
-    x_ptr, qw_ptr, z_ptr, s_ptr, out_ptr,
-    M, N, K, group_size, M_BUCKET, stride_xm, stride_om,
-    BITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, SPLIT_K: tl.constexpr,
-):
-    # Within a group, sum_k x_k (q_k - z) s = s (sum_k x_k q_k - z sum_k x_k): the zero point and scale
-    # are applied once per tile and column, so each packed value costs a shift, a mask and an FMA.
-    row = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    pid_k = tl.program_id(2)
-    PER: tl.constexpr = 32 // BITS
-    MASK: tl.constexpr = (1 << BITS) - 1
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rw = tl.arange(0, BLOCK_W)
-    n_ok = rn < N
-    x_row = x_ptr + row.to(tl.int64) * stride_xm
-    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for t in range(pid_k, K // (BLOCK_W * PER), SPLIT_K):  # the host makes a tile divide K and the group
-        w_rows = t * BLOCK_W + rw
-        words = tl.load(qw_ptr + w_rows[:, None].to(tl.int64) * N + rn[None, :], mask=n_ok[None, :], other=0)
-        part = tl.zeros((BLOCK_W, BLOCK_N), dtype=tl.float32)
-        xsum = tl.zeros((BLOCK_W,), dtype=tl.float32)
-        for j in tl.static_range(PER):
-            xj = tl.load(x_row + w_rows * PER + j).to(tl.float32)
-            part += ((words >> (j * BITS)) & MASK).to(tl.float32) * xj[:, None]
-            xsum += xj
-        g = ((t * BLOCK_W * PER) // group_size).to(tl.int64) * N + rn
-        z = tl.load(z_ptr + g, mask=n_ok, other=0).to(tl.float32)
-        s = tl.load(s_ptr + g, mask=n_ok, other=0.0).to(tl.float32)
-        acc += s * (tl.sum(part, 0) - z * tl.sum(xsum, 0))
-    out = out_ptr + row.to(tl.int64) * stride_om + rn
-    if SPLIT_K == 1:
-        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=n_ok)
-    else:
-        tl.atomic_add(out, acc, mask=n_ok)
-
-
-def _gemv_cfg(bn, bw, split, warps, stages=3):
-    return triton.Config(dict(BLOCK_N=bn, BLOCK_W=bw, SPLIT_K=split), num_warps=warps, num_stages=stages)
-
-
-_INT_GEMV = [_gemv_cfg(bn, bw, sp, w) for bn, bw, sp, w in (
-    (128, 16, 1, 4), (64, 16, 1, 4), (32, 16, 1, 2), (128, 16, 4, 4), (64, 16, 4, 4), (256, 16, 4, 8),
-    (128, 8, 8, 4), (256, 8, 2, 8))]
-
-
-def _int_gemv_prune(configs, named_args, **kwargs):
-    g, k, bits = named_args["group_size"], named_args["K"], kwargs.get("BITS", named_args.get("BITS", 4))
-    per = 32 // bits
-    return [c for c in configs if g % (c.kwargs["BLOCK_W"] * per) == 0
-            and k // (c.kwargs["BLOCK_W"] * per) >= c.kwargs["SPLIT_K"]] or configs[:1]
-
-
-def int_gemv(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor,
-             group_size: int, bits: int, bias: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
-    """``int_matmul`` for a few rows without tensor cores (``_int_gemv_kernel``). ``config`` fixes
-    ``BLOCK_N``/``BLOCK_W`` (int32 words per tile along K)/``SPLIT_K``; without it, autotuned on CUDA."""
-    shape = x.shape
-    x2 = x.reshape(-1, shape[-1])
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
-    m, k = x2.shape
-    n = qweight.shape[1]
-    per = 32 // bits
-    if config is None and x2.is_cuda:
-        out = torch.zeros((m, n), device=x.device, dtype=torch.float32)
-        if "int_gemv" not in _TUNED:
-            _TUNED["int_gemv"] = _autotuned(_int_gemv_kernel, _INT_GEMV, _int_gemv_prune, ("out_ptr",))
-        _TUNED["int_gemv"][lambda meta: (m, triton.cdiv(n, meta["BLOCK_N"]), meta["SPLIT_K"])](
-            x2, qweight, zeros, scales, out, m, n, k, group_size, _row_bucket(m), x2.stride(0), out.stride(0),
-            BITS=bits)
-    else:
-        cfg = dict(config or dict(BLOCK_N=64, BLOCK_W=16, SPLIT_K=1, num_warps=4))
-        while cfg["BLOCK_W"] > 1 and group_size % (cfg["BLOCK_W"] * per):
-            cfg["BLOCK_W"] //= 2
-        if group_size % (cfg["BLOCK_W"] * per):
-            raise ValueError(f"int_gemv needs group_size={group_size} to be a multiple of {per} inputs")
-        split = cfg["SPLIT_K"]
-        out = (torch.zeros if split > 1 else torch.empty)((m, n), device=x.device,
-                                                          dtype=torch.float32 if split > 1 else x.dtype)
-        _int_gemv_kernel[(m, triton.cdiv(n, cfg["BLOCK_N"]), split)](
-            x2, qweight, zeros, scales, out, m, n, k, group_size, _row_bucket(m), x2.stride(0), out.stride(0),
-            BITS=bits, **cfg)
-    out = out.to(x.dtype)
-    if bias is not None:
-        out = out + bias
-    return out.reshape(*shape[:-1], n)
+# tile run together and all but the first read it from L2. (An int4 GEMV on the K-packed layout,
+# converting each value with an integer-to-float instruction, was replaced by the row GEMV below.)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -616,27 +548,19 @@ def int4_mma_gemm(x: torch.Tensor, packed: torch.Tensor, zeros: torch.Tensor, sc
                   group_size: int, bias: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
     """``x [.., K] @ W.T`` for up to ``INT4_MMA_MAX_ROWS`` rows of bf16/fp16 x and a 4-bit weight in
     ``int4_row_pack``'s layout (``zeros``/``scales`` ``[G, N]``, as ``int_matmul`` takes them)."""
-    shape = x.shape
-    x2 = x.reshape(-1, shape[-1])
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
+    x2 = _rows_2d(x)
     m, k = x2.shape
     n = packed.shape[0]
     if m > INT4_MMA_MAX_ROWS or k % group_size or group_size % 32 or x2.dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"int4_mma_gemm takes up to {INT4_MMA_MAX_ROWS} rows (got {m}) of bf16 or fp16 x "
                          f"(got {x2.dtype}) and groups of a multiple of 32 dividing K (group_size={group_size}, K={k})")
     cfg = dict(config or INT4_MMA_TILE)
-    split = cfg["SPLIT_K"]
-    out = (torch.zeros if split > 1 else torch.empty)((m, n), device=x.device,
-                                                      dtype=torch.float32 if split > 1 else x.dtype)
-    _int4_mma_kernel[(triton.cdiv(n, cfg["BLOCK_N"]), split)](
+    out = _out_buffer(m, n, cfg["SPLIT_K"], x)
+    _int4_mma_kernel[(triton.cdiv(n, cfg["BLOCK_N"]), cfg["SPLIT_K"])](
         x2, packed, zeros, scales, out, m, n, k, x2.stride(0), packed.stride(0), out.stride(0),
         GROUP=group_size, BLOCK_M=max(16, triton.next_power_of_2(m)), F16=x2.dtype == torch.float16,
         BITS=x2.is_cuda, **cfg)
-    out = out.to(x.dtype)
-    if bias is not None:
-        out = out + bias
-    return out.reshape(*shape[:-1], n)
+    return _finish(out, x, bias)
 
 
 @triton.jit
@@ -689,10 +613,7 @@ def int4_row_gemv(x: torch.Tensor, packed: torch.Tensor, zeros: torch.Tensor, sc
                   group_size: int, bias: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
     """``x [.., K] @ W.T`` of a 4-bit weight in ``int4_row_pack``'s layout (``zeros``/``scales`` ``[G, N]``
     as ``int_matmul`` takes them), one program per row of x (the engine runs it at one row)."""
-    shape = x.shape
-    x2 = x.reshape(-1, shape[-1])
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
+    x2 = _rows_2d(x)
     m, k = x2.shape
     n = packed.shape[0]
     cfg = dict(config or INT4_ROW_TILE)
@@ -704,16 +625,11 @@ def int4_row_gemv(x: torch.Tensor, packed: torch.Tensor, zeros: torch.Tensor, sc
     if k % bk or group_size % 32:
         raise ValueError(f"int4_row_gemv needs group_size={group_size} to be a multiple of 32 dividing K={k}")
     cfg["BLOCK_K"] = bk
-    split = cfg["SPLIT_K"]
-    out = (torch.zeros if split > 1 else torch.empty)((m, n), device=x.device,
-                                                      dtype=torch.float32 if split > 1 else x.dtype)
-    _int4_row_gemv_kernel[(m, triton.cdiv(n, cfg["BLOCK_N"]), split)](
+    out = _out_buffer(m, n, cfg["SPLIT_K"], x)
+    _int4_row_gemv_kernel[(m, triton.cdiv(n, cfg["BLOCK_N"]), cfg["SPLIT_K"])](
         x2, packed, zeros, scales, out, m, n, k, x2.stride(0), packed.stride(0), out.stride(0), 0x000F0000,
         GROUP=group_size, **cfg)
-    out = out.to(x.dtype)
-    if bias is not None:
-        out = out + bias
-    return out.reshape(*shape[:-1], n)
+    return _finish(out, x, bias)
 
 
 @triton.jit
@@ -759,34 +675,25 @@ _FP8_GEMV = [_fp8_gemv_cfg(bn, bk, sp, w) for bn, bk, sp, w in (
 def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
              bias: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
     """``fp8_weight_only_linear`` for a few rows without tensor cores (``_fp8_gemv_kernel``)."""
-    shape = x.shape
-    x2 = x.reshape(-1, shape[-1])
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
+    x2 = _rows_2d(x)
     m, k = x2.shape
     n = weight.shape[0]
     if config is None and x2.is_cuda and m == 1:
         config = fp8_row_tiles(n, k)
     if config is None and x2.is_cuda:
-        out = torch.zeros((m, n), device=x.device, dtype=torch.float32)
+        out = _out_buffer(m, n, 2, x)  # the autotuned configs may split K: zeroed float32
         if "fp8_gemv" not in _TUNED:
             _TUNED["fp8_gemv"] = _autotuned(_fp8_gemv_kernel, _FP8_GEMV, None, ("out_ptr",))
         _TUNED["fp8_gemv"][lambda meta: (m, triton.cdiv(n, meta["BLOCK_N"]), meta["SPLIT_K"])](
             x2, weight, weight_scale.reshape(-1), out, m, n, k, _row_bucket(m), x2.stride(0), weight.stride(0),
             out.stride(0))
-        out = out.to(x.dtype)
     else:
         cfg = dict(config or dict(BLOCK_N=16, BLOCK_K=256, SPLIT_K=1, num_warps=4))
-        split = cfg["SPLIT_K"]
-        out = (torch.zeros if split > 1 else torch.empty)((m, n), device=x.device,
-                                                          dtype=torch.float32 if split > 1 else x.dtype)
-        _fp8_gemv_kernel[(m, triton.cdiv(n, cfg["BLOCK_N"]), split)](
+        out = _out_buffer(m, n, cfg["SPLIT_K"], x)
+        _fp8_gemv_kernel[(m, triton.cdiv(n, cfg["BLOCK_N"]), cfg["SPLIT_K"])](
             x2, weight, weight_scale.reshape(-1), out, m, n, k, _row_bucket(m), x2.stride(0), weight.stride(0),
             out.stride(0), **cfg)
-        out = out.to(x.dtype)
-    if bias is not None:
-        out = out + bias
-    return out.reshape(*shape[:-1], n)
+    return _finish(out, x, bias)
 
 
 @triton.jit

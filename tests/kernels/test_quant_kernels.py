@@ -158,23 +158,6 @@ def test_fp8_per_token_activation_quantization_in_one_kernel(tk, rows, k):
     assert torch.equal(scale[rows:].cpu(), torch.ones(padded - rows, 1))
 
 
-@pytest.mark.parametrize("bits", [4, 8])
-@pytest.mark.parametrize("rows", [1, 3])
-@pytest.mark.parametrize("split", [1, 3])
-def test_int_gemv_without_tensor_cores_matches_the_reference(tk, bits, rows, split):
-    """The decode-row kernel applies each group's zero point and scale to sums over the group
-    (``s * (sum x q - z * sum x)``): the same product as dequantizing first, to float32 rounding."""
-    k, n, group = 256, 96, 32
-    qweight, zeros, scales = random_packed(k, n, bits, group, seed=2)
-    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(3))
-    bias = torch.randn(n)
-    want = qr.int_matmul(x, qweight, zeros, scales, group, bits, bias)
-    args = [t.to(tk.device) for t in (x, qweight, zeros, scales)]
-    cfg = dict(BLOCK_N=32, BLOCK_W=4, SPLIT_K=split, num_warps=4)  # N of 96: three column tiles
-    got = tk.quant.int_gemv(*args, group, bits, bias.to(tk.device), config=cfg)
-    torch.testing.assert_close(got.cpu(), want, atol=1e-4 * 2 ** bits, rtol=1e-4)
-
-
 @pytest.mark.parametrize("group", [32, 64, 128])
 @pytest.mark.parametrize("split", [1, 2])
 def test_int4_row_gemv_matches_the_reference(tk, group, split):
@@ -305,8 +288,7 @@ def test_every_int4_path_on_the_gpu_at_llama_shapes(rows):
     x = torch.randn(rows, 4096).to(torch.bfloat16)
     want = qr.int_matmul(x.float(), qweight, zeros, scales, 128, 4)
     args = [t.cuda() for t in (x, qweight, zeros, scales)]
-    paths = [triton_quant.int_matmul, triton_quant.int_matmul_dequantized] + [triton_quant.int_gemv] * (rows <= 16)
-    for path in paths:
+    for path in (triton_quant.int_matmul, triton_quant.int_matmul_dequantized):
         torch.testing.assert_close(path(*args, 128, 4).float().cpu(), want, atol=0.05, rtol=0.02)
     # PyTorch's int4 GEMM on the second layout (bf16 scales and zeros: a coarser tolerance)
     tiny = triton_quant.tinygemm_pack(*args[1:], 128)
