@@ -372,12 +372,12 @@ def fp8_quantize_rows(x: torch.Tensor, pad_to: int = 16) -> tuple[torch.Tensor, 
 
 
 # --------------------------------------------------------------------------------------------------
-# 4-bit GEMV for one row, on a row-major copy of the weight. Every int4 path above converts each value
-# with an integer-to-float instruction (a quarter-rate conversion on Hopper) after a shift, a mask and a
-# sign fix: about six instructions per weight, which caps them near 1.85 TB/s of packed bytes, below
-# HBM's rate. Here a value costs about four: its nibble is shifted into float32 mantissa bits 16-19 and
-# OR-ed with 1.0's bit pattern, which is the float ``1 + q / 128`` exactly, and one FMA; the offset and
-# the zero point are taken out once per group, ``sum x (q - z) s = s (128 sum x f - (128 + z) sum x)``.
+# 4-bit GEMV for one row, on the row-major layout of the weight. The K-packed kernels above convert each
+# value with an integer-to-float instruction (a quarter-rate conversion on Hopper) after a shift, a mask
+# and a sign fix: about six instructions per weight, which capped the int4 GEMVs near 1.85 TB/s of packed
+# bytes, below HBM's rate. Here a value costs about four: its nibble is shifted into float32 mantissa
+# bits 16-19 and OR-ed with 1.0's bit pattern, which is the float ``1 + q / 128`` exactly, and one FMA; the
+# offset and the zero point are taken out once per group, ``sum x (q - z) s = s (128 sum x f - (128 + z) sum x)``.
 # The layout (``int4_row_pack``): ``[N, K / 8]`` int32, nibble ``j`` of word ``w`` holding input
 # ``(w // 4) * 32 + 4 * j + w % 4``, so that one 128-bit load is 32 consecutive inputs of one output and
 # the 4 inputs of a nibble position are one 8-byte load of x.
@@ -447,8 +447,9 @@ def _int4_row_gemv_kernel(
 
 
 # --------------------------------------------------------------------------------------------------
-# 4-bit GEMM for 2-63 rows on the tensor cores, output-major (``out.T = W x.T``: the dequantized weight
-# tile is the MMA's first operand, x's rows padded to 16, 32 or 64 its second), on the row GEMV's layout.
+# 4-bit GEMM for up to 64 rows (the engine gives it 5-16) on the tensor cores, output-major
+# (``out.T = W x.T``: the dequantized weight tile is the MMA's first operand, x's rows padded to 16, 32 or
+# 64 its second), on the row GEMV's layout.
 # A shift and a mask of a word give two nibbles in its two 16-bit halves at once; OR-ed with 0x4300 (bf16
 # 128.0; for fp16 x 0x6400, 1024.0) each half is exactly ``OFF + q``. Per group the MMA sums
 # ``(OFF + q) x`` in float32 and ``s (d - (OFF + z) sum x)`` takes out the offset and the zero point. The
@@ -728,21 +729,29 @@ def int_dequantize(qweight: torch.Tensor, zeros: torch.Tensor, scales: torch.Ten
 _SCRATCH: dict[tuple, torch.Tensor] = {}
 
 
-def int_matmul_dequantized(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor,
-                           group_size: int, bits: int, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``int_matmul`` for big batches: dequantize the weight into one scratch buffer shared by every layer
-    (the layers run one after another on one stream), then the dense cuBLAS GEMM. Reading the packed
-    weight and writing bf16 costs about one extra pass over the bf16 weight, small beside a GEMM of
-    hundreds of rows, and the GEMM is then cuBLAS's."""
-    kw, n = qweight.shape
-    numel = kw * (32 // bits) * n
+def _scratch(x: torch.Tensor, numel: int) -> torch.Tensor | None:
+    """The dequantized-weight buffer shared by every layer (they run one after another on one stream), at
+    least ``numel`` of x's dtype; None inside a CUDA-graph capture that would have to make it: a buffer
+    made then would live in the graph's private pool, which replays reuse (the eager warm-up makes it
+    first)."""
     key = (x.device, x.dtype)
     buf = _SCRATCH.get(key)
     if buf is None or buf.numel() < numel:
         if x.is_cuda and torch.cuda.is_current_stream_capturing():
-            # a buffer made now would live in the graph's private pool, which replays reuse: stay in registers
-            return int_matmul(x, qweight, zeros, scales, group_size, bits, bias)
+            return None
         buf = _SCRATCH[key] = torch.empty(numel, device=x.device, dtype=x.dtype)
+    return buf
+
+
+def int_matmul_dequantized(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor,
+                           group_size: int, bits: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``int_matmul`` for big batches: dequantize the weight into the shared scratch buffer, then the dense
+    cuBLAS GEMM. Reading the packed weight and writing bf16 costs about one extra pass over the bf16
+    weight, small beside a GEMM of hundreds of rows, and the GEMM is then cuBLAS's."""
+    kw, n = qweight.shape
+    buf = _scratch(x, kw * (32 // bits) * n)
+    if buf is None:  # capturing without the buffer: stay in registers
+        return int_matmul(x, qweight, zeros, scales, group_size, bits, bias)
     w = int_dequantize(qweight, zeros, scales, group_size, bits, buf)
     out = torch.matmul(x, w)
     return out if bias is None else out + bias
@@ -751,19 +760,14 @@ def int_matmul_dequantized(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.
 def int4_row_matmul_dequantized(x: torch.Tensor, packed: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor,
                                 group_size: int, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``int_matmul_dequantized`` on the row layout: the dense ``[N, K]`` weight in the shared scratch
-    buffer, then cuBLAS. Inside a CUDA-graph capture without a big enough buffer (the eager warm-up makes it
-    first), 64-row slices of the tensor-core kernel instead."""
+    buffer, then cuBLAS. Capturing without the buffer: 64-row slices of the tensor-core kernel instead."""
     n, k = packed.shape[0], packed.shape[1] * 8
-    key = (x.device, x.dtype)
-    buf = _SCRATCH.get(key)
-    if buf is None or buf.numel() < n * k:
-        if x.is_cuda and torch.cuda.is_current_stream_capturing():
-            x2 = x.reshape(-1, k)
-            out = torch.cat([int4_mma_gemm(x2[i:i + INT4_MMA_MAX_ROWS], packed, zeros, scales, group_size)
-                             for i in range(0, x2.shape[0], INT4_MMA_MAX_ROWS)])
-            out = out.reshape(*x.shape[:-1], n)
-            return out if bias is None else out + bias
-        buf = _SCRATCH[key] = torch.empty(n * k, device=x.device, dtype=x.dtype)
+    buf = _scratch(x, n * k)
+    if buf is None:
+        x2 = _rows_2d(x)
+        out = torch.cat([int4_mma_gemm(x2[i:i + INT4_MMA_MAX_ROWS], packed, zeros, scales, group_size)
+                         for i in range(0, x2.shape[0], INT4_MMA_MAX_ROWS)])
+        return _finish(out, x, bias)
     w = int4_row_dequantize(packed, zeros, scales, group_size, buf)
     return torch.nn.functional.linear(x, w, bias)
 

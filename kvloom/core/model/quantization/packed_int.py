@@ -60,7 +60,8 @@ def set_packed_weight(layer: LinearBase, qweight: torch.Tensor, zeros: torch.Ten
 
 
 class PackedIntLinearMethod:
-    """W4A16/W8A16 through ``ops.int_matmul`` (Triton on CUDA, the PyTorch reference elsewhere)."""
+    """W4A16/W8A16: on the row layout through ``ops.int4_row_matmul`` (4-bit on CUDA), else K-packed through
+    ``ops.int_matmul`` (Triton on CUDA, the PyTorch reference elsewhere)."""
 
     def __init__(self, group_size: int, bits: int, row: bool = False) -> None:
         self.group_size, self.bits, self.row = group_size, bits, row
