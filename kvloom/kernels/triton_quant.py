@@ -806,6 +806,14 @@ def int_linear(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor, scal
 # * 17 rows and more: dequantize into the scratch buffer, then cuBLAS (``INT4_MMA_ROWS`` says why).
 # Row GEMV tiles: split-K for long, narrow weights (down_proj: 64 outputs a program, K in four).
 INT4_ROW_MIN_WEIGHT = 4096 * 4096 + 1
+# Groups the row-layout kernels take: a tile of theirs spans whole groups (the tensor-core kernel's K tile
+# is one group), so a group of all K inputs (GPTQ group_size -1) keeps the K-packed layout and kernels.
+INT4_ROW_GROUPS = (32, 64, 128)
+
+
+def int4_row_layout_ok(k: int, group_size: int) -> bool:
+    """Whether a 4-bit layer of ``k`` inputs in groups of ``group_size`` runs on the row layout."""
+    return group_size in INT4_ROW_GROUPS and k % group_size == 0
 INT4_ROW_LONG_K = dict(BLOCK_N=64, BLOCK_K=1024, SPLIT_K=4, num_warps=8, num_stages=2)
 
 

@@ -189,6 +189,16 @@ def test_int4_tiles_by_shape_and_rows():
         [tq.INT4_MMA_TILE, tq.INT4_MMA_TILE_ROWS, tq.INT4_MMA_TILE_WIDE]
 
 
+def test_only_groups_the_row_kernels_take_get_the_row_layout():
+    """AWQ's and GPTQ's groups of 32-128 run on the row layout; a group of all K inputs (GPTQ group_size -1)
+    would make the tensor-core kernel's K tile the whole row, so it keeps the K-packed kernels."""
+    from kvloom.kernels.triton_quant import int4_row_layout_ok
+
+    assert all(int4_row_layout_ok(4096, g) for g in (32, 64, 128))
+    assert not int4_row_layout_ok(4096, 4096) and not int4_row_layout_ok(14336, 14336)
+    assert not int4_row_layout_ok(4096, 256) and not int4_row_layout_ok(96, 64)
+
+
 @pytest.mark.parametrize("group", [32, 128])
 @pytest.mark.parametrize("split", [1, 2])
 def test_int4_tensor_core_kernel_on_the_row_layout_matches_the_reference(tk, group, split):

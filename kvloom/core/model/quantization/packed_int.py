@@ -13,13 +13,17 @@ from kvloom.core.model.linear import LinearBase
 
 
 # The start-up log's kernel: what ``triton_quant.int4_linear`` / ``int_linear`` pick from by row count.
+# Keyed by (bits, row layout).
 INT_KERNELS = {
-    4: ("W4A16 on CUDA, row-major 4-bit layout: one row a Triton GEMV (nibbles to floats by bit patterns; "
-        "PyTorch's int4 GEMM, tinygemm, on weights of 4096 x 4096 and less), 2-4 rows tinygemm (a second copy "
-        "of the weight), up to 16 rows a Triton tensor-core GEMM dequantizing in the kernel, dequantize + cuBLAS "
-        "beyond"),
-    8: ("W8A16 on CUDA: up to 63 rows a Triton tensor-core GEMM dequantizing in the kernel, dequantize + cuBLAS "
-        "beyond"),
+    (4, True): ("W4A16 on CUDA, row-major 4-bit layout: one row a Triton GEMV (nibbles to floats by bit patterns; "
+                "PyTorch's int4 GEMM, tinygemm, on weights of 4096 x 4096 and less), 2-4 rows tinygemm (a second "
+                "copy of the weight), up to 16 rows a Triton tensor-core GEMM dequantizing in the kernel, "
+                "dequantize + cuBLAS beyond"),
+    (4, False): ("W4A16 on CUDA, packed along the inputs: up to 4 rows PyTorch's int4 GEMM (tinygemm, where it takes "
+                 "the group size), up to 63 rows a Triton tensor-core GEMM dequantizing in the kernel, dequantize + "
+                 "cuBLAS beyond"),
+    (8, False): ("W8A16 on CUDA: up to 63 rows a Triton tensor-core GEMM dequantizing in the kernel, dequantize + "
+                 "cuBLAS beyond"),
 }
 
 
@@ -32,14 +36,16 @@ def set_packed_weight(layer: LinearBase, qweight: torch.Tensor, zeros: torch.Ten
                       group_size: int, bits: int, perm: torch.Tensor | None = None) -> None:
     """Replace the checkpoint's tensors by the run-time layout, from the K-packed ``qweight``
     (``[K * bits / 32, N]``); ``perm`` reorders the inputs (desc_act). 4-bit on CUDA: the row layout
-    (``qweight`` becomes ``[N, K / 8]``) and tinygemm's copy where it takes the shape."""
+    (``qweight`` becomes ``[N, K / 8]``) for the groups its kernels take (``triton_quant.int4_row_layout_ok``),
+    and tinygemm's copy where it takes the shape."""
     for name in list(layer._parameters):
         if name != "bias":
             delattr(layer, name)
-    row = bits == 4 and qweight.is_cuda
-    if row:
+    cuda4 = bits == 4 and qweight.is_cuda
+    if cuda4:  # (Triton only where the kernels run)
         from kvloom.kernels import triton_quant as tq
-
+    row = cuda4 and tq.int4_row_layout_ok(qweight.shape[0] * 8, group_size)
+    if row:
         layer.add_param("qweight", tq.int4_row_pack(qweight), input_dim=1, output_dim=0)
     else:
         layer.add_param("qweight", qweight, input_dim=0, output_dim=1)
@@ -50,7 +56,7 @@ def set_packed_weight(layer: LinearBase, qweight: torch.Tensor, zeros: torch.Ten
     else:
         layer.perm = None
     layer.tinygemm = None
-    if row and layer.params_dtype == torch.bfloat16:
+    if cuda4 and layer.params_dtype == torch.bfloat16:
         pack = tq.tinygemm_pack(qweight, zeros, scales, group_size)
         if pack is not None:  # a second copy of the weight (half a byte per value): a decode path
             layer.register_buffer("tinygemm_weight", pack[0], persistent=False)
