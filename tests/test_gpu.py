@@ -68,3 +68,58 @@ def test_bf16_greedy_parity_with_transformers_on_gpu(tiny_llama):
         first = out.outputs[0].logprobs[0]
         for top in first.top:
             assert abs(top.logprob - ref[top.token_id].item()) < 0.1
+
+
+def test_programmatic_dependent_launch_changes_no_output_on_gpu(tiny_llama, monkeypatch):
+    """The decode step's kernels launched with PDL (each waits for its predecessor inside the kernel)
+    give the same tokens and logprobs, bit for bit, as launched one after another: a missing wait would
+    show up as a race between a kernel and the one before it."""
+    from kvloom import LLM, SamplingParams
+    from kvloom.kernels.pdl import pdl_enabled
+
+    if not pdl_enabled(torch.empty(1, device="cuda")):
+        pytest.skip("PDL needs compute capability 9.0 (Hopper) or newer")
+    prompts = _prompts()
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=3)
+    runs = {}
+    for flag in ("1", "0"):
+        monkeypatch.setenv("KVLOOM_PDL", flag)
+        llm = LLM(str(tiny_llama), dtype="bfloat16", device="cuda", max_num_seqs=16, kv_cache_memory_gib=0.25)
+        assert llm.engine.runner.graphs, "CUDA graphs were not captured"
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        runs[flag] = [(o.token_ids, [[(t.token_id, t.logprob) for t in lp.top] for lp in o.outputs[0].logprobs])
+                      for o in outs]
+        del llm
+    assert runs["1"] == runs["0"]
+
+
+@pytest.mark.parametrize("name", ["awq-llama-g32", "ct-fp8-llama-tensor"])
+def test_silu_and_mul_fused_into_quantized_one_row_decode_changes_no_token_on_gpu(name, tmp_path, monkeypatch):
+    """Decoding one request at a time, the merged gate/up layer's GEMV stores silu(gate) * up itself (one
+    kernel less a layer); in float32 the tokens are those of the GEMV followed by the SiLU-and-mul kernel."""
+    from kvloom import LLM, SamplingParams
+    from kvloom.core.model.quantization.fp8 import FP8LinearMethod
+    from kvloom.core.model.quantization.packed_int import PackedIntLinearMethod
+    from tests.quant_checkpoints import write_checkpoint
+    from tests.test_quantization import CASES
+
+    family, fmt, settings = CASES[name]
+    quant, _ = write_checkpoint(tmp_path, family, fmt, **settings)
+    cls = FP8LinearMethod if "fp8" in fmt else PackedIntLinearMethod
+    fused = []
+    original = cls.apply_silu_and_mul
+
+    def counted(self, layer, x):
+        out = original(self, layer, x)
+        fused.append(out is not None)
+        return out
+
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    runs = []
+    for patch in (counted, lambda self, layer, x: None):
+        monkeypatch.setattr(cls, "apply_silu_and_mul", patch)
+        llm = LLM(str(quant), dtype="float32", device="cuda", max_num_seqs=4, kv_cache_memory_gib=0.25)
+        runs.append([llm.generate([p], params, use_tqdm=False)[0].token_ids for p in _prompts()[:3]])
+        del llm
+    assert any(fused), "the fused GEMV never ran"
+    assert runs[0] == runs[1]

@@ -11,6 +11,9 @@ from kvloom.kernels import triton_attention
 class TritonAttentionBackend:
     name = "triton"
     kv_cache_shape = staticmethod(AttentionBackend.kv_cache_shape)  # the kernels' layout is the reference one
+    # forward takes the step's rotary tables (``rope``) and rotates q and k itself, in the kernel that
+    # writes the cache: one launch a layer instead of two
+    fuses_rotary = True
 
     def forward(
         self,
@@ -22,9 +25,16 @@ class TritonAttentionBackend:
         scale: float,
         k_scale: float = 1.0,
         v_scale: float = 1.0,
+        rope=None,
     ) -> torch.Tensor:
+        """With ``rope`` (``ops.rotary_tables``' CUDA form, ``(positions, cos_sin_cache)``), q and k are
+        rotated here first (q in place)."""
         k_cache, v_cache = kv_cache
-        triton_attention.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
+        if rope is not None:
+            q = triton_attention.rotary_and_write_kv_cache(rope[0], q, k, v, rope[1], k_cache, v_cache,
+                                                           meta.slot_mapping, k_scale, v_scale)
+        else:
+            triton_attention.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
         if meta.num_decodes == meta.num_seqs:
             # ``max_seq_len`` is only a hint for the split count; CUDA graphs capture with a fixed one.
             return triton_attention.paged_decode_attention(

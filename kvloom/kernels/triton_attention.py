@@ -27,6 +27,9 @@ import torch
 import triton
 import triton.language as tl
 
+from kvloom.kernels.pdl import gdc_launch_dependents, gdc_wait, pdl_args
+from kvloom.kernels.triton_fused import _rotate_heads
+
 _LOG2E = 1.4426950408889634
 
 # Split-K heuristic: aim for about this many programs per SM, but never give a split fewer keys than this.
@@ -82,9 +85,11 @@ def _write_kv_cache_kernel(
     stride_cb, stride_cs, stride_ch,
     num_heads, k_inv_scale, v_inv_scale,
     BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-    FP8: tl.constexpr,
+    FP8: tl.constexpr, PDL: tl.constexpr,
 ):
     t = tl.program_id(0)
+    gdc_launch_dependents(PDL)  # the next kernel may start and wait
+    gdc_wait(PDL)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
@@ -124,8 +129,81 @@ def write_kv_cache(
         num_heads, 1.0 / k_scale, 1.0 / v_scale,
         BLOCK_SIZE=k_cache.shape[1], HEAD_DIM=head_dim,
         BLOCK_H=triton.next_power_of_2(num_heads), BLOCK_D=triton.next_power_of_2(head_dim),
-        FP8=k_cache.dtype == torch.float8_e4m3fn,
+        FP8=k_cache.dtype == torch.float8_e4m3fn, **pdl_args(k),
     )
+
+
+@triton.jit
+def _rotary_write_kv_kernel(
+    pos_ptr, q_ptr, k_ptr, v_ptr, cos_sin_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_cs,
+    stride_cb, stride_cslot, stride_ch,
+    num_q_heads, num_kv_heads, k_inv_scale, v_inv_scale,
+    HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, FP8: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    # ``triton_fused.rotary_embedding`` then ``write_kv_cache`` in one pass: q rotated in place; k rotated
+    # (rounded to its dtype, as the in-place rotation stores it) straight into the cache, with v.
+    t = tl.program_id(0).to(tl.int64)
+    gdc_launch_dependents(PDL)  # the next kernel may start and wait
+    gdc_wait(PDL)
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    offs_d = tl.arange(0, BLOCK_HALF)
+    d_mask = offs_d < HALF
+    cos = tl.load(cos_sin_ptr + pos * stride_cs + offs_d, mask=d_mask, other=0.0)[None, :]
+    sin = tl.load(cos_sin_ptr + pos * stride_cs + HALF + offs_d, mask=d_mask, other=0.0)[None, :]
+    _rotate_heads(q_ptr, stride_qt, stride_qh, t, num_q_heads, cos, sin, BLOCK_HQ, HALF, BLOCK_HALF)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    offs_h = tl.arange(0, BLOCK_HKV)
+    heads_to_write = tl.where(slot >= 0, num_kv_heads, 0)  # negative slots are padding: nothing written
+    slot = tl.maximum(slot, 0)
+    row = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cslot + offs_h[:, None] * stride_ch
+    mask = (offs_h[:, None] < heads_to_write) & d_mask[None, :]
+    k1_ptr = k_ptr + t * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :]
+    k1 = tl.load(k1_ptr, mask=mask, other=0.0).to(tl.float32)
+    k2 = tl.load(k1_ptr + HALF, mask=mask, other=0.0).to(tl.float32)
+    r1 = (k1 * cos - k2 * sin).to(k_ptr.dtype.element_ty)
+    r2 = (k2 * cos + k1 * sin).to(k_ptr.dtype.element_ty)
+    offs_v = tl.arange(0, BLOCK_D)
+    v_mask = (offs_h[:, None] < heads_to_write) & (offs_v[None, :] < HEAD_DIM)
+    v = tl.load(v_ptr + t * stride_vt + offs_h[:, None] * stride_vh + offs_v[None, :], mask=v_mask)
+    if FP8:
+        r1 = _round_to_e4m3(r1.to(tl.float32) * k_inv_scale)
+        r2 = _round_to_e4m3(r2.to(tl.float32) * k_inv_scale)
+        v = _round_to_e4m3(v.to(tl.float32) * v_inv_scale)
+    tl.store(k_cache_ptr + row + offs_d[None, :], r1.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(k_cache_ptr + row + HALF + offs_d[None, :], r2.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_cache_ptr + row + offs_v[None, :], v.to(v_cache_ptr.dtype.element_ty), mask=v_mask)
+
+
+def rotary_and_write_kv_cache(
+    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos_sin_cache: torch.Tensor,
+    k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+    k_scale: float = 1.0, v_scale: float = 1.0,
+) -> torch.Tensor:
+    """``rotary_embedding`` of ``q`` (in place; returned) and ``k``, and ``write_kv_cache`` of the rotated k
+    and ``v``, in one kernel: the cache holds what the two would have written. ``k`` itself is left as
+    it was."""
+    _check_cache(k_cache, v_cache)
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    assert cos_sin_cache.shape[-1] == head_dim and head_dim % 2 == 0, "rotary dim must equal an even head_dim"
+    assert q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1, "q/k/v head_dim must be contiguous"
+    if num_tokens == 0:
+        return q
+    cos_sin_cache = cos_sin_cache.contiguous()
+    half = head_dim // 2
+    _rotary_write_kv_kernel[(num_tokens,)](
+        positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos_sin_cache.stride(0),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        num_q_heads, num_kv_heads, 1.0 / k_scale, 1.0 / v_scale,
+        HALF=half, BLOCK_HALF=triton.next_power_of_2(half), BLOCK_HQ=triton.next_power_of_2(num_q_heads),
+        BLOCK_HKV=triton.next_power_of_2(num_kv_heads), BLOCK_SIZE=k_cache.shape[1], HEAD_DIM=head_dim,
+        BLOCK_D=triton.next_power_of_2(head_dim), FP8=k_cache.dtype == torch.float8_e4m3fn, **pdl_args(q),
+    )
+    return q
 
 
 # --------------------------------------------------------------------------------------------------
@@ -186,11 +264,13 @@ def _decode_kernel(
     qk_scale, v_scale, num_q_heads,
     NUM_SPLITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
 ):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
+    gdc_launch_dependents(PDL)  # the next kernel may start and wait
+    gdc_wait(PDL)
 
     seq_len = tl.load(seq_lens_ptr + b)
     # This split's key range, whole BLOCK_N tiles so that only the sequence end needs masking.
@@ -245,9 +325,12 @@ def _decode_reduce_kernel(
     stride_ob, stride_oh,
     num_q_heads,
     NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
+    gdc_launch_dependents(PDL)  # the next kernel may start and wait
+    gdc_wait(PDL)
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
     s_mask = offs_s < NUM_SPLITS
@@ -324,7 +407,7 @@ def paged_decode_attention(
         BLOCK_SIZE=block_size, HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_N=64, DOT_PRECISION=_dot_precision(q.dtype),
         # Measured on H200 (bf16, D=128): 64-key tiles, 3 stages reach ~4.3 TB/s at large batch.
-        num_warps=4, num_stages=3 if q.element_size() <= 2 else 2,
+        num_warps=4, num_stages=3 if q.element_size() <= 2 else 2, **pdl_args(q),
     )
     if num_splits > 1:
         _decode_reduce_kernel[(batch, num_q_heads)](
@@ -332,7 +415,7 @@ def paged_decode_attention(
             out.stride(0), out.stride(1),
             num_q_heads,
             NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits),
-            HEAD_DIM=head_dim, BLOCK_D=block_d,
+            HEAD_DIM=head_dim, BLOCK_D=block_d, **pdl_args(q),
         )
     return out
 

@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kvloom.kernels.pdl import gdc_launch_dependents, gdc_wait, pdl_args
+
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
     """``x`` as a 2-D ``[rows, last_dim]`` view (copying only if no such view exists) with a unit last stride."""
@@ -33,11 +35,14 @@ def _rms_norm_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr, new_res_ptr,
     stride_x, stride_res, stride_out, stride_new_res,
     n_cols, eps,
-    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)  # a weight: before the wait
+    gdc_launch_dependents(PDL)  # the next kernel may start and wait
+    gdc_wait(PDL)
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
     if HAS_RESIDUAL:
         r = tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0)
@@ -48,7 +53,6 @@ def _rms_norm_kernel(
     rstd = tl.rsqrt(tl.sum(h * h, 0) / n_cols + eps)
     # ``weight * normed.to(x.dtype)``: the normalized value is rounded to x's dtype before scaling.
     normed = (h * rstd).to(x.dtype).to(tl.float32)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * stride_out + cols, (w * normed).to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -72,7 +76,7 @@ def rms_norm(
             x2, res2, weight.contiguous(), out, new_res,
             x2.stride(0), res2.stride(0), out.stride(0), new_res.stride(0),
             n_cols, eps,
-            HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=_row_warps(block),
+            HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=_row_warps(block), **pdl_args(x2),
         )
     out = out.view(shape)
     return (out, new_res.view(shape)) if residual is not None else out
@@ -105,8 +109,11 @@ def _rotary_kernel(
     stride_qt, stride_qh, stride_kt, stride_kh, stride_cs,
     num_q_heads, num_kv_heads,
     HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
+    gdc_launch_dependents(PDL)  # the next kernel may start and wait
+    gdc_wait(PDL)
     pos = tl.load(pos_ptr + t).to(tl.int64)
     offs_d = tl.arange(0, BLOCK_HALF)
     d_mask = offs_d < HALF
@@ -137,6 +144,7 @@ def rotary_embedding(
             num_q_heads, num_kv_heads,
             HALF=head_dim // 2, BLOCK_HALF=triton.next_power_of_2(head_dim // 2),
             BLOCK_HQ=triton.next_power_of_2(num_q_heads), BLOCK_HKV=triton.next_power_of_2(num_kv_heads),
+            **pdl_args(q),
         )
     return q, k
 
@@ -147,8 +155,10 @@ def rotary_embedding(
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, n_cols, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, n_cols, BLOCK: tl.constexpr, PDL: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
+    gdc_launch_dependents(PDL)  # the next kernel may start and wait
+    gdc_wait(PDL)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
     gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
@@ -167,6 +177,6 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     if x2.shape[0] > 0 and n_cols > 0:
         block = min(1024, triton.next_power_of_2(n_cols))
         _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(n_cols, block))](
-            x2, out, x2.stride(0), out.stride(0), n_cols, BLOCK=block, num_warps=4,
+            x2, out, x2.stride(0), out.stride(0), n_cols, BLOCK=block, num_warps=4, **pdl_args(x2),
         )
     return out.view(*x.shape[:-1], n_cols)

@@ -15,7 +15,9 @@ import torch
 import triton
 import triton.language as tl
 
+from kvloom.kernels.pdl import gdc_launch_dependents, gdc_wait, pdl_args
 from kvloom.kernels.triton_attention import _dot_precision, _round_to_e4m3
+
 
 
 @triton.jit
@@ -398,47 +400,77 @@ def int4_row_pack(qweight: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
+def _int4_row_nibbles(words, J: tl.constexpr, NIB_MASK):
+    """Nibble ``J`` of each word as the float ``1 + q / 128`` (its bits in mantissa bits 16-19 of 1.0)."""
+    if J < 4:
+        bits = (words << (16 - 4 * J)) & NIB_MASK
+    elif J == 4:
+        bits = words & NIB_MASK
+    else:
+        bits = (words >> (4 * J - 16)) & NIB_MASK
+    return (bits | 0x3F800000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _int4_row_gemv_kernel(
     x_ptr, qw_ptr, z_ptr, s_ptr, out_ptr,
     M, N, K, stride_xm, stride_qn, stride_om, NIB_MASK,
     GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+    PDL: tl.constexpr = False, SILU_MUL: tl.constexpr = False,
 ):
     # NIB_MASK (0x000F0000) comes in as an argument, not an immediate: ptxas then keeps it in a register
     # instead of rematerializing it before every OR with 1.0's bits (a third fewer instructions).
+    # Under PDL the first tile of words is read before the wait for the previous kernel. With SILU_MUL the
+    # weight is a merged [gate; up] of 2N rows (zeros and scales of 2N columns): a program reads rows n of
+    # both halves and stores silu(gate) * up (N outputs).
+    gdc_launch_dependents(PDL)  # the next kernel may start (and read its weights) and wait
     row = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
     KW: tl.constexpr = BLOCK_K // 8
     GPT: tl.constexpr = BLOCK_K // GROUP  # the host makes BLOCK_K a multiple of the group
     WPG: tl.constexpr = GROUP // 8
-    ONE: tl.constexpr = 0x3F800000
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rw = tl.arange(0, KW)
     n_ok = rn < N
+    NZ = N  # columns of zeros and scales
+    if SILU_MUL:
+        NZ = 2 * N
     x_row = x_ptr + row.to(tl.int64) * stride_xm + (rw // 4) * 32 + (rw % 4)
     w_rows = qw_ptr + rn[:, None].to(tl.int64) * stride_qn + rw[None, :]
+    u_rows = w_rows + N.to(tl.int64) * stride_qn  # SILU_MUL: the up half
     acc = tl.zeros((BLOCK_N, GPT), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_N, GPT), dtype=tl.float32)
     for t in range(pid_k, K // BLOCK_K, SPLIT_K):
         words = tl.load(w_rows + t * KW, mask=n_ok[:, None], other=0)
+        if SILU_MUL:
+            words_u = tl.load(u_rows + t * KW, mask=n_ok[:, None], other=0)
+        if t == pid_k:  # the first tile of words is on its way: now wait for the previous kernel
+            gdc_wait(PDL)
         part = tl.zeros((BLOCK_N, KW), dtype=tl.float32)
+        part_u = tl.zeros((BLOCK_N, KW), dtype=tl.float32)
         xs = tl.zeros((KW,), dtype=tl.float32)
         for j in tl.static_range(8):
             xj = tl.load(x_row + t * BLOCK_K + 4 * j).to(tl.float32)
-            if j < 4:
-                bits = (words << (16 - 4 * j)) & NIB_MASK
-            elif j == 4:
-                bits = words & NIB_MASK
-            else:
-                bits = (words >> (4 * j - 16)) & NIB_MASK
-            part += (bits | ONE).to(tl.float32, bitcast=True) * xj[None, :]  # (1 + q / 128) x
+            part += _int4_row_nibbles(words, j, NIB_MASK) * xj[None, :]  # (1 + q / 128) x
+            if SILU_MUL:
+                part_u += _int4_row_nibbles(words_u, j, NIB_MASK) * xj[None, :]
             xs += xj
-        dot = tl.sum(tl.reshape(part, (BLOCK_N, GPT, WPG)), 2)  # per group: sum x (1 + q / 128)
         sx = tl.sum(tl.reshape(xs, (GPT, WPG)), 1)
-        gi = (t * GPT + tl.arange(0, GPT)).to(tl.int64)[None, :] * N + rn[:, None]  # [BLOCK_N, GPT]
+        gi = (t * GPT + tl.arange(0, GPT)).to(tl.int64)[None, :] * NZ + rn[:, None]  # [BLOCK_N, GPT]
+        dot = tl.sum(tl.reshape(part, (BLOCK_N, GPT, WPG)), 2)  # per group: sum x (1 + q / 128)
         z = tl.load(z_ptr + gi, mask=n_ok[:, None], other=0).to(tl.float32)
         s = tl.load(s_ptr + gi, mask=n_ok[:, None], other=0.0).to(tl.float32)
         acc += s * (128.0 * dot - (128.0 + z) * sx[None, :])
+        if SILU_MUL:
+            dot_u = tl.sum(tl.reshape(part_u, (BLOCK_N, GPT, WPG)), 2)
+            z_u = tl.load(z_ptr + gi + N, mask=n_ok[:, None], other=0).to(tl.float32)
+            s_u = tl.load(s_ptr + gi + N, mask=n_ok[:, None], other=0.0).to(tl.float32)
+            acc_u += s_u * (128.0 * dot_u - (128.0 + z_u) * sx[None, :])
+    gdc_wait(PDL)  # a no-op after the one above; it waits in a program that had no tile
     res = tl.sum(acc, 1)
+    if SILU_MUL:
+        res = _silu_mul_epilogue(res, tl.sum(acc_u, 1), out_ptr.dtype.element_ty)
     out = out_ptr + row.to(tl.int64) * stride_om + rn
     if SPLIT_K == 1:
         tl.store(out, res.to(out_ptr.dtype.element_ty), mask=n_ok)
@@ -611,13 +643,20 @@ INT4_ROW_TILE = dict(BLOCK_N=16, BLOCK_K=1024, SPLIT_K=1, num_warps=4, num_stage
 
 
 def int4_row_gemv(x: torch.Tensor, packed: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor,
-                  group_size: int, bias: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
+                  group_size: int, bias: torch.Tensor | None = None, config: dict | None = None,
+                  silu_mul: bool = False) -> torch.Tensor:
     """``x [.., K] @ W.T`` of a 4-bit weight in ``int4_row_pack``'s layout (``zeros``/``scales`` ``[G, N]``
-    as ``int_matmul`` takes them), one program per row of x (the engine runs it at one row)."""
+    as ``int_matmul`` takes them), one program per row of x (the engine runs it at one row). With
+    ``silu_mul`` (no bias, no split-K; ``packed`` a merged [gate; up]): ``silu(gate) * up`` of the output."""
     x2 = _rows_2d(x)
     m, k = x2.shape
     n = packed.shape[0]
     cfg = dict(config or INT4_ROW_TILE)
+    if silu_mul:
+        if bias is not None or n % 2:
+            raise ValueError("int4_row_gemv(silu_mul=True) takes an even weight without bias")
+        n //= 2
+        cfg.update(BLOCK_N=max(cfg["BLOCK_N"] // 2, 2), SPLIT_K=1)  # the same rows a program, from both halves
     bk = cfg["BLOCK_K"]
     while bk > group_size and (bk % group_size or k % bk):
         bk //= 2
@@ -629,18 +668,30 @@ def int4_row_gemv(x: torch.Tensor, packed: torch.Tensor, zeros: torch.Tensor, sc
     out = _out_buffer(m, n, cfg["SPLIT_K"], x)
     _int4_row_gemv_kernel[(m, triton.cdiv(n, cfg["BLOCK_N"]), cfg["SPLIT_K"])](
         x2, packed, zeros, scales, out, m, n, k, x2.stride(0), packed.stride(0), out.stride(0), 0x000F0000,
-        GROUP=group_size, **cfg)
+        GROUP=group_size, **cfg, **pdl_args(x2), SILU_MUL=silu_mul)
     return _finish(out, x, bias)
+
+
+@triton.jit
+def _silu_mul_epilogue(gate, up, dtype: tl.constexpr):
+    """``silu(gate) * up`` of two GEMV outputs, rounded as ``silu_and_mul`` on the stored outputs rounds."""
+    g = gate.to(dtype).to(tl.float32)
+    act = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
+    return act * up.to(dtype).to(tl.float32)
 
 
 @triton.jit
 def _fp8_gemv_kernel(
     x_ptr, w_ptr, ws_ptr, out_ptr,
     M, N, K, M_BUCKET, stride_xm, stride_wn, stride_om,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, PDL: tl.constexpr = False,
+    SILU_MUL: tl.constexpr = False,
 ):
     # The FP8 weight [N, K] is read along K (its contiguous dim, 16 values per 128-bit load), converted
-    # in registers and multiplied by the row of x; one reduction along K at the end.
+    # in registers and multiplied by the row of x; one reduction along K at the end. Under PDL the first
+    # weight tile is read before the wait for the previous kernel. With SILU_MUL the weight is a merged
+    # [gate; up] of 2N rows: a program reads rows n of both halves and stores silu(gate) * up (N outputs).
+    gdc_launch_dependents(PDL)  # the next kernel may start (and read its weights) and wait
     row = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -649,14 +700,26 @@ def _fp8_gemv_kernel(
     n_ok = rn < N
     x_row = x_ptr + row.to(tl.int64) * stride_xm
     w_rows = w_ptr + rn[:, None].to(tl.int64) * stride_wn
+    u_rows = w_rows + N.to(tl.int64) * stride_wn  # SILU_MUL: the up half
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     for t in range(pid_k, tl.cdiv(K, BLOCK_K), SPLIT_K):
         k = t * BLOCK_K + rk
         k_ok = k < K
-        x = tl.load(x_row + k, mask=k_ok, other=0.0).to(tl.float32)
         w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        if SILU_MUL:
+            w_u = tl.load(u_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        if t == pid_k:  # the first tile of weights is on its way: now wait for the previous kernel
+            gdc_wait(PDL)
+        x = tl.load(x_row + k, mask=k_ok, other=0.0).to(tl.float32)
         acc += w.to(tl.float32) * x[None, :]
+        if SILU_MUL:
+            acc_u += w_u.to(tl.float32) * x[None, :]
+    gdc_wait(PDL)  # a no-op after the one above; it waits in a program that had no tile
     res = tl.sum(acc, 1) * tl.load(ws_ptr + rn, mask=n_ok, other=0.0)
+    if SILU_MUL:
+        up = tl.sum(acc_u, 1) * tl.load(ws_ptr + N + rn, mask=n_ok, other=0.0)
+        res = _silu_mul_epilogue(res, up, out_ptr.dtype.element_ty)
     out = out_ptr + row.to(tl.int64) * stride_om + rn
     if SPLIT_K == 1:
         tl.store(out, res.to(out_ptr.dtype.element_ty), mask=n_ok)
@@ -674,11 +737,17 @@ _FP8_GEMV = [_fp8_gemv_cfg(bn, bk, sp, w) for bn, bk, sp, w in (
 
 
 def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-             bias: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
-    """``fp8_weight_only_linear`` for a few rows without tensor cores (``_fp8_gemv_kernel``)."""
+             bias: torch.Tensor | None = None, config: dict | None = None, silu_mul: bool = False) -> torch.Tensor:
+    """``fp8_weight_only_linear`` for a few rows without tensor cores (``_fp8_gemv_kernel``). With
+    ``silu_mul`` (one row, no bias; ``weight`` a merged [gate; up]): ``silu(gate) * up`` of the output."""
     x2 = _rows_2d(x)
     m, k = x2.shape
     n = weight.shape[0]
+    if silu_mul:
+        if bias is not None or m != 1 or n % 2:
+            raise ValueError("fp8_gemv(silu_mul=True) takes one row of x and an even weight without bias")
+        n //= 2
+        config = fp8_silu_mul_tiles(n, k)
     if config is None and x2.is_cuda and m == 1:
         config = fp8_row_tiles(n, k)
     if config is None and x2.is_cuda:
@@ -687,13 +756,13 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
             _TUNED["fp8_gemv"] = _autotuned(_fp8_gemv_kernel, _FP8_GEMV, None, ("out_ptr",))
         _TUNED["fp8_gemv"][lambda meta: (m, triton.cdiv(n, meta["BLOCK_N"]), meta["SPLIT_K"])](
             x2, weight, weight_scale.reshape(-1), out, m, n, k, _row_bucket(m), x2.stride(0), weight.stride(0),
-            out.stride(0))
+            out.stride(0))  # without PDL: the autotuner's benchmark launches must not wait on each other
     else:
         cfg = dict(config or dict(BLOCK_N=16, BLOCK_K=256, SPLIT_K=1, num_warps=4))
         out = _out_buffer(m, n, cfg["SPLIT_K"], x)
         _fp8_gemv_kernel[(m, triton.cdiv(n, cfg["BLOCK_N"]), cfg["SPLIT_K"])](
             x2, weight, weight_scale.reshape(-1), out, m, n, k, _row_bucket(m), x2.stride(0), weight.stride(0),
-            out.stride(0), **cfg)
+            out.stride(0), **cfg, **pdl_args(x2), SILU_MUL=silu_mul)
     return _finish(out, x, bias)
 
 
@@ -822,12 +891,19 @@ def int4_row_tiles(n: int, k: int) -> dict:
     return dict(INT4_ROW_LONG_K if k >= 8192 and n <= 8192 else INT4_ROW_TILE)
 
 
+def int4_one_row_path(n: int, k: int, dtype: torch.dtype, tinygemm) -> str:
+    """What runs one row of an ``[n, k]`` 4-bit layer: ``row`` (the row GEMV) or ``tinygemm``."""
+    if tinygemm is None or n * k >= INT4_ROW_MIN_WEIGHT or dtype != torch.bfloat16:
+        return "row"
+    return "tinygemm"
+
+
 def int4_linear(x: torch.Tensor, packed: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor,
                 group_size: int, bias: torch.Tensor | None = None, tinygemm=None) -> torch.Tensor:
     """A 4-bit layer on CUDA, on the row layout (and tinygemm's copy where there is one), by rows."""
     rows = x.numel() // x.shape[-1]
     n, k = packed.shape[0], packed.shape[1] * 8
-    if rows == 1 and (tinygemm is None or n * k >= INT4_ROW_MIN_WEIGHT or x.dtype != torch.bfloat16):
+    if rows == 1 and int4_one_row_path(n, k, x.dtype, tinygemm) == "row":
         return int4_row_gemv(x, packed, zeros, scales, group_size, bias, config=int4_row_tiles(n, k))
     if tinygemm is not None and rows <= TINYGEMM_MAX_ROWS and x.dtype == torch.bfloat16:
         return tinygemm_linear(x, *tinygemm, group_size, bias)
@@ -848,6 +924,13 @@ FP8_ROW_TILES = (
     (4096 * 14336, dict(BLOCK_N=16, BLOCK_K=1024, SPLIT_K=1, num_warps=4, num_stages=4)),
     (28672 * 4096, dict(BLOCK_N=8, BLOCK_K=512, SPLIT_K=1, num_warps=4, num_stages=2)),
 )
+
+
+def fp8_silu_mul_tiles(n: int, k: int) -> dict:
+    """The FMA GEMV's tiles for one row of a merged [gate; up] FP8 weight of ``2 n`` rows with SiLU-and-mul
+    fused: the one-row tiles of the whole weight, each program taking half its rows from either half."""
+    tiles = fp8_row_tiles(2 * n, k) or dict(BLOCK_N=8, BLOCK_K=512, SPLIT_K=1, num_warps=4, num_stages=2)
+    return dict(tiles, BLOCK_N=max(tiles["BLOCK_N"] // 2, 2), SPLIT_K=1)
 
 
 def fp8_row_tiles(n: int, k: int) -> dict | None:

@@ -256,6 +256,41 @@ def test_fp8_gemv_without_tensor_cores_matches_the_dequantized_product(tk, rows)
         torch.testing.assert_close(got.cpu(), want, atol=1e-4, rtol=1e-4)
 
 
+def test_fp8_gemv_with_silu_and_mul_in_its_epilogue(tk):
+    """One row of a merged [gate; up] FP8 weight with SiLU-and-mul fused (the MLP's decode step): the same
+    as ``silu_and_mul`` of the GEMV's output; the tiles halve so a program covers the same rows."""
+    from kvloom.kernels import reference
+    from kvloom.kernels.triton_quant import fp8_silu_mul_tiles
+
+    x, wq, scale, _, _ = fp8_layer(1, seed=8)  # 80 rows: gate and up of 40, a partial tile
+    want = reference.silu_and_mul(x @ (wq.float() * scale).t())
+    dev = tk.device
+    got = tk.quant.fp8_gemv(x.to(dev), wq.to(dev), scale.to(dev), silu_mul=True)
+    assert got.shape == (1, 40)
+    torch.testing.assert_close(got.cpu(), want, atol=1e-5, rtol=1e-4)
+    assert fp8_silu_mul_tiles(14336, 4096)["BLOCK_N"] * 2 == 8 and fp8_silu_mul_tiles(14336, 4096)["SPLIT_K"] == 1
+    with pytest.raises(ValueError, match="one row"):
+        tk.quant.fp8_gemv(torch.cat([x, x]).to(dev), wq.to(dev), scale.to(dev), silu_mul=True)
+
+
+@pytest.mark.parametrize("group", [32, 128])
+def test_int4_row_gemv_with_silu_and_mul_in_its_epilogue(tk, group):
+    """One row of a merged [gate; up] 4-bit weight on the row layout with SiLU-and-mul fused: the same as
+    ``silu_and_mul`` of the reference product (gate and up each 40 outputs: a partial tile)."""
+    from kvloom.kernels import reference
+
+    k, n = 256, 80
+    qweight, zeros, scales = random_packed(k, n, 4, group, seed=13)
+    x = torch.randn(1, k, generator=torch.Generator().manual_seed(14))
+    want = reference.silu_and_mul(qr.int_matmul(x, qweight, zeros, scales, group, 4))
+    dev = tk.device
+    packed = tk.quant.int4_row_pack(qweight.to(dev))
+    got = tk.quant.int4_row_gemv(x.to(dev), packed, zeros.to(dev), scales.to(dev), group, silu_mul=True,
+                                 config=dict(BLOCK_N=32, BLOCK_K=128, SPLIT_K=2, num_warps=4))
+    assert got.shape == (1, 40)
+    torch.testing.assert_close(got.cpu(), want, atol=1e-4, rtol=1e-4)
+
+
 def test_fp8_one_row_fixed_tiles_match_the_dequantized_product(tk):
     """Every fixed one-row tile shape (``fp8_row_tiles``, one per Llama-3-8B projection) on ``fp8_layer``'s
     ragged shape (K below their K tiles, N no multiple of their N tile: the masks); beyond, the autotuner."""
@@ -345,3 +380,26 @@ def test_fp8_gemv_on_the_gpu_at_llama_shapes(rows, n):
     want = x.float() @ (wq.float() * scale).t()
     got = triton_quant.fp8_gemv(x.cuda(), wq.cuda(), scale.cuda())
     torch.testing.assert_close(got.float().cpu(), want, atol=0.02, rtol=0.02)
+
+
+@requires_cuda
+def test_silu_and_mul_fused_into_the_one_row_gemvs_on_the_gpu_at_llama_shapes():
+    """Llama-3-8B's gate_up_proj (2 x 14336 x 4096) in bf16, FP8 and 4-bit: the fused GEMV against the
+    GEMV followed by the SiLU-and-mul kernel (the same bf16 roundings; the K sums may be ordered apart)."""
+    from kvloom.kernels import triton_fused, triton_quant
+
+    gen = torch.Generator().manual_seed(21)
+    x = torch.randn(1, 4096, generator=gen).to(torch.bfloat16).cuda()
+    w = torch.randn(2 * 14336, 4096, generator=gen) * 0.02
+    scale = qr.fp8_scale_per_row(w)
+    wq, scale = qr.fp8_quantize(w, scale).cuda(), scale.cuda()
+    want = triton_fused.silu_and_mul(triton_quant.fp8_gemv(x, wq, scale))
+    got = triton_quant.fp8_gemv(x, wq, scale, silu_mul=True)
+    torch.testing.assert_close(got.float(), want.float(), atol=2e-3, rtol=2e-2)
+    qweight, zeros, scales = random_packed(4096, 2 * 14336, 4, 128, seed=22)
+    packed = triton_quant.int4_row_pack(qweight.cuda())
+    zeros, scales = zeros.cuda(), scales.cuda()
+    tiles = triton_quant.int4_row_tiles(2 * 14336, 4096)
+    want = triton_fused.silu_and_mul(triton_quant.int4_row_gemv(x, packed, zeros, scales, 128, config=tiles))
+    got = triton_quant.int4_row_gemv(x, packed, zeros, scales, 128, config=tiles, silu_mul=True)
+    torch.testing.assert_close(got.float(), want.float(), atol=2e-3, rtol=2e-2)

@@ -228,6 +228,35 @@ def test_rotary_embedding_on_qkv_views(tk, dtype, heads):
     torch.testing.assert_close(got_k.cpu(), expect_k, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.float16, torch.float8_e4m3fn])
+@pytest.mark.parametrize("heads", HEADS)
+def test_rotary_and_cache_write_in_one_kernel_is_the_two_kernels(tk, cache_dtype, heads):
+    """The decode step's fused launch (the Triton backend rotates q and k where it writes the cache): q
+    and the cache byte for byte as the rotary kernel followed by the cache write, padding slots skipped,
+    with the fp8 cache's scales; k itself is left unrotated."""
+    hq, hkv = heads
+    d, block_size = 32, 8
+    q, k, v = qkv_views(6, hq, hkv, d, torch.float16)
+    positions = torch.tensor([0, 5, 1, 99, 7, 3])
+    slots = torch.tensor([3, -1, 17, 0, -1, 21], dtype=torch.int32)
+    table = cos_sin_cache(128, d)
+    k_cache, v_cache, _ = make_paged_cache([40], block_size, hkv, d, torch.float16)
+    k_cache, v_cache = k_cache.to(cache_dtype), v_cache.to(cache_dtype)
+    scales = (0.5, 0.25) if cache_dtype == torch.float8_e4m3fn else (1.0, 1.0)
+    dev = tk.device
+    q1, k1, v1, pos, tab, sl = to_device(dev, q.clone(), k.clone(), v, positions, table, slots)
+    want_k, want_v = k_cache.clone().to(dev), v_cache.clone().to(dev)
+    q1, k1 = tk.fused.rotary_embedding(pos, q1, k1, tab)
+    tk.attention.write_kv_cache(k1, v1, want_k, want_v, sl, *scales)
+    q2, k2 = q.clone().to(dev), k.clone().to(dev)
+    got_k, got_v = k_cache.clone().to(dev), v_cache.clone().to(dev)
+    out = tk.attention.rotary_and_write_kv_cache(pos, q2, k2, v1, tab, got_k, got_v, sl, *scales)
+    assert out.data_ptr() == q2.data_ptr() and torch.equal(q2.cpu(), q1.cpu())
+    assert torch.equal(got_k.cpu().view(torch.uint8), want_k.cpu().view(torch.uint8))
+    assert torch.equal(got_v.cpu().view(torch.uint8), want_v.cpu().view(torch.uint8))
+    assert torch.equal(k2.cpu(), k.cpu())
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_silu_and_mul(tk, dtype):
     x = torch.randn(2, 3, 2 * 40).to(dtype)

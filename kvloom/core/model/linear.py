@@ -182,6 +182,18 @@ class LinearBase(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.method.apply(self, x)
 
+    def forward_silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """``silu(gate) * up`` of a merged [gate; up] layer's output: in the matmul's epilogue where the
+        weight format has a kernel for it at this row count (``apply_silu_and_mul``; one kernel less a
+        decode step), else the matmul and then ``ops.silu_and_mul``."""
+        fused = getattr(self.method, "apply_silu_and_mul", None)
+        out = fused(self, x) if fused is not None and self.bias is None and self.num_shards == 2 else None
+        if out is not None:
+            return out
+        from kvloom.kernels import ops
+
+        return ops.silu_and_mul(self.method.apply(self, x))
+
     def extra_repr(self) -> str:
         return (f"in={self.input_size}, out={self.output_sizes}, bias={self.bias is not None}, "
                 f"method={getattr(self.method, 'name', type(self.method).__name__)}")

@@ -134,11 +134,14 @@ class Attention(nn.Module):
         if self.qk_norm:
             q = self.q_norm(q)
             k = self.k_norm(k)
-        q, k = ops.apply_rotary(rope, q, k)
-        if kv_cache[0].dtype == torch.float8_e4m3fn and (self.k_scale, self.v_scale) != (1.0, 1.0):
-            out = self.backend.forward(q, k, v, kv_cache, meta, self.scale, k_scale=self.k_scale, v_scale=self.v_scale)
+        fused = {}
+        if getattr(self.backend, "fuses_rotary", False):  # rotated where the backend writes the cache
+            fused["rope"] = rope
         else:
-            out = self.backend.forward(q, k, v, kv_cache, meta, self.scale)
+            q, k = ops.apply_rotary(rope, q, k)
+        if kv_cache[0].dtype == torch.float8_e4m3fn and (self.k_scale, self.v_scale) != (1.0, 1.0):
+            fused.update(k_scale=self.k_scale, v_scale=self.v_scale)
+        out = self.backend.forward(q, k, v, kv_cache, meta, self.scale, **fused)
         return self.tp.all_reduce(self.o_proj(out.reshape(-1, self.q_size)))
 
 
@@ -161,7 +164,7 @@ class MLP(nn.Module):
             raise ValueError(f"hidden_act={act!r} is not supported; supported: silu")
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return self.tp.all_reduce(self.down_proj(ops.silu_and_mul(self.gate_up_proj(h))))
+        return self.tp.all_reduce(self.down_proj(self.gate_up_proj.forward_silu_and_mul(h)))
 
 
 class DecoderLayer(nn.Module):

@@ -211,6 +211,15 @@ class FP8LinearMethod:
     def apply(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
         return fp8_linear(x, layer.weight, layer.weight_scale, getattr(layer, "input_scale", None), layer.bias)
 
+    def apply_silu_and_mul(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor | None:
+        """One row of a merged [gate; up] layer: the FP8 GEMV with SiLU-and-mul in its epilogue (None:
+        not fused at this row count)."""
+        from kvloom.kernels import triton_quant
+
+        if not (self.w8a8 and x.is_cuda and x.numel() == x.shape[-1]):
+            return None
+        return triton_quant.fp8_gemv(x, layer.weight, layer.weight_scale, silu_mul=True)
+
     def held_bytes(self, layer: LinearBase, device_type: str) -> int:
         if device_type == "cpu" or self.method.block:  # weight-only: dequantized at load
             return dense_bytes(layer)

@@ -90,6 +90,21 @@ class PackedIntLinearMethod:
         return ops.int_matmul(x, layer.qweight, layer.zeros, layer.scales, self.group_size, self.bits, layer.bias,
                               layer.tinygemm)
 
+    def apply_silu_and_mul(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor | None:
+        """One row of a merged [gate; up] 4-bit layer on the row layout, where the row GEMV is the one-row
+        path: that GEMV with SiLU-and-mul in its epilogue (None: not fused here)."""
+        from kvloom.kernels import triton_quant as tq
+
+        if not (self.row and x.is_cuda and x.numel() == x.shape[-1]):
+            return None
+        n, k = layer.qweight.shape[0], layer.qweight.shape[1] * 8
+        if tq.int4_one_row_path(n, k, x.dtype, layer.tinygemm) != "row" or tq.int4_row_tiles(n, k)["SPLIT_K"] != 1:
+            return None
+        if layer.perm is not None:
+            x = x.index_select(-1, layer.perm)
+        return tq.int4_row_gemv(x, layer.qweight, layer.zeros, layer.scales, self.group_size,
+                                config=tq.int4_row_tiles(n, k), silu_mul=True)
+
     def held_bytes(self, layer: LinearBase, device_type: str) -> int:
         tiny = sum(t.numel() * t.element_size() for t in (layer.tinygemm or ()))
         return sum(p.numel() * p.element_size() for p in layer.parameters(recurse=False)) + tiny

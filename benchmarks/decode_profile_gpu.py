@@ -1,0 +1,110 @@
+"""Where a batch-1 decode step's time goes with CUDA graphs on, kernel by kernel, for each of ``--formats``
+(dummy weights of a real shape). A tool for tuning, not a benchmark against a peer.
+
+Under programmatic dependent launch a kernel starts while its predecessor runs and waits inside, so
+kernel durations overlap and their sum says little. This tool sorts the step's kernels by start and
+charges each with the time from the previous kernel's end (or its own start, if later) to its own end:
+its share of the step's critical path. Summed by kernel name per step, with the gaps where no kernel ran.
+
+    python benchmarks/decode_profile_gpu.py --shape llama-3-8b --formats bf16,fp8,awq
+    python benchmarks/decode_profile_gpu.py --formats awq --set kvloom.kernels.triton_quant.INT4_ROW_MIN_WEIGHT=0
+
+``--set MODULE.NAME=VALUE`` (a Python literal) replaces a module constant before the engines start, to
+compare kernel routings or tiles.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import collections
+import importlib
+import gc
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from shapes import model_for_benchmark  # noqa: E402
+
+
+def kernel_spans(prof) -> list[tuple[float, float, str]]:
+    """(start, end, name) in microseconds of every device kernel the profiler saw, by start."""
+    spans = []
+    for e in prof.events():
+        if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start:
+            spans.append((e.time_range.start, e.time_range.end, e.name))
+    return sorted(spans)
+
+
+def critical_path(spans, steps: int) -> dict:
+    """Each kernel's increment of the running end time, summed per name and divided by ``steps``; idle is
+    the time between the running end and a kernel that starts after it."""
+    by_name: dict[str, float] = collections.defaultdict(float)
+    count: dict[str, int] = collections.defaultdict(int)
+    idle = 0.0
+    end = spans[0][0]
+    for start, stop, name in spans:
+        if start > end:
+            idle += start - end
+            end = start
+        if stop > end:
+            by_name[name] += stop - end
+            end = stop
+        count[name] += 1
+    total = end - spans[0][0]
+    rows = sorted(by_name.items(), key=lambda kv: -kv[1])
+    return {"us_per_step": round(total / steps, 1), "idle_us_per_step": round(idle / steps, 1),
+            "kernels": [{"kernel": k[:90], "us_per_step": round(v / steps, 2), "calls_per_step": round(count[k] / steps, 1)}
+                        for k, v in rows]}
+
+
+def main(argv=None) -> dict:
+    from torch.profiler import ProfilerActivity, profile
+
+    from kvloom import LLM, SamplingParams
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", default="llama-3-8b")
+    p.add_argument("--formats", default="bf16,fp8,awq")
+    p.add_argument("--steps", type=int, default=64)
+    p.add_argument("--top", type=int, default=16)
+    p.add_argument("--output", default=None)
+    p.add_argument("--set", action="append", default=[], metavar="MODULE.NAME=VALUE")
+    args = p.parse_args(argv)
+    for item in args.set:
+        target, value = item.split("=", 1)
+        module, name = target.rsplit(".", 1)
+        setattr(importlib.import_module(module), name, ast.literal_eval(value))
+    model, _, _ = model_for_benchmark(None, args.shape)
+    out = {"shape": args.shape, "steps": args.steps, "set": args.set, "runs": []}
+    for fmt in args.formats.split(","):
+        llm = LLM(model, load_format="dummy", quantization=None if fmt == "bf16" else fmt, max_num_seqs=4,
+                  max_model_len=2048)
+        prompt = [[100 + i for i in range(512)]]
+        llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+        params = SamplingParams(temperature=0.0, max_tokens=args.steps + 1, ignore_eos=True)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            res = llm.generate(prompt, params, use_tqdm=False)[0]
+            torch.cuda.synchronize()
+        spans = kernel_spans(prof)
+        # the prompt's prefill is the first step: drop kernels before the first decode graph's (the
+        # prefill's are eager and long); what is left is args.steps decode steps
+        cp = critical_path(spans[len(spans) * 1 // (args.steps + 1):], args.steps)
+        cp["kernels"] = cp["kernels"][: args.top]
+        r = {"format": fmt, "decode_tok_s": (args.steps) / (res.metrics.latency - res.metrics.ttft), **cp}
+        print(json.dumps(r), flush=True)
+        out["runs"].append(r)
+        del llm
+        gc.collect()
+        torch.cuda.empty_cache()
+    if args.output:
+        Path(args.output).write_text(json.dumps(out, indent=2))
+    return out
+
+
+if __name__ == "__main__":
+    main()
