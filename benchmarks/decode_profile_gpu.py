@@ -9,16 +9,14 @@ its share of the step's critical path. Summed by kernel name per step, with the 
     python benchmarks/decode_profile_gpu.py --shape llama-3-8b --formats bf16,fp8,awq
     python benchmarks/decode_profile_gpu.py --formats awq --set kvloom.kernels.triton_quant.INT4_ROW_MIN_WEIGHT=0
 
-``--set MODULE.NAME=VALUE`` (a Python literal) replaces a module constant before the engines start, to
+``--set MODULE.NAME=VALUE`` (a Python expression of literals and ``dict(...)``, evaluated with no builtins) replaces a module constant before the engines start, to
 compare kernel routings or tiles.
 """
 
 from __future__ import annotations
 
 import argparse
-import ast
 import collections
-import importlib
 import gc
 import json
 import sys
@@ -27,7 +25,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from shapes import model_for_benchmark  # noqa: E402
+from shapes import apply_overrides, model_for_benchmark  # noqa: E402
 
 
 def kernel_spans(prof) -> list[tuple[float, float, str]]:
@@ -37,6 +35,25 @@ def kernel_spans(prof) -> list[tuple[float, float, str]]:
         if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start:
             spans.append((e.time_range.start, e.time_range.end, e.name))
     return sorted(spans)
+
+
+def label_by_layer(spans, attention: str = "_decode_kernel") -> list[tuple[float, float, str]]:
+    """A kernel launched more than once between two attention kernels (the GEMVs) gets ``#i`` after its
+    name for its ``i``-th launch after the attention: for a dense layer #0 o_proj, #1 gate/up, #2 down,
+    #3 the next layer's qkv."""
+    seen: dict[str, int] = collections.defaultdict(int)
+    count = collections.Counter(name for _, _, name in spans)
+    layers = max(count[attention], 1)
+    out = []
+    for start, stop, name in spans:
+        if name == attention:
+            seen.clear()
+        elif count[name] >= 2 * layers:
+            i = seen[name]
+            seen[name] = i + 1
+            name = f"{name}#{i}"
+        out.append((start, stop, name))
+    return out
 
 
 def critical_path(spans, steps: int) -> dict:
@@ -74,10 +91,7 @@ def main(argv=None) -> dict:
     p.add_argument("--output", default=None)
     p.add_argument("--set", action="append", default=[], metavar="MODULE.NAME=VALUE")
     args = p.parse_args(argv)
-    for item in args.set:
-        target, value = item.split("=", 1)
-        module, name = target.rsplit(".", 1)
-        setattr(importlib.import_module(module), name, ast.literal_eval(value))
+    apply_overrides(args.set)
     model, _, _ = model_for_benchmark(None, args.shape)
     out = {"shape": args.shape, "steps": args.steps, "set": args.set, "runs": []}
     for fmt in args.formats.split(","):
@@ -93,7 +107,13 @@ def main(argv=None) -> dict:
         spans = kernel_spans(prof)
         # the prompt's prefill is the first step: drop kernels before the first decode graph's (the
         # prefill's are eager and long); what is left is args.steps decode steps
-        cp = critical_path(spans[len(spans) * 1 // (args.steps + 1):], args.steps)
+        # from the first decode step's first attention kernel on (the prompt's prefill and the start of
+        # that step dropped); the steps counted by attention launches
+        first = next(i for i, s in enumerate(spans) if s[2] == "_decode_kernel")
+        spans = spans[first:]
+        layers = llm.engine.model.config.num_hidden_layers
+        steps = sum(1 for s in spans if s[2] == "_decode_kernel") / layers
+        cp = critical_path(label_by_layer(spans), steps)
         cp["kernels"] = cp["kernels"][: args.top]
         r = {"format": fmt, "decode_tok_s": (args.steps) / (res.metrics.latency - res.metrics.ttft), **cp}
         print(json.dumps(r), flush=True)

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from shapes import model_for_benchmark  # noqa: E402
+from shapes import apply_overrides, model_for_benchmark  # noqa: E402
 
 TINY = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=128, intermediate_size=256,
             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=512,
@@ -158,9 +158,13 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output", default=None, help="Also write the JSON here.")
+    p.add_argument("--set", action="append", default=[], metavar="MODULE.NAME=VALUE",
+                   help="Replace a module constant first (kernel tiles, routing), e.g. "
+                        "kvloom.kernels.triton_quant.INT4_FUSED_SILU_MUL=True.")
     p.add_argument("--kernels", action="store_true", help="Also time the GEMMs alone first (CUDA).")
     p.add_argument("--kernels-only", action="store_true", help="Only time the GEMMs alone (CUDA).")
     args = p.parse_args(argv)
+    apply_overrides(args.set)
     kernels = None
     if args.kernels or args.kernels_only:
         from shapes import SHAPES
@@ -191,7 +195,7 @@ def main(argv: list[str] | None = None) -> dict:
               for fmt, r in runs.items() if fmt != formats[0]}
     result = {"benchmark": "quant_gpu", "shape": args.shape,
               "device": torch.cuda.get_device_name() if torch.cuda.is_available() and args.device != "cpu" else "cpu",
-              "baseline": formats[0], "runs": runs, "ratios_to_baseline": ratios, "kernels": kernels}
+              "baseline": formats[0], "set": args.set, "runs": runs, "ratios_to_baseline": ratios, "kernels": kernels}
     text = json.dumps(result, indent=2)
     print(text)
     if args.output:

@@ -74,3 +74,14 @@ def load_transformers_model(model: str, load_format: str, dtype_name: str = "aut
     hf.eval()
     hf.generation_config.eos_token_id = None
     return hf, device
+
+
+def apply_overrides(items: list[str]) -> None:
+    """``MODULE.NAME=VALUE`` each (a Python expression of literals and ``dict(...)``, evaluated with no
+    builtins): replace a module constant, e.g. a kernel's tiles, before an engine starts (``--set``)."""
+    import importlib
+
+    for item in items:
+        target, value = item.split("=", 1)
+        module, name = target.rsplit(".", 1)
+        setattr(importlib.import_module(module), name, eval(value, {"__builtins__": {}}, {"dict": dict}))

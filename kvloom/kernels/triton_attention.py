@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from kvloom.kernels.pdl import gdc_launch_dependents, gdc_wait, pdl_args
-from kvloom.kernels.triton_fused import _rotate_heads
+from kvloom.kernels.triton_fused import _rotary_cos_sin, _rotate, _rotate_heads
 
 _LOG2E = 1.4426950408889634
 
@@ -148,12 +148,10 @@ def _rotary_write_kv_kernel(
     t = tl.program_id(0).to(tl.int64)
     gdc_launch_dependents(PDL)  # the next kernel may start and wait
     gdc_wait(PDL)
-    pos = tl.load(pos_ptr + t).to(tl.int64)
+    cos, sin = _rotary_cos_sin(pos_ptr, cos_sin_ptr, stride_cs, t, HALF, BLOCK_HALF)
+    _rotate_heads(q_ptr, stride_qt, stride_qh, t, num_q_heads, cos, sin, BLOCK_HQ, HALF, BLOCK_HALF)
     offs_d = tl.arange(0, BLOCK_HALF)
     d_mask = offs_d < HALF
-    cos = tl.load(cos_sin_ptr + pos * stride_cs + offs_d, mask=d_mask, other=0.0)[None, :]
-    sin = tl.load(cos_sin_ptr + pos * stride_cs + HALF + offs_d, mask=d_mask, other=0.0)[None, :]
-    _rotate_heads(q_ptr, stride_qt, stride_qh, t, num_q_heads, cos, sin, BLOCK_HQ, HALF, BLOCK_HALF)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     offs_h = tl.arange(0, BLOCK_HKV)
     heads_to_write = tl.where(slot >= 0, num_kv_heads, 0)  # negative slots are padding: nothing written
@@ -161,10 +159,8 @@ def _rotary_write_kv_kernel(
     row = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cslot + offs_h[:, None] * stride_ch
     mask = (offs_h[:, None] < heads_to_write) & d_mask[None, :]
     k1_ptr = k_ptr + t * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :]
-    k1 = tl.load(k1_ptr, mask=mask, other=0.0).to(tl.float32)
-    k2 = tl.load(k1_ptr + HALF, mask=mask, other=0.0).to(tl.float32)
-    r1 = (k1 * cos - k2 * sin).to(k_ptr.dtype.element_ty)
-    r2 = (k2 * cos + k1 * sin).to(k_ptr.dtype.element_ty)
+    r1, r2 = _rotate(tl.load(k1_ptr, mask=mask, other=0.0), tl.load(k1_ptr + HALF, mask=mask, other=0.0), cos, sin)
+    r1, r2 = r1.to(k_ptr.dtype.element_ty), r2.to(k_ptr.dtype.element_ty)
     offs_v = tl.arange(0, BLOCK_D)
     v_mask = (offs_h[:, None] < heads_to_write) & (offs_v[None, :] < HEAD_DIM)
     v = tl.load(v_ptr + t * stride_vt + offs_h[:, None] * stride_vh + offs_v[None, :], mask=v_mask)

@@ -88,6 +88,26 @@ def rms_norm(
 
 
 @triton.jit
+def _rotary_cos_sin(pos_ptr, cos_sin_ptr, stride_cs, t, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    """Token ``t``'s ``[1, BLOCK_HALF]`` cos and sin (the cache row holds the HALF frequencies' cos, then
+    their sin)."""
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    offs_d = tl.arange(0, BLOCK_HALF)
+    d_mask = offs_d < HALF
+    cos = tl.load(cos_sin_ptr + pos * stride_cs + offs_d, mask=d_mask, other=0.0)[None, :]
+    sin = tl.load(cos_sin_ptr + pos * stride_cs + HALF + offs_d, mask=d_mask, other=0.0)[None, :]
+    return cos, sin
+
+
+@triton.jit
+def _rotate(x1, x2, cos, sin):
+    """The two halves of neox-style rotated heads, in float32."""
+    x1 = x1.to(tl.float32)
+    x2 = x2.to(tl.float32)
+    return x1 * cos - x2 * sin, x2 * cos + x1 * sin
+
+
+@triton.jit
 def _rotate_heads(
     x_ptr, stride_t, stride_h, t, num_heads, cos, sin,
     BLOCK_H: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
@@ -97,10 +117,9 @@ def _rotate_heads(
     ptr1 = x_ptr + t * stride_t + offs_h[:, None] * stride_h + offs_d[None, :]
     ptr2 = ptr1 + HALF
     mask = (offs_h[:, None] < num_heads) & (offs_d[None, :] < HALF)
-    x1 = tl.load(ptr1, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(ptr2, mask=mask, other=0.0).to(tl.float32)
-    tl.store(ptr1, (x1 * cos - x2 * sin).to(x_ptr.dtype.element_ty), mask=mask)
-    tl.store(ptr2, (x2 * cos + x1 * sin).to(x_ptr.dtype.element_ty), mask=mask)
+    r1, r2 = _rotate(tl.load(ptr1, mask=mask, other=0.0), tl.load(ptr2, mask=mask, other=0.0), cos, sin)
+    tl.store(ptr1, r1.to(x_ptr.dtype.element_ty), mask=mask)
+    tl.store(ptr2, r2.to(x_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -114,12 +133,7 @@ def _rotary_kernel(
     t = tl.program_id(0).to(tl.int64)
     gdc_launch_dependents(PDL)  # the next kernel may start and wait
     gdc_wait(PDL)
-    pos = tl.load(pos_ptr + t).to(tl.int64)
-    offs_d = tl.arange(0, BLOCK_HALF)
-    d_mask = offs_d < HALF
-    # Cache row: cos of the HALF frequencies, then their sin.
-    cos = tl.load(cos_sin_ptr + pos * stride_cs + offs_d, mask=d_mask, other=0.0)[None, :]
-    sin = tl.load(cos_sin_ptr + pos * stride_cs + HALF + offs_d, mask=d_mask, other=0.0)[None, :]
+    cos, sin = _rotary_cos_sin(pos_ptr, cos_sin_ptr, stride_cs, t, HALF, BLOCK_HALF)
     _rotate_heads(q_ptr, stride_qt, stride_qh, t, num_q_heads, cos, sin, BLOCK_HQ, HALF, BLOCK_HALF)
     _rotate_heads(k_ptr, stride_kt, stride_kh, t, num_kv_heads, cos, sin, BLOCK_HKV, HALF, BLOCK_HALF)
 

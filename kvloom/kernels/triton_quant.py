@@ -701,8 +701,10 @@ def _fp8_gemv_kernel(
     x_row = x_ptr + row.to(tl.int64) * stride_xm
     w_rows = w_ptr + rn[:, None].to(tl.int64) * stride_wn
     u_rows = w_rows + N.to(tl.int64) * stride_wn  # SILU_MUL: the up half
-    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    acc_u = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    # The products of a tile are summed over runs of 16 inputs (one 128-bit load of a thread) as they come,
+    # so the accumulators are [BLOCK_N, BLOCK_K / 16]: a sixteenth of the registers of a full tile.
+    acc = tl.zeros((BLOCK_N, BLOCK_K // 16), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_N, BLOCK_K // 16), dtype=tl.float32)
     for t in range(pid_k, tl.cdiv(K, BLOCK_K), SPLIT_K):
         k = t * BLOCK_K + rk
         k_ok = k < K
@@ -712,9 +714,9 @@ def _fp8_gemv_kernel(
         if t == pid_k:  # the first tile of weights is on its way: now wait for the previous kernel
             gdc_wait(PDL)
         x = tl.load(x_row + k, mask=k_ok, other=0.0).to(tl.float32)
-        acc += w.to(tl.float32) * x[None, :]
+        acc += tl.sum(tl.reshape(w.to(tl.float32) * x[None, :], (BLOCK_N, BLOCK_K // 16, 16)), 2)
         if SILU_MUL:
-            acc_u += w_u.to(tl.float32) * x[None, :]
+            acc_u += tl.sum(tl.reshape(w_u.to(tl.float32) * x[None, :], (BLOCK_N, BLOCK_K // 16, 16)), 2)
     gdc_wait(PDL)  # a no-op after the one above; it waits in a program that had no tile
     res = tl.sum(acc, 1) * tl.load(ws_ptr + rn, mask=n_ok, other=0.0)
     if SILU_MUL:
@@ -891,6 +893,11 @@ def int4_row_tiles(n: int, k: int) -> dict:
     return dict(INT4_ROW_LONG_K if k >= 8192 and n <= 8192 else INT4_ROW_TILE)
 
 
+# Whether a merged gate/up 4-bit layer's one-row GEMV stores silu(gate) * up itself (``int4_row_gemv``'s
+# ``silu_mul``), saving the SiLU-and-mul kernel. Off: see the session-11 measurements in docs/benchmarks.md.
+INT4_FUSED_SILU_MUL = False
+
+
 def int4_one_row_path(n: int, k: int, dtype: torch.dtype, tinygemm) -> str:
     """What runs one row of an ``[n, k]`` 4-bit layer: ``row`` (the row GEMV) or ``tinygemm``."""
     if tinygemm is None or n * k >= INT4_ROW_MIN_WEIGHT or dtype != torch.bfloat16:
@@ -918,10 +925,13 @@ def int4_linear(x: torch.Tensor, packed: torch.Tensor, zeros: torch.Tensor, scal
 # calls had picked slower tiles, or for o_proj the tl.dot GEMV): o_proj 7.47 (12.54), qkv_proj 9.98
 # (12.85), down_proj 22.07 (30.49), gate_up_proj 36.01 (39.41). Batch-1 decode of the 8B shape went from
 # 1.30x to 1.43x of bf16 (302 against 211 tok/s). Larger weights keep the autotuner.
+# Session 11 re-timed them inside the decode step (PDL on, benchmarks/decode_profile_gpu.py --set): only
+# down_proj moved, 8 x 1024 in 2 stages taking 17.1 us of the step's critical path against 19.4 for
+# 16 x 1024 in 4; wider and 8-warp tiles were slower everywhere.
 FP8_ROW_TILES = (
     (4096 * 4096, dict(BLOCK_N=8, BLOCK_K=1024, SPLIT_K=1, num_warps=4, num_stages=2)),
     (6144 * 4096, dict(BLOCK_N=8, BLOCK_K=512, SPLIT_K=1, num_warps=4, num_stages=2)),
-    (4096 * 14336, dict(BLOCK_N=16, BLOCK_K=1024, SPLIT_K=1, num_warps=4, num_stages=4)),
+    (4096 * 14336, dict(BLOCK_N=8, BLOCK_K=1024, SPLIT_K=1, num_warps=4, num_stages=2)),
     (28672 * 4096, dict(BLOCK_N=8, BLOCK_K=512, SPLIT_K=1, num_warps=4, num_stages=2)),
 )
 
@@ -929,8 +939,13 @@ FP8_ROW_TILES = (
 def fp8_silu_mul_tiles(n: int, k: int) -> dict:
     """The FMA GEMV's tiles for one row of a merged [gate; up] FP8 weight of ``2 n`` rows with SiLU-and-mul
     fused: the one-row tiles of the whole weight, each program taking half its rows from either half."""
+    if FP8_SILU_MUL_TILES is not None:
+        return dict(FP8_SILU_MUL_TILES)
     tiles = fp8_row_tiles(2 * n, k) or dict(BLOCK_N=8, BLOCK_K=512, SPLIT_K=1, num_warps=4, num_stages=2)
     return dict(tiles, BLOCK_N=max(tiles["BLOCK_N"] // 2, 2), SPLIT_K=1)
+
+
+FP8_SILU_MUL_TILES = None  # fixed tiles for the fused gate/up GEMV (a benchmark's override); None: derived
 
 
 def fp8_row_tiles(n: int, k: int) -> dict | None:

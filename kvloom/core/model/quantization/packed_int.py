@@ -95,7 +95,7 @@ class PackedIntLinearMethod:
         path: that GEMV with SiLU-and-mul in its epilogue (None: not fused here)."""
         from kvloom.kernels import triton_quant as tq
 
-        if not (self.row and x.is_cuda and x.numel() == x.shape[-1]):
+        if not (tq.INT4_FUSED_SILU_MUL and self.row and x.is_cuda and x.numel() == x.shape[-1]):
             return None
         n, k = layer.qweight.shape[0], layer.qweight.shape[1] * 8
         if tq.int4_one_row_path(n, k, x.dtype, layer.tinygemm) != "row" or tq.int4_row_tiles(n, k)["SPLIT_K"] != 1:
