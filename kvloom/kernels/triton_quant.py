@@ -685,10 +685,13 @@ def _fp8_gemv_kernel(
     x_ptr, w_ptr, ws_ptr, out_ptr,
     M, N, K, M_BUCKET, stride_xm, stride_wn, stride_om,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, PDL: tl.constexpr = False,
-    SILU_MUL: tl.constexpr = False,
+    SILU_MUL: tl.constexpr = False, X_TILE: tl.constexpr = False,
 ):
     # The FP8 weight [N, K] is read along K (its contiguous dim, 16 values per 128-bit load), converted
-    # in registers and multiplied by the row of x; one reduction along K at the end. Under PDL the first
+    # in registers and multiplied by the row of x; one reduction along K at the end. x is read once per
+    # tile and handed to the weight's layout through shared memory (two barriers a conversion), or with
+    # X_TILE read by each thread for its own weights (no barriers, a bf16 -> float32 conversion per
+    # weight instead of per input; FP8_GEMV_X_TILE, to be timed on the GPU). Under PDL the first
     # weight tile is read before the wait for the previous kernel. With SILU_MUL the weight is a merged
     # [gate; up] of 2N rows: a program reads rows n of both halves and stores silu(gate) * up (N outputs).
     gdc_launch_dependents(PDL)  # the next kernel may start (and read its weights) and wait
@@ -713,10 +716,13 @@ def _fp8_gemv_kernel(
             w_u = tl.load(u_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         if t == pid_k:  # the first tile of weights is on its way: now wait for the previous kernel
             gdc_wait(PDL)
-        x = tl.load(x_row + k, mask=k_ok, other=0.0).to(tl.float32)
-        acc += tl.sum(tl.reshape(w.to(tl.float32) * x[None, :], (BLOCK_N, BLOCK_K // 16, 16)), 2)
+        if X_TILE:
+            x = tl.load(x_row + k[None, :] + 0 * rn[:, None], mask=k_ok[None, :], other=0.0).to(tl.float32)
+        else:
+            x = tl.load(x_row + k, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+        acc += tl.sum(tl.reshape(w.to(tl.float32) * x, (BLOCK_N, BLOCK_K // 16, 16)), 2)
         if SILU_MUL:
-            acc_u += tl.sum(tl.reshape(w_u.to(tl.float32) * x[None, :], (BLOCK_N, BLOCK_K // 16, 16)), 2)
+            acc_u += tl.sum(tl.reshape(w_u.to(tl.float32) * x, (BLOCK_N, BLOCK_K // 16, 16)), 2)
     gdc_wait(PDL)  # a no-op after the one above; it waits in a program that had no tile
     res = tl.sum(acc, 1) * tl.load(ws_ptr + rn, mask=n_ok, other=0.0)
     if SILU_MUL:
@@ -761,6 +767,7 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
             out.stride(0))  # without PDL: the autotuner's benchmark launches must not wait on each other
     else:
         cfg = dict(config or dict(BLOCK_N=16, BLOCK_K=256, SPLIT_K=1, num_warps=4))
+        cfg.setdefault("X_TILE", FP8_GEMV_X_TILE)
         out = _out_buffer(m, n, cfg["SPLIT_K"], x)
         _fp8_gemv_kernel[(m, triton.cdiv(n, cfg["BLOCK_N"]), cfg["SPLIT_K"])](
             x2, weight, weight_scale.reshape(-1), out, m, n, k, _row_bucket(m), x2.stride(0), weight.stride(0),
@@ -946,6 +953,9 @@ def fp8_silu_mul_tiles(n: int, k: int) -> dict:
 
 
 FP8_SILU_MUL_TILES = None  # fixed tiles for the fused gate/up GEMV (a benchmark's override); None: derived
+# Whether the fixed-tile FP8 GEMV reads x in its weights' layout (``_fp8_gemv_kernel``'s X_TILE): on sm90,
+# 147 -> 181 instructions a loop at 8 x 512 but none of its 8 barriers. Not yet timed on the GPU: off.
+FP8_GEMV_X_TILE = False
 
 
 def fp8_row_tiles(n: int, k: int) -> dict | None:

@@ -256,12 +256,14 @@ def test_fp8_gemv_without_tensor_cores_matches_the_dequantized_product(tk, rows)
         torch.testing.assert_close(got.cpu(), want, atol=1e-4, rtol=1e-4)
 
 
-def test_fp8_gemv_with_silu_and_mul_in_its_epilogue(tk):
+@pytest.mark.parametrize("x_tile", [False, True])
+def test_fp8_gemv_with_silu_and_mul_in_its_epilogue(tk, monkeypatch, x_tile):
     """One row of a merged [gate; up] FP8 weight with SiLU-and-mul fused (the MLP's decode step): the same
     as ``silu_and_mul`` of the GEMV's output; the tiles halve so a program covers the same rows."""
     from kvloom.kernels import reference
     from kvloom.kernels.triton_quant import fp8_silu_mul_tiles
 
+    monkeypatch.setattr(tk.quant, "FP8_GEMV_X_TILE", x_tile)
     x, wq, scale, _, _ = fp8_layer(1, seed=8)  # 80 rows: gate and up of 40, a partial tile
     want = reference.silu_and_mul(x @ (wq.float() * scale).t())
     dev = tk.device
@@ -301,9 +303,10 @@ def test_fp8_one_row_fixed_tiles_match_the_dequantized_product(tk):
     assert fp8_row_tiles(128256, 4096) is None
     x, wq, scale, bias, want = fp8_layer(1, seed=6)
     for _, tiles in FP8_ROW_TILES:
-        got = tk.quant.fp8_gemv(x.to(tk.device), wq.to(tk.device), scale.to(tk.device), bias.to(tk.device),
-                                config=tiles)
-        torch.testing.assert_close(got.cpu(), want, atol=1e-4, rtol=1e-4)
+        for x_tile in (False, True):  # x through shared memory, or read in the weights' layout
+            got = tk.quant.fp8_gemv(x.to(tk.device), wq.to(tk.device), scale.to(tk.device), bias.to(tk.device),
+                                    config=dict(tiles, X_TILE=x_tile))
+            torch.testing.assert_close(got.cpu(), want, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("bits", [4, 8])
