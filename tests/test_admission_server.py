@@ -205,7 +205,7 @@ def test_queue_timeout_drops_a_waiting_request_unrun_and_frees_its_blocks(tiny_l
 
 def test_a_run_deadline_ends_a_running_stream_with_an_error_event_and_frees_its_blocks(tiny_llama, tmp_path):
     server = start_server(tiny_llama, tmp_path, "request_timeout = 60.0\n", workers=1)
-    body = {"prompt": "Once upon a time", "max_tokens": 480, "ignore_eos": True, "stream": True, "timeout": 0.2}
+    body = {"prompt": "Once upon a time", "max_tokens": 480, "ignore_eos": True, "stream": True, "timeout": 0.3}
     try:
         with httpx.Client(base_url=server.url, timeout=120) as http:
             events = []
@@ -214,7 +214,7 @@ def test_a_run_deadline_ends_a_running_stream_with_an_error_event_and_frees_its_
                 events = [line[5:].strip() for line in r.iter_lines() if line.startswith("data:")]
             assert events[-1] == "[DONE]"
             error = json.loads(events[-2])["error"]
-            assert error["code"] == 408 and "timeout=0.2s" in error["message"]
+            assert error["code"] == 408 and "timeout=0.3s" in error["message"]
             tokens = sum(len(json.loads(e)["choices"][0]["text"]) > 0 for e in events[:-2])
             assert tokens > 0  # it was running when the deadline came
             assert engine_metric(server, "kvloom_engine_expired_running_total") == 1
