@@ -32,10 +32,13 @@ from kvloom.kernels.triton_fused import _rotary_cos_sin, _rotate, _rotate_heads
 
 _LOG2E = 1.4426950408889634
 
-# Split-K heuristic: aim for about this many programs per SM, but never give a split fewer keys than this.
+# Split-K heuristic: split only below this many programs per SM; then aim for this many waves of split
+# programs, but never give a split fewer keys than this (one tile).
 _PROGRAMS_PER_SM = 2
-_MIN_KEYS_PER_SPLIT = 256
+_SPLIT_WAVES = 2
+_MIN_KEYS_PER_SPLIT = 64
 _MAX_SPLITS = 64
+_DECODE_BLOCK_N = 64  # keys a decode tile
 
 
 @functools.lru_cache(maxsize=None)
@@ -269,7 +272,9 @@ def _decode_kernel(
     gdc_wait(PDL)
 
     seq_len = tl.load(seq_lens_ptr + b)
-    # This split's key range, whole BLOCK_N tiles so that only the sequence end needs masking.
+    # This split's key range, whole BLOCK_N tiles so that only the sequence end needs masking. The split
+    # count is fixed when a CUDA graph is captured (for max_model_len); a shorter sequence leaves the last
+    # splits empty, and those store nothing (the reduce reads only the splits that hold keys).
     tiles_per_split = tl.cdiv(tl.cdiv(seq_len, BLOCK_N), NUM_SPLITS)
     start = split * tiles_per_split * BLOCK_N
     end = tl.minimum(start + tiles_per_split * BLOCK_N, seq_len)
@@ -310,26 +315,31 @@ def _decode_kernel(
     else:
         # Partials are contiguous [B, Hq, NUM_SPLITS, BLOCK_D] and [B, Hq, NUM_SPLITS] float32.
         row = (b * num_q_heads + heads) * NUM_SPLITS + split
-        tl.store(part_o_ptr + row[:, None] * BLOCK_D + offs_d[None, :], o, mask=g_mask[:, None])
+        live = g_mask & ((start + 0 * offs_g) < seq_len)
+        tl.store(part_o_ptr + row[:, None] * BLOCK_D + offs_d[None, :], o, mask=live[:, None])
         lse = tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))
-        tl.store(part_lse_ptr + row, lse, mask=g_mask)
+        tl.store(part_lse_ptr + row, lse, mask=live)
 
 
 @triton.jit
 def _decode_reduce_kernel(
-    part_o_ptr, part_lse_ptr, out_ptr,
+    part_o_ptr, part_lse_ptr, out_ptr, seq_lens_ptr,
     stride_ob, stride_oh,
     num_q_heads,
     NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    PDL: tl.constexpr,
+    BLOCK_N: tl.constexpr, PDL: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
     gdc_launch_dependents(PDL)  # the next kernel may start and wait
+    seq_len = tl.load(seq_lens_ptr + b)
+    # The splits that hold keys (the decode kernel's split ranges); seq_len 0 has none.
+    tiles = tl.cdiv(seq_len, BLOCK_N)
+    live = tl.cdiv(tiles, tl.maximum(tl.cdiv(tiles, NUM_SPLITS), 1))
     gdc_wait(PDL)
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
-    s_mask = offs_s < NUM_SPLITS
+    s_mask = offs_s < live
     row = (b * num_q_heads + h) * NUM_SPLITS + offs_s
     lse = tl.load(part_lse_ptr + row, mask=s_mask, other=float("-inf"))
     m = tl.max(lse, 0)
@@ -343,14 +353,17 @@ def _decode_reduce_kernel(
 
 
 def _decode_num_splits(q: torch.Tensor, batch: int, num_kv_heads: int, max_seq_len: int) -> int:
-    """Split the keys across programs only when (batch x kv heads) alone would leave SMs idle."""
+    """Split the keys across programs only when (batch x kv heads) alone would leave SMs idle; then about
+    one wave of programs, each at least one tile of keys (for ``max_seq_len``; shorter sequences leave
+    splits empty, which cost a program that stores nothing)."""
     if not q.is_cuda:
         return 1
-    target = _PROGRAMS_PER_SM * _num_sms(q.device.index if q.device.index is not None else torch.cuda.current_device())
+    sms = _num_sms(q.device.index if q.device.index is not None else torch.cuda.current_device())
     programs = batch * num_kv_heads
-    if programs * 2 > target:
+    if programs * 2 > _PROGRAMS_PER_SM * sms:
         return 1
-    splits = min(triton.cdiv(target, programs), triton.cdiv(max_seq_len, _MIN_KEYS_PER_SPLIT), _MAX_SPLITS)
+    splits = min(triton.cdiv(_SPLIT_WAVES * sms, programs), triton.cdiv(max_seq_len, _MIN_KEYS_PER_SPLIT),
+                 _MAX_SPLITS)
     return max(splits, 1)
 
 
@@ -401,17 +414,17 @@ def paged_decode_attention(
         NUM_SPLITS=num_splits, GROUP=group,
         BLOCK_G=max(16, triton.next_power_of_2(group)),  # tl.dot needs M >= 16
         BLOCK_SIZE=block_size, HEAD_DIM=head_dim, BLOCK_D=block_d,
-        BLOCK_N=64, DOT_PRECISION=_dot_precision(q.dtype),
+        BLOCK_N=_DECODE_BLOCK_N, DOT_PRECISION=_dot_precision(q.dtype),
         # Measured on H200 (bf16, D=128): 64-key tiles, 3 stages reach ~4.3 TB/s at large batch.
         num_warps=4, num_stages=3 if q.element_size() <= 2 else 2, **pdl_args(q),
     )
     if num_splits > 1:
         _decode_reduce_kernel[(batch, num_q_heads)](
-            part_o, part_lse, out,
+            part_o, part_lse, out, seq_lens,
             out.stride(0), out.stride(1),
             num_q_heads,
             NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits),
-            HEAD_DIM=head_dim, BLOCK_D=block_d, **pdl_args(q),
+            HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=_DECODE_BLOCK_N, **pdl_args(q),
         )
     return out
 
