@@ -32,8 +32,8 @@ from kvloom.kernels.triton_fused import _rotary_cos_sin, _rotate, _rotate_heads
 
 _LOG2E = 1.4426950408889634
 
-# Split-K heuristic: split only below this many programs per SM; then aim for this many waves of split
-# programs, but never give a split fewer keys than this (one tile).
+# Split-K heuristic: split only while (batch x kv heads) programs fill at most half of this many per SM;
+# then aim for this many waves of split programs, but never give a split fewer keys than this (one tile).
 _PROGRAMS_PER_SM = 2
 _SPLIT_WAVES = 2
 _MIN_KEYS_PER_SPLIT = 64
@@ -253,6 +253,12 @@ def _attend_tiles(
 
 
 @triton.jit
+def _tiles_per_split(seq_len, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Key tiles in each split of a sequence (the last live split may hold fewer); decode and reduce agree."""
+    return tl.cdiv(tl.cdiv(seq_len, BLOCK_N), NUM_SPLITS)
+
+
+@triton.jit
 def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
     out_ptr, part_o_ptr, part_lse_ptr,
@@ -275,7 +281,7 @@ def _decode_kernel(
     # This split's key range, whole BLOCK_N tiles so that only the sequence end needs masking. The split
     # count is fixed when a CUDA graph is captured (for max_model_len); a shorter sequence leaves the last
     # splits empty, and those store nothing (the reduce reads only the splits that hold keys).
-    tiles_per_split = tl.cdiv(tl.cdiv(seq_len, BLOCK_N), NUM_SPLITS)
+    tiles_per_split = _tiles_per_split(seq_len, NUM_SPLITS, BLOCK_N)
     start = split * tiles_per_split * BLOCK_N
     end = tl.minimum(start + tiles_per_split * BLOCK_N, seq_len)
 
@@ -315,7 +321,7 @@ def _decode_kernel(
     else:
         # Partials are contiguous [B, Hq, NUM_SPLITS, BLOCK_D] and [B, Hq, NUM_SPLITS] float32.
         row = (b * num_q_heads + heads) * NUM_SPLITS + split
-        live = g_mask & ((start + 0 * offs_g) < seq_len)
+        live = g_mask & ((start + 0 * offs_g) < seq_len)  # a [BLOCK_G] mask: the interpreter takes no scalar
         tl.store(part_o_ptr + row[:, None] * BLOCK_D + offs_d[None, :], o, mask=live[:, None])
         lse = tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))
         tl.store(part_lse_ptr + row, lse, mask=live)
@@ -334,8 +340,7 @@ def _decode_reduce_kernel(
     gdc_launch_dependents(PDL)  # the next kernel may start and wait
     seq_len = tl.load(seq_lens_ptr + b)
     # The splits that hold keys (the decode kernel's split ranges); seq_len 0 has none.
-    tiles = tl.cdiv(seq_len, BLOCK_N)
-    live = tl.cdiv(tiles, tl.maximum(tl.cdiv(tiles, NUM_SPLITS), 1))
+    live = tl.cdiv(tl.cdiv(seq_len, BLOCK_N), tl.maximum(_tiles_per_split(seq_len, NUM_SPLITS, BLOCK_N), 1))
     gdc_wait(PDL)
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
@@ -354,8 +359,8 @@ def _decode_reduce_kernel(
 
 def _decode_num_splits(q: torch.Tensor, batch: int, num_kv_heads: int, max_seq_len: int) -> int:
     """Split the keys across programs only when (batch x kv heads) alone would leave SMs idle; then about
-    one wave of programs, each at least one tile of keys (for ``max_seq_len``; shorter sequences leave
-    splits empty, which cost a program that stores nothing)."""
+    ``_SPLIT_WAVES`` waves of programs, each at least one tile of keys (for ``max_seq_len``; shorter
+    sequences leave splits empty, which cost a program that stores nothing)."""
     if not q.is_cuda:
         return 1
     sms = _num_sms(q.device.index if q.device.index is not None else torch.cuda.current_device())
