@@ -123,18 +123,24 @@ def replica_engines(server: EngineServer) -> dict[int, int]:
     return engines
 
 
-def one_stream_per_replica_then(server: EngineServer, act, max_tokens: int = 300) -> tuple[list[dict], list[str]]:
-    """Open two streams (round-robin: one on each replica), run ``act`` while both run, read both to
-    their end; the errors and the finish reasons of those that finished."""
+def one_stream_per_replica_then(server: EngineServer, act, max_tokens: int = 500) -> tuple[list[dict], list[str]]:
+    """Open two streams (round-robin: one on each replica), run ``act`` as soon as both have streamed a
+    token, read both to their end; the errors and the finish reasons of those that finished.
+
+    ``act`` runs first thing: the tiny model streams its 500 tokens in about 2 s here, so anything
+    slow in between (a /health call took over 1 s under this load) could let a stream finish first.
+    Where the streams went is read from the replicas' routed counts instead."""
     body = {"prompt": [5, 6, 7, 8], "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
+    routed_before = [r["num_routed"] for r in replicas(server)]
     with httpx.Client(timeout=120) as http:
         with http.stream("POST", server.url + "/v1/completions", json=body) as a, \
                 http.stream("POST", server.url + "/v1/completions", json=body) as b:
             streams = [a.iter_lines(), b.iter_lines()]
-            for lines in streams:  # both are running
-                assert next(line for line in lines if line.startswith("data:"))
-            assert sorted(r["num_in_flight"] for r in replicas(server)) == [1, 1]
+            first = [next(line for line in lines if line.startswith("data:")) for lines in streams]
             act()
+            assert all('"text"' in line for line in first), first  # both were generating when act ran
+            routed = [r["num_routed"] for r in replicas(server)]
+            assert [x - y for x, y in zip(routed, routed_before)] == [1, 1], (routed_before, routed)
             t0 = time.monotonic()
             endings = []
             for lines in streams:
