@@ -7,8 +7,11 @@ then wait (``gdc_wait``) for the predecessor to finish and its writes to become 
 
 The rules every kernel launched through ``pdl_args`` follows:
 
-* nothing written by an earlier kernel is read, and nothing is written, before ``gdc_wait``; only weights
-  (written at load time, never during a step) may be read before it;
+* nothing written by an earlier kernel is read, and nothing is written, before ``gdc_wait``. What may be
+  read before it: weights and tables (written at load time, never during a step), and a step's inputs
+  (positions, slots, sequence lengths, block tables). Those are copied in before the step's first kernel,
+  and no PDL kernel writes them. A kernel without PDL (a copy, PyTorch's own) finishes before any later
+  kernel starts, so a chain of PDL kernels can never run ahead of it;
 * ``gdc_wait`` runs in every program unconditionally, even where the kernel reads nothing an earlier
   kernel wrote: a later kernel's wait then covers every kernel before it, not only its predecessor;
 * ``gdc_launch_dependents`` may come anywhere: it only lets the next kernel's programs start and wait.

@@ -150,12 +150,14 @@ def _rotary_write_kv_kernel(
     # (rounded to its dtype, as the in-place rotation stores it) straight into the cache, with v.
     t = tl.program_id(0).to(tl.int64)
     gdc_launch_dependents(PDL)  # the next kernel may start and wait
-    gdc_wait(PDL)
+    # The position, its cos/sin and the slot are step inputs and a table (no kernel writes them): read
+    # before the wait, which leaves only q/k/v's loads after it.
     cos, sin = _rotary_cos_sin(pos_ptr, cos_sin_ptr, stride_cs, t, HALF, BLOCK_HALF)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    gdc_wait(PDL)
     _rotate_heads(q_ptr, stride_qt, stride_qh, t, num_q_heads, cos, sin, BLOCK_HQ, HALF, BLOCK_HALF)
     offs_d = tl.arange(0, BLOCK_HALF)
     d_mask = offs_d < HALF
-    slot = tl.load(slot_ptr + t).to(tl.int64)
     offs_h = tl.arange(0, BLOCK_HKV)
     heads_to_write = tl.where(slot >= 0, num_kv_heads, 0)  # negative slots are padding: nothing written
     slot = tl.maximum(slot, 0)
@@ -275,8 +277,7 @@ def _decode_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     gdc_launch_dependents(PDL)  # the next kernel may start and wait
-    gdc_wait(PDL)
-
+    # A step input (no kernel writes it): read before the wait.
     seq_len = tl.load(seq_lens_ptr + b)
     # This split's key range, whole BLOCK_N tiles so that only the sequence end needs masking. The split
     # count is fixed when a CUDA graph is captured (for max_model_len); a shorter sequence leaves the last
@@ -284,6 +285,7 @@ def _decode_kernel(
     tiles_per_split = _tiles_per_split(seq_len, NUM_SPLITS, BLOCK_N)
     start = split * tiles_per_split * BLOCK_N
     end = tl.minimum(start + tiles_per_split * BLOCK_N, seq_len)
+    gdc_wait(PDL)
 
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, BLOCK_D)
