@@ -126,3 +126,40 @@ def test_silu_and_mul_fused_into_quantized_one_row_decode_changes_no_token_on_gp
         del llm
     assert any(fused), "the fused GEMV never ran"
     assert runs[0] == runs[1]
+
+
+@pytest.mark.parametrize("name,kv_dtype", [("ct-fp8-llama-tensor", "auto"), ("ct-fp8-qwen2-channel", "auto"),
+                                           ("fp8-llama-tensor-static", "fp8")])
+def test_rotary_and_cache_write_in_the_fp8_qkv_gemv_change_no_token_on_gpu(name, kv_dtype, tmp_path, monkeypatch):
+    """Decoding one request at a time with ``FP8_QKV_ROPE`` (off by default until it is timed), the qkv
+    GEMV rotates q/k and writes the KV cache in its epilogue, the rotary + cache-write kernel gone: in
+    float32 the same tokens and logprobs as without, for Llama, Qwen2 (qkv bias) and an fp8 cache."""
+    from kvloom import LLM, SamplingParams
+    from kvloom.core.model.quantization.fp8 import FP8LinearMethod
+    from kvloom.kernels import triton_quant
+    from tests.quant_checkpoints import write_checkpoint
+    from tests.test_quantization import CASES
+
+    family, fmt, settings = CASES[name]
+    path, _ = write_checkpoint(tmp_path, family, fmt, **settings)
+    fused = []
+    original = FP8LinearMethod.apply_qkv_rope
+
+    def counted(self, layer, x, *args):
+        out = original(self, layer, x, *args)
+        fused.append(out is not None)
+        return out
+
+    monkeypatch.setattr(FP8LinearMethod, "apply_qkv_rope", counted)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2)
+    runs = {}
+    for on in (True, False):
+        monkeypatch.setattr(triton_quant, "FP8_QKV_ROPE", on)
+        llm = LLM(str(path), dtype="float32", device="cuda", max_num_seqs=4, kv_cache_memory_gib=0.25,
+                  kv_cache_dtype=kv_dtype)
+        outs = [llm.generate([p], params, use_tqdm=False)[0] for p in _prompts()[:3]]
+        runs[on] = ([o.token_ids for o in outs], [t.logprob for o in outs for lp in o.outputs[0].logprobs for t in lp.top])
+        del llm
+    assert any(fused), "the fused qkv GEMV never ran"
+    assert runs[True][0] == runs[False][0]
+    assert max(abs(a - b) for a, b in zip(runs[True][1], runs[False][1])) < 1e-4

@@ -14,6 +14,7 @@ class TritonAttentionBackend:
     # forward takes the step's rotary tables (``rope``) and rotates q and k itself, in the kernel that
     # writes the cache: one launch a layer instead of two
     fuses_rotary = True
+    takes_written_kv = True  # forward(kv_written=True): q/k rotated and the cache written before it
 
     def forward(
         self,
@@ -26,11 +27,15 @@ class TritonAttentionBackend:
         k_scale: float = 1.0,
         v_scale: float = 1.0,
         rope=None,
+        kv_written: bool = False,
     ) -> torch.Tensor:
         """With ``rope`` (``ops.rotary_tables``' CUDA form, ``(positions, cos_sin_cache)``), q and k are
-        rotated here first (q in place)."""
+        rotated here first (q in place). ``kv_written``: q and k come rotated and this step's k/v are in
+        the cache already (the qkv projection's kernel did both)."""
         k_cache, v_cache = kv_cache
-        if rope is not None:
+        if kv_written:
+            pass
+        elif rope is not None:
             q = triton_attention.rotary_and_write_kv_cache(rope[0], q, k, v, rope[1], k_cache, v_cache,
                                                            meta.slot_mapping, k_scale, v_scale)
         else:

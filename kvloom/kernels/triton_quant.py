@@ -17,6 +17,7 @@ import triton.language as tl
 
 from kvloom.kernels.pdl import gdc_launch_dependents, gdc_wait, pdl_args
 from kvloom.kernels.triton_attention import _dot_precision, _round_to_e4m3
+from kvloom.kernels.triton_fused import _rotate
 
 
 
@@ -681,11 +682,57 @@ def _silu_mul_epilogue(gate, up, dtype: tl.constexpr):
 
 
 @triton.jit
+def _qkv_rope_epilogue(first, second, head, freq, rn, out_row, bias_ptr, pos_ptr, cos_sin_ptr, k_cache_ptr,
+                       v_cache_ptr, slot_ptr, stride_cs, stride_cb, stride_cslot, stride_ch, block_size,
+                       num_q_heads, num_kv_heads, k_inv_scale, v_inv_scale, HALF: tl.constexpr,
+                       KV_FP8: tl.constexpr):
+    """A ROPE program's end (``_fp8_gemv_kernel``): the rows ``rn`` (``first``) and ``rn + HALF``
+    (``second``) of one head of a qkv output, each rounded to the output's dtype with its bias added as
+    the unfused ``out + bias`` rounds; q and k heads rotated as ``rotary_and_write_kv_cache`` rotates;
+    stored, and k/v heads written into the cache at the token's slot (a negative slot: padding, none)."""
+    dtype: tl.constexpr = out_row.dtype.element_ty
+    a = first.to(dtype)
+    b = second.to(dtype)
+    if bias_ptr is not None:
+        a = (a.to(tl.float32) + tl.load(bias_ptr + rn).to(tl.float32)).to(dtype)
+        b = (b.to(tl.float32) + tl.load(bias_ptr + rn + HALF).to(tl.float32)).to(dtype)
+    if head < num_q_heads + num_kv_heads:  # q or k: rotated
+        pos = tl.load(pos_ptr).to(tl.int64)
+        cos = tl.load(cos_sin_ptr + pos * stride_cs + freq)
+        sin = tl.load(cos_sin_ptr + pos * stride_cs + HALF + freq)
+        a, b = _rotate(a, b, cos, sin)
+        a, b = a.to(dtype), b.to(dtype)
+    tl.store(out_row + rn, a)
+    tl.store(out_row + rn + HALF, b)
+    slot = tl.load(slot_ptr).to(tl.int64)
+    if head >= num_q_heads and slot >= 0:
+        is_k = head < num_q_heads + num_kv_heads
+        kv_head = tl.where(is_k, head - num_q_heads, head - num_q_heads - num_kv_heads)
+        off = (slot // block_size) * stride_cb + (slot % block_size) * stride_cslot + kv_head * stride_ch + freq
+        if is_k:
+            if KV_FP8:
+                a = _round_to_e4m3(a.to(tl.float32) * k_inv_scale)
+                b = _round_to_e4m3(b.to(tl.float32) * k_inv_scale)
+            tl.store(k_cache_ptr + off, a.to(k_cache_ptr.dtype.element_ty))
+            tl.store(k_cache_ptr + off + HALF, b.to(k_cache_ptr.dtype.element_ty))
+        else:
+            if KV_FP8:
+                a = _round_to_e4m3(a.to(tl.float32) * v_inv_scale)
+                b = _round_to_e4m3(b.to(tl.float32) * v_inv_scale)
+            tl.store(v_cache_ptr + off, a.to(v_cache_ptr.dtype.element_ty))
+            tl.store(v_cache_ptr + off + HALF, b.to(v_cache_ptr.dtype.element_ty))
+
+
+@triton.jit
 def _fp8_gemv_kernel(
     x_ptr, w_ptr, ws_ptr, out_ptr,
     M, N, K, M_BUCKET, stride_xm, stride_wn, stride_om,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, PDL: tl.constexpr = False,
-    SILU_MUL: tl.constexpr = False, X_TILE: tl.constexpr = False,
+    bias_ptr=None, pos_ptr=None, cos_sin_ptr=None, k_cache_ptr=None, v_cache_ptr=None, slot_ptr=None,
+    stride_cs=0, stride_cb=0, stride_cslot=0, stride_ch=0, block_size=1, num_q_heads=0, num_kv_heads=0,
+    k_inv_scale=1.0, v_inv_scale=1.0,
+    BLOCK_N: tl.constexpr = 16, BLOCK_K: tl.constexpr = 256, SPLIT_K: tl.constexpr = 1, PDL: tl.constexpr = False,
+    SILU_MUL: tl.constexpr = False, X_TILE: tl.constexpr = False, ROPE: tl.constexpr = False,
+    HEAD_DIM: tl.constexpr = 128, KV_FP8: tl.constexpr = False,
 ):
     # The FP8 weight [N, K] is read along K (its contiguous dim, 16 values per 128-bit load), converted
     # in registers and multiplied by the row of x; one reduction along K at the end. x is read once per
@@ -694,16 +741,30 @@ def _fp8_gemv_kernel(
     # weight instead of per input; FP8_GEMV_X_TILE, to be timed on the GPU). Under PDL the first
     # weight tile is read before the wait for the previous kernel. With SILU_MUL the weight is a merged
     # [gate; up] of 2N rows: a program reads rows n of both halves and stores silu(gate) * up (N outputs).
+    # With ROPE (one row of a qkv projection, heads of HEAD_DIM: q, then k, then v) a program takes the
+    # BLOCK_N frequencies j of one head and reads its rows j and j + HEAD_DIM / 2, the two halves neox
+    # rotary pairs. The epilogue adds the bias, rotates q and k by the position's cos/sin and stores the
+    # head, and writes a k or v head into the paged cache at the token's slot: ``rotary_and_write_kv_cache``
+    # folded in, with its roundings.
     gdc_launch_dependents(PDL)  # the next kernel may start (and read its weights) and wait
     row = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    HALF: tl.constexpr = HEAD_DIM // 2
+    if ROPE:
+        head = pid_n // (HALF // BLOCK_N)
+        freq = (pid_n % (HALF // BLOCK_N)) * BLOCK_N + tl.arange(0, BLOCK_N)
+        rn = head * HEAD_DIM + freq
+    else:
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
     n_ok = rn < N
     x_row = x_ptr + row.to(tl.int64) * stride_xm
     w_rows = w_ptr + rn[:, None].to(tl.int64) * stride_wn
-    u_rows = w_rows + N.to(tl.int64) * stride_wn  # SILU_MUL: the up half
+    if ROPE:
+        u_rows = w_rows + HALF * stride_wn  # the second half of the head
+    else:
+        u_rows = w_rows + N.to(tl.int64) * stride_wn  # SILU_MUL: the up half
     # The products of a tile are summed over runs of 16 inputs (one 128-bit load of a thread) as they come,
     # so the accumulators are [BLOCK_N, BLOCK_K / 16]: a sixteenth of the registers of a full tile.
     acc = tl.zeros((BLOCK_N, BLOCK_K // 16), dtype=tl.float32)
@@ -712,7 +773,7 @@ def _fp8_gemv_kernel(
         k = t * BLOCK_K + rk
         k_ok = k < K
         w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        if SILU_MUL:
+        if SILU_MUL or ROPE:
             w_u = tl.load(u_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         if t == pid_k:  # the first tile of weights is on its way: now wait for the previous kernel
             gdc_wait(PDL)
@@ -721,10 +782,17 @@ def _fp8_gemv_kernel(
         else:
             x = tl.load(x_row + k, mask=k_ok, other=0.0).to(tl.float32)[None, :]
         acc += tl.sum(tl.reshape(w.to(tl.float32) * x, (BLOCK_N, BLOCK_K // 16, 16)), 2)
-        if SILU_MUL:
+        if SILU_MUL or ROPE:
             acc_u += tl.sum(tl.reshape(w_u.to(tl.float32) * x, (BLOCK_N, BLOCK_K // 16, 16)), 2)
     gdc_wait(PDL)  # a no-op after the one above; it waits in a program that had no tile
     res = tl.sum(acc, 1) * tl.load(ws_ptr + rn, mask=n_ok, other=0.0)
+    if ROPE:
+        _qkv_rope_epilogue(
+            res, tl.sum(acc_u, 1) * tl.load(ws_ptr + rn + HALF), head, freq, rn, out_ptr + row.to(tl.int64) * stride_om,
+            bias_ptr, pos_ptr + row, cos_sin_ptr, k_cache_ptr, v_cache_ptr, slot_ptr + row,
+            stride_cs, stride_cb, stride_cslot, stride_ch, block_size, num_q_heads, num_kv_heads, k_inv_scale,
+            v_inv_scale, HALF, KV_FP8)
+        return
     if SILU_MUL:
         up = tl.sum(acc_u, 1) * tl.load(ws_ptr + N + rn, mask=n_ok, other=0.0)
         res = _silu_mul_epilogue(res, up, out_ptr.dtype.element_ty)
@@ -773,6 +841,54 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
             x2, weight, weight_scale.reshape(-1), out, m, n, k, _row_bucket(m), x2.stride(0), weight.stride(0),
             out.stride(0), **cfg, **pdl_args(x2), SILU_MUL=silu_mul)
     return _finish(out, x, bias)
+
+
+def fp8_qkv_rope_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
+                      positions: torch.Tensor, cos_sin_cache: torch.Tensor, k_cache: torch.Tensor,
+                      v_cache: torch.Tensor, slot_mapping: torch.Tensor, num_q_heads: int, num_kv_heads: int,
+                      k_scale: float = 1.0, v_scale: float = 1.0, config: dict | None = None) -> torch.Tensor:
+    """One row of a qkv projection on the FP8 GEMV with rotary and the KV-cache write in its epilogue: the
+    ``[1, (Hq + 2 Hkv) D]`` output with q and k rotated (``triton_attention.rotary_and_write_kv_cache`` of
+    ``fp8_gemv``'s output, bias added), and the token's k and v in the cache. ``config``: the GEMV's tiles
+    (default ``fp8_qkv_rope_tiles``); a program covers ``BLOCK_N`` frequencies of one head, twice."""
+    from kvloom.kernels.triton_attention import _check_cache
+
+    _check_cache(k_cache, v_cache)
+    x2 = _rows_2d(x)
+    m, k = x2.shape
+    n = weight.shape[0]
+    head_dim = k_cache.shape[-1]
+    cfg = dict(config or fp8_qkv_rope_tiles(n, k) or {})
+    if (m != 1 or not cfg or cfg.get("SPLIT_K", 1) != 1 or n != (num_q_heads + 2 * num_kv_heads) * head_dim
+            or head_dim % 2 or (head_dim // 2) % cfg["BLOCK_N"] or cos_sin_cache.shape[-1] != head_dim
+            or k_cache.shape[2] != num_kv_heads):
+        raise ValueError(f"fp8_qkv_rope_gemv takes one row, fixed tiles without split-K and a qkv weight of "
+                         f"(Hq + 2 Hkv) x head_dim rows; got {m} rows, an [{n}, {k}] weight, {num_q_heads} + "
+                         f"2 x {num_kv_heads} heads of {head_dim}, tiles {cfg}")
+    cfg.setdefault("X_TILE", FP8_GEMV_X_TILE)
+    cos_sin_cache = cos_sin_cache.contiguous()
+    out = torch.empty((1, n), device=x.device, dtype=x.dtype)
+    _fp8_gemv_kernel[(1, n // (2 * cfg["BLOCK_N"]), 1)](
+        x2, weight, weight_scale.reshape(-1), out, m, n, k, 1, x2.stride(0), weight.stride(0), out.stride(0),
+        bias, positions, cos_sin_cache, k_cache, v_cache, slot_mapping,
+        cos_sin_cache.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_cache.shape[1],
+        num_q_heads, num_kv_heads, 1.0 / k_scale, 1.0 / v_scale,
+        **cfg, **pdl_args(x2), ROPE=True, HEAD_DIM=head_dim, KV_FP8=k_cache.dtype == torch.float8_e4m3fn)
+    return out.reshape(*x.shape[:-1], n)
+
+
+def fp8_qkv_rope_tiles(n: int, k: int) -> dict | None:
+    """The fused qkv + rotary GEMV's tiles: the one-row tiles, each program's rows split between the two
+    halves of a head (so ``BLOCK_N`` halves), or None where there are no fixed ones."""
+    tiles = fp8_row_tiles(n, k)
+    if tiles is None or tiles.get("SPLIT_K", 1) != 1:
+        return None
+    return dict(tiles, BLOCK_N=max(tiles["BLOCK_N"] // 2, 1))
+
+
+# Whether a one-row decode step's qkv projection on the FP8 GEMV rotates q/k and writes the KV cache in
+# its epilogue (``fp8_qkv_rope_gemv``: the rotary + cache-write kernel folded in). Off until timed on a GPU.
+FP8_QKV_ROPE = False
 
 
 @triton.jit

@@ -406,3 +406,61 @@ def test_silu_and_mul_fused_into_the_one_row_gemvs_on_the_gpu_at_llama_shapes():
     want = triton_fused.silu_and_mul(triton_quant.int4_row_gemv(x, packed, zeros, scales, 128, config=tiles))
     got = triton_quant.int4_row_gemv(x, packed, zeros, scales, 128, config=tiles, silu_mul=True)
     torch.testing.assert_close(got.float(), want.float(), atol=2e-3, rtol=2e-2)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float8_e4m3fn])
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("slot", [13, -1])
+def test_fp8_qkv_gemv_with_rotary_and_cache_write_is_the_unfused_kernels(tk, cache_dtype, with_bias, slot):
+    """One row of an FP8 qkv projection (4 q heads, 2 kv heads of 32) with rotary and the KV-cache write in
+    its epilogue (``fp8_qkv_rope_gemv``) gives, byte for byte, what the GEMV, the bias add and
+    ``rotary_and_write_kv_cache`` give: q and k rotated in the output, k and v in the cache at the slot
+    (none at a padding slot), with an fp8 cache's scales."""
+    from tests.kernels.test_triton_kernels import cos_sin_cache
+
+    hq, hkv, d, k_in, block_size = 4, 2, 32, 96, 8
+    n = (hq + 2 * hkv) * d
+    gen = torch.Generator().manual_seed(41)
+    w = torch.randn(n, k_in, generator=gen) * 0.05
+    scale = qr.fp8_scale_per_row(w)
+    wq = qr.fp8_quantize(w, scale)
+    x = torch.randn(1, k_in, generator=gen).to(torch.bfloat16)
+    bias = torch.randn(n, generator=gen).to(torch.bfloat16) if with_bias else None
+    positions = torch.tensor([37])
+    slots = torch.tensor([slot], dtype=torch.int64)
+    table = cos_sin_cache(64, d)
+    k_cache = (torch.randn(4, block_size, hkv, d, generator=gen) * 0.1).to(cache_dtype)
+    v_cache = (torch.randn(4, block_size, hkv, d, generator=gen) * 0.1).to(cache_dtype)
+    scales = (0.5, 0.25) if cache_dtype == torch.float8_e4m3fn else (1.0, 1.0)
+    dev = tk.device
+    xd, wd, sd, pd, td, sl = (t.to(dev) for t in (x, wq, scale, positions, table, slots))
+    bd = bias.to(dev) if bias is not None else None
+    cfg = dict(BLOCK_N=8, BLOCK_K=32, SPLIT_K=1, num_warps=4)
+    qkv = tk.quant.fp8_gemv(xd, wd, sd, bd, config=dict(cfg, BLOCK_N=16))
+    q, kk, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
+    want_k, want_v = k_cache.clone().to(dev), v_cache.clone().to(dev)
+    q = tk.attention.rotary_and_write_kv_cache(pd, q.reshape(1, hq, d), kk.reshape(1, hkv, d).clone(),
+                                               v.reshape(1, hkv, d), td, want_k, want_v, sl, *scales)
+    got_k, got_v = k_cache.clone().to(dev), v_cache.clone().to(dev)
+    got = tk.quant.fp8_qkv_rope_gemv(xd, wd, sd, bd, pd, td, got_k, got_v, sl, hq, hkv, *scales, config=cfg)
+    assert got.shape == (1, n)
+
+    def same(a, b):
+        # The interpreter's casts to bfloat16 truncate where torch's ``out + bias`` rounds to nearest:
+        # byte for byte on a GPU or without bias; within a step of the cache's dtype otherwise.
+        a, b = a.cpu(), b.cpu()
+        if dev == "cuda" or bias is None:
+            assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+        else:
+            torch.testing.assert_close(a.float(), b.float(), atol=1e-2, rtol=0.13 if a.element_size() == 1 else 2**-6)
+
+    same(got[:, :hq * d], q.reshape(1, -1))  # q rotated
+    same(got[:, -hkv * d:], v.reshape(1, -1))  # v as projected
+    same(got_k, want_k)
+    same(got_v, want_v)
+    if slot < 0:
+        assert torch.equal(got_k.cpu().view(torch.uint8), k_cache.view(torch.uint8))
+    else:
+        assert not torch.equal(got_k.cpu().view(torch.uint8), k_cache.view(torch.uint8))
+    with pytest.raises(ValueError, match="qkv weight"):
+        tk.quant.fp8_qkv_rope_gemv(xd, wd[:-d], sd[:-d], None, pd, td, got_k, got_v, sl, hq, hkv, config=cfg)

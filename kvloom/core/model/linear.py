@@ -194,6 +194,17 @@ class LinearBase(nn.Module):
 
         return ops.silu_and_mul(self.method.apply(self, x))
 
+    def forward_qkv_rope(self, x: torch.Tensor, rope, kv_cache, slot_mapping: torch.Tensor, num_q_heads: int,
+                         num_kv_heads: int, k_scale: float, v_scale: float) -> torch.Tensor | None:
+        """A qkv layer's output with q and k rotated (``rope``: ``ops.rotary_tables``' CUDA form) and this
+        step's k/v written into ``kv_cache`` at ``slot_mapping``, in the projection's own kernel, where the
+        weight format does that at ``x``'s row count (its ``apply_qkv_rope``); None otherwise (nothing
+        done)."""
+        fused = getattr(self.method, "apply_qkv_rope", None)
+        if fused is None or self.tp_size != 1:
+            return None
+        return fused(self, x, rope, kv_cache, slot_mapping, num_q_heads, num_kv_heads, k_scale, v_scale)
+
     def extra_repr(self) -> str:
         return (f"in={self.input_size}, out={self.output_sizes}, bias={self.bias is not None}, "
                 f"method={getattr(self.method, 'name', type(self.method).__name__)}")

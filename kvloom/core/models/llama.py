@@ -126,7 +126,16 @@ class Attention(nn.Module):
         self.k_scale = self.v_scale = 1.0
 
     def forward(self, rope, h, meta: AttentionMetadata, kv_cache) -> torch.Tensor:
-        qkv = self.qkv_proj(h)
+        fp8_cache = kv_cache[0].dtype == torch.float8_e4m3fn
+        qkv = None
+        if not self.qk_norm and getattr(self.backend, "takes_written_kv", False) and meta.num_decodes == meta.num_seqs:
+            # A decode step where the weight format rotates q/k and writes the cache in the qkv kernel.
+            qkv = self.qkv_proj.forward_qkv_rope(h, rope, kv_cache, meta.slot_mapping, self.num_heads,
+                                                 self.num_kv_heads, self.k_scale if fp8_cache else 1.0,
+                                                 self.v_scale if fp8_cache else 1.0)
+        written = qkv is not None
+        if not written:
+            qkv = self.qkv_proj(h)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(-1, self.num_heads, self.head_dim)
         k = k.reshape(-1, self.num_kv_heads, self.head_dim)
@@ -135,11 +144,13 @@ class Attention(nn.Module):
             q = self.q_norm(q)
             k = self.k_norm(k)
         fused = {}
-        if getattr(self.backend, "fuses_rotary", False):  # rotated where the backend writes the cache
+        if written:  # rotated, and the cache written, by the qkv kernel
+            fused["kv_written"] = True
+        elif getattr(self.backend, "fuses_rotary", False):  # rotated where the backend writes the cache
             fused["rope"] = rope
         else:
             q, k = ops.apply_rotary(rope, q, k)
-        if kv_cache[0].dtype == torch.float8_e4m3fn and (self.k_scale, self.v_scale) != (1.0, 1.0):
+        if fp8_cache and (self.k_scale, self.v_scale) != (1.0, 1.0):
             fused.update(k_scale=self.k_scale, v_scale=self.v_scale)
         out = self.backend.forward(q, k, v, kv_cache, meta, self.scale, **fused)
         return self.tp.all_reduce(self.o_proj(out.reshape(-1, self.q_size)))
