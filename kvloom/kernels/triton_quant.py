@@ -710,17 +710,19 @@ def _qkv_rope_epilogue(first, second, head, freq, rn, out_row, bias_ptr, pos_ptr
         kv_head = tl.where(is_k, head - num_q_heads, head - num_q_heads - num_kv_heads)
         off = (slot // block_size) * stride_cb + (slot % block_size) * stride_cslot + kv_head * stride_ch + freq
         if is_k:
-            if KV_FP8:
-                a = _round_to_e4m3(a.to(tl.float32) * k_inv_scale)
-                b = _round_to_e4m3(b.to(tl.float32) * k_inv_scale)
-            tl.store(k_cache_ptr + off, a.to(k_cache_ptr.dtype.element_ty))
-            tl.store(k_cache_ptr + off + HALF, b.to(k_cache_ptr.dtype.element_ty))
+            ca, cb = a, b
+            if KV_FP8:  # the values the cache holds: times the reciprocal scale, rounded to e4m3
+                ca = _round_to_e4m3(a.to(tl.float32) * k_inv_scale)
+                cb = _round_to_e4m3(b.to(tl.float32) * k_inv_scale)
+            tl.store(k_cache_ptr + off, ca.to(k_cache_ptr.dtype.element_ty))
+            tl.store(k_cache_ptr + off + HALF, cb.to(k_cache_ptr.dtype.element_ty))
         else:
+            ca, cb = a, b
             if KV_FP8:
-                a = _round_to_e4m3(a.to(tl.float32) * v_inv_scale)
-                b = _round_to_e4m3(b.to(tl.float32) * v_inv_scale)
-            tl.store(v_cache_ptr + off, a.to(v_cache_ptr.dtype.element_ty))
-            tl.store(v_cache_ptr + off + HALF, b.to(v_cache_ptr.dtype.element_ty))
+                ca = _round_to_e4m3(a.to(tl.float32) * v_inv_scale)
+                cb = _round_to_e4m3(b.to(tl.float32) * v_inv_scale)
+            tl.store(v_cache_ptr + off, ca.to(v_cache_ptr.dtype.element_ty))
+            tl.store(v_cache_ptr + off + HALF, cb.to(v_cache_ptr.dtype.element_ty))
 
 
 @triton.jit
@@ -792,15 +794,15 @@ def _fp8_gemv_kernel(
             bias_ptr, pos_ptr + row, cos_sin_ptr, k_cache_ptr, v_cache_ptr, slot_ptr + row,
             stride_cs, stride_cb, stride_cslot, stride_ch, block_size, num_q_heads, num_kv_heads, k_inv_scale,
             v_inv_scale, HALF, KV_FP8)
-        return
-    if SILU_MUL:
-        up = tl.sum(acc_u, 1) * tl.load(ws_ptr + N + rn, mask=n_ok, other=0.0)
-        res = _silu_mul_epilogue(res, up, out_ptr.dtype.element_ty)
-    out = out_ptr + row.to(tl.int64) * stride_om + rn
-    if SPLIT_K == 1:
-        tl.store(out, res.to(out_ptr.dtype.element_ty), mask=n_ok)
     else:
-        tl.atomic_add(out, res, mask=n_ok)
+        if SILU_MUL:
+            up = tl.sum(acc_u, 1) * tl.load(ws_ptr + N + rn, mask=n_ok, other=0.0)
+            res = _silu_mul_epilogue(res, up, out_ptr.dtype.element_ty)
+        out = out_ptr + row.to(tl.int64) * stride_om + rn
+        if SPLIT_K == 1:
+            tl.store(out, res.to(out_ptr.dtype.element_ty), mask=n_ok)
+        else:
+            tl.atomic_add(out, res, mask=n_ok)
 
 
 def _fp8_gemv_cfg(bn, bk, split, warps, stages=3):

@@ -464,3 +464,55 @@ def test_fp8_qkv_gemv_with_rotary_and_cache_write_is_the_unfused_kernels(tk, cac
         assert not torch.equal(got_k.cpu().view(torch.uint8), k_cache.view(torch.uint8))
     with pytest.raises(ValueError, match="qkv weight"):
         tk.quant.fp8_qkv_rope_gemv(xd, wd[:-d], sd[:-d], None, pd, td, got_k, got_v, sl, hq, hkv, config=cfg)
+
+
+
+_COMPILE_SM90 = """
+import json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from kvloom.kernels import triton_quant
+
+types = dict(
+    x_ptr="*bf16", w_ptr="*fp8e4nv", ws_ptr="*fp32", out_ptr="*bf16", M="i32", N="i32", K="i32", M_BUCKET="i32",
+    stride_xm="i32", stride_wn="i32", stride_om="i32", bias_ptr="*bf16", pos_ptr="*i64", cos_sin_ptr="*fp32",
+    k_cache_ptr="*bf16", v_cache_ptr="*bf16", slot_ptr="*i64", stride_cs="i32", stride_cb="i32", stride_cslot="i32",
+    stride_ch="i32", block_size="i32", num_q_heads="i32", num_kv_heads="i32", k_inv_scale="fp32", v_inv_scale="fp32")
+fn = triton_quant._fp8_gemv_kernel
+names = list(fn.arg_names)
+done = {}
+for variant in sys.argv[1:]:
+    rope = variant.startswith("rope")
+    const = dict(BLOCK_N=4 if rope else 8, BLOCK_K=512, SPLIT_K=1, PDL=True, SILU_MUL=variant.startswith("silu"),
+                 X_TILE=variant.startswith("silu"), ROPE=rope, HEAD_DIM=128, KV_FP8=variant == "rope_fp8_cache")
+    ts = dict(types)
+    if variant == "rope_fp8_cache":
+        const["bias_ptr"] = None
+        ts["k_cache_ptr"] = ts["v_cache_ptr"] = "*fp8e4nv"
+    signature = {n: "constexpr" if n in const else ts[n] for n in names}
+    src = ASTSource(fn, signature, constexprs={(names.index(n),): v for n, v in const.items()})
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, num_stages=2, launch_pdl=True))
+    done[variant] = ".target sm_90" in k.asm["ptx"] and len(k.asm["cubin"]) > 0
+print(json.dumps(done))
+"""
+
+
+def test_fp8_gemv_variants_compile_for_sm90():
+    """The FP8 GEMV's variants (plain; SiLU-and-mul reading x in the weights' layout; qkv with rotary and
+    the cache write, with a bias, and with an fp8 cache and no bias) compile for an H100/H200 (sm90, PDL)
+    on this machine, GPU or not. The interpreter runs them as Python and does not catch what only the
+    compiler rejects (a value whose type changes inside a runtime branch, say). In a fresh interpreter:
+    this module's kernels are interpreted."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton.backends.nvidia.compiler", reason="triton's CUDA backend is not installed")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    variants = ["plain", "silu_mul_x_tile", "rope_bias", "rope_fp8_cache"]
+    run = subprocess.run([sys.executable, "-c", _COMPILE_SM90, *variants], env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert run.returncode == 0, run.stderr[-4000:]
+    assert json.loads(run.stdout.strip().splitlines()[-1]) == {v: True for v in variants}
