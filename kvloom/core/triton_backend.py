@@ -33,13 +33,12 @@ class TritonAttentionBackend:
         rotated here first (q in place). ``kv_written``: q and k come rotated and this step's k/v are in
         the cache already (the qkv projection's kernel did both)."""
         k_cache, v_cache = kv_cache
-        if kv_written:
-            pass
-        elif rope is not None:
-            q = triton_attention.rotary_and_write_kv_cache(rope[0], q, k, v, rope[1], k_cache, v_cache,
-                                                           meta.slot_mapping, k_scale, v_scale)
-        else:
-            triton_attention.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
+        if not kv_written:
+            if rope is not None:
+                q = triton_attention.rotary_and_write_kv_cache(rope[0], q, k, v, rope[1], k_cache, v_cache,
+                                                               meta.slot_mapping, k_scale, v_scale)
+            else:
+                triton_attention.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
         if meta.num_decodes == meta.num_seqs:
             # ``max_seq_len`` is only a hint for the split count; CUDA graphs capture with a fixed one.
             return triton_attention.paged_decode_attention(

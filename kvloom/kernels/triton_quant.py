@@ -709,20 +709,20 @@ def _qkv_rope_epilogue(first, second, head, freq, rn, out_row, bias_ptr, pos_ptr
         is_k = head < num_q_heads + num_kv_heads
         kv_head = tl.where(is_k, head - num_q_heads, head - num_q_heads - num_kv_heads)
         off = (slot // block_size) * stride_cb + (slot % block_size) * stride_cslot + kv_head * stride_ch + freq
-        if is_k:
-            ca, cb = a, b
-            if KV_FP8:  # the values the cache holds: times the reciprocal scale, rounded to e4m3
-                ca = _round_to_e4m3(a.to(tl.float32) * k_inv_scale)
-                cb = _round_to_e4m3(b.to(tl.float32) * k_inv_scale)
-            tl.store(k_cache_ptr + off, ca.to(k_cache_ptr.dtype.element_ty))
-            tl.store(k_cache_ptr + off + HALF, cb.to(k_cache_ptr.dtype.element_ty))
-        else:
-            ca, cb = a, b
-            if KV_FP8:
-                ca = _round_to_e4m3(a.to(tl.float32) * v_inv_scale)
-                cb = _round_to_e4m3(b.to(tl.float32) * v_inv_scale)
-            tl.store(v_cache_ptr + off, ca.to(v_cache_ptr.dtype.element_ty))
-            tl.store(v_cache_ptr + off + HALF, cb.to(v_cache_ptr.dtype.element_ty))
+        ca, cb = a, b
+        if KV_FP8:  # the values the cache holds: times the reciprocal scale, rounded to e4m3
+            inv_scale = tl.where(is_k, k_inv_scale, v_inv_scale)
+            ca = _round_to_e4m3(a.to(tl.float32) * inv_scale)
+            cb = _round_to_e4m3(b.to(tl.float32) * inv_scale)
+        cache_ty: tl.constexpr = k_cache_ptr.dtype.element_ty  # the v cache's too (_check_cache)
+        # Every lane to the k cache for a k head, to the v cache otherwise. (A bound, not `tensor & scalar`,
+        # which the interpreter mishandles.)
+        into_k = freq < tl.where(is_k, HALF, 0)
+        into_v = freq >= tl.where(is_k, HALF, 0)
+        tl.store(k_cache_ptr + off, ca.to(cache_ty), mask=into_k)
+        tl.store(k_cache_ptr + off + HALF, cb.to(cache_ty), mask=into_k)
+        tl.store(v_cache_ptr + off, ca.to(cache_ty), mask=into_v)
+        tl.store(v_cache_ptr + off + HALF, cb.to(cache_ty), mask=into_v)
 
 
 @triton.jit

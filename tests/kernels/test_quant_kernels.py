@@ -466,7 +466,6 @@ def test_fp8_qkv_gemv_with_rotary_and_cache_write_is_the_unfused_kernels(tk, cac
         tk.quant.fp8_qkv_rope_gemv(xd, wd[:-d], sd[:-d], None, pd, td, got_k, got_v, sl, hq, hkv, config=cfg)
 
 
-
 _COMPILE_SM90 = """
 import json, sys
 import triton

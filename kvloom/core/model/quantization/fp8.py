@@ -218,14 +218,15 @@ class FP8LinearMethod:
         from kvloom.kernels import triton_quant
 
         rows = x.numel() // x.shape[-1]
-        n, k = layer.weight.shape
-        if not (triton_quant.FP8_QKV_ROPE and self.w8a8 and x.is_cuda and rows == 1
-                and triton_quant.fp8_qkv_rope_tiles(n, k) is not None):
+        if not (triton_quant.FP8_QKV_ROPE and self.w8a8 and x.is_cuda and rows == 1):
+            return None
+        tiles = triton_quant.fp8_qkv_rope_tiles(*layer.weight.shape)
+        if tiles is None:
             return None
         positions, cos_sin = rope
         return triton_quant.fp8_qkv_rope_gemv(x, layer.weight, layer.weight_scale, layer.bias, positions, cos_sin,
                                               kv_cache[0], kv_cache[1], slot_mapping, num_q_heads, num_kv_heads,
-                                              k_scale, v_scale)
+                                              k_scale, v_scale, config=tiles)
 
     def apply_silu_and_mul(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor | None:
         """One row of a merged [gate; up] layer: the FP8 GEMV with SiLU-and-mul in its epilogue (None:
