@@ -12,6 +12,7 @@ import torch
 from kvloom.core.engine.step import LogprobLists, PromptLogprobs, ScheduledSeq
 from kvloom.core.sampling_params import SamplingParams
 from kvloom.core.worker import rejection_sampler
+from kvloom.kernels import ops
 
 
 class SampleResult:
@@ -158,7 +159,7 @@ class Sampler:
         drafts = [t for s in seqs if s.draft_token_ids for t in s.draft_token_ids + [-1]]
         if not drafts:
             if all(p.greedy for p in params):
-                tokens = logits.argmax(dim=-1)
+                tokens = ops.greedy_argmax(logits)
             else:
                 probs = target_probs(logits, row_params)
                 noise = self._noise(seqs, probs.shape[1], logits.device)

@@ -68,6 +68,18 @@ def apply_rotary(tables, q, k):
     return ref.apply_rotary(tables, q, k)
 
 
+TRITON_ARGMAX_MIN_VOCAB = 4096  # below it PyTorch's reduction is as fast (one program a row)
+
+
+def greedy_argmax(logits):
+    """``logits.argmax(-1)``: on CUDA a two-stage Triton reduction (``triton_fused.greedy_argmax``)."""
+    if use_triton(logits) and logits.shape[-1] >= TRITON_ARGMAX_MIN_VOCAB:
+        from kvloom.kernels import triton_fused
+
+        return triton_fused.greedy_argmax(logits)
+    return logits.argmax(dim=-1)
+
+
 def silu_and_mul(x):
     if use_triton(x):
         from kvloom.kernels import triton_fused

@@ -15,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kvloom.kernels.arrivals import arrival_counters
 from kvloom.kernels.pdl import gdc_launch_dependents, gdc_wait, pdl_args
 from kvloom.kernels.triton_attention import _dot_precision, _round_to_e4m3
 from kvloom.kernels.triton_fused import _rotate
@@ -415,9 +416,9 @@ def _int4_row_nibbles(words, J: tl.constexpr, NIB_MASK):
 @triton.jit
 def _int4_row_gemv_kernel(
     x_ptr, qw_ptr, z_ptr, s_ptr, out_ptr,
-    M, N, K, stride_xm, stride_qn, stride_om, NIB_MASK,
-    GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-    PDL: tl.constexpr = False, SILU_MUL: tl.constexpr = False,
+    M, N, K, stride_xm, stride_qn, stride_om, NIB_MASK, part_ptr=None, arrivals_ptr=None,
+    GROUP: tl.constexpr = 128, BLOCK_N: tl.constexpr = 16, BLOCK_K: tl.constexpr = 1024, SPLIT_K: tl.constexpr = 1,
+    PDL: tl.constexpr = False, SILU_MUL: tl.constexpr = False, SPLIT_COMBINE: tl.constexpr = False,
 ):
     # NIB_MASK (0x000F0000) comes in as an argument, not an immediate: ptxas then keeps it in a register
     # instead of rematerializing it before every OR with 1.0's bits (a third fewer instructions).
@@ -475,8 +476,27 @@ def _int4_row_gemv_kernel(
     out = out_ptr + row.to(tl.int64) * stride_om + rn
     if SPLIT_K == 1:
         tl.store(out, res.to(out_ptr.dtype.element_ty), mask=n_ok)
+    elif SPLIT_COMBINE:
+        _combine_split_k(res, out, part_ptr, arrivals_ptr + row * tl.num_programs(1) + pid_n, row, pid_k, rn, n_ok, M,
+                         N, SPLIT_K)
     else:
         tl.atomic_add(out, res, mask=n_ok)
+
+
+@triton.jit
+def _combine_split_k(res, out, part_ptr, counter, row, pid_k, rn, n_ok, M, N, SPLIT_K: tl.constexpr):
+    """A split-K program's end without a zeroed float32 output: its partial sums ``res`` go to
+    ``part [SPLIT_K, M, N]`` (float32), and the split that arrives last at the output tile adds the
+    partials in split order, in float32, and stores them in ``out``'s dtype (kvloom/kernels/arrivals.py)."""
+    n64 = N.to(tl.int64)
+    tl.store(part_ptr + (pid_k * M + row) * n64 + rn, res, mask=n_ok)
+    tl.debug_barrier()
+    if tl.atomic_add(counter, 1, sem="acq_rel") == SPLIT_K - 1:
+        tl.atomic_xchg(counter, 0)
+        total = tl.zeros_like(res)
+        for j in tl.static_range(SPLIT_K):
+            total += tl.load(part_ptr + (j * M + row) * n64 + rn, mask=n_ok, other=0.0, cache_modifier=".cg")
+        tl.store(out, total.to(out.dtype.element_ty), mask=n_ok)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -641,6 +661,10 @@ def int4_row_dequantize(packed: torch.Tensor, zeros: torch.Tensor, scales: torch
 
 
 INT4_ROW_TILE = dict(BLOCK_N=16, BLOCK_K=1024, SPLIT_K=1, num_warps=4, num_stages=3)
+# Whether the row GEMV's split-K programs combine their partials themselves (the last split of an output
+# tile, kvloom/kernels/arrivals.py) instead of atomically adding into a zeroed float32 output that a cast
+# kernel then rounds: two PyTorch kernels fewer a layer, which also broke the chain of PDL launches.
+INT4_SPLIT_COMBINE = True
 
 
 def int4_row_gemv(x: torch.Tensor, packed: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor,
@@ -666,10 +690,18 @@ def int4_row_gemv(x: torch.Tensor, packed: torch.Tensor, zeros: torch.Tensor, sc
     if k % bk or group_size % 32:
         raise ValueError(f"int4_row_gemv needs group_size={group_size} to be a multiple of 32 dividing K={k}")
     cfg["BLOCK_K"] = bk
-    out = _out_buffer(m, n, cfg["SPLIT_K"], x)
-    _int4_row_gemv_kernel[(m, triton.cdiv(n, cfg["BLOCK_N"]), cfg["SPLIT_K"])](
+    tiles = triton.cdiv(n, cfg["BLOCK_N"])
+    part = arrivals = None
+    if cfg["SPLIT_K"] > 1 and INT4_SPLIT_COMBINE:
+        arrivals = arrival_counters(x2, m * tiles)
+    if arrivals is not None:  # the splits combined in the kernel: x's dtype out, no fill, no cast
+        part = torch.empty((cfg["SPLIT_K"], m, n), device=x.device, dtype=torch.float32)
+        out = torch.empty((m, n), device=x.device, dtype=x.dtype)
+    else:
+        out = _out_buffer(m, n, cfg["SPLIT_K"], x)
+    _int4_row_gemv_kernel[(m, tiles, cfg["SPLIT_K"])](
         x2, packed, zeros, scales, out, m, n, k, x2.stride(0), packed.stride(0), out.stride(0), 0x000F0000,
-        GROUP=group_size, **cfg, **pdl_args(x2), SILU_MUL=silu_mul)
+        part, arrivals, GROUP=group_size, **cfg, **pdl_args(x2), SILU_MUL=silu_mul, SPLIT_COMBINE=arrivals is not None)
     return _finish(out, x, bias)
 
 
@@ -682,14 +714,15 @@ def _silu_mul_epilogue(gate, up, dtype: tl.constexpr):
 
 
 @triton.jit
-def _qkv_rope_epilogue(first, second, head, freq, rn, out_row, bias_ptr, pos_ptr, cos_sin_ptr, k_cache_ptr,
-                       v_cache_ptr, slot_ptr, stride_cs, stride_cb, stride_cslot, stride_ch, block_size,
+def _qkv_rope_epilogue(first, second, head, freq, rn, out_row, bias_ptr, cos, sin, slot, k_cache_ptr,
+                       v_cache_ptr, stride_cb, stride_cslot, stride_ch, block_size,
                        num_q_heads, num_kv_heads, k_inv_scale, v_inv_scale, HALF: tl.constexpr,
                        KV_FP8: tl.constexpr):
     """A ROPE program's end (``_fp8_gemv_kernel``): the rows ``rn`` (``first``) and ``rn + HALF``
     (``second``) of one head of a qkv output, each rounded to the output's dtype with its bias added as
     the unfused ``out + bias`` rounds; q and k heads rotated as ``rotary_and_write_kv_cache`` rotates;
-    stored, and k/v heads written into the cache at the token's slot (a negative slot: padding, none)."""
+    stored, and k/v heads written into the cache at the token's slot (a negative slot: padding, none).
+    ``cos``/``sin`` (the position's, at ``freq``) and ``slot`` are step inputs, read before the wait."""
     dtype: tl.constexpr = out_row.dtype.element_ty
     a = first.to(dtype)
     b = second.to(dtype)
@@ -697,14 +730,10 @@ def _qkv_rope_epilogue(first, second, head, freq, rn, out_row, bias_ptr, pos_ptr
         a = (a.to(tl.float32) + tl.load(bias_ptr + rn).to(tl.float32)).to(dtype)
         b = (b.to(tl.float32) + tl.load(bias_ptr + rn + HALF).to(tl.float32)).to(dtype)
     if head < num_q_heads + num_kv_heads:  # q or k: rotated
-        pos = tl.load(pos_ptr).to(tl.int64)
-        cos = tl.load(cos_sin_ptr + pos * stride_cs + freq)
-        sin = tl.load(cos_sin_ptr + pos * stride_cs + HALF + freq)
         a, b = _rotate(a, b, cos, sin)
         a, b = a.to(dtype), b.to(dtype)
     tl.store(out_row + rn, a)
     tl.store(out_row + rn + HALF, b)
-    slot = tl.load(slot_ptr).to(tl.int64)
     if head >= num_q_heads and slot >= 0:
         is_k = head < num_q_heads + num_kv_heads
         kv_head = tl.where(is_k, head - num_q_heads, head - num_q_heads - num_kv_heads)
@@ -771,6 +800,11 @@ def _fp8_gemv_kernel(
     # so the accumulators are [BLOCK_N, BLOCK_K / 16]: a sixteenth of the registers of a full tile.
     acc = tl.zeros((BLOCK_N, BLOCK_K // 16), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_N, BLOCK_K // 16), dtype=tl.float32)
+    if ROPE:  # the step's inputs (pdl.py: no kernel of the step writes them), read before the wait
+        pos = tl.load(pos_ptr + row).to(tl.int64)
+        cos = tl.load(cos_sin_ptr + pos * stride_cs + freq)
+        sin = tl.load(cos_sin_ptr + pos * stride_cs + HALF + freq)
+        slot = tl.load(slot_ptr + row).to(tl.int64)
     for t in range(pid_k, tl.cdiv(K, BLOCK_K), SPLIT_K):
         k = t * BLOCK_K + rk
         k_ok = k < K
@@ -791,8 +825,8 @@ def _fp8_gemv_kernel(
     if ROPE:
         _qkv_rope_epilogue(
             res, tl.sum(acc_u, 1) * tl.load(ws_ptr + rn + HALF), head, freq, rn, out_ptr + row.to(tl.int64) * stride_om,
-            bias_ptr, pos_ptr + row, cos_sin_ptr, k_cache_ptr, v_cache_ptr, slot_ptr + row,
-            stride_cs, stride_cb, stride_cslot, stride_ch, block_size, num_q_heads, num_kv_heads, k_inv_scale,
+            bias_ptr, cos, sin, slot, k_cache_ptr, v_cache_ptr,
+            stride_cb, stride_cslot, stride_ch, block_size, num_q_heads, num_kv_heads, k_inv_scale,
             v_inv_scale, HALF, KV_FP8)
     else:
         if SILU_MUL:
@@ -889,8 +923,9 @@ def fp8_qkv_rope_tiles(n: int, k: int) -> dict | None:
 
 
 # Whether a one-row decode step's qkv projection on the FP8 GEMV rotates q/k and writes the KV cache in
-# its epilogue (``fp8_qkv_rope_gemv``: the rotary + cache-write kernel folded in). Off until timed on a GPU.
-FP8_QKV_ROPE = False
+# its epilogue (``fp8_qkv_rope_gemv``: the rotary + cache-write kernel folded in). On: an H200's Llama-3-8B
+# decode step took 63 us less with it (2,940 -> 2,877 us in one process; docs/benchmarks.md, session 15).
+FP8_QKV_ROPE = True
 
 
 @triton.jit

@@ -257,6 +257,24 @@ def test_rotary_and_cache_write_in_one_kernel_is_the_two_kernels(tk, cache_dtype
     assert torch.equal(k2.cpu(), k.cpu())
 
 
+def test_greedy_argmax_takes_the_first_maximum(tk, monkeypatch):
+    """The two-stage argmax equals torch.argmax, ties included: the first column holding the row's maximum,
+    across chunks and within one; a padded last chunk, a row of -inf and a NaN (the maximum) too."""
+    monkeypatch.setattr(tk.fused, "ARGMAX_CHUNK", 16)  # many chunks at the interpreter's speed
+    logits = torch.randn(7, 100)
+    logits[1, 40] = logits[1, 70] = 9.0  # tie across chunks: 40
+    logits[2, 33] = logits[2, 35] = 9.0  # tie inside one chunk: 33
+    logits[3, 99] = 9.0  # in the padded last chunk
+    logits[4] = float("-inf")  # every column masked: 0, as torch.argmax
+    logits[5, 3] = float("nan")
+    logits[6, :] = 2.0  # all equal: 0
+    got = tk.fused.greedy_argmax(logits.to(tk.device)).cpu()
+    assert got.dtype == torch.int64
+    assert got.tolist() == logits.argmax(-1).tolist() == [got[0].item(), 40, 33, 99, 0, 3, 0]
+    assert tk.fused.greedy_argmax(logits[:0].to(tk.device)).shape == (0,)
+
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_silu_and_mul(tk, dtype):
     x = torch.randn(2, 3, 2 * 40).to(dtype)
@@ -396,3 +414,55 @@ def test_gpu_fused_ops_through_dispatch():
 
     x = torch.randn(37, 2 * 14336, device="cuda", dtype=torch.bfloat16)
     torch.testing.assert_close(ops.silu_and_mul(x), ref.silu_and_mul(x), atol=2e-2, rtol=2e-2)
+
+
+_COMPILE_SM90 = """
+import importlib, json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+done = {}
+for case in json.loads(sys.argv[1]):
+    fn = getattr(importlib.import_module(case["module"]), case["kernel"])
+    names = list(fn.arg_names)
+    const = case["const"]
+    signature = {n: "constexpr" if n in const else case["types"][n] for n in names}
+    # pointers 16-byte aligned, as a launch specializes them (without it nothing is vectorized or pipelined)
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if signature[n].startswith("*")}
+    src = ASTSource(fn, signature, constexprs={(names.index(n),): v for n, v in const.items()}, attrs=attrs)
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(case["options"], launch_pdl=True))
+    ptx = k.asm["ptx"]
+    done[case["name"]] = ".target sm_90" in ptx and len(k.asm["cubin"]) > 0 and all(p in ptx for p in case["ptx"])
+print(json.dumps(done))
+"""
+
+_INT4_ROW_TYPES = dict(
+    x_ptr="*bf16", qw_ptr="*i32", z_ptr="*i32", s_ptr="*bf16", out_ptr="*bf16", M="i32", N="i32", K="i32",
+    stride_xm="i32", stride_qn="i32", stride_om="i32", NIB_MASK="i32", part_ptr="*fp32", arrivals_ptr="*i32")
+# The arrival count: an acq_rel atomic behind a CTA barrier (kvloom/kernels/arrivals.py).
+_ARRIVAL_PTX = ["bar.sync", "atom.global.gpu.acq_rel.add"]
+
+
+def test_kernels_that_combine_their_splits_compile_for_sm90():
+    """The int4 row GEMV's split-K, with and without combining its splits in the kernel, compiles for an
+    H100/H200 (sm90, PDL) on this machine, GPU or not, and the combining one counts arrivals with an acq_rel
+    atomic behind a barrier (the ordering that makes the other splits' partials visible to the last). In a
+    fresh interpreter: this module's kernels are interpreted."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton.backends.nvidia.compiler", reason="triton's CUDA backend is not installed")
+    cases = []
+    for fused in (False, True):
+        cases.append(dict(
+            name=f"int4 row combine={fused}", module="kvloom.kernels.triton_quant", kernel="_int4_row_gemv_kernel",
+            types=_INT4_ROW_TYPES, options=dict(num_warps=8, num_stages=2), ptx=_ARRIVAL_PTX if fused else [],
+            const=dict(GROUP=128, BLOCK_N=64, BLOCK_K=1024, SPLIT_K=4, PDL=True, SILU_MUL=False, SPLIT_COMBINE=fused)))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-c", _COMPILE_SM90, json.dumps(cases)], env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-4000:]
+    assert json.loads(run.stdout.strip().splitlines()[-1]) == {c["name"]: True for c in cases}
