@@ -913,13 +913,21 @@ def fp8_qkv_rope_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch
     return out.reshape(*x.shape[:-1], n)
 
 
+# The fused qkv + rotary GEMV's K tile at least this (up to K's power of two): on an H200 at Llama-3-8B's
+# qkv_proj, in the decode step, 1024 took 259 us a step against 310 for the one-row tile's 512 (session 15,
+# docs/benchmarks.md); the plain qkv GEMV keeps 512, which its own sweep picked.
+FP8_QKV_ROPE_MIN_BLOCK_K = 1024
+
+
 def fp8_qkv_rope_tiles(n: int, k: int) -> dict | None:
-    """The fused qkv + rotary GEMV's tiles: the one-row tiles, each program's rows split between the two
-    halves of a head (so ``BLOCK_N`` halves), or None where there are no fixed ones."""
+    """The fused qkv + rotary GEMV's tiles: the one-row tiles with a K tile of at least
+    ``FP8_QKV_ROPE_MIN_BLOCK_K``, each program's rows split between the two halves of a head (so
+    ``BLOCK_N`` halves), or None where there are no fixed ones."""
     tiles = fp8_row_tiles(n, k)
     if tiles is None or tiles.get("SPLIT_K", 1) != 1:
         return None
-    return dict(tiles, BLOCK_N=max(tiles["BLOCK_N"] // 2, 1))
+    block_k = max(tiles["BLOCK_K"], min(FP8_QKV_ROPE_MIN_BLOCK_K, triton.next_power_of_2(k)))
+    return dict(tiles, BLOCK_N=max(tiles["BLOCK_N"] // 2, 1), BLOCK_K=block_k)
 
 
 # Whether a one-row decode step's qkv projection on the FP8 GEMV rotates q/k and writes the KV cache in

@@ -187,6 +187,20 @@ def test_int4_row_gemv_matches_the_reference(tk, monkeypatch, group, split, comb
         assert int(arrivals._COUNTERS[args[0].device].abs().sum()) == 0  # left zero for the next kernel
 
 
+def test_fp8_qkv_rope_tiles_split_a_heads_rows_and_read_long_k_tiles():
+    """The fused qkv + rotary GEMV takes the one-row tiles with half the rows from each half of a head and
+    a K tile of 1024 (the decode step's timing at Llama-3-8B's qkv_proj), or K's power of two below it; the
+    plain qkv GEMV keeps its own 512."""
+    from kvloom.kernels import triton_quant as tq
+
+    llama = tq.fp8_qkv_rope_tiles(6144, 4096)
+    assert (llama["BLOCK_N"], llama["BLOCK_K"], llama["SPLIT_K"]) == (4, 1024, 1)
+    assert tq.fp8_row_tiles(6144, 4096)["BLOCK_K"] == 512
+    assert tq.fp8_qkv_rope_tiles(384, 64)["BLOCK_K"] == 1024  # the 4096 x 4096 tile's own K tile
+    assert tq.fp8_qkv_rope_tiles(40000, 512)["BLOCK_K"] == 512  # K below 1024: its power of two
+    assert tq.fp8_qkv_rope_tiles(10**6, 4096) is None  # no fixed tiles: not fused
+
+
 def test_int4_tiles_by_shape_and_rows():
     """The row GEMV splits K on long, narrow weights; the tensor-core kernel widens its tile beyond 16 rows
     and on wide weights."""
