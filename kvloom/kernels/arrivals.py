@@ -1,6 +1,7 @@
 """Arrival counters for split kernels that combine their own splits.
 
-A kernel split across programs (the int4 row GEMV's split-K) needs the splits' partial results combined. A second kernel costs a launch and, with PDL, the chain of early launches (pdl.py);
+A kernel split across programs (the one-row int4 and FP8 GEMVs' split-K) needs the splits' partial results
+combined. A second kernel costs a launch and, with PDL, the chain of early launches (pdl.py);
 atomically adding float32 partials into a zeroed output costs a fill and a cast kernel and is not
 deterministic. Instead each split stores its partial, and the program that arrives last at its output tile,
 counted by an atomic add on a counter, combines the partials in a fixed order and stores the result.

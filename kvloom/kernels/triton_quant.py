@@ -97,6 +97,24 @@ def _out_buffer(m: int, n: int, split: int, like: torch.Tensor) -> torch.Tensor:
     return torch.empty((m, n), device=like.device, dtype=like.dtype)
 
 
+# Whether the one-row GEMVs' split-K programs (the int4 row GEMV's, the FP8 GEMV's) combine their partials
+# themselves (the last split of an output tile, kvloom/kernels/arrivals.py) instead of atomically adding into
+# a zeroed float32 output that a cast kernel then rounds: two PyTorch kernels fewer a layer, which also broke
+# the chain of PDL launches, and a deterministic sum.
+SPLIT_COMBINE = True
+
+
+def _split_outputs(x2: torch.Tensor, m: int, n: int, tiles: int, split: int):
+    """``(part, arrivals, out)`` for a GEMV of ``m`` rows, ``n`` outputs in ``tiles`` tiles and ``split``
+    K-splits: with ``SPLIT_COMBINE`` (and counters to be had) the float32 partials ``[split, m, n]``, the
+    counters and an output in x's dtype; otherwise no partials and ``_out_buffer``'s output."""
+    arrivals = arrival_counters(x2, m * tiles) if split > 1 and SPLIT_COMBINE else None
+    if arrivals is None:
+        return None, None, _out_buffer(m, n, split, x2)
+    part = torch.empty((split, m, n), device=x2.device, dtype=torch.float32)
+    return part, arrivals, torch.empty((m, n), device=x2.device, dtype=x2.dtype)
+
+
 def _finish(out: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """``out [rows, n]`` in x's dtype and leading shape, plus ``bias``."""
     out = out.to(x.dtype)
@@ -661,10 +679,6 @@ def int4_row_dequantize(packed: torch.Tensor, zeros: torch.Tensor, scales: torch
 
 
 INT4_ROW_TILE = dict(BLOCK_N=16, BLOCK_K=1024, SPLIT_K=1, num_warps=4, num_stages=3)
-# Whether the row GEMV's split-K programs combine their partials themselves (the last split of an output
-# tile, kvloom/kernels/arrivals.py) instead of atomically adding into a zeroed float32 output that a cast
-# kernel then rounds: two PyTorch kernels fewer a layer, which also broke the chain of PDL launches.
-INT4_SPLIT_COMBINE = True
 
 
 def int4_row_gemv(x: torch.Tensor, packed: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor,
@@ -691,14 +705,7 @@ def int4_row_gemv(x: torch.Tensor, packed: torch.Tensor, zeros: torch.Tensor, sc
         raise ValueError(f"int4_row_gemv needs group_size={group_size} to be a multiple of 32 dividing K={k}")
     cfg["BLOCK_K"] = bk
     tiles = triton.cdiv(n, cfg["BLOCK_N"])
-    part = arrivals = None
-    if cfg["SPLIT_K"] > 1 and INT4_SPLIT_COMBINE:
-        arrivals = arrival_counters(x2, m * tiles)
-    if arrivals is not None:  # the splits combined in the kernel: x's dtype out, no fill, no cast
-        part = torch.empty((cfg["SPLIT_K"], m, n), device=x.device, dtype=torch.float32)
-        out = torch.empty((m, n), device=x.device, dtype=x.dtype)
-    else:
-        out = _out_buffer(m, n, cfg["SPLIT_K"], x)
+    part, arrivals, out = _split_outputs(x2, m, n, tiles, cfg["SPLIT_K"])
     _int4_row_gemv_kernel[(m, tiles, cfg["SPLIT_K"])](
         x2, packed, zeros, scales, out, m, n, k, x2.stride(0), packed.stride(0), out.stride(0), 0x000F0000,
         part, arrivals, GROUP=group_size, **cfg, **pdl_args(x2), SILU_MUL=silu_mul, SPLIT_COMBINE=arrivals is not None)
@@ -760,10 +767,10 @@ def _fp8_gemv_kernel(
     M, N, K, M_BUCKET, stride_xm, stride_wn, stride_om,
     bias_ptr=None, pos_ptr=None, cos_sin_ptr=None, k_cache_ptr=None, v_cache_ptr=None, slot_ptr=None,
     stride_cs=0, stride_cb=0, stride_cslot=0, stride_ch=0, block_size=1, num_q_heads=0, num_kv_heads=0,
-    k_inv_scale=1.0, v_inv_scale=1.0,
+    k_inv_scale=1.0, v_inv_scale=1.0, part_ptr=None, arrivals_ptr=None,
     BLOCK_N: tl.constexpr = 16, BLOCK_K: tl.constexpr = 256, SPLIT_K: tl.constexpr = 1, PDL: tl.constexpr = False,
     SILU_MUL: tl.constexpr = False, X_TILE: tl.constexpr = False, ROPE: tl.constexpr = False,
-    HEAD_DIM: tl.constexpr = 128, KV_FP8: tl.constexpr = False,
+    HEAD_DIM: tl.constexpr = 128, KV_FP8: tl.constexpr = False, SPLIT_COMBINE: tl.constexpr = False,
 ):
     # The FP8 weight [N, K] is read along K (its contiguous dim, 16 values per 128-bit load), converted
     # in registers and multiplied by the row of x; one reduction along K at the end. x is read once per
@@ -835,6 +842,9 @@ def _fp8_gemv_kernel(
         out = out_ptr + row.to(tl.int64) * stride_om + rn
         if SPLIT_K == 1:
             tl.store(out, res.to(out_ptr.dtype.element_ty), mask=n_ok)
+        elif SPLIT_COMBINE:
+            _combine_split_k(res, out, part_ptr, arrivals_ptr + row * tl.num_programs(1) + pid_n, row, pid_k, rn, n_ok,
+                             M, N, SPLIT_K)
         else:
             tl.atomic_add(out, res, mask=n_ok)
 
@@ -872,10 +882,12 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
     else:
         cfg = dict(config or dict(BLOCK_N=16, BLOCK_K=256, SPLIT_K=1, num_warps=4))
         cfg.setdefault("X_TILE", FP8_GEMV_X_TILE)
-        out = _out_buffer(m, n, cfg["SPLIT_K"], x)
-        _fp8_gemv_kernel[(m, triton.cdiv(n, cfg["BLOCK_N"]), cfg["SPLIT_K"])](
+        tiles = triton.cdiv(n, cfg["BLOCK_N"])
+        part, arrivals, out = _split_outputs(x2, m, n, tiles, cfg["SPLIT_K"])
+        _fp8_gemv_kernel[(m, tiles, cfg["SPLIT_K"])](
             x2, weight, weight_scale.reshape(-1), out, m, n, k, _row_bucket(m), x2.stride(0), weight.stride(0),
-            out.stride(0), **cfg, **pdl_args(x2), SILU_MUL=silu_mul)
+            out.stride(0), part_ptr=part, arrivals_ptr=arrivals, **cfg, **pdl_args(x2), SILU_MUL=silu_mul,
+            SPLIT_COMBINE=arrivals is not None)
     return _finish(out, x, bias)
 
 

@@ -164,9 +164,9 @@ def test_int4_row_gemv_matches_the_reference(tk, monkeypatch, group, split, comb
     """The bit-pattern GEMV on its row-major layout (``int4_row_pack``): each nibble becomes the float
     ``1 + q / 128`` and each group's offset and zero point come off its sums, the same product as
     dequantizing first, to float32 rounding; three rows, N of 80 (a partial column tile), a bias, tiles of
-    one and of several groups. Split-K with the last split combining the partials (``INT4_SPLIT_COMBINE``;
+    one and of several groups. Split-K with the last split combining the partials (``SPLIT_COMBINE``;
     3 splits of 2 tiles leave one empty) and with atomic adds into a zeroed float32 output."""
-    monkeypatch.setattr(tk.quant, "INT4_SPLIT_COMBINE", combine)
+    monkeypatch.setattr(tk.quant, "SPLIT_COMBINE", combine)
     k, n = 512, 80
     qweight, zeros, scales = random_packed(k, n, 4, group, seed=11)
     x = torch.randn(3, k, generator=torch.Generator().manual_seed(12))
@@ -269,13 +269,23 @@ def test_int4_row_pack_places_each_input_where_the_kernel_reads_it():
                 assert (int(packed[row, w]) >> (4 * j)) & 15 == int(q[(w // 4) * 32 + 4 * j + w % 4, row])
 
 
+@pytest.mark.parametrize("combine", [True, False])
 @pytest.mark.parametrize("rows", [1, 4])
-def test_fp8_gemv_without_tensor_cores_matches_the_dequantized_product(tk, rows):
+def test_fp8_gemv_without_tensor_cores_matches_the_dequantized_product(tk, monkeypatch, rows, combine):
+    """With and without split-K, the splits combined by the last to arrive (``SPLIT_COMBINE``: the same bits
+    every time, the counters left zero) or atomically added."""
+    monkeypatch.setattr(tk.quant, "SPLIT_COMBINE", combine)
     x, wq, scale, bias, want = fp8_layer(rows, seed=4)
     dev = tk.device
+    args = (x.to(dev), wq.to(dev), scale.to(dev), bias.to(dev))
     for cfg in (dict(BLOCK_N=16, BLOCK_K=64, SPLIT_K=1, num_warps=4), dict(BLOCK_N=32, BLOCK_K=128, SPLIT_K=2, num_warps=4)):
-        got = tk.quant.fp8_gemv(x.to(dev), wq.to(dev), scale.to(dev), bias.to(dev), config=cfg)
+        got = tk.quant.fp8_gemv(*args, config=cfg)
         torch.testing.assert_close(got.cpu(), want, atol=1e-4, rtol=1e-4)
+        if combine and cfg["SPLIT_K"] > 1:
+            from kvloom.kernels import arrivals
+
+            assert torch.equal(tk.quant.fp8_gemv(*args, config=cfg), got)
+            assert int(arrivals._COUNTERS[args[0].device].abs().sum()) == 0
 
 
 @pytest.mark.parametrize("x_tile", [False, True])
@@ -499,14 +509,17 @@ types = dict(
     x_ptr="*bf16", w_ptr="*fp8e4nv", ws_ptr="*fp32", out_ptr="*bf16", M="i32", N="i32", K="i32", M_BUCKET="i32",
     stride_xm="i32", stride_wn="i32", stride_om="i32", bias_ptr="*bf16", pos_ptr="*i64", cos_sin_ptr="*fp32",
     k_cache_ptr="*bf16", v_cache_ptr="*bf16", slot_ptr="*i64", stride_cs="i32", stride_cb="i32", stride_cslot="i32",
-    stride_ch="i32", block_size="i32", num_q_heads="i32", num_kv_heads="i32", k_inv_scale="fp32", v_inv_scale="fp32")
+    stride_ch="i32", block_size="i32", num_q_heads="i32", num_kv_heads="i32", k_inv_scale="fp32", v_inv_scale="fp32",
+    part_ptr="*fp32", arrivals_ptr="*i32")
 fn = triton_quant._fp8_gemv_kernel
 names = list(fn.arg_names)
 done = {}
 for variant in sys.argv[1:]:
     rope = variant.startswith("rope")
-    const = dict(BLOCK_N=4 if rope else 8, BLOCK_K=512, SPLIT_K=1, PDL=True, SILU_MUL=variant.startswith("silu"),
-                 X_TILE=variant.startswith("silu"), ROPE=rope, HEAD_DIM=128, KV_FP8=variant == "rope_fp8_cache")
+    split = variant == "split_combine"
+    const = dict(BLOCK_N=4 if rope else 8, BLOCK_K=512, SPLIT_K=2 if split else 1, PDL=True,
+                 SILU_MUL=variant.startswith("silu"), X_TILE=variant.startswith("silu"), ROPE=rope, HEAD_DIM=128,
+                 KV_FP8=variant == "rope_fp8_cache", SPLIT_COMBINE=split)
     ts = dict(types)
     if variant == "rope_fp8_cache":
         const["bias_ptr"] = None
@@ -516,17 +529,18 @@ for variant in sys.argv[1:]:
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if signature[n].startswith("*")}
     src = ASTSource(fn, signature, constexprs={(names.index(n),): v for n, v in const.items()}, attrs=attrs)
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, num_stages=2, launch_pdl=True))
-    done[variant] = ".target sm_90" in k.asm["ptx"] and len(k.asm["cubin"]) > 0
+    done[variant] = ".target sm_90" in k.asm["ptx"] and len(k.asm["cubin"]) > 0 and (
+        not split or "atom.global.gpu.acq_rel.add" in k.asm["ptx"])
 print(json.dumps(done))
 """
 
 
 def test_fp8_gemv_variants_compile_for_sm90():
     """The FP8 GEMV's variants (plain; SiLU-and-mul reading x in the weights' layout; qkv with rotary and
-    the cache write, with a bias, and with an fp8 cache and no bias) compile for an H100/H200 (sm90, PDL)
-    on this machine, GPU or not. The interpreter runs them as Python and does not catch what only the
-    compiler rejects (a value whose type changes inside a runtime branch, say). In a fresh interpreter:
-    this module's kernels are interpreted."""
+    the cache write, with a bias, and with an fp8 cache and no bias; split-K combined by its last split)
+    compile for an H100/H200 (sm90, PDL) on this machine, GPU or not. The interpreter runs them as Python
+    and does not catch what only the compiler rejects (a value whose type changes inside a runtime branch,
+    say). In a fresh interpreter: this module's kernels are interpreted."""
     import json
     import os
     import subprocess
@@ -534,7 +548,7 @@ def test_fp8_gemv_variants_compile_for_sm90():
 
     pytest.importorskip("triton.backends.nvidia.compiler", reason="triton's CUDA backend is not installed")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    variants = ["plain", "silu_mul_x_tile", "rope_bias", "rope_fp8_cache"]
+    variants = ["plain", "silu_mul_x_tile", "rope_bias", "rope_fp8_cache", "split_combine"]
     run = subprocess.run([sys.executable, "-c", _COMPILE_SM90, *variants], env=env, capture_output=True, text=True,
                          timeout=600)
     assert run.returncode == 0, run.stderr[-4000:]
