@@ -636,10 +636,14 @@ def int4_mma_gemm(x: torch.Tensor, packed: torch.Tensor, zeros: torch.Tensor, sc
 
 
 @triton.jit
-def _int4_row_dequantize_kernel(qw_ptr, z_ptr, s_ptr, w_ptr, N, K, stride_qn,
-                                GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _int4_row_dequantize_kernel(qw_ptr, z_ptr, s_ptr, w_ptr, N, K, stride_qn, NIB_MASK=0x000F0000,
+                                GROUP: tl.constexpr = 128, BLOCK_N: tl.constexpr = 64, BLOCK_K: tl.constexpr = 256,
+                                FMA: tl.constexpr = False):
     # Each word's 8 values are put in input order in registers, so that the [BLOCK_N, BLOCK_K] tile is one
-    # contiguous store per row (not 8 strided ones).
+    # contiguous store per row (not 8 strided ones). With FMA a value is the row GEMV's float 1 + q / 128
+    # (a shift and a LOP3, no integer-to-float conversion) times 128 s plus -(128 + z) s, one FMA: the exact
+    # (q - z) s, as without it (q - z has 5 significant bits and an fp16 scale 11, so no step rounds),
+    # so the two ways give the same bits.
     KW: tl.constexpr = BLOCK_K // 8
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rw = tl.program_id(1) * KW + tl.arange(0, KW)
@@ -649,14 +653,26 @@ def _int4_row_dequantize_kernel(qw_ptr, z_ptr, s_ptr, w_ptr, N, K, stride_qn,
     gi = (((rw // 4) * 32) // GROUP)[None, :].to(tl.int64) * N + rn[:, None]  # a word's 8 inputs share a group
     z = tl.load(z_ptr + gi, mask=ok, other=0).to(tl.float32)
     s = tl.load(s_ptr + gi, mask=ok, other=0.0).to(tl.float32)
-    v0 = ((words & 15).to(tl.float32) - z) * s
-    v1 = (((words >> 4) & 15).to(tl.float32) - z) * s
-    v2 = (((words >> 8) & 15).to(tl.float32) - z) * s
-    v3 = (((words >> 12) & 15).to(tl.float32) - z) * s
-    v4 = (((words >> 16) & 15).to(tl.float32) - z) * s
-    v5 = (((words >> 20) & 15).to(tl.float32) - z) * s
-    v6 = (((words >> 24) & 15).to(tl.float32) - z) * s
-    v7 = (((words >> 28) & 15).to(tl.float32) - z) * s
+    if FMA:
+        a = s * 128.0
+        b = -((128.0 + z) * s)
+        v0 = _int4_row_nibbles(words, 0, NIB_MASK) * a + b
+        v1 = _int4_row_nibbles(words, 1, NIB_MASK) * a + b
+        v2 = _int4_row_nibbles(words, 2, NIB_MASK) * a + b
+        v3 = _int4_row_nibbles(words, 3, NIB_MASK) * a + b
+        v4 = _int4_row_nibbles(words, 4, NIB_MASK) * a + b
+        v5 = _int4_row_nibbles(words, 5, NIB_MASK) * a + b
+        v6 = _int4_row_nibbles(words, 6, NIB_MASK) * a + b
+        v7 = _int4_row_nibbles(words, 7, NIB_MASK) * a + b
+    else:
+        v0 = ((words & 15).to(tl.float32) - z) * s
+        v1 = (((words >> 4) & 15).to(tl.float32) - z) * s
+        v2 = (((words >> 8) & 15).to(tl.float32) - z) * s
+        v3 = (((words >> 12) & 15).to(tl.float32) - z) * s
+        v4 = (((words >> 16) & 15).to(tl.float32) - z) * s
+        v5 = (((words >> 20) & 15).to(tl.float32) - z) * s
+        v6 = (((words >> 24) & 15).to(tl.float32) - z) * s
+        v7 = (((words >> 28) & 15).to(tl.float32) - z) * s
     vals = tl.join(tl.join(tl.join(v0, v1), tl.join(v2, v3)), tl.join(tl.join(v4, v5), tl.join(v6, v7)))
     # [BN, KW, a, b, c] holds nibble a + 2 b + 4 c; word w = 4 (w // 4) + w % 4; input (w // 4) * 32 + 4 nib + w % 4
     vals = tl.reshape(vals, (BLOCK_N, KW // 4, 4, 2, 2, 2))
@@ -672,10 +688,18 @@ def int4_row_dequantize(packed: torch.Tensor, zeros: torch.Tensor, scales: torch
     reference dequantizes it: ``(q - z) * s`` in float32, rounded once."""
     n, kw = packed.shape
     w = out[: n * kw * 8].view(n, kw * 8)
+    fma = INT4_DEQUANT_FMA and scales.dtype in (torch.float16, torch.bfloat16)  # exact only for 16-bit scales
     _int4_row_dequantize_kernel[(triton.cdiv(n, 64), triton.cdiv(kw * 8, 256))](
-        packed, zeros, scales, w, n, kw * 8, packed.stride(0), GROUP=group_size, BLOCK_N=64, BLOCK_K=256,
-        num_warps=4)
+        packed, zeros, scales, w, n, kw * 8, packed.stride(0), 0x000F0000, GROUP=group_size, BLOCK_N=64,
+        BLOCK_K=256, FMA=fma, num_warps=4)
     return w
+
+
+# Whether the row-layout dequantization (17 rows and more: dequantize, then cuBLAS) builds each value with
+# the row GEMV's bit pattern and one FMA instead of an integer-to-float conversion, a subtraction and a
+# product: the same bits, about half the instructions a value. Off until timed on a GPU (its use: awq's
+# offline throughput, where this pass is what keeps awq below bf16).
+INT4_DEQUANT_FMA = False
 
 
 INT4_ROW_TILE = dict(BLOCK_N=16, BLOCK_K=1024, SPLIT_K=1, num_warps=4, num_stages=3)

@@ -240,9 +240,14 @@ def test_int4_tensor_core_kernel_on_the_row_layout_matches_the_reference(tk, gro
         assert (got - want).abs().max() <= 0.01 * want.abs().max()  # 16-bit output; exact sums inside
 
 
-def test_int4_row_layout_dequantizes_to_the_reference_weight(tk):
+@pytest.mark.parametrize("fma", [False, True])
+def test_int4_row_layout_dequantizes_to_the_reference_weight(tk, monkeypatch, fma):
     """The many-row path's dequantization from the row layout: ``(q - z) * s`` as the reference, into
-    ``[N, K]``; then the dense product (a second, smaller layer reuses the scratch buffer)."""
+    ``[N, K]``, to the bit in float32 (and in bf16 on a GPU; the interpreter's bf16 cast truncates), with
+    each value built by an integer-to-float conversion or by the bit pattern and one FMA
+    (``INT4_DEQUANT_FMA``), both ways the same bits; then the dense product (a second, smaller layer reuses
+    the scratch buffer)."""
+    monkeypatch.setattr(tk.quant, "INT4_DEQUANT_FMA", fma)
     x = torch.randn(70, 256, generator=torch.Generator().manual_seed(15))
     for k, n, group in ((256, 96, 32), (128, 64, 64)):
         qweight, zeros, scales = random_packed(k, n, 4, group, seed=k)
@@ -251,6 +256,13 @@ def test_int4_row_layout_dequantizes_to_the_reference_weight(tk):
         args = [t.to(tk.device) for t in (packed, zeros, scales)]
         buf = torch.empty(k * n, device=tk.device)
         torch.testing.assert_close(tk.quant.int4_row_dequantize(*args, group, buf).cpu(), dense.t(), atol=0, rtol=0)
+        buf16 = torch.empty(k * n, device=tk.device, dtype=torch.bfloat16)
+        got16 = tk.quant.int4_row_dequantize(*args, group, buf16).cpu()
+        if tk.device == "cuda":  # the interpreter's float32 -> bf16 cast truncates instead of rounding
+            assert torch.equal(got16, dense.t().to(torch.bfloat16))
+        monkeypatch.setattr(tk.quant, "INT4_DEQUANT_FMA", not fma)
+        assert torch.equal(tk.quant.int4_row_dequantize(*args, group, buf16).cpu(), got16)  # the other way
+        monkeypatch.setattr(tk.quant, "INT4_DEQUANT_FMA", fma)
         want = qr.int_matmul(x[:, :k], qweight, zeros, scales, group, 4)
         got = tk.quant.int4_row_matmul_dequantized(x[:, :k].to(tk.device), *args, group)
         torch.testing.assert_close(got.cpu(), want, atol=1e-4, rtol=1e-4)
