@@ -495,17 +495,18 @@ def _int4_row_gemv_kernel(
     if SPLIT_K == 1:
         tl.store(out, res.to(out_ptr.dtype.element_ty), mask=n_ok)
     elif SPLIT_COMBINE:
-        _combine_split_k(res, out, part_ptr, arrivals_ptr + row * tl.num_programs(1) + pid_n, row, pid_k, rn, n_ok, M,
-                         N, SPLIT_K)
+        _combine_split_k(res, out, part_ptr, arrivals_ptr, row, pid_n, pid_k, rn, n_ok, M, N, SPLIT_K)
     else:
         tl.atomic_add(out, res, mask=n_ok)
 
 
 @triton.jit
-def _combine_split_k(res, out, part_ptr, counter, row, pid_k, rn, n_ok, M, N, SPLIT_K: tl.constexpr):
+def _combine_split_k(res, out, part_ptr, arrivals_ptr, row, pid_n, pid_k, rn, n_ok, M, N, SPLIT_K: tl.constexpr):
     """A split-K program's end without a zeroed float32 output: its partial sums ``res`` go to
-    ``part [SPLIT_K, M, N]`` (float32), and the split that arrives last at the output tile adds the
-    partials in split order, in float32, and stores them in ``out``'s dtype (kvloom/kernels/arrivals.py)."""
+    ``part [SPLIT_K, M, N]`` (float32), and the split that arrives last at the output tile (row ``row``,
+    column tile ``pid_n``: one counter each) adds the partials in split order, in float32, and stores them in
+    ``out``'s dtype (kvloom/kernels/arrivals.py)."""
+    counter = arrivals_ptr + row * tl.num_programs(1) + pid_n
     n64 = N.to(tl.int64)
     tl.store(part_ptr + (pid_k * M + row) * n64 + rn, res, mask=n_ok)
     tl.debug_barrier()
@@ -636,6 +637,16 @@ def int4_mma_gemm(x: torch.Tensor, packed: torch.Tensor, zeros: torch.Tensor, sc
 
 
 @triton.jit
+def _int4_row_value(words, J: tl.constexpr, a, b, NIB_MASK, FMA: tl.constexpr):
+    """Nibble ``J`` of each word dequantized, ``(q - z) s`` in float32: with FMA from its float 1 + q / 128
+    as ``f a + b`` (``a = 128 s``, ``b = -(128 + z) s``), otherwise converted, ``(q - b) a`` (``a = s``,
+    ``b = z``)."""
+    if FMA:
+        return _int4_row_nibbles(words, J, NIB_MASK) * a + b
+    return (((words >> (4 * J)) & 15).to(tl.float32) - b) * a
+
+
+@triton.jit
 def _int4_row_dequantize_kernel(qw_ptr, z_ptr, s_ptr, w_ptr, N, K, stride_qn, NIB_MASK=0x000F0000,
                                 GROUP: tl.constexpr = 128, BLOCK_N: tl.constexpr = 64, BLOCK_K: tl.constexpr = 256,
                                 FMA: tl.constexpr = False):
@@ -653,26 +664,18 @@ def _int4_row_dequantize_kernel(qw_ptr, z_ptr, s_ptr, w_ptr, N, K, stride_qn, NI
     gi = (((rw // 4) * 32) // GROUP)[None, :].to(tl.int64) * N + rn[:, None]  # a word's 8 inputs share a group
     z = tl.load(z_ptr + gi, mask=ok, other=0).to(tl.float32)
     s = tl.load(s_ptr + gi, mask=ok, other=0.0).to(tl.float32)
-    if FMA:
-        a = s * 128.0
-        b = -((128.0 + z) * s)
-        v0 = _int4_row_nibbles(words, 0, NIB_MASK) * a + b
-        v1 = _int4_row_nibbles(words, 1, NIB_MASK) * a + b
-        v2 = _int4_row_nibbles(words, 2, NIB_MASK) * a + b
-        v3 = _int4_row_nibbles(words, 3, NIB_MASK) * a + b
-        v4 = _int4_row_nibbles(words, 4, NIB_MASK) * a + b
-        v5 = _int4_row_nibbles(words, 5, NIB_MASK) * a + b
-        v6 = _int4_row_nibbles(words, 6, NIB_MASK) * a + b
-        v7 = _int4_row_nibbles(words, 7, NIB_MASK) * a + b
+    if FMA:  # per word, for its group
+        a, b = s * 128.0, -((128.0 + z) * s)
     else:
-        v0 = ((words & 15).to(tl.float32) - z) * s
-        v1 = (((words >> 4) & 15).to(tl.float32) - z) * s
-        v2 = (((words >> 8) & 15).to(tl.float32) - z) * s
-        v3 = (((words >> 12) & 15).to(tl.float32) - z) * s
-        v4 = (((words >> 16) & 15).to(tl.float32) - z) * s
-        v5 = (((words >> 20) & 15).to(tl.float32) - z) * s
-        v6 = (((words >> 24) & 15).to(tl.float32) - z) * s
-        v7 = (((words >> 28) & 15).to(tl.float32) - z) * s
+        a, b = s, z
+    v0 = _int4_row_value(words, 0, a, b, NIB_MASK, FMA)
+    v1 = _int4_row_value(words, 1, a, b, NIB_MASK, FMA)
+    v2 = _int4_row_value(words, 2, a, b, NIB_MASK, FMA)
+    v3 = _int4_row_value(words, 3, a, b, NIB_MASK, FMA)
+    v4 = _int4_row_value(words, 4, a, b, NIB_MASK, FMA)
+    v5 = _int4_row_value(words, 5, a, b, NIB_MASK, FMA)
+    v6 = _int4_row_value(words, 6, a, b, NIB_MASK, FMA)
+    v7 = _int4_row_value(words, 7, a, b, NIB_MASK, FMA)
     vals = tl.join(tl.join(tl.join(v0, v1), tl.join(v2, v3)), tl.join(tl.join(v4, v5), tl.join(v6, v7)))
     # [BN, KW, a, b, c] holds nibble a + 2 b + 4 c; word w = 4 (w // 4) + w % 4; input (w // 4) * 32 + 4 nib + w % 4
     vals = tl.reshape(vals, (BLOCK_N, KW // 4, 4, 2, 2, 2))
@@ -697,8 +700,9 @@ def int4_row_dequantize(packed: torch.Tensor, zeros: torch.Tensor, scales: torch
 
 # Whether the row-layout dequantization (17 rows and more: dequantize, then cuBLAS) builds each value with
 # the row GEMV's bit pattern and one FMA instead of an integer-to-float conversion, a subtraction and a
-# product: the same bits, about half the instructions a value. Off until timed on a GPU (its use: awq's
-# offline throughput, where this pass is what keeps awq below bf16).
+# product: the same bits; compiled for sm90, 1,056 instructions a program instead of 1,200, none of them the
+# 144 quarter-rate I2FP. Off until timed on a GPU (its use: awq's offline throughput, where this pass is
+# what keeps awq below bf16).
 INT4_DEQUANT_FMA = False
 
 
@@ -867,8 +871,7 @@ def _fp8_gemv_kernel(
         if SPLIT_K == 1:
             tl.store(out, res.to(out_ptr.dtype.element_ty), mask=n_ok)
         elif SPLIT_COMBINE:
-            _combine_split_k(res, out, part_ptr, arrivals_ptr + row * tl.num_programs(1) + pid_n, row, pid_k, rn, n_ok,
-                             M, N, SPLIT_K)
+            _combine_split_k(res, out, part_ptr, arrivals_ptr, row, pid_n, pid_k, rn, n_ok, M, N, SPLIT_K)
         else:
             tl.atomic_add(out, res, mask=n_ok)
 
