@@ -600,7 +600,8 @@ INT4_MMA_MAX_ROWS = 64  # what the kernel takes (x padded to 16, 32 or 64 rows)
 # too (gate_up 70 and 95 against 173 us), but end to end (256 x (512 + 256) offline, the same H200 run,
 # session 10) routing 17-63 rows to it gave 5,100 output tok/s against 7,303 with 16: those rows come in
 # eager mixed steps (the last layer's kept rows); an unverified guess is that each new row count compiles its
-# variant there, inside the timed run.
+# variant there, inside the timed run (its BLOCK_M follows the rows). From 17 rows int4_row_gemm runs, whose
+# row count is not specialized (one compiled kernel a tile).
 INT4_MMA_ROWS = 16
 # Tiles from benchmarks/int4_gemv_sweep_gpu.py --kernel mma on an H200 (session 10): 64 outputs and K in four
 # up to 16 rows; 128 outputs a program beyond (o_proj at 63 rows 25.6 against 28.2 us) and for wide
@@ -647,6 +648,26 @@ def _int4_row_value(words, J: tl.constexpr, a, b, NIB_MASK, FMA: tl.constexpr):
 
 
 @triton.jit
+def _int4_row_tile(words, a, b, NIB_MASK, FMA: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """A ``[BLOCK_N, BLOCK_K / 8]`` tile of row-layout words dequantized (``_int4_row_value``, ``a`` and ``b``
+    broadcast to the words) as ``[BLOCK_N, BLOCK_K]`` float32 in input order. Each word's 8 values are put in
+    input order in registers, so that a row of the tile is contiguous."""
+    KW: tl.constexpr = BLOCK_K // 8
+    v0 = _int4_row_value(words, 0, a, b, NIB_MASK, FMA)
+    v1 = _int4_row_value(words, 1, a, b, NIB_MASK, FMA)
+    v2 = _int4_row_value(words, 2, a, b, NIB_MASK, FMA)
+    v3 = _int4_row_value(words, 3, a, b, NIB_MASK, FMA)
+    v4 = _int4_row_value(words, 4, a, b, NIB_MASK, FMA)
+    v5 = _int4_row_value(words, 5, a, b, NIB_MASK, FMA)
+    v6 = _int4_row_value(words, 6, a, b, NIB_MASK, FMA)
+    v7 = _int4_row_value(words, 7, a, b, NIB_MASK, FMA)
+    vals = tl.join(tl.join(tl.join(v0, v1), tl.join(v2, v3)), tl.join(tl.join(v4, v5), tl.join(v6, v7)))
+    # [BN, KW, a, b, c] holds nibble a + 2 b + 4 c; word w = 4 (w // 4) + w % 4; input (w // 4) * 32 + 4 nib + w % 4
+    vals = tl.reshape(vals, (BLOCK_N, KW // 4, 4, 2, 2, 2))
+    return tl.reshape(tl.permute(vals, (0, 1, 5, 4, 3, 2)), (BLOCK_N, BLOCK_K))
+
+
+@triton.jit
 def _int4_row_dequantize_kernel(qw_ptr, z_ptr, s_ptr, w_ptr, N, K, stride_qn, NIB_MASK=0x000F0000,
                                 GROUP: tl.constexpr = 128, BLOCK_N: tl.constexpr = 64, BLOCK_K: tl.constexpr = 256,
                                 FMA: tl.constexpr = False):
@@ -668,18 +689,7 @@ def _int4_row_dequantize_kernel(qw_ptr, z_ptr, s_ptr, w_ptr, N, K, stride_qn, NI
         a, b = s * 128.0, -((128.0 + z) * s)
     else:
         a, b = s, z
-    v0 = _int4_row_value(words, 0, a, b, NIB_MASK, FMA)
-    v1 = _int4_row_value(words, 1, a, b, NIB_MASK, FMA)
-    v2 = _int4_row_value(words, 2, a, b, NIB_MASK, FMA)
-    v3 = _int4_row_value(words, 3, a, b, NIB_MASK, FMA)
-    v4 = _int4_row_value(words, 4, a, b, NIB_MASK, FMA)
-    v5 = _int4_row_value(words, 5, a, b, NIB_MASK, FMA)
-    v6 = _int4_row_value(words, 6, a, b, NIB_MASK, FMA)
-    v7 = _int4_row_value(words, 7, a, b, NIB_MASK, FMA)
-    vals = tl.join(tl.join(tl.join(v0, v1), tl.join(v2, v3)), tl.join(tl.join(v4, v5), tl.join(v6, v7)))
-    # [BN, KW, a, b, c] holds nibble a + 2 b + 4 c; word w = 4 (w // 4) + w % 4; input (w // 4) * 32 + 4 nib + w % 4
-    vals = tl.reshape(vals, (BLOCK_N, KW // 4, 4, 2, 2, 2))
-    vals = tl.reshape(tl.permute(vals, (0, 1, 5, 4, 3, 2)), (BLOCK_N, BLOCK_K))
+    vals = _int4_row_tile(words, a, b, NIB_MASK, FMA, BLOCK_N, BLOCK_K)
     rk = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     tl.store(w_ptr + rn[:, None].to(tl.int64) * K + rk[None, :], vals.to(w_ptr.dtype.element_ty),
              mask=n_ok[:, None] & (rk < K)[None, :])
@@ -698,11 +708,149 @@ def int4_row_dequantize(packed: torch.Tensor, zeros: torch.Tensor, scales: torch
     return w
 
 
-# Whether the row-layout dequantization (17 rows and more: dequantize, then cuBLAS) builds each value with
-# the row GEMV's bit pattern and one FMA instead of an integer-to-float conversion, a subtraction and a
-# product: the same bits; compiled for sm90, 1,056 instructions a program instead of 1,200, none of them the
-# 144 quarter-rate I2FP. Off until timed on a GPU (its use: awq's offline throughput, where this pass is
-# what keeps awq below bf16).
+@triton.jit(do_not_specialize=["M"])  # any row count, one compiled kernel a tile
+def _int4_row_gemm_kernel(x_ptr, qw_ptr, z_ptr, s_ptr, out_ptr, M, N, K, stride_xm, stride_qn, stride_om,
+                          NIB_MASK=0x000F0000, GROUP: tl.constexpr = 128, BLOCK_M: tl.constexpr = 128,
+                          BLOCK_N: tl.constexpr = 128, BLOCK_K: tl.constexpr = 64, GROUP_M: tl.constexpr = 8,
+                          SPLIT_K: tl.constexpr = 1, SWAP: tl.constexpr = False, FMA: tl.constexpr = True,
+                          F32_DOT: tl.constexpr = False):
+    # x [M, K] @ W.T for many rows, W dequantized tile by tile in registers from the row layout (each thread's
+    # 128-bit load is 32 consecutive inputs of one output, put in input order by a register-only permute) to
+    # x's dtype, the same values as int4_row_dequantize, into the tensor cores: the dequantize + cuBLAS path
+    # without writing and reading back the 16-bit weight. A K tile lies within one group (GROUP % BLOCK_K ==
+    # 0). SWAP computes the transposed tile, W as the MMA's first operand: on Hopper that operand can stay in
+    # registers, so the next tile's dequantization overlaps the running MMA (the other way round the tile goes
+    # through shared memory and each MMA is waited for). SPLIT_K programs take every SPLIT_K-th K tile and add
+    # into a zeroed float32 output (narrow weights: otherwise fewer programs than the GPU has SMs), atomically,
+    # so in no fixed order, as the 5-16-row kernel's split-K.
+    pid = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_M * num_n  # GROUP_M row tiles walk the N tiles together, so a weight tile is read once
+    first_m = (pid // per_group) * GROUP_M
+    size_m = min(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % size_m
+    pid_n = (pid % per_group) // size_m
+    KW: tl.constexpr = BLOCK_K // 8
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_ok = rm < M
+    n_ok = rn < N
+    w_ptrs = qw_ptr + rn[:, None].to(tl.int64) * stride_qn + (pid_k * KW + tl.arange(0, KW))[None, :]
+    x_ptrs = x_ptr + rm[:, None].to(tl.int64) * stride_xm + (pid_k * BLOCK_K + tl.arange(0, BLOCK_K))[None, :]
+    if SWAP:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(pid_k * BLOCK_K, K, BLOCK_K * SPLIT_K):
+        words = tl.load(w_ptrs, mask=n_ok[:, None], other=0)
+        x = tl.load(x_ptrs, mask=m_ok[:, None], other=0.0)
+        gi = (k0 // GROUP) * N + rn
+        z = tl.load(z_ptr + gi, mask=n_ok, other=0).to(tl.float32)[:, None]
+        s = tl.load(s_ptr + gi, mask=n_ok, other=0.0).to(tl.float32)[:, None]
+        if FMA:
+            a, b = s * 128.0, -((128.0 + z) * s)
+        else:
+            a, b = s, z
+        w = _int4_row_tile(words, a, b, NIB_MASK, FMA, BLOCK_N, BLOCK_K).to(x.dtype)
+        if F32_DOT:  # the Triton interpreter, whose 16-bit dots are wrong
+            x = x.to(tl.float32)
+            w = w.to(tl.float32)
+        if SWAP:
+            acc = tl.dot(w, tl.trans(x), acc)
+        else:
+            acc = tl.dot(x, tl.trans(w), acc)
+        w_ptrs += KW * SPLIT_K
+        x_ptrs += BLOCK_K * SPLIT_K
+    if SWAP:
+        out = out_ptr + rm[None, :].to(tl.int64) * stride_om + rn[:, None]
+        ok = m_ok[None, :] & n_ok[:, None]
+    else:
+        out = out_ptr + rm[:, None].to(tl.int64) * stride_om + rn[None, :]
+        ok = m_ok[:, None] & n_ok[None, :]
+    if SPLIT_K == 1:
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=ok)
+    else:
+        tl.atomic_add(out, acc, mask=ok)
+
+
+INT4_GEMM_TILE = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, SPLIT_K=1, SWAP=False, num_warps=8,
+                      num_stages=3)
+INT4_GEMM_TILE_FEW = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, GROUP_M=8, SPLIT_K=1, SWAP=True, num_warps=4,
+                          num_stages=3)
+# Rows up to which 4-bit layers may run int4_row_gemm (from INT4_MMA_ROWS + 1); beyond, dequantize + cuBLAS.
+INT4_GEMM_MAX_ROWS = 256
+SM_PROGRAMS = 264  # about two programs an SM on an H100/H200: split-K until a layer has that many
+
+
+def _gemm_tile(bm, bn, bk, split, swap, warps):
+    return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, SPLIT_K=split, SWAP=swap, num_warps=warps, num_stages=3)
+
+
+# Tiles read off benchmarks/int4_gemm_sweep_gpu.py on an H200 (session 16; CUDA-graph replay, weights past L2,
+# group 128), by weight shape: {(n, k): ((max_rows, tile or None), ...)}, the first bucket holding the row
+# count wins, None where dequantize + cuBLAS was faster. Microseconds against cuBLAS bf16 and dequantize +
+# cuBLAS at 32 / 64 / 128 / 256 rows:
+# * qkv_proj  6144 x 4096:  23.2 / 26.8 / 40.5 / -      (cuBLAS 15.6-20.7; dequantize 41.3 / 42.5 / 44.0 / 48.9)
+# * o_proj    4096 x 4096:  20.4 / 23.4 / - / -         (12.8-16.6; 28.8 / 27.3 / 31.3 / 32.9)
+# * gate_up  28672 x 4096:  59.6 / 63.8 / 82.5 / 158.1  (58.3 / 62.4 / 67.1 / 92.1; 173.7 / 175.6 / 179.9 / 200.7)
+# * down      4096 x 14336: 51.5 / 55.4 / 70.5 / 93.8   (33.4 / 36.2 / 37.5 / 49.0; 93.4 / 96.4 / 98.9 / 107.1)
+# (Mistral-7B has the same shapes.) Other shapes take int4_gemm_tiles' rule, which follows these.
+INT4_GEMM_TILES: dict = {
+    (6144, 4096): ((64, _gemm_tile(64, 64, 128, 4, True, 4)), (128, _gemm_tile(64, 64, 128, 2, True, 4)),
+                   (256, None)),
+    (4096, 4096): ((64, _gemm_tile(64, 64, 128, 4, True, 4)), (256, None)),
+    (28672, 4096): ((32, _gemm_tile(32, 64, 128, 1, True, 4)), (64, _gemm_tile(64, 128, 128, 1, False, 4)),
+                    (256, _gemm_tile(128, 128, 64, 1, False, 8))),
+    (4096, 14336): ((64, _gemm_tile(64, 64, 128, 4, True, 4)), (128, _gemm_tile(128, 64, 128, 4, True, 4)),
+                    (256, _gemm_tile(128, 128, 64, 4, False, 8))),
+}
+
+
+def int4_gemm_tiles(rows: int, n: int, k: int) -> dict | None:
+    """``int4_row_gemm``'s tiles for ``rows`` rows of an ``[n, k]`` weight, or None where dequantize +
+    cuBLAS is faster: the measured table, else a rule read off it. Up to 64 rows, output-major 64 x 64
+    tiles; more rows, 128 x 128 tiles with the weight as the MMA's second operand. Split-K until the layer
+    has ``SM_PROGRAMS`` programs (each split keeping four K tiles or more); dequantize + cuBLAS beyond 128
+    rows for weights neither wide (16,384 outputs) nor long (8,192 inputs), where the kernel lost."""
+    for max_rows, tile in INT4_GEMM_TILES.get((n, k), ()):
+        if rows <= max_rows:
+            return None if tile is None else dict(tile)
+    if rows > 128 and n < 16384 and k < 8192:
+        return None
+    tile = dict(INT4_GEMM_TILE_FEW if rows <= 64 else INT4_GEMM_TILE)
+    programs = triton.cdiv(rows, tile["BLOCK_M"]) * triton.cdiv(n, tile["BLOCK_N"])
+    tile["SPLIT_K"] = max(1, min(4, SM_PROGRAMS // programs, k // (4 * tile["BLOCK_K"])))
+    return tile
+
+
+def int4_row_gemm(x: torch.Tensor, packed: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor,
+                  group_size: int, bias: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
+    """``x [.., K] @ W.T`` for many rows of a 4-bit weight in ``int4_row_pack``'s layout, dequantized in
+    registers tile by tile (the values of ``int4_row_dequantize``) into the tensor cores."""
+    x2 = _rows_2d(x)
+    m, k = x2.shape
+    n = packed.shape[0]
+    cfg = dict(INT4_GEMM_TILE, **(config or {}))
+    bk = min(cfg["BLOCK_K"], group_size)
+    if group_size % 32 or k % group_size or group_size % bk or bk % 32:
+        raise ValueError(f"int4_row_gemm needs groups of a multiple of 32 dividing K (group_size={group_size}, K={k})")
+    cfg["BLOCK_K"] = bk
+    fma = cfg.pop("FMA", scales.dtype in (torch.float16, torch.bfloat16))  # exact only for 16-bit scales
+    out = _out_buffer(m, n, cfg["SPLIT_K"], x2)
+    grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]), cfg["SPLIT_K"])
+    _int4_row_gemm_kernel[grid](x2, packed, zeros, scales, out, m, n, k, x2.stride(0), packed.stride(0),
+                                out.stride(0), 0x000F0000, GROUP=group_size, FMA=fma, F32_DOT=not x2.is_cuda, **cfg)
+    return _finish(out, x, bias)
+
+
+# Whether the row-layout dequantization (dequantize, then cuBLAS) builds each value with the row GEMV's bit
+# pattern and one FMA instead of an integer-to-float conversion, a subtraction and a product: the same bits;
+# compiled for sm90, 1,056 instructions a program instead of 1,200, none of them the 144 quarter-rate I2FP.
+# Timed on an H200 (session 16, awq 256 x (512 + 256) offline, alternated): 7,418 and 7,358 output tok/s
+# against 7,445 and 7,472 without, so the pass is not bound by its instructions; off. (int4_row_gemm builds
+# its values this way.)
 INT4_DEQUANT_FMA = False
 
 
@@ -1063,8 +1211,9 @@ FP8_WIDE_N = 16384  # at 2-16 rows, W8A8 beats the weight-only GEMV on wide outp
 
 def int_linear(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor,
                group_size: int, bits: int, bias: torch.Tensor | None = None, tinygemm=None) -> torch.Tensor:
-    """A K-packed layer on CUDA (8-bit; 4-bit layers run ``int4_linear`` on the row layout): PyTorch's int4
-    GEMM for a few rows (``tinygemm``), the tensor-core kernel up to 63 rows, dequantize + cuBLAS beyond."""
+    """A K-packed layer on CUDA (8-bit, and 4-bit with one group of all inputs; other 4-bit layers run
+    ``int4_linear`` on the row layout): PyTorch's int4 GEMM for a few rows (``tinygemm``), the tensor-core
+    kernel up to 63 rows, dequantize + cuBLAS beyond."""
     rows = x.numel() // x.shape[-1]
     if tinygemm is not None and rows <= TINYGEMM_MAX_ROWS and x.dtype == torch.bfloat16:
         return tinygemm_linear(x, *tinygemm, group_size, bias)
@@ -1081,7 +1230,10 @@ def int_linear(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor, scal
 # * 2-4 rows: tinygemm (gate_up 34.6 at 2 rows, 47.1 at 4), the tensor-core kernel where it is missing;
 # * 5-16 rows: the output-major tensor-core kernel on the row layout (gate_up 60 at 8 and 16 rows; the
 #   K-packed tensor-core kernel took 67-70, dequantize + cuBLAS 173, tinygemm 78-135);
-# * 17 rows and more: dequantize into the scratch buffer, then cuBLAS (``INT4_MMA_ROWS`` says why).
+# * 17-256 rows: the many-row GEMM dequantizing tiles in registers into wgmma (``int4_row_gemm``, tiles by
+#   shape and rows from ``int4_gemm_tiles``), except where dequantize + cuBLAS measured faster (qkv_proj
+#   and o_proj from 129 rows; ``INT4_GEMM_TILES``);
+# * more rows: dequantize into the scratch buffer, then cuBLAS.
 # Row GEMV tiles: split-K for long, narrow weights (down_proj: 64 outputs a program, K in four).
 INT4_ROW_MIN_WEIGHT = 4096 * 4096 + 1
 # Groups the row-layout kernels take: a tile of theirs spans whole groups (the tensor-core kernel's K tile
@@ -1123,6 +1275,9 @@ def int4_linear(x: torch.Tensor, packed: torch.Tensor, zeros: torch.Tensor, scal
         return tinygemm_linear(x, *tinygemm, group_size, bias)
     if rows <= INT4_MMA_ROWS and x.dtype in (torch.bfloat16, torch.float16):
         return int4_mma_gemm(x, packed, zeros, scales, group_size, bias, config=int4_mma_tiles(rows, n))
+    tile = int4_gemm_tiles(rows, n, k) if rows <= INT4_GEMM_MAX_ROWS else None
+    if tile is not None and x.dtype in (torch.bfloat16, torch.float16):
+        return int4_row_gemm(x, packed, zeros, scales, group_size, bias, config=tile)
     return int4_row_matmul_dequantized(x, packed, zeros, scales, group_size, bias)
 
 

@@ -268,6 +268,99 @@ def test_int4_row_layout_dequantizes_to_the_reference_weight(tk, monkeypatch, fm
         torch.testing.assert_close(got.cpu(), want, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("fma", [True, False])
+def test_int4_row_gemm_matches_the_reference(tk, fma):
+    """The many-row GEMM (``int4_row_gemm``): the row layout dequantized tile by tile in registers, each
+    value built by the bit pattern and one FMA or by conversion, into the tensor cores; partial row and
+    output tiles (70 rows, 96 and 80 outputs), K tiles of one group and of half of one, bf16 and fp16 x,
+    split-K (2, and 3, which does not divide the K tiles) and the transposed (output-major) tile."""
+    for k, n, group, rows, dtype in ((256, 96, 32, 70, torch.bfloat16), (256, 80, 128, 33, torch.float16),
+                                     (128, 64, 64, 17, torch.bfloat16)):
+        qweight, zeros, scales = random_packed(k, n, 4, group, seed=k + rows)
+        packed = tk.quant.int4_row_pack(qweight.to(tk.device))
+        x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).to(dtype)
+        bias = torch.randn(n).to(dtype)
+        want = qr.int_matmul(x.float(), qweight, zeros, scales, group, 4, bias.float())
+        args = [t.to(tk.device) for t in (x, packed, zeros, scales)]
+        for cfg in (dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=64, GROUP_M=2, num_warps=4, FMA=fma),
+                    dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=32, GROUP_M=8, SPLIT_K=2, num_warps=4, FMA=fma),
+                    dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=64, SPLIT_K=3, SWAP=True, num_warps=4, FMA=fma)):
+            got = tk.quant.int4_row_gemm(*args, group, bias.to(tk.device), config=cfg)
+            assert got.dtype == dtype and got.shape == (rows, n)
+            assert (got.float().cpu() - want).abs().max() <= 0.01 * want.abs().max()  # 16-bit output
+    with pytest.raises(ValueError, match="group_size=40"):
+        tk.quant.int4_row_gemm(*args, 40)
+
+
+def test_int4_many_row_tiles_follow_the_measured_table_and_rule(monkeypatch):
+    """``int4_gemm_tiles``: Llama-3-8B's shapes take the H200 sweep's tiles, None (dequantize + cuBLAS)
+    where that measured faster; other shapes the rule (output-major 64 x 64 tiles up to 64 rows, split-K
+    until a layer has about two programs an SM, never more K splits than K tiles allow). And
+    ``int4_linear`` routes by rows: 17-256 to ``int4_row_gemm`` unless the tiles say None, more to
+    dequantize + cuBLAS."""
+    from kvloom.kernels import triton_quant as tq
+
+    assert tq.int4_gemm_tiles(256, 6144, 4096) is None and tq.int4_gemm_tiles(129, 4096, 4096) is None
+    t = tq.int4_gemm_tiles(256, 28672, 4096)
+    assert (t["BLOCK_M"], t["BLOCK_N"], t["SPLIT_K"], t["SWAP"]) == (128, 128, 1, False)
+    assert tq.int4_gemm_tiles(17, 4096, 14336)["SPLIT_K"] == 4 and tq.int4_gemm_tiles(17, 4096, 14336)["SWAP"]
+    t = tq.int4_gemm_tiles(40, 3584, 3584)  # Qwen2-7B's o_proj: not in the table
+    assert t["SWAP"] and t["BLOCK_N"] == 64 and t["SPLIT_K"] == 4  # 56 programs
+    assert tq.int4_gemm_tiles(40, 37888, 3584)["SPLIT_K"] == 1  # 592 programs already
+    assert tq.int4_gemm_tiles(100, 1152, 256)["SPLIT_K"] == 1  # four K tiles: a split would get fewer
+    assert tq.int4_gemm_tiles(200, 3584, 3584) is None and tq.int4_gemm_tiles(200, 3584, 18944) is not None
+    calls = []
+    monkeypatch.setattr(tq, "int4_row_gemm", lambda *a, **k: calls.append("gemm"))
+    monkeypatch.setattr(tq, "int4_row_matmul_dequantized", lambda *a, **k: calls.append("dequantize"))
+    monkeypatch.setattr(tq, "int4_mma_gemm", lambda *a, **k: calls.append("mma"))
+    packed = torch.zeros(6144, 512, dtype=torch.int32)
+    for rows in (16, 17, 128, 129, 256, 257):
+        tq.int4_linear(torch.zeros(rows, 4096, dtype=torch.bfloat16), packed, None, None, 128)
+    assert calls == ["mma", "gemm", "gemm", "dequantize", "dequantize", "dequantize"]
+
+
+def test_int4_row_gemm_compiles_to_hopper_tensor_cores():
+    """Compiled for an H100/H200 (sm90) on this machine, GPU or not, every tile the engine gives the many-row
+    4-bit GEMM issues wgmma, not the older mma.sync."""
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton.backends.nvidia.compiler", reason="triton's CUDA backend is not installed")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-c", _COMPILE_INT4_GEMM_SM90], env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert run.returncode == 0, run.stderr[-4000:]
+    found = run.stdout.strip().splitlines()[-1].split()
+    assert found and set(found) == {"wgmma"}, found
+
+
+_COMPILE_INT4_GEMM_SM90 = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from kvloom.kernels import triton_quant as tq
+
+fn = tq._int4_row_gemm_kernel
+names = list(fn.arg_names)
+types = dict(x_ptr="*bf16", qw_ptr="*i32", z_ptr="*u8", s_ptr="*fp16", out_ptr="*bf16", M="i32", N="i32", K="i32",
+             stride_xm="i32", stride_qn="i32", stride_om="i32", NIB_MASK="i32")
+engine_tiles = [tq.INT4_GEMM_TILE, tq.INT4_GEMM_TILE_FEW] + [t for b in tq.INT4_GEMM_TILES.values() for _, t in b if t]
+tiles = {repr(sorted(t.items())): t for t in engine_tiles}
+found = []
+for tile in tiles.values():
+    tile = dict(tq.INT4_GEMM_TILE, **tile)
+    opts = dict(num_warps=tile.pop("num_warps"), num_stages=tile.pop("num_stages"))
+    const = dict(tile, GROUP=128, FMA=True, F32_DOT=False)
+    signature = {n: "constexpr" if n in const else types[n] for n in names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if signature[n].startswith("*")}
+    src = ASTSource(fn, signature, constexprs={(names.index(n),): v for n, v in const.items()}, attrs=attrs)
+    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts).asm["ptx"]
+    found.append("wgmma" if "wgmma.mma_async" in ptx else "mma.sync" if "mma.sync" in ptx else "none")
+print(" ".join(found))
+"""
+
+
 def test_int4_row_pack_places_each_input_where_the_kernel_reads_it():
     """Nibble ``j`` of word ``w`` of an output row holds input ``(w // 4) * 32 + 4 * j + w % 4``."""
     from kvloom.kernels.triton_quant import int4_row_pack

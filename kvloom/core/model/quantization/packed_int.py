@@ -17,8 +17,9 @@ from kvloom.core.model.linear import LinearBase
 INT_KERNELS = {
     (4, True): ("W4A16 on CUDA, row-major 4-bit layout: one row a Triton GEMV (nibbles to floats by bit patterns; "
                 "PyTorch's int4 GEMM, tinygemm, on weights of 4096 x 4096 and less), 2-4 rows tinygemm (a second "
-                "copy of the weight), up to 16 rows a Triton tensor-core GEMM dequantizing in the kernel, "
-                "dequantize + cuBLAS beyond"),
+                "copy of the weight), up to 16 rows a Triton tensor-core GEMM dequantizing in the kernel, up to 256 rows "
+                "a Triton wgmma GEMM dequantizing tiles in registers (or dequantize + cuBLAS where that is "
+                "faster), dequantize + cuBLAS beyond"),
     (4, False): ("W4A16 on CUDA, packed along the inputs: up to 4 rows PyTorch's int4 GEMM (tinygemm, where it takes "
                  "the group size), up to 63 rows a Triton tensor-core GEMM dequantizing in the kernel, dequantize + "
                  "cuBLAS beyond"),
