@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from quant_kernels_gpu import copies, projection_shapes, timed  # noqa: E402
@@ -43,11 +44,7 @@ def tile_grid() -> list[dict]:
 
 def fits(tile: dict, rows: int) -> bool:
     """Row tiles at most twice the rows' power of two (64 at least, wgmma's M when the rows are its M)."""
-    return tile["BLOCK_M"] <= max(64, 2 * triton_next_power_of_2(rows))
-
-
-def triton_next_power_of_2(n: int) -> int:
-    return 1 << (n - 1).bit_length()
+    return tile["BLOCK_M"] <= max(64, 2 * triton.next_power_of_2(rows))
 
 
 def main(argv=None):
@@ -113,8 +110,9 @@ def main(argv=None):
             b = r["best"][0] if r["best"] else None
             tile = b["cfg"] if b and b["us"] < r["dequantize_cublas_us"] else None
             table.setdefault((r["n"], r["k"]), []).append((r["rows"], tile))
-        Path(args.table).write_text(repr({key: tuple(v) for key, v in table.items()}))
-        print("INT4_GEMM_TILES =", repr({key: tuple(v) for key, v in table.items()}), flush=True)
+        text = repr({key: tuple(v) for key, v in table.items()})
+        Path(args.table).write_text(text)
+        print("INT4_GEMM_TILES =", text, flush=True)
 
 
 if __name__ == "__main__":

@@ -648,11 +648,15 @@ def _int4_row_value(words, J: tl.constexpr, a, b, NIB_MASK, FMA: tl.constexpr):
 
 
 @triton.jit
-def _int4_row_tile(words, a, b, NIB_MASK, FMA: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """A ``[BLOCK_N, BLOCK_K / 8]`` tile of row-layout words dequantized (``_int4_row_value``, ``a`` and ``b``
-    broadcast to the words) as ``[BLOCK_N, BLOCK_K]`` float32 in input order. Each word's 8 values are put in
-    input order in registers, so that a row of the tile is contiguous."""
+def _int4_row_tile(words, z, s, NIB_MASK, FMA: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """A ``[BLOCK_N, BLOCK_K / 8]`` tile of row-layout words dequantized (``_int4_row_value``; the float32 zero
+    points ``z`` and scales ``s`` broadcast to the words) as ``[BLOCK_N, BLOCK_K]`` float32 in input order.
+    Each word's 8 values are put in input order in registers, so that a row of the tile is contiguous."""
     KW: tl.constexpr = BLOCK_K // 8
+    if FMA:
+        a, b = s * 128.0, -((128.0 + z) * s)
+    else:
+        a, b = s, z
     v0 = _int4_row_value(words, 0, a, b, NIB_MASK, FMA)
     v1 = _int4_row_value(words, 1, a, b, NIB_MASK, FMA)
     v2 = _int4_row_value(words, 2, a, b, NIB_MASK, FMA)
@@ -685,11 +689,7 @@ def _int4_row_dequantize_kernel(qw_ptr, z_ptr, s_ptr, w_ptr, N, K, stride_qn, NI
     gi = (((rw // 4) * 32) // GROUP)[None, :].to(tl.int64) * N + rn[:, None]  # a word's 8 inputs share a group
     z = tl.load(z_ptr + gi, mask=ok, other=0).to(tl.float32)
     s = tl.load(s_ptr + gi, mask=ok, other=0.0).to(tl.float32)
-    if FMA:  # per word, for its group
-        a, b = s * 128.0, -((128.0 + z) * s)
-    else:
-        a, b = s, z
-    vals = _int4_row_tile(words, a, b, NIB_MASK, FMA, BLOCK_N, BLOCK_K)
+    vals = _int4_row_tile(words, z, s, NIB_MASK, FMA, BLOCK_N, BLOCK_K)  # z, s per word, for its group
     rk = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     tl.store(w_ptr + rn[:, None].to(tl.int64) * K + rk[None, :], vals.to(w_ptr.dtype.element_ty),
              mask=n_ok[:, None] & (rk < K)[None, :])
@@ -749,11 +749,7 @@ def _int4_row_gemm_kernel(x_ptr, qw_ptr, z_ptr, s_ptr, out_ptr, M, N, K, stride_
         gi = (k0 // GROUP) * N + rn
         z = tl.load(z_ptr + gi, mask=n_ok, other=0).to(tl.float32)[:, None]
         s = tl.load(s_ptr + gi, mask=n_ok, other=0.0).to(tl.float32)[:, None]
-        if FMA:
-            a, b = s * 128.0, -((128.0 + z) * s)
-        else:
-            a, b = s, z
-        w = _int4_row_tile(words, a, b, NIB_MASK, FMA, BLOCK_N, BLOCK_K).to(x.dtype)
+        w = _int4_row_tile(words, z, s, NIB_MASK, FMA, BLOCK_N, BLOCK_K).to(x.dtype)
         if F32_DOT:  # the Triton interpreter, whose 16-bit dots are wrong
             x = x.to(tl.float32)
             w = w.to(tl.float32)
