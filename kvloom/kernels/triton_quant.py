@@ -1286,11 +1286,13 @@ def int4_linear(x: torch.Tensor, packed: torch.Tensor, zeros: torch.Tensor, scal
 # 1.30x to 1.43x of bf16 (302 against 211 tok/s). Larger weights keep the autotuner.
 # Session 11 re-timed them inside the decode step (PDL on, benchmarks/decode_profile_gpu.py --set): only
 # down_proj moved, 8 x 1024 in 2 stages taking 17.1 us of the step's critical path against 19.4 for
-# 16 x 1024 in 4; wider and 8-warp tiles were slower everywhere.
+# 16 x 1024 in 4; wider and 8-warp tiles were slower everywhere. Session 17 (same profile): down_proj in two
+# K splits (SPLIT_COMBINE) took 522 us a step against 576 unsplit, the step 2,618 against 2,667-2,669 (382.6
+# against 375.6-375.9 tok/s); o_proj split in two moved 225 to 217 us, within noise, and stays unsplit.
 FP8_ROW_TILES = (
     (4096 * 4096, dict(BLOCK_N=8, BLOCK_K=1024, SPLIT_K=1, num_warps=4, num_stages=2)),
     (6144 * 4096, dict(BLOCK_N=8, BLOCK_K=512, SPLIT_K=1, num_warps=4, num_stages=2)),
-    (4096 * 14336, dict(BLOCK_N=8, BLOCK_K=1024, SPLIT_K=1, num_warps=4, num_stages=2)),
+    (4096 * 14336, dict(BLOCK_N=8, BLOCK_K=1024, SPLIT_K=2, num_warps=4, num_stages=2)),
     (28672 * 4096, dict(BLOCK_N=8, BLOCK_K=512, SPLIT_K=1, num_warps=4, num_stages=2)),
 )
 
