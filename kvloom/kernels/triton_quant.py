@@ -642,8 +642,8 @@ def _int4_row_value(words, J: tl.constexpr, a, b, NIB_MASK, FMA: tl.constexpr):
     """Nibble ``J`` of each word dequantized, ``(q - z) s`` in float32: with FMA from its float 1 + q / 128
     as ``f a + b`` (``a = 128 s``, ``b = -(128 + z) s``), otherwise converted, ``(q - b) a`` (``a = s``,
     ``b = z``)."""
-    if FMA:
-        return _int4_row_nibbles(words, J, NIB_MASK) * a + b
+    if FMA:  # an explicit FMA: the exactness needs the one rounding, and Triton 3.10 stops fusing by default
+        return tl.fma(_int4_row_nibbles(words, J, NIB_MASK), a, b)
     return (((words >> (4 * J)) & 15).to(tl.float32) - b) * a
 
 
@@ -777,6 +777,10 @@ INT4_GEMM_TILE_FEW = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, GROUP_M=8, SPLIT_
                           num_stages=3)
 # Rows up to which 4-bit layers may run int4_row_gemm (from INT4_MMA_ROWS + 1); beyond, dequantize + cuBLAS.
 INT4_GEMM_MAX_ROWS = 256
+# Up to how many rows a layer holding the MMA-layout copy (Hopper) takes the Gluon GEMM
+# (kvloom/kernels/gluon_quant.py): on an H200 at Llama-3-8B's shapes it is 1.1-1.6x faster than this module's
+# paths from 4 to 256 rows, and 1.23-1.25x cuBLAS bf16's time for gate_up and down at 256 rows (session 17).
+INT4_MMA_GLUON_MAX_ROWS = 256
 SM_PROGRAMS = 264  # about two programs an SM on an H100/H200: split-K until a layer has that many
 
 
@@ -1262,14 +1266,21 @@ def int4_one_row_path(n: int, k: int, dtype: torch.dtype, tinygemm) -> str:
 
 
 def int4_linear(x: torch.Tensor, packed: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor,
-                group_size: int, bias: torch.Tensor | None = None, tinygemm=None) -> torch.Tensor:
-    """A 4-bit layer on CUDA, on the row layout (and tinygemm's copy where there is one), by rows."""
+                group_size: int, bias: torch.Tensor | None = None, tinygemm=None, mma=None) -> torch.Tensor:
+    """A 4-bit layer on CUDA, on the row layout (and tinygemm's copy, and the Gluon GEMM's MMA-layout copy
+    ``mma``, where there are), by rows."""
     rows = x.numel() // x.shape[-1]
     n, k = packed.shape[0], packed.shape[1] * 8
     if rows == 1 and int4_one_row_path(n, k, x.dtype, tinygemm) == "row":
         return int4_row_gemv(x, packed, zeros, scales, group_size, bias, config=int4_row_tiles(n, k))
     if tinygemm is not None and rows <= TINYGEMM_MAX_ROWS and x.dtype == torch.bfloat16:
         return tinygemm_linear(x, *tinygemm, group_size, bias)
+    if mma is not None and rows <= INT4_MMA_GLUON_MAX_ROWS:
+        from kvloom.kernels import gluon_quant as gq
+
+        tile = gq.int4_mma_tiles(rows, n, k)
+        if gq.int4_mma_gemm_ok(rows, n, k, group_size, x.dtype, tile):
+            return gq.int4_mma_gemm(x, mma, zeros, scales, group_size, bias, config=tile)
     if rows <= INT4_MMA_ROWS and x.dtype in (torch.bfloat16, torch.float16):
         return int4_mma_gemm(x, packed, zeros, scales, group_size, bias, config=int4_mma_tiles(rows, n))
     tile = int4_gemm_tiles(rows, n, k) if rows <= INT4_GEMM_MAX_ROWS else None

@@ -19,7 +19,9 @@ INT_KERNELS = {
                 "PyTorch's int4 GEMM, tinygemm, on weights of 4096 x 4096 and less), 2-4 rows tinygemm (a second "
                 "copy of the weight), up to 16 rows a Triton tensor-core GEMM dequantizing in the kernel, up to 256 rows "
                 "a Triton wgmma GEMM dequantizing tiles in registers (or dequantize + cuBLAS where that is "
-                "faster), dequantize + cuBLAS beyond"),
+                "faster), dequantize + cuBLAS beyond; with gluon_quant.ENABLED on Hopper, 2-256 rows (5-256 where "
+                "tinygemm is held) a Gluon wgmma GEMM taking the dequantized weight from registers (a copy in "
+                "its MMA layout)"),
     (4, False): ("W4A16 on CUDA, packed along the inputs: up to 4 rows PyTorch's int4 GEMM (tinygemm, where it takes "
                  "the group size), up to 63 rows a Triton tensor-core GEMM dequantizing in the kernel, dequantize + "
                  "cuBLAS beyond"),
@@ -56,8 +58,17 @@ def set_packed_weight(layer: LinearBase, qweight: torch.Tensor, zeros: torch.Ten
         layer.register_buffer("perm", perm, persistent=False)
     else:
         layer.perm = None
-    layer.tinygemm = None
-    if cuda4 and layer.params_dtype == torch.bfloat16:
+    layer.tinygemm = layer.mma = None
+    n, k = qweight.shape[1], qweight.shape[0] * 8
+    if row:
+        from kvloom.kernels import gluon_quant as gq
+
+        if gq.mma_layout_wanted(qweight.device, k, group_size, layer.params_dtype):
+            # the Gluon wgmma GEMM's copy (half a byte per value): 2-256 rows
+            layer.register_buffer("mma_weight", gq.int4_mma_pack_qweight(qweight), persistent=False)
+            layer.mma = layer.mma_weight
+    # tinygemm's copy: with the Gluon GEMM's, only for the weights whose one row it runs (4096 x 4096 and less)
+    if cuda4 and layer.params_dtype == torch.bfloat16 and (layer.mma is None or n * k < tq.INT4_ROW_MIN_WEIGHT):
         pack = tq.tinygemm_pack(qweight, zeros, scales, group_size)
         if pack is not None:  # a second copy of the weight (half a byte per value): a decode path
             layer.register_buffer("tinygemm_weight", pack[0], persistent=False)
@@ -87,7 +98,7 @@ class PackedIntLinearMethod:
             x = x.index_select(-1, layer.perm)
         if self.row:
             return ops.int4_row_matmul(x, layer.qweight, layer.zeros, layer.scales, self.group_size, layer.bias,
-                                       layer.tinygemm)
+                                       layer.tinygemm, layer.mma)
         return ops.int_matmul(x, layer.qweight, layer.zeros, layer.scales, self.group_size, self.bits, layer.bias,
                               layer.tinygemm)
 
@@ -107,13 +118,25 @@ class PackedIntLinearMethod:
                                 config=tq.int4_row_tiles(n, k), silu_mul=True)
 
     def held_bytes(self, layer: LinearBase, device_type: str) -> int:
-        tiny = sum(t.numel() * t.element_size() for t in (layer.tinygemm or ()))
-        return sum(p.numel() * p.element_size() for p in layer.parameters(recurse=False)) + tiny
+        copies = [*(layer.tinygemm or ()), *(() if layer.mma is None else (layer.mma,))]
+        return sum(p.numel() * p.element_size() for p in layer.parameters(recurse=False)) + \
+            sum(t.numel() * t.element_size() for t in copies)
 
 
 def tinygemm_bytes(layer: LinearBase, bits: int, group_size: int, device_type: str) -> int:
-    """What the second, tinygemm layout of a 4-bit layer adds on CUDA in bf16 (``engine plan``)."""
-    if bits != 4 or device_type != "cuda" or layer.params_dtype != torch.bfloat16 or group_size not in (32, 64, 128, 256) \
-            or layer.input_size % 1024:
+    """What the second copies of a 4-bit layer add on CUDA (``engine plan``): tinygemm's in bf16, and on Hopper
+    the Gluon GEMM's MMA layout (then tinygemm's only for weights of 4096 x 4096 and less), as
+    ``set_packed_weight`` makes them."""
+    if bits != 4 or device_type != "cuda":
         return 0
-    return layer.input_size * layer.output_size // 2 + (layer.input_size // group_size) * layer.output_size * 4
+    k, n = layer.input_size, layer.output_size
+    mma = 0
+    if torch.cuda.is_available():
+        from kvloom.kernels import gluon_quant as gq
+
+        if gq.mma_layout_wanted(torch.device("cuda"), k, group_size, layer.params_dtype):
+            mma = k * n // 2
+    if layer.params_dtype != torch.bfloat16 or group_size not in (32, 64, 128, 256) or k % 1024 \
+            or (mma and n * k >= 4096 * 4096 + 1):
+        return mma
+    return mma + k * n // 2 + (k // group_size) * n * 4
