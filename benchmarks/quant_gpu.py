@@ -56,13 +56,18 @@ def run_format(args, model: str, fmt: str, vocab: int) -> dict:
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     llm.generate(prompts[: min(8, len(prompts))], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True),
                  use_tqdm=False)  # warm-up
-    t0 = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    elapsed = time.perf_counter() - t0
-    generated = sum(len(o.token_ids) for o in outs)
+    passes = []
+    for _ in range(args.offline_passes):
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        elapsed = time.perf_counter() - t0
+        generated = sum(len(o.token_ids) for o in outs)
+        passes.append({"seconds": elapsed, "output_tok_s": generated / elapsed,
+                       "total_tok_s": (generated + len(prompts) * args.prompt_len) / elapsed})
     result["offline"] = {"requests": len(prompts), "prompt_len": args.prompt_len, "output_len": args.output_len,
-                         "seconds": elapsed, "output_tok_s": generated / elapsed,
-                         "total_tok_s": (generated + len(prompts) * args.prompt_len) / elapsed}
+                         **passes[0]}
+    if len(passes) > 1:  # the first pass is the figure; later ones show what the first paid once
+        result["offline"]["passes"] = passes
     one = SamplingParams(temperature=0.0, max_tokens=args.decode_tokens, ignore_eos=True)
     llm.generate([prompts[0]], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
     out = llm.generate([prompts[0]], one, use_tqdm=False)[0]
@@ -151,6 +156,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--output-len", type=int, default=256)
     p.add_argument("--decode-tokens", type=int, default=256, help="Batch-1 decode: tokens generated.")
+    p.add_argument("--offline-passes", type=int, default=1,
+                   help="Offline runs of the same requests in one engine (the first is the reported figure).")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--device", default="auto")
     p.add_argument("--memory-bandwidth-gbs", type=float, default=4800.0,
@@ -187,6 +194,7 @@ def main(argv: list[str] | None = None) -> dict:
         print(json.dumps({"run": fmt, "offline_output_tok_s": round(runs[fmt]["offline"]["output_tok_s"], 1),
                           "batch1_decode_tok_s": round(runs[fmt]["batch1"]["decode_tok_s"], 1),
                           "fraction_of_floor": round(runs[fmt]["batch1"].get("fraction_of_floor", 0), 3),
+                          "offline_passes": [round(r["output_tok_s"], 1) for r in runs[fmt]["offline"].get("passes", [])],
                           "kv_cache": runs[fmt]["kv_cache"]}), flush=True)
     base = runs[formats[0]]
     ratios = {fmt: {"offline_output_tok_s": r["offline"]["output_tok_s"] / base["offline"]["output_tok_s"],

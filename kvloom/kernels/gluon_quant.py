@@ -119,7 +119,9 @@ if AVAILABLE:
         async_copy.commit_group()
         return acc, w, zn, sn
 
-    @gluon.jit
+    # The row count is not specialized on (its divisibility by 16, or being 1): one compile per tile, so that
+    # an eager step of a new row count reuses what the CUDA-graph capture compiled.
+    @gluon.jit(do_not_specialize=["M"])
     def _w4a16_mma_kernel(x_ptr, qw_ptr, z_ptr, s_ptr, out_ptr, M, N, K, stride_xm, stride_qn, stride_om, NIB_MASK,
                           GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                           STAGES: gl.constexpr, SPLIT_K: gl.constexpr, num_warps: gl.constexpr):

@@ -1,6 +1,6 @@
 """Micro-benchmarks of kvloom's Triton kernels on one CUDA GPU; prints one JSON document.
 
-    python benchmarks/kernels.py [--out results.json]
+    python benchmarks/triton_kernels_gpu.py [--out results.json]
 
 * decode attention: Llama-3-8B heads (Hq=32, Hkv=8, D=128), bf16, block size 16, shuffled block tables;
   batch 1 / 64 / 256 at contexts 512..4096. Reports the median time and the achieved bandwidth of the
@@ -193,7 +193,7 @@ def main() -> int:
     parser.add_argument("--out", help="also write the JSON here")
     args = parser.parse_args()
     if not torch.cuda.is_available():
-        print("benchmarks/kernels.py: no CUDA device, nothing to measure (the Triton kernels only run on CUDA).")
+        print("benchmarks/triton_kernels_gpu.py: no CUDA device, nothing to measure (the Triton kernels only run on CUDA).")
         return 0
 
     import triton
