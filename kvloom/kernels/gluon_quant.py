@@ -59,16 +59,6 @@ def int4_mma_unpack(words: torch.Tensor) -> torch.Tensor:
     return v.reshape(n, kw * 8).t().contiguous()
 
 
-def int4_mma_pack_from_row(packed_row: torch.Tensor) -> torch.Tensor:
-    """The MMA row layout of a weight in ``triton_quant.int4_row_pack``'s layout."""
-    from kvloom.kernels.quant_reference import unpack_int32
-
-    n, kw = packed_row.shape
-    q = unpack_int32(packed_row, 4, 1)  # [n, K] in the row layout's order: input (w // 4) 32 + 4 j + w % 4
-    q = q.reshape(n, kw // 4, 4, 8).transpose(2, 3).reshape(n, kw * 8)  # input order
-    return int4_mma_pack(q.t())
-
-
 if AVAILABLE:
     from kvloom.kernels.triton_quant import _int4_row_nibbles as _nibble  # Triton's; Gluon calls it
 
@@ -191,7 +181,7 @@ if AVAILABLE:
             gl.atomic_add(o_ptrs, gl.convert_layout(acc, o_l), mask=o_mask, sem="relaxed")
 
 
-def int4_mma_gemm_ok(rows: int, n: int, k: int, group_size: int, dtype: torch.dtype, config: dict) -> bool:
+def int4_mma_gemm_ok(n: int, k: int, group_size: int, dtype: torch.dtype, config: dict) -> bool:
     """Whether ``int4_mma_gemm`` takes this layer with ``config``."""
     bk, split = config["BLOCK_K"], config.get("SPLIT_K", 1)
     return (AVAILABLE and dtype in (torch.bfloat16, torch.float16) and k % (2 * bk * split) == 0
@@ -208,7 +198,7 @@ def int4_mma_gemm(x: torch.Tensor, packed: torch.Tensor, zeros: torch.Tensor, sc
     m, k = x2.shape
     n = packed.shape[0]
     cfg = dict(config or int4_mma_tiles(m, n, k))
-    if not int4_mma_gemm_ok(m, n, k, group_size, x2.dtype, cfg):
+    if not int4_mma_gemm_ok(n, k, group_size, x2.dtype, cfg):
         raise ValueError(f"int4_mma_gemm does not take K={k}, N={n}, group_size={group_size}, {x2.dtype} with {cfg}")
     split = cfg.setdefault("SPLIT_K", 1)
     out = _out_buffer(m, n, split, x2)
@@ -219,8 +209,9 @@ def int4_mma_gemm(x: torch.Tensor, packed: torch.Tensor, zeros: torch.Tensor, sc
 
 
 # Tiles (BLOCK_M, BLOCK_N, BLOCK_K, STAGES, num_warps, SPLIT_K) by weight shape and row bucket (the smallest
-# bucket at or above the row count), the best of 12-17 configs a bucket on an H200 (session 17, .dev sweep
-# bench_swap.py: CUDA-graph replay, weights past L2; benchmarks/results/h200_int4_mma_gemm_sweep_s17.jsonl).
+# bucket at or above the row count), the best of 12-17 configs a bucket on an H200 (session 17,
+# benchmarks/int4_mma_gemm_sweep_gpu.py: CUDA-graph replay, weights past L2;
+# benchmarks/results/h200_int4_mma_gemm_sweep_s17.jsonl).
 # Llama-3-8B's projections (Mistral-7B's are the same); other shapes take int4_mma_tiles' rule.
 INT4_MMA_TILES = {
     (28672, 4096): ((4, (8, 64, 128, 4, 4, 2)), (8, (8, 64, 128, 4, 4, 2)), (16, (16, 128, 128, 4, 8, 1)), (32, (32, 64, 128, 4, 4, 1)), (64, (64, 128, 64, 4, 8, 1)), (128, (128, 128, 64, 3, 8, 1)), (256, (256, 128, 64, 4, 8, 1))),
@@ -257,8 +248,9 @@ def int4_mma_tiles(rows: int, n: int, k: int) -> dict:
 # Whether 4-bit layers on Hopper hold the MMA-layout copy, and so run 2-256 rows on this GEMM. Off: alone the
 # kernel is 1.1-1.6x faster than the Triton paths from 4 to 256 rows (session 17 sweep), but the one end-to-end
 # run so far, awq 256 x (512 + 256) offline on an H200, gave 5,393 output tok/s with it against 7,628 without
-# (docs/benchmarks.md, session 17; not yet explained: compiles at run time are the first suspect, as each row
-# bucket is its own kernel). ``--set kvloom.kernels.gluon_quant.ENABLED=True`` in the benchmarks turns it on.
+# (docs/benchmarks.md, session 17; not yet explained: compiles at run time in eager steps were the first
+# suspect, and the kernel no longer specializes on the row count). ``--set kvloom.kernels.gluon_quant.ENABLED=True``
+# in the benchmarks turns it on.
 ENABLED = False
 
 

@@ -1279,7 +1279,7 @@ def int4_linear(x: torch.Tensor, packed: torch.Tensor, zeros: torch.Tensor, scal
         from kvloom.kernels import gluon_quant as gq
 
         tile = gq.int4_mma_tiles(rows, n, k)
-        if gq.int4_mma_gemm_ok(rows, n, k, group_size, x.dtype, tile):
+        if gq.int4_mma_gemm_ok(n, k, group_size, x.dtype, tile):
             return gq.int4_mma_gemm(x, mma, zeros, scales, group_size, bias, config=tile)
     if rows <= INT4_MMA_ROWS and x.dtype in (torch.bfloat16, torch.float16):
         return int4_mma_gemm(x, packed, zeros, scales, group_size, bias, config=int4_mma_tiles(rows, n))

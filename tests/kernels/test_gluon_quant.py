@@ -15,9 +15,8 @@ needs_sm90 = pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.ge
 
 def test_mma_pack_puts_each_lanes_inputs_in_one_word():
     """Word ``2 q + c`` of a 64-input block holds inputs ``32 c + 16 n2 + 8 n1 + 2 q + n0`` at nibble
-    ``n0 + 2 n1 + 4 n2``; the unpacking inverts it, and the row layout converts to it."""
-    from kvloom.kernels import triton_quant as tq
-
+    ``n0 + 2 n1 + 4 n2``; the unpacking inverts it, and the loader's repack of a K-packed qweight (a block of
+    outputs at a time) gives the same words."""
     q = torch.randint(0, 16, (192, 40), generator=torch.Generator().manual_seed(0))
     words = gq.int4_mma_pack(q)
     assert words.shape == (40, 24) and words.dtype == torch.int32
@@ -31,7 +30,7 @@ def test_mma_pack_puts_each_lanes_inputs_in_one_word():
                         k = 64 * blk + 32 * c + 16 * n2 + 8 * n1 + 2 * lane + n0
                         assert (word >> (4 * nib)) & 15 == int(q[k, n])
     assert torch.equal(gq.int4_mma_unpack(words), q)
-    assert torch.equal(gq.int4_mma_pack_from_row(tq.int4_row_pack(qr.pack_int32(q, 4, 0))), words)
+    assert torch.equal(gq.int4_mma_pack_qweight(qr.pack_int32(q, 4, 0), chunk=16), words)  # the load's path
     with pytest.raises(ValueError, match="multiple of 64"):
         gq.int4_mma_pack(q[:96])
 
@@ -43,8 +42,8 @@ def test_the_tile_rule_gives_tiles_the_kernel_takes(rows):
         assert 8 <= tile["BLOCK_M"] <= 256 and tile["BLOCK_N"] == 16 * tile["num_warps"]
         assert (k // tile["BLOCK_K"]) % (2 * tile["SPLIT_K"]) == 0 and 128 % tile["BLOCK_K"] == 0
         if gq.AVAILABLE:
-            assert gq.int4_mma_gemm_ok(rows, n, k, 128, torch.bfloat16, tile)
-    assert not gq.int4_mma_gemm_ok(16, 4096, 4096, 32, torch.bfloat16, gq.int4_mma_tiles(16, 4096, 4096))
+            assert gq.int4_mma_gemm_ok(n, k, 128, torch.bfloat16, tile)
+    assert not gq.int4_mma_gemm_ok(4096, 4096, 32, torch.bfloat16, gq.int4_mma_tiles(16, 4096, 4096))
 
 
 _COMPILE = """
@@ -160,7 +159,7 @@ def test_int4_linear_routes_rows_to_the_gluon_gemm_when_the_copy_is_held(monkeyp
     from kvloom.kernels import triton_quant as tq
 
     calls = []
-    monkeypatch.setattr(gq, "int4_mma_gemm_ok", lambda rows, n, k, g, dtype, tile: k % 256 == 0)
+    monkeypatch.setattr(gq, "int4_mma_gemm_ok", lambda n, k, g, dtype, tile: k % 256 == 0)
     monkeypatch.setattr(gq, "int4_mma_gemm", lambda *a, config=None, **kw: calls.append(("gluon", config["BLOCK_M"])))
     for name in ("int4_row_gemv", "tinygemm_linear", "int4_mma_gemm", "int4_row_gemm", "int4_row_matmul_dequantized"):
         monkeypatch.setattr(tq, name, lambda *a, _n=name, **kw: calls.append(_n))

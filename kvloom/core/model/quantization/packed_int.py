@@ -130,13 +130,15 @@ def tinygemm_bytes(layer: LinearBase, bits: int, group_size: int, device_type: s
     if bits != 4 or device_type != "cuda":
         return 0
     k, n = layer.input_size, layer.output_size
-    mma = 0
+    mma = tiny_too = 0
     if torch.cuda.is_available():
         from kvloom.kernels import gluon_quant as gq
 
         if gq.mma_layout_wanted(torch.device("cuda"), k, group_size, layer.params_dtype):
-            mma = k * n // 2
+            from kvloom.kernels import triton_quant as tq
+
+            mma, tiny_too = k * n // 2, n * k < tq.INT4_ROW_MIN_WEIGHT
     if layer.params_dtype != torch.bfloat16 or group_size not in (32, 64, 128, 256) or k % 1024 \
-            or (mma and n * k >= 4096 * 4096 + 1):
+            or (mma and not tiny_too):
         return mma
     return mma + k * n // 2 + (k // group_size) * n * 4
