@@ -16,7 +16,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from shapes import model_for_benchmark  # noqa: E402
+from shapes import apply_overrides, model_for_benchmark  # noqa: E402
 
 
 def main() -> None:
@@ -27,15 +27,27 @@ def main() -> None:
     p.add_argument("--output-len", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--rows", type=int, default=25)
+    p.add_argument("--quantization", default=None, help="fp8, awq or gptq (dummy weights in that format).")
+    p.add_argument("--warmup", choices=("short", "full"), default="short",
+                   help="Before the profile, 4 requests (short) or the whole workload once (full: compiles out).")
+    p.add_argument("--set", action="append", default=[], metavar="MODULE.NAME=VALUE",
+                   help="Replace a module constant before the engine starts (e.g. a kernel switch).")
     args = p.parse_args()
+    apply_overrides(args.set)
     from kvloom import LLM, SamplingParams
 
     model, load_format, vocab = model_for_benchmark(None, args.shape)
     rng = random.Random(0)
     prompts = [[rng.randrange(10, vocab - 10) for _ in range(args.prompt_len)] for _ in range(args.num_requests)]
-    llm = LLM(model, load_format=load_format, max_num_seqs=256, max_num_batched_tokens=args.max_num_batched_tokens)
+    llm = LLM(model, load_format=load_format, max_num_seqs=256, max_num_batched_tokens=args.max_num_batched_tokens,
+              quantization=args.quantization)
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
-    llm.generate(prompts[:4], params, use_tqdm=False)
+    t0 = time.perf_counter()
+    llm.generate(prompts if args.warmup == "full" else prompts[:4], params, use_tqdm=False)
+    torch.cuda.synchronize()
+    if args.warmup == "full":
+        elapsed = time.perf_counter() - t0
+        print(f"warm-up (no profiler) {elapsed:.2f}s, {args.num_requests * args.output_len / elapsed:.0f} output tok/s")
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         t0 = time.perf_counter()

@@ -163,3 +163,37 @@ def test_rotary_and_cache_write_in_the_fp8_qkv_gemv_change_no_token_on_gpu(name,
     assert any(fused), "the fused qkv GEMV never ran"
     assert runs[True][0] == runs[False][0]
     assert max(abs(a - b) for a, b in zip(runs[True][1], runs[False][1])) < 1e-4
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)),
+                    reason="the MMA row layout is Hopper's")
+def test_the_mma_row_layout_gives_the_row_layouts_tokens_on_hopper(tmp_path, monkeypatch):
+    """An fp16 AWQ model (group 128, widths the Gluon GEMM takes) on Hopper holds its 4-bit weights once, in
+    the MMA row layout, and runs every path on it (one row on the GEMV, 2-256 on the Gluon GEMM, a long
+    prefill dequantized); in fp16 its dequantized values are the row layout's, so the tokens of the 8
+    prompts, one at a time and batched, are the row layout's and the logprobs within fp16 sums' noise."""
+    from kvloom import LLM, SamplingParams
+    from kvloom.kernels import gluon_quant
+    from tests import quant_checkpoints
+    from tests.quant_checkpoints import write_checkpoint
+
+    if not gluon_quant.AVAILABLE:
+        pytest.skip("this Triton has no Gluon")
+    monkeypatch.setitem(quant_checkpoints.QUANT_COMMON, "hidden_size", 256)
+    monkeypatch.setitem(quant_checkpoints.QUANT_COMMON, "intermediate_size", 512)
+    path, _ = write_checkpoint(tmp_path, "llama", "awq", group_size=128)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=1)
+    runs = {}
+    for on in (True, False):
+        monkeypatch.setattr(gluon_quant, "ENABLED", on)
+        llm = LLM(str(path), dtype="float16", device="cuda", max_num_seqs=8, kv_cache_memory_gib=0.25)
+        layouts = {layer.method.layout for layer in llm.engine.model.linear_layers()
+                   if hasattr(layer.method, "layout")}
+        assert layouts == ({"mma"} if on else {"row"}), layouts
+        outs = [llm.generate([p], params, use_tqdm=False)[0] for p in _prompts()]
+        outs += llm.generate(_prompts(), params, use_tqdm=False)
+        runs[on] = [(o.token_ids, [t.logprob for lp in o.outputs[0].logprobs for t in lp.top]) for o in outs]
+        del llm
+    same = [(a, b) for a, b in zip(runs[True], runs[False]) if a[0] == b[0]]
+    assert len(same) >= 14, (runs[True], runs[False])  # of 16 sequences: a near-tie may flip one or two
+    assert max(abs(x - y) for a, b in same for x, y in zip(a[1], b[1])) < 5e-2

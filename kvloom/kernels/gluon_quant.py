@@ -6,13 +6,16 @@ twice on the weight (docs/benchmarks.md, sessions 16 and 17).
 
 **The MMA row layout** (``int4_mma_pack``): ``[N, K / 8]`` int32 words like the row layout, but inside each
 64-input block of a row, word ``2 q + c`` holds inputs ``32 c + 16 n2 + 8 n1 + 2 q + n0`` at nibble
-``n0 + 2 n1 + 4 n2``. Those 8 inputs are what lane ``q = lane % 4`` holds of a bf16 wgmma A fragment over
+``n1 + 2 n2 + 4 n0``. Those 8 inputs are what lane ``q = lane % 4`` holds of a bf16 wgmma A fragment over
 two k16 steps (inputs ``2 q + {0, 1}`` and ``+ 8``, rows ``lane / 4`` and ``+ 8``). A word tile loaded in
 the accumulator-shaped layout of an ``m16n8`` MMA (columns ``2 q + c``) therefore becomes the A fragment by
-register renaming only: ``gl.convert_layout`` moves nothing.
-
-Each value is the dequantize pass's ``(q - z) s``: the float ``1 + q / 128`` made from the nibble's bits
-(mantissa bits 16-19 of 1.0) and one FMA with ``128 s`` and ``-(128 + z) s``, rounded once to x's dtype.
+register renaming only: ``gl.convert_layout`` moves nothing. Nibbles ``m`` and ``m + 4`` are the two halves
+(inputs ``n0 = 0, 1``) of one 32-bit A register, so dequantization runs on pairs (as Marlin does): one LOP3
+ORs both nibbles into the low mantissa bits of the magic value M (128 in bf16, 1024 in fp16), giving
+``M + q`` twice; a packed subtraction of ``M + z`` leaves ``q - z`` exactly, and a packed product with the
+scale gives ``(q - z) s`` rounded once to x's dtype. In fp16 that is the dequantize pass's value; in bf16 the
+fp16 scale is first rounded to bf16 (so values can differ from it by about one bf16 step). Per 8 values: four
+LOP3s, three shifts, four HADD2s and four HMUL2s, against 8 shift/LOP3 pairs, 8 FFMAs and 4 F2FPs in float32.
 
 Gluon is experimental and its names move between Triton releases; the two that differ between the
 device's Triton 3.6 and 3.9 are bound here. ``AVAILABLE`` is False where Gluon or its Hopper ops are missing
@@ -38,14 +41,17 @@ except (ImportError, AttributeError, AssertionError):  # no Gluon, one without t
     AVAILABLE = False  # interpreter (Gluon does not import under TRITON_INTERPRET)
 
 
+# Where each input of a 64-input block sits: word ``2 q + c``, nibble ``n1 + 2 n2 + 4 n0`` holds input
+# ``32 c + 16 n2 + 8 n1 + 2 q + n0``. Nibbles ``m`` and ``m + 4`` of a word are the two bf16 halves (inputs
+# ``n0 = 0, 1``) of one 32-bit wgmma A register: ``(word >> 4 m) & 0x000F000F`` puts both in place at once.
 def int4_mma_pack(q: torch.Tensor) -> torch.Tensor:
     """The MMA row layout ``[N, K / 8]`` (int32) of unpacked 4-bit values ``q [K, N]`` (0..15; K a multiple of
     64)."""
     k, n = q.shape
     if k % 64:
         raise ValueError(f"int4_mma_pack needs the inputs ({k}) to be a multiple of 64")
-    # [n, block, c, n2, n1, q, n0] -> [n, block, word 2 q + c, nibble 4 n2 + 2 n1 + n0]
-    v = q.t().reshape(n, k // 64, 2, 2, 2, 4, 2).permute(0, 1, 5, 2, 3, 4, 6).reshape(n, k // 8, 8)
+    # [n, block, c, n2, n1, q, n0] -> [n, block, word 2 q + c, nibble 4 n0 + 2 n2 + n1]
+    v = q.t().reshape(n, k // 64, 2, 2, 2, 4, 2).permute(0, 1, 5, 2, 6, 3, 4).reshape(n, k // 8, 8)
     words = (v.to(torch.int64) << (4 * torch.arange(8, device=q.device))).sum(-1)
     return torch.where(words >= 2 ** 31, words - 2 ** 32, words).to(torch.int32).contiguous()
 
@@ -54,13 +60,29 @@ def int4_mma_unpack(words: torch.Tensor) -> torch.Tensor:
     """``int4_mma_pack``'s inverse: the 4-bit values ``[K, N]``."""
     n, kw = words.shape
     nib = (words.to(torch.int64)[..., None] >> (4 * torch.arange(8, device=words.device))) & 15  # [n, kw, 8]
-    # [n, block, q, c, n2, n1, n0] -> [n, block, c, n2, n1, q, n0]
-    v = nib.reshape(n, kw // 8, 4, 2, 2, 2, 2).permute(0, 1, 3, 4, 5, 2, 6)
+    # [n, block, q, c, n0, n2, n1] -> [n, block, c, n2, n1, q, n0]
+    v = nib.reshape(n, kw // 8, 4, 2, 2, 2, 2).permute(0, 1, 3, 5, 6, 2, 4)
     return v.reshape(n, kw * 8).t().contiguous()
 
 
+def _pairs_asm(magic: str, kind: str) -> str:
+    """PTX for one word: its 8 values ``(q - z) s`` as 16-bit outputs ``$0``-``$7`` (output ``j``: nibble ``j``),
+    from the word ``$8`` and ``M + z`` and ``s`` each twice in one 32-bit register (``$9``, ``$10``). Pair ``m``
+    (nibbles ``m`` and ``m + 4``) is shifted down ``4 m`` and OR-ed into ``magic`` (M in both halves) by one LOP3
+    (``(a & b) | c``: 0xEA), then a packed subtraction and a packed product in ``kind`` (bf16x2 or f16x2)."""
+    lines = ["{", ".reg .b32 t<4>, u;", f"lop3.b32 t0, $8, 0x000F000F, {magic}, 0xEA;"]
+    for m in (1, 2, 3):
+        lines += [f"shr.u32 u, $8, {4 * m};", f"lop3.b32 t{m}, u, 0x000F000F, {magic}, 0xEA;"]
+    lines += [f"sub.rn.{kind} t{m}, t{m}, $9;" for m in range(4)]
+    lines += [f"mul.rn.{kind} t{m}, t{m}, $10;" for m in range(4)]
+    lines += [f"mov.b32 {{${m}, ${m + 4}}}, t{m};" for m in range(4)]
+    return "\n".join(lines + ["}"])
+
+
 if AVAILABLE:
-    from kvloom.kernels.triton_quant import _int4_row_nibbles as _nibble  # Triton's; Gluon calls it
+    _PAIRS_BF16 = gl.constexpr(_pairs_asm("0x43004300", "bf16x2"))  # M = 128
+    _PAIRS_F16 = gl.constexpr(_pairs_asm("0x64006400", "f16x2"))  # M = 1024
+    _PAIRS_IO = gl.constexpr("=h,=h,=h,=h,=h,=h,=h,=h,r,r,r")
 
     @gluon.jit
     def _zeros_scales(z_ptr, s_ptr, rn, n_ok, i, num_k, k0, N, GROUP: gl.constexpr, BLOCK_K: gl.constexpr):
@@ -70,34 +92,51 @@ if AVAILABLE:
         return gl.load(z_ptr + gi, mask=ok, other=0), gl.load(s_ptr + gi, mask=ok, other=0.0)
 
     @gluon.jit
+    def _pairs(zn, sn, DT: gl.constexpr):
+        """The zero points as ``M + z`` and the scales in x's dtype, each twice in one 32-bit word (both halves
+        of a bf16x2 / f16x2 operand), as ``[BLOCK_N, 1]``: ``M`` is the magic value whose low mantissa bits a
+        nibble is OR-ed into (128 in bf16, 1024 in fp16), so that ``(M + q) - (M + z)`` is ``q - z`` exactly."""
+        MAGIC: gl.constexpr = 128.0 if DT == gl.bfloat16 else 1024.0
+        zb = (zn.to(gl.float32) + MAGIC).to(DT).to(gl.int16, bitcast=True).to(gl.int32) & 0xFFFF
+        sb = sn.to(DT).to(gl.int16, bitcast=True).to(gl.int32) & 0xFFFF
+        return gl.expand_dims(zb | (zb << 16), 1), gl.expand_dims(sb | (sb << 16), 1)
+
+    @gluon.jit
+    def _dequantize_pairs(words, zp, sp, DT: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr):
+        """A tile of words ``[BLOCK_N, BLOCK_K / 8]`` as ``(q - z) s`` in x's dtype ``[BLOCK_N, BLOCK_K]``, two
+        values an instruction: per word four LOP3s (nibbles ``m`` and ``m + 4`` OR-ed into the magic value's
+        halves), three shifts, four packed subtractions of ``M + z`` and four packed products with ``s``."""
+        KW: gl.constexpr = BLOCK_K // 8
+        if DT == gl.bfloat16:
+            bf = gl.bfloat16
+            v = gl.inline_asm_elementwise(_PAIRS_BF16, _PAIRS_IO, [words, zp, sp], dtype=(bf, bf, bf, bf, bf, bf, bf, bf),
+                                          is_pure=True, pack=1)
+        else:
+            hf = gl.float16
+            v = gl.inline_asm_elementwise(_PAIRS_F16, _PAIRS_IO, [words, zp, sp], dtype=(hf, hf, hf, hf, hf, hf, hf, hf),
+                                          is_pure=True, pack=1)
+        # output j is nibble j: input n0 = j // 4 of the pair m = j % 4 = n1 + 2 n2; joined as [.., n0, n1, n2]
+        vals = gl.join(gl.join(gl.join(v[0], v[4]), gl.join(v[1], v[5])),
+                       gl.join(gl.join(v[2], v[6]), gl.join(v[3], v[7])))
+        # [BN, KW, n0, n1, n2], column 8 c1 + 2 q + c -> input 64 c1 + 32 c + 16 n2 + 8 n1 + 2 q + n0
+        vals = gl.reshape(vals, (BLOCK_N, KW // 8, 4, 2, 2, 2, 2))
+        return gl.reshape(gl.permute(vals, (0, 1, 3, 6, 5, 2, 4)), (BLOCK_N, BLOCK_K))
+
+    @gluon.jit
     def _tile(i, acc, w_prev, zn, sn, x_smem, q_smem, x_ptrs, q_ptrs, x_mask, q_mask, z_ptr, s_ptr, rn, n_ok, num_k,
-              k0, N, NIB_MASK, GROUP: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+              k0, N, GROUP: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
               STAGES: gl.constexpr, DT: gl.constexpr, w_l: gl.constexpr, a_l: gl.constexpr):
         """K tile ``i``: dequantize it into registers, start its wgmma, wait for wgmma ``i - 1`` (whose
         weight operand ``w_prev`` is free after), refill the ring's slot ``i - 1``. Returns the accumulator,
         this tile's operand (in use until the next wait) and the next tile's zero points and scales."""
         KW: gl.constexpr = BLOCK_K // 8
-        z = gl.expand_dims(zn.to(gl.float32), 1)
-        sc = gl.expand_dims(sn.to(gl.float32), 1)
+        zp, sp = _pairs(zn, sn, DT)
         zn, sn = _zeros_scales(z_ptr, s_ptr, rn, n_ok, i + 1, num_k, k0, N, GROUP, BLOCK_K)
         async_copy.wait_group(STAGES - 2)  # this thread's copies of tile i have landed
         fence_async_shared()  # cp.async wrote x through the generic proxy; wgmma reads the async one
         _barrier()  # and every thread's
         words = q_smem.index(i % STAGES).load(w_l)
-        a = sc * 128.0
-        b = -((128.0 + z) * sc)
-        v0 = gl.fma(_nibble(words, 0, NIB_MASK), a, b)
-        v1 = gl.fma(_nibble(words, 1, NIB_MASK), a, b)
-        v2 = gl.fma(_nibble(words, 2, NIB_MASK), a, b)
-        v3 = gl.fma(_nibble(words, 3, NIB_MASK), a, b)
-        v4 = gl.fma(_nibble(words, 4, NIB_MASK), a, b)
-        v5 = gl.fma(_nibble(words, 5, NIB_MASK), a, b)
-        v6 = gl.fma(_nibble(words, 6, NIB_MASK), a, b)
-        v7 = gl.fma(_nibble(words, 7, NIB_MASK), a, b)
-        vals = gl.join(gl.join(gl.join(v0, v1), gl.join(v2, v3)), gl.join(gl.join(v4, v5), gl.join(v6, v7)))
-        # [BN, KW, n0, n1, n2], column 8 c1 + 2 q + c -> input 64 c1 + 32 c + 16 n2 + 8 n1 + 2 q + n0
-        vals = gl.reshape(vals, (BLOCK_N, KW // 8, 4, 2, 2, 2, 2))
-        w = gl.reshape(gl.permute(vals, (0, 1, 3, 6, 5, 2, 4)), (BLOCK_N, BLOCK_K)).to(DT)
+        w = _dequantize_pairs(words, zp, sp, DT, BLOCK_N, BLOCK_K)
         w = gl.convert_layout(w, a_l)  # the same registers: a renaming
         acc = warpgroup_mma(w, x_smem.index(i % STAGES).permute((1, 0)), acc, is_async=True)
         acc, w_prev = warpgroup_mma_wait(num_outstanding=1, deps=(acc, w_prev))  # wgmma i - 1 is done
@@ -112,11 +151,14 @@ if AVAILABLE:
     # The row count is not specialized on (its divisibility by 16, or being 1): one compile per tile, so that
     # an eager step of a new row count reuses what the CUDA-graph capture compiled.
     @gluon.jit(do_not_specialize=["M"])
-    def _w4a16_mma_kernel(x_ptr, qw_ptr, z_ptr, s_ptr, out_ptr, M, N, K, stride_xm, stride_qn, stride_om, NIB_MASK,
-                          GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-                          STAGES: gl.constexpr, SPLIT_K: gl.constexpr, num_warps: gl.constexpr):
+    def _w4a16_mma_kernel(x_ptr, qw_ptr, z_ptr, s_ptr, out_ptr, part_ptr, arrivals_ptr, M, N, K, stride_xm, stride_qn,
+                          stride_om, GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                          BLOCK_K: gl.constexpr, STAGES: gl.constexpr, SPLIT_K: gl.constexpr, COMBINE: gl.constexpr,
+                          PDL: gl.constexpr, num_warps: gl.constexpr):
         # A program: BLOCK_N outputs (wgmma's M side: 64 a warpgroup) x BLOCK_M rows of x (its N side, 8-256),
-        # K split SPLIT_K ways (atomic adds into a zeroed float32 output). x and the words arrive through a
+        # K split SPLIT_K ways: with COMBINE each split stores its float32 partial in part [SPLIT_K, M, N] and the
+        # last to arrive at the tile (arrivals.py) adds them in split order into the output in x's dtype;
+        # without, atomic adds into a zeroed float32 output. x and the words arrive through a
         # STAGES-deep cp.async ring; the zero points and scales one tile ahead in registers. wgmma i runs
         # while tile i + 1 is dequantized (one wgmma outstanding).
         DT: gl.constexpr = x_ptr.dtype.element_ty
@@ -150,23 +192,31 @@ if AVAILABLE:
         rn = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, w_l))
         n_ok = rn < N
 
+        if PDL:  # the next kernel may start (and read its weights) and wait
+            gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32,
+                                      is_pure=False, pack=1)
+        # The first tiles of words, and the zero points and scales, are the weight's: read before waiting for
+        # the previous kernel (PDL), x after. Group 0 holds every word tile of the prologue and x's first.
+        for s in gl.static_range(STAGES - 1):
+            _async_load(q_smem.index(s), q_ptrs + s * KW, mask=q_mask & (s < num_k))
+        zn, sn = _zeros_scales(z_ptr, s_ptr, rn, n_ok, 0, num_k, k0, N, GROUP, BLOCK_K)
+        if PDL:
+            gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
         for s in gl.static_range(STAGES - 1):
             _async_load(x_smem.index(s), x_ptrs + s * BLOCK_K, mask=x_mask & (s < num_k))
-            _async_load(q_smem.index(s), q_ptrs + s * KW, mask=q_mask & (s < num_k))
             async_copy.commit_group()
 
         acc = gl.zeros((BLOCK_N, BLOCK_M), dtype=gl.float32, layout=acc_l)
         w_odd = gl.zeros((BLOCK_N, BLOCK_K), dtype=DT, layout=a_l)
-        zn, sn = _zeros_scales(z_ptr, s_ptr, rn, n_ok, 0, num_k, k0, N, GROUP, BLOCK_K)
         # Unrolled by two, so that the weight operands of consecutive wgmmas are two sets of registers: a
         # wgmma reads its register operand while it runs, and tile i + 1 is dequantized before wgmma i is
         # waited for (a single loop-carried operand would be copied into the registers wgmma i still reads).
         for t in range(0, num_k, 2):
             acc, w_even, zn, sn = _tile(t, acc, w_odd, zn, sn, x_smem, q_smem, x_ptrs, q_ptrs, x_mask, q_mask,
-                                        z_ptr, s_ptr, rn, n_ok, num_k, k0, N, NIB_MASK, GROUP, BLOCK_N, BLOCK_K,
+                                        z_ptr, s_ptr, rn, n_ok, num_k, k0, N, GROUP, BLOCK_N, BLOCK_K,
                                         STAGES, DT, w_l, a_l)
             acc, w_odd, zn, sn = _tile(t + 1, acc, w_even, zn, sn, x_smem, q_smem, x_ptrs, q_ptrs, x_mask, q_mask,
-                                       z_ptr, s_ptr, rn, n_ok, num_k, k0, N, NIB_MASK, GROUP, BLOCK_N, BLOCK_K,
+                                       z_ptr, s_ptr, rn, n_ok, num_k, k0, N, GROUP, BLOCK_N, BLOCK_K,
                                        STAGES, DT, w_l, a_l)
         acc, w_odd = warpgroup_mma_wait(num_outstanding=0, deps=(acc, w_odd))
 
@@ -177,6 +227,17 @@ if AVAILABLE:
         o_mask = gl.expand_dims(om < M, 0) & gl.expand_dims(on < N, 1)
         if SPLIT_K == 1:
             gl.store(o_ptrs, gl.convert_layout(acc.to(out_ptr.dtype.element_ty), o_l), mask=o_mask)
+        elif COMBINE:
+            p_offs = gl.expand_dims(om * N, 0) + gl.expand_dims(on, 1)
+            gl.store(part_ptr + pid_k * M * N + p_offs, gl.convert_layout(acc, o_l), mask=o_mask)
+            _barrier()  # every thread's partial before the one release
+            counter = arrivals_ptr + pid_m * gl.num_programs(0) + pid_n
+            if gl.atomic_add(counter, 1, sem="acq_rel") == SPLIT_K - 1:
+                gl.atomic_xchg(counter, 0)
+                total = gl.zeros((BLOCK_N, BLOCK_M), dtype=gl.float32, layout=o_l)
+                for j in gl.static_range(SPLIT_K):
+                    total += gl.load(part_ptr + j * M * N + p_offs, mask=o_mask, other=0.0, cache_modifier=".cg")
+                gl.store(o_ptrs, total.to(out_ptr.dtype.element_ty), mask=o_mask)
         else:
             gl.atomic_add(o_ptrs, gl.convert_layout(acc, o_l), mask=o_mask, sem="relaxed")
 
@@ -188,33 +249,51 @@ def int4_mma_gemm_ok(n: int, k: int, group_size: int, dtype: torch.dtype, config
             and group_size % bk == 0 and k % group_size == 0 and n % 8 == 0)
 
 
+# Up to how many rows split-K tiles combine their own splits (arrivals.py): at one row on an H200 (session 18) that
+# and PDL took the awq decode step from 2,803 to 2,609 us (the fill and cast kernels of 2 of the 4 GEMMs a layer
+# gone), while at 256 rows, where partials of 256 x N floats go through L2 twice, offline throughput fell from
+# 8,660 to 8,386 tok/s against atomic adds into a zeroed float32 output.
+COMBINE_MAX_ROWS = 16
+
+
 def int4_mma_gemm(x: torch.Tensor, packed: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor,
                   group_size: int, bias: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
     """``x [.., K] @ W.T`` of a 4-bit weight in ``int4_mma_pack``'s layout (``zeros`` uint8 and ``scales``
     ``[G, N]``) on Hopper's tensor cores, from 1 to any number of rows (tiles of 8-256 rows)."""
-    from kvloom.kernels.triton_quant import _finish, _out_buffer, _rows_2d
+    from kvloom.kernels import triton_quant as tq
+    from kvloom.kernels.arrivals import arrival_counters
+    from kvloom.kernels.pdl import pdl_args
 
-    x2 = _rows_2d(x)
+    x2 = tq._rows_2d(x)
     m, k = x2.shape
     n = packed.shape[0]
     cfg = dict(config or int4_mma_tiles(m, n, k))
     if not int4_mma_gemm_ok(n, k, group_size, x2.dtype, cfg):
         raise ValueError(f"int4_mma_gemm does not take K={k}, N={n}, group_size={group_size}, {x2.dtype} with {cfg}")
     split = cfg.setdefault("SPLIT_K", 1)
-    out = _out_buffer(m, n, split, x2)
     grid = (triton.cdiv(n, cfg["BLOCK_N"]), triton.cdiv(m, cfg["BLOCK_M"]), split)
-    _w4a16_mma_kernel[grid](x2, packed, zeros, scales, out, m, n, k, x2.stride(0), packed.stride(0), out.stride(0),
-                            0x000F0000, GROUP=group_size, **cfg)
-    return _finish(out, x, bias)
+    arrivals = arrival_counters(x2, grid[0] * grid[1]) if split > 1 and tq.SPLIT_COMBINE and m <= COMBINE_MAX_ROWS \
+        else None
+    if arrivals is not None:  # the splits combined by the last one: no fill or cast kernel
+        part = torch.empty((split, m, n), device=x2.device, dtype=torch.float32)
+        out = torch.empty((m, n), device=x2.device, dtype=x2.dtype)
+    else:
+        out = part = tq._out_buffer(m, n, split, x2)
+        arrivals = out
+    _w4a16_mma_kernel[grid](x2, packed, zeros, scales, out, part, arrivals, m, n, k, x2.stride(0), packed.stride(0),
+                            out.stride(0), GROUP=group_size, COMBINE=part is not out, **cfg, **pdl_args(x2))
+    return tq._finish(out, x, bias)
 
 
 # Tiles (BLOCK_M, BLOCK_N, BLOCK_K, STAGES, num_warps, SPLIT_K) by weight shape and row bucket (the smallest
 # bucket at or above the row count), the best of 12-17 configs a bucket on an H200 (session 17,
 # benchmarks/int4_mma_gemm_sweep_gpu.py: CUDA-graph replay, weights past L2;
-# benchmarks/results/h200_int4_mma_gemm_sweep_s17.jsonl).
+# benchmarks/results/h200_int4_mma_gemm_sweep_s17.jsonl); re-swept in session 18 with pairs of values dequantized
+# an instruction (h200_int4_mma_gemm_sweep_s18_pairs.jsonl: rows 1-256), where only gate_up's best tiles up to 16
+# rows moved (no K split: 29.7-30.7 against 30.7-31.9 us).
 # Llama-3-8B's projections (Mistral-7B's are the same); other shapes take int4_mma_tiles' rule.
 INT4_MMA_TILES = {
-    (28672, 4096): ((4, (8, 64, 128, 4, 4, 2)), (8, (8, 64, 128, 4, 4, 2)), (16, (16, 128, 128, 4, 8, 1)), (32, (32, 64, 128, 4, 4, 1)), (64, (64, 128, 64, 4, 8, 1)), (128, (128, 128, 64, 3, 8, 1)), (256, (256, 128, 64, 4, 8, 1))),
+    (28672, 4096): ((4, (8, 64, 128, 4, 4, 1)), (8, (8, 64, 128, 4, 4, 1)), (16, (16, 64, 128, 4, 4, 1)), (32, (32, 64, 128, 4, 4, 1)), (64, (64, 128, 64, 4, 8, 1)), (128, (128, 128, 64, 3, 8, 1)), (256, (256, 128, 64, 4, 8, 1))),
     (4096, 14336): ((4, (8, 64, 128, 4, 4, 8)), (8, (8, 64, 128, 4, 4, 8)), (16, (16, 64, 128, 4, 4, 8)), (32, (32, 64, 128, 4, 4, 4)), (64, (64, 64, 128, 4, 4, 4)), (128, (128, 128, 64, 4, 8, 4)), (256, (256, 128, 64, 4, 8, 4))),
     (6144, 4096): ((4, (8, 64, 128, 4, 4, 4)), (8, (8, 64, 128, 4, 4, 4)), (16, (16, 64, 128, 4, 4, 4)), (32, (32, 64, 128, 4, 4, 4)), (64, (64, 64, 128, 4, 4, 2)), (128, (128, 64, 128, 4, 4, 1)), (256, (128, 128, 128, 3, 8, 1))),
     (4096, 4096): ((4, (8, 64, 128, 4, 4, 8)), (8, (8, 64, 128, 4, 4, 8)), (16, (16, 64, 128, 4, 4, 8)), (32, (32, 64, 128, 4, 4, 4)), (64, (64, 64, 128, 4, 4, 4)), (128, (128, 64, 128, 4, 4, 2)), (256, (256, 128, 64, 4, 8, 4))),
@@ -245,18 +324,16 @@ def int4_mma_tiles(rows: int, n: int, k: int) -> dict:
     return tile
 
 
-# Whether 4-bit layers on Hopper hold the MMA-layout copy, and so run 2-256 rows on this GEMM. Off: alone the
-# kernel is 1.1-1.6x faster than the Triton paths from 4 to 256 rows (session 17 sweep), but the one end-to-end
-# run so far, awq 256 x (512 + 256) offline on an H200, gave 5,393 output tok/s with it against 7,628 without
-# (docs/benchmarks.md, session 17; not yet explained: compiles at run time in eager steps were the first
-# suspect, and the kernel no longer specializes on the row count). ``--set kvloom.kernels.gluon_quant.ENABLED=True``
-# in the benchmarks turns it on.
-ENABLED = False
+# Whether 4-bit layers on Hopper hold their weight in the MMA row layout (one copy, which the row GEMV and the
+# dequantize pass read too) and run 2-256 rows on this GEMM. On an H200 (Llama-3-8B shape, awq, 256 x (512 + 256)
+# offline, docs/benchmarks.md session 18): 8,436 output tok/s against 8,121 for bf16 in the same run (7,628 on the
+# Triton paths in session 17). ``--set kvloom.kernels.gluon_quant.ENABLED=False`` in the benchmarks turns it off.
+ENABLED = True
 
 
 def mma_layout_wanted(device: torch.device, k: int, group_size: int, dtype: torch.dtype) -> bool:
-    """Whether a 4-bit layer on ``device`` also holds the MMA row layout (``ENABLED``, Hopper, this Gluon, and
-    inputs and groups its tiles take: K tiles of 64 and 128 within a group)."""
+    """Whether a 4-bit layer on ``device`` holds the MMA row layout (``ENABLED``, Hopper, this Gluon, and inputs
+    and groups its tiles take: K tiles of 64 and 128 within a group)."""
     if not (ENABLED and AVAILABLE and device.type == "cuda" and dtype in (torch.bfloat16, torch.float16)):
         return False
     if torch.cuda.get_device_capability(device) != (9, 0):

@@ -100,9 +100,10 @@ def int_matmul(x, qweight, zeros, scales, group_size, bits, bias=None, tinygemm=
     return quant_reference.int_matmul(x, qweight, zeros, scales, group_size, bits, bias)
 
 
-def int4_row_matmul(x, packed, zeros, scales, group_size, bias=None, tinygemm=None, mma=None):
-    """``x @ W.T`` of a 4-bit weight in the row layout (``triton_quant.int4_row_pack``, CUDA only; other
-    devices hold the formats dequantized). ``tinygemm``: PyTorch's int4 copy of it, a decode path."""
+def int4_row_matmul(x, packed, zeros, scales, group_size, bias=None, tinygemm=None, mma_layout=False):
+    """``x @ W.T`` of a 4-bit weight in the row layout (``triton_quant.int4_row_pack``), or with ``mma_layout``
+    the Gluon GEMM's (``gluon_quant.int4_mma_pack``, Hopper); CUDA only, other devices hold the formats
+    dequantized. ``tinygemm``: PyTorch's int4 copy of it, a decode path."""
     from kvloom.kernels import triton_quant
 
-    return triton_quant.int4_linear(x, packed, zeros, scales, group_size, bias, tinygemm, mma)
+    return triton_quant.int4_linear(x, packed, zeros, scales, group_size, bias, tinygemm, mma_layout)

@@ -420,6 +420,24 @@ def int4_row_pack(qweight: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
+def _int4_word_input(w, MMA_LAYOUT: tl.constexpr):
+    """The first input of word ``w`` (of a row): ``(w // 4) * 32 + w % 4`` in the row layout; in the MMA row
+    layout ``64 (w // 8) + 32 (w % 2) + 2 ((w % 8) // 2)``. Nibble ``j`` adds ``_int4_nibble_input(j)``."""
+    if MMA_LAYOUT:
+        return (w // 8) * 64 + (w % 2) * 32 + ((w % 8) // 2) * 2
+    return (w // 4) * 32 + (w % 4)
+
+
+@triton.jit
+def _int4_nibble_input(J: tl.constexpr, MMA_LAYOUT: tl.constexpr):
+    """What nibble ``J`` of a word adds to its first input: ``4 J`` in the row layout, ``16 n2 + 8 n1 + n0`` in
+    the MMA row layout (``J = n1 + 2 n2 + 4 n0``)."""
+    if MMA_LAYOUT:
+        return 16 * ((J >> 1) & 1) + 8 * (J & 1) + (J >> 2)
+    return 4 * J
+
+
+@triton.jit
 def _int4_row_nibbles(words, J: tl.constexpr, NIB_MASK):
     """Nibble ``J`` of each word as the float ``1 + q / 128`` (its bits in mantissa bits 16-19 of 1.0)."""
     if J < 4:
@@ -437,7 +455,10 @@ def _int4_row_gemv_kernel(
     M, N, K, stride_xm, stride_qn, stride_om, NIB_MASK, part_ptr=None, arrivals_ptr=None,
     GROUP: tl.constexpr = 128, BLOCK_N: tl.constexpr = 16, BLOCK_K: tl.constexpr = 1024, SPLIT_K: tl.constexpr = 1,
     PDL: tl.constexpr = False, SILU_MUL: tl.constexpr = False, SPLIT_COMBINE: tl.constexpr = False,
+    MMA_LAYOUT: tl.constexpr = False,
 ):
+    # With MMA_LAYOUT the words are in the Gluon GEMM's layout (gluon_quant.int4_mma_pack): the same words
+    # and groups, other inputs at each nibble, so only x's offsets change.
     # NIB_MASK (0x000F0000) comes in as an argument, not an immediate: ptxas then keeps it in a register
     # instead of rematerializing it before every OR with 1.0's bits (a third fewer instructions).
     # Under PDL the first tile of words is read before the wait for the previous kernel. With SILU_MUL the
@@ -456,7 +477,7 @@ def _int4_row_gemv_kernel(
     NZ = N  # columns of zeros and scales
     if SILU_MUL:
         NZ = 2 * N
-    x_row = x_ptr + row.to(tl.int64) * stride_xm + (rw // 4) * 32 + (rw % 4)
+    x_row = x_ptr + row.to(tl.int64) * stride_xm + _int4_word_input(rw, MMA_LAYOUT)
     w_rows = qw_ptr + rn[:, None].to(tl.int64) * stride_qn + rw[None, :]
     u_rows = w_rows + N.to(tl.int64) * stride_qn  # SILU_MUL: the up half
     acc = tl.zeros((BLOCK_N, GPT), dtype=tl.float32)
@@ -471,7 +492,7 @@ def _int4_row_gemv_kernel(
         part_u = tl.zeros((BLOCK_N, KW), dtype=tl.float32)
         xs = tl.zeros((KW,), dtype=tl.float32)
         for j in tl.static_range(8):
-            xj = tl.load(x_row + t * BLOCK_K + 4 * j).to(tl.float32)
+            xj = tl.load(x_row + t * BLOCK_K + _int4_nibble_input(j, MMA_LAYOUT)).to(tl.float32)
             part += _int4_row_nibbles(words, j, NIB_MASK) * xj[None, :]  # (1 + q / 128) x
             if SILU_MUL:
                 part_u += _int4_row_nibbles(words_u, j, NIB_MASK) * xj[None, :]
@@ -648,7 +669,8 @@ def _int4_row_value(words, J: tl.constexpr, a, b, NIB_MASK, FMA: tl.constexpr):
 
 
 @triton.jit
-def _int4_row_tile(words, z, s, NIB_MASK, FMA: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _int4_row_tile(words, z, s, NIB_MASK, FMA: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   MMA_LAYOUT: tl.constexpr = False):
     """A ``[BLOCK_N, BLOCK_K / 8]`` tile of row-layout words dequantized (``_int4_row_value``; the float32 zero
     points ``z`` and scales ``s`` broadcast to the words) as ``[BLOCK_N, BLOCK_K]`` float32 in input order.
     Each word's 8 values are put in input order in registers, so that a row of the tile is contiguous."""
@@ -666,6 +688,11 @@ def _int4_row_tile(words, z, s, NIB_MASK, FMA: tl.constexpr, BLOCK_N: tl.constex
     v6 = _int4_row_value(words, 6, a, b, NIB_MASK, FMA)
     v7 = _int4_row_value(words, 7, a, b, NIB_MASK, FMA)
     vals = tl.join(tl.join(tl.join(v0, v1), tl.join(v2, v3)), tl.join(tl.join(v4, v5), tl.join(v6, v7)))
+    if MMA_LAYOUT:
+        # [BN, KW, n1, n2, n0] (nibble n1 + 2 n2 + 4 n0); word w = 8 (w // 8) + 2 q + c; input
+        # 64 (w // 8) + 32 c + 16 n2 + 8 n1 + 2 q + n0
+        vals = tl.reshape(vals, (BLOCK_N, KW // 8, 4, 2, 2, 2, 2))
+        return tl.reshape(tl.permute(vals, (0, 1, 3, 5, 4, 2, 6)), (BLOCK_N, BLOCK_K))
     # [BN, KW, a, b, c] holds nibble a + 2 b + 4 c; word w = 4 (w // 4) + w % 4; input (w // 4) * 32 + 4 nib + w % 4
     vals = tl.reshape(vals, (BLOCK_N, KW // 4, 4, 2, 2, 2))
     return tl.reshape(tl.permute(vals, (0, 1, 5, 4, 3, 2)), (BLOCK_N, BLOCK_K))
@@ -674,7 +701,7 @@ def _int4_row_tile(words, z, s, NIB_MASK, FMA: tl.constexpr, BLOCK_N: tl.constex
 @triton.jit
 def _int4_row_dequantize_kernel(qw_ptr, z_ptr, s_ptr, w_ptr, N, K, stride_qn, NIB_MASK=0x000F0000,
                                 GROUP: tl.constexpr = 128, BLOCK_N: tl.constexpr = 64, BLOCK_K: tl.constexpr = 256,
-                                FMA: tl.constexpr = False):
+                                FMA: tl.constexpr = False, MMA_LAYOUT: tl.constexpr = False):
     # Each word's 8 values are put in input order in registers, so that the [BLOCK_N, BLOCK_K] tile is one
     # contiguous store per row (not 8 strided ones). With FMA a value is the row GEMV's float 1 + q / 128
     # (a shift and a LOP3, no integer-to-float conversion) times 128 s plus -(128 + z) s, one FMA: the exact
@@ -686,25 +713,26 @@ def _int4_row_dequantize_kernel(qw_ptr, z_ptr, s_ptr, w_ptr, N, K, stride_qn, NI
     n_ok = rn < N
     ok = n_ok[:, None] & (rw < K // 8)[None, :]
     words = tl.load(qw_ptr + rn[:, None].to(tl.int64) * stride_qn + rw[None, :], mask=ok, other=0)
-    gi = (((rw // 4) * 32) // GROUP)[None, :].to(tl.int64) * N + rn[:, None]  # a word's 8 inputs share a group
+    gi = ((rw * 8) // GROUP)[None, :].to(tl.int64) * N + rn[:, None]  # a word's 8 inputs share a group
     z = tl.load(z_ptr + gi, mask=ok, other=0).to(tl.float32)
     s = tl.load(s_ptr + gi, mask=ok, other=0.0).to(tl.float32)
-    vals = _int4_row_tile(words, z, s, NIB_MASK, FMA, BLOCK_N, BLOCK_K)  # z, s per word, for its group
+    vals = _int4_row_tile(words, z, s, NIB_MASK, FMA, BLOCK_N, BLOCK_K, MMA_LAYOUT)  # z, s per word, its group
     rk = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     tl.store(w_ptr + rn[:, None].to(tl.int64) * K + rk[None, :], vals.to(w_ptr.dtype.element_ty),
              mask=n_ok[:, None] & (rk < K)[None, :])
 
 
 def int4_row_dequantize(packed: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, group_size: int,
-                        out: torch.Tensor) -> torch.Tensor:
-    """The row layout's weight as a dense ``[N, K]`` matrix written into ``out`` (its dtype), as the
-    reference dequantizes it: ``(q - z) * s`` in float32, rounded once."""
+                        out: torch.Tensor, mma_layout: bool = False) -> torch.Tensor:
+    """The row layout's weight (or with ``mma_layout`` the MMA row layout's) as a dense ``[N, K]`` matrix
+    written into ``out`` (its dtype), as the reference dequantizes it: ``(q - z) * s`` in float32, rounded
+    once."""
     n, kw = packed.shape
     w = out[: n * kw * 8].view(n, kw * 8)
     fma = INT4_DEQUANT_FMA and scales.dtype in (torch.float16, torch.bfloat16)  # exact only for 16-bit scales
     _int4_row_dequantize_kernel[(triton.cdiv(n, 64), triton.cdiv(kw * 8, 256))](
         packed, zeros, scales, w, n, kw * 8, packed.stride(0), 0x000F0000, GROUP=group_size, BLOCK_N=64,
-        BLOCK_K=256, FMA=fma, num_warps=4)
+        BLOCK_K=256, FMA=fma, MMA_LAYOUT=mma_layout, num_warps=4)
     return w
 
 
@@ -777,9 +805,10 @@ INT4_GEMM_TILE_FEW = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, GROUP_M=8, SPLIT_
                           num_stages=3)
 # Rows up to which 4-bit layers may run int4_row_gemm (from INT4_MMA_ROWS + 1); beyond, dequantize + cuBLAS.
 INT4_GEMM_MAX_ROWS = 256
-# Up to how many rows a layer holding the MMA-layout copy (Hopper) takes the Gluon GEMM
-# (kvloom/kernels/gluon_quant.py): on an H200 at Llama-3-8B's shapes it is 1.1-1.6x faster than this module's
-# paths from 4 to 256 rows, and 1.23-1.25x cuBLAS bf16's time for gate_up and down at 256 rows (session 17).
+# Up to how many rows a layer on the MMA row layout (Hopper) takes the Gluon GEMM (kvloom/kernels/gluon_quant.py),
+# and beyond, dequantize + cuBLAS. On an H200 at Llama-3-8B's shapes (session 18, pairs of values dequantized a
+# instruction) it is 1.2-2.2x faster than this module's row-layout paths from 4 to 256 rows, and 1.2x cuBLAS
+# bf16's time for gate_up and down at 256 rows.
 INT4_MMA_GLUON_MAX_ROWS = 256
 SM_PROGRAMS = 264  # about two programs an SM on an H100/H200: split-K until a layer has that many
 
@@ -860,9 +889,10 @@ INT4_ROW_TILE = dict(BLOCK_N=16, BLOCK_K=1024, SPLIT_K=1, num_warps=4, num_stage
 
 def int4_row_gemv(x: torch.Tensor, packed: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor,
                   group_size: int, bias: torch.Tensor | None = None, config: dict | None = None,
-                  silu_mul: bool = False) -> torch.Tensor:
-    """``x [.., K] @ W.T`` of a 4-bit weight in ``int4_row_pack``'s layout (``zeros``/``scales`` ``[G, N]``
-    as ``int_matmul`` takes them), one program per row of x (the engine runs it at one row). With
+                  silu_mul: bool = False, mma_layout: bool = False) -> torch.Tensor:
+    """``x [.., K] @ W.T`` of a 4-bit weight in ``int4_row_pack``'s layout (or with ``mma_layout``
+    ``gluon_quant.int4_mma_pack``'s; ``zeros``/``scales`` ``[G, N]`` as ``int_matmul`` takes them), one program
+    per row of x (the engine runs it at one row). With
     ``silu_mul`` (no bias, no split-K; ``packed`` a merged [gate; up]): ``silu(gate) * up`` of the output."""
     x2 = _rows_2d(x)
     m, k = x2.shape
@@ -878,14 +908,16 @@ def int4_row_gemv(x: torch.Tensor, packed: torch.Tensor, zeros: torch.Tensor, sc
         bk //= 2
     if bk < group_size or bk % group_size or k % bk:
         bk = group_size  # one group per tile
-    if k % bk or group_size % 32:
-        raise ValueError(f"int4_row_gemv needs group_size={group_size} to be a multiple of 32 dividing K={k}")
+    if k % bk or group_size % (64 if mma_layout else 32):
+        raise ValueError(f"int4_row_gemv needs group_size={group_size} to be a multiple of "
+                         f"{64 if mma_layout else 32} dividing K={k}")
     cfg["BLOCK_K"] = bk
     tiles = triton.cdiv(n, cfg["BLOCK_N"])
     part, arrivals, out = _split_outputs(x2, m, n, tiles, cfg["SPLIT_K"])
     _int4_row_gemv_kernel[(m, tiles, cfg["SPLIT_K"])](
         x2, packed, zeros, scales, out, m, n, k, x2.stride(0), packed.stride(0), out.stride(0), 0x000F0000,
-        part, arrivals, GROUP=group_size, **cfg, **pdl_args(x2), SILU_MUL=silu_mul, SPLIT_COMBINE=arrivals is not None)
+        part, arrivals, GROUP=group_size, **cfg, **pdl_args(x2), SILU_MUL=silu_mul, SPLIT_COMBINE=arrivals is not None,
+        MMA_LAYOUT=mma_layout)
     return _finish(out, x, bias)
 
 
@@ -1185,17 +1217,26 @@ def int_matmul_dequantized(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.
 
 
 def int4_row_matmul_dequantized(x: torch.Tensor, packed: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor,
-                                group_size: int, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``int_matmul_dequantized`` on the row layout: the dense ``[N, K]`` weight in the shared scratch
-    buffer, then cuBLAS. Capturing without the buffer: 64-row slices of the tensor-core kernel instead."""
+                                group_size: int, bias: torch.Tensor | None = None,
+                                mma_layout: bool = False) -> torch.Tensor:
+    """``int_matmul_dequantized`` on the row layout (or the MMA row layout): the dense ``[N, K]`` weight in the
+    shared scratch buffer, then cuBLAS. Capturing without the buffer: slices of rows through the tensor-core
+    kernels instead (the Gluon GEMM's 256 on the MMA layout, the Triton one's 64 on the row layout)."""
     n, k = packed.shape[0], packed.shape[1] * 8
     buf = _scratch(x, n * k)
+    if buf is None and mma_layout:
+        from kvloom.kernels import gluon_quant as gq
+
+        x2 = _rows_2d(x)
+        out = torch.cat([gq.int4_mma_gemm(x2[i:i + 256], packed, zeros, scales, group_size)
+                         for i in range(0, x2.shape[0], 256)])
+        return _finish(out, x, bias)
     if buf is None:
         x2 = _rows_2d(x)
         out = torch.cat([int4_mma_gemm(x2[i:i + INT4_MMA_MAX_ROWS], packed, zeros, scales, group_size)
                          for i in range(0, x2.shape[0], INT4_MMA_MAX_ROWS)])
         return _finish(out, x, bias)
-    w = int4_row_dequantize(packed, zeros, scales, group_size, buf)
+    w = int4_row_dequantize(packed, zeros, scales, group_size, buf, mma_layout)
     return torch.nn.functional.linear(x, w, bias)
 
 
@@ -1266,21 +1307,31 @@ def int4_one_row_path(n: int, k: int, dtype: torch.dtype, tinygemm) -> str:
 
 
 def int4_linear(x: torch.Tensor, packed: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor,
-                group_size: int, bias: torch.Tensor | None = None, tinygemm=None, mma=None) -> torch.Tensor:
-    """A 4-bit layer on CUDA, on the row layout (and tinygemm's copy, and the Gluon GEMM's MMA-layout copy
-    ``mma``, where there are), by rows."""
+                group_size: int, bias: torch.Tensor | None = None, tinygemm=None,
+                mma_layout: bool = False) -> torch.Tensor:
+    """A 4-bit layer on CUDA by rows, on the row layout, or with ``mma_layout`` on the Gluon GEMM's MMA row
+    layout (Hopper), and tinygemm's copy where there is one. On the MMA layout one row also takes the Gluon
+    GEMM (x padded to 8 rows): at Llama-3-8B's shapes on an H200 (session 18) its 29.7, 16.5 and 10.5 us for
+    gate_up, down and qkv are the row GEMV's time on the row layout (27.6, 17.4, 11.4), where the GEMV on the
+    MMA layout, reading x at scattered inputs, made batch-1 decode 10% slower (335 against 371 tok/s)."""
     rows = x.numel() // x.shape[-1]
     n, k = packed.shape[0], packed.shape[1] * 8
-    if rows == 1 and int4_one_row_path(n, k, x.dtype, tinygemm) == "row":
+    one_row = rows == 1 and int4_one_row_path(n, k, x.dtype, tinygemm) == "row"
+    if one_row and not mma_layout:
         return int4_row_gemv(x, packed, zeros, scales, group_size, bias, config=int4_row_tiles(n, k))
     if tinygemm is not None and rows <= TINYGEMM_MAX_ROWS and x.dtype == torch.bfloat16:
         return tinygemm_linear(x, *tinygemm, group_size, bias)
-    if mma is not None and rows <= INT4_MMA_GLUON_MAX_ROWS:
+    if mma_layout:
         from kvloom.kernels import gluon_quant as gq
 
-        tile = gq.int4_mma_tiles(rows, n, k)
-        if gq.int4_mma_gemm_ok(n, k, group_size, x.dtype, tile):
-            return gq.int4_mma_gemm(x, mma, zeros, scales, group_size, bias, config=tile)
+        if rows <= INT4_MMA_GLUON_MAX_ROWS:
+            tile = gq.int4_mma_tiles(rows, n, k)
+            if gq.int4_mma_gemm_ok(n, k, group_size, x.dtype, tile):
+                return gq.int4_mma_gemm(x, packed, zeros, scales, group_size, bias, config=tile)
+        if one_row:  # a shape the Gluon GEMM does not take
+            return int4_row_gemv(x, packed, zeros, scales, group_size, bias, config=int4_row_tiles(n, k),
+                                 mma_layout=True)
+        return int4_row_matmul_dequantized(x, packed, zeros, scales, group_size, bias, mma_layout=True)
     if rows <= INT4_MMA_ROWS and x.dtype in (torch.bfloat16, torch.float16):
         return int4_mma_gemm(x, packed, zeros, scales, group_size, bias, config=int4_mma_tiles(rows, n))
     tile = int4_gemm_tiles(rows, n, k) if rows <= INT4_GEMM_MAX_ROWS else None

@@ -15,7 +15,7 @@ needs_sm90 = pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.ge
 
 def test_mma_pack_puts_each_lanes_inputs_in_one_word():
     """Word ``2 q + c`` of a 64-input block holds inputs ``32 c + 16 n2 + 8 n1 + 2 q + n0`` at nibble
-    ``n0 + 2 n1 + 4 n2``; the unpacking inverts it, and the loader's repack of a K-packed qweight (a block of
+    ``n1 + 2 n2 + 4 n0`` (nibbles ``m`` and ``m + 4``: the two halves of one bf16x2 register); the unpacking inverts it, and the loader's repack of a K-packed qweight (a block of
     outputs at a time) gives the same words."""
     q = torch.randint(0, 16, (192, 40), generator=torch.Generator().manual_seed(0))
     words = gq.int4_mma_pack(q)
@@ -26,7 +26,7 @@ def test_mma_pack_puts_each_lanes_inputs_in_one_word():
                 for c in range(2):
                     word = int(words[n, 8 * blk + 2 * lane + c]) & 0xFFFFFFFF
                     for nib in range(8):
-                        n0, n1, n2 = nib & 1, (nib >> 1) & 1, nib >> 2
+                        n1, n2, n0 = nib & 1, (nib >> 1) & 1, nib >> 2
                         k = 64 * blk + 32 * c + 16 * n2 + 8 * n1 + 2 * lane + n0
                         assert (word >> (4 * nib)) & 15 == int(q[k, n])
     assert torch.equal(gq.int4_mma_unpack(words), q)
@@ -56,10 +56,10 @@ from kvloom.kernels import gluon_quant as gq
 cfg = json.loads(sys.argv[1])
 fn = gq._w4a16_mma_kernel
 names = list(fn.arg_names)
-const = dict(GROUP=128, **cfg)
-out = "fp32" if cfg["SPLIT_K"] > 1 else "bf16"
-types = dict(x_ptr="*bf16", qw_ptr="*i32", z_ptr="*u8", s_ptr="*fp16", out_ptr="*" + out, M="i32", N="i32", K="i32",
-             stride_xm="i32", stride_qn="i32", stride_om="i32", NIB_MASK="i32")
+const = dict(GROUP=128, COMBINE=cfg["SPLIT_K"] > 1, PDL=True, **cfg)
+out = "bf16"
+types = dict(x_ptr="*bf16", qw_ptr="*i32", z_ptr="*u8", s_ptr="*fp16", out_ptr="*" + out, part_ptr="*fp32", arrivals_ptr="*i32", M="i32", N="i32", K="i32",
+             stride_xm="i32", stride_qn="i32", stride_om="i32")
 sig = {n: "constexpr" if n in const else types[n] for n in names}
 attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
          if sig[n].startswith("*") or n in ("K", "N", "stride_xm", "stride_qn", "stride_om")}
@@ -96,10 +96,15 @@ def _gluon_importable() -> bool:
                                  dict(BLOCK_M=8, BLOCK_N=64, BLOCK_K=128, STAGES=4, num_warps=4, SPLIT_K=2)])
 def test_the_weight_goes_from_registers_into_wgmma(cfg):
     """Compiled for sm90: wgmma takes the dequantized weight as its register operand (a dot-operand tensor,
-    not shared memory), and the only shared buffers are x's and the words' rings."""
+    not shared memory), the only shared buffers are x's and the words' rings, values are dequantized in pairs
+    (packed bf16 subtractions and products), the kernel waits for its predecessor (PDL) and a split-K tile
+    counts its arrivals with an acq_rel atomic (arrivals.py)."""
     k = _compile_sm90(cfg)
     ttgir, ptx = k["ttgir"], k["ptx"]
     assert "wgmma.mma_async" in ptx
+    assert "sub.rn.bf16x2" in ptx and "mul.rn.bf16x2" in ptx
+    assert "griddepcontrol.wait" in ptx and "griddepcontrol.launch_dependents" in ptx
+    assert ("atom.global.gpu.acq_rel.add" in ptx) == (cfg["SPLIT_K"] > 1)
     dots = [line for line in ttgir.splitlines() if "ttng.warp_group_dot " in line]
     assert dots and all("#ttg.dot_op<{opIdx = 0" in line for line in dots), dots
     assert ttgir.count("ttg.local_alloc") == 2
@@ -152,29 +157,33 @@ def test_int4_mma_gemm_groups_and_llama_shapes():
                                                                    num_warps=4, SPLIT_K=1))
 
 
-def test_int4_linear_routes_rows_to_the_gluon_gemm_when_the_copy_is_held(monkeypatch):
-    """With the MMA-layout copy: one row stays on the row GEMV (or tinygemm), 2-4 rows on tinygemm where it is
-    held, 2-256 rows otherwise on the Gluon GEMM with ``int4_mma_tiles``' tile, more on dequantize + cuBLAS;
-    a shape the Gluon GEMM does not take falls through to the Triton paths. Without the copy nothing changes."""
+def test_int4_linear_routes_rows_on_the_mma_layout(monkeypatch):
+    """On the MMA row layout: 1-4 rows on tinygemm where it is held, 1-256 rows otherwise on the Gluon GEMM with
+    ``int4_mma_tiles``' tile, more on dequantize + cuBLAS from that layout; a shape the Gluon GEMM does not take
+    on the row GEMV reading that layout (one row) or dequantize + cuBLAS. On the row layout nothing changes."""
     from kvloom.kernels import triton_quant as tq
 
     calls = []
     monkeypatch.setattr(gq, "int4_mma_gemm_ok", lambda n, k, g, dtype, tile: k % 256 == 0)
     monkeypatch.setattr(gq, "int4_mma_gemm", lambda *a, config=None, **kw: calls.append(("gluon", config["BLOCK_M"])))
     for name in ("int4_row_gemv", "tinygemm_linear", "int4_mma_gemm", "int4_row_gemm", "int4_row_matmul_dequantized"):
-        monkeypatch.setattr(tq, name, lambda *a, _n=name, **kw: calls.append(_n))
+        monkeypatch.setattr(tq, name, lambda *a, _n=name, **kw: calls.append((_n, kw.get("mma_layout", False))))
     x = lambda rows, k=4096: torch.zeros(rows, k, dtype=torch.bfloat16)  # noqa: E731
-    packed, mma, tiny = torch.zeros(28672, 512, dtype=torch.int32), object(), (object(), object())
+    packed, tiny = torch.zeros(28672, 512, dtype=torch.int32), (object(), object())
     for rows in (1, 2, 4, 5, 16, 17, 256, 257):
-        tq.int4_linear(x(rows), packed, None, None, 128, mma=mma)
-    assert calls == ["int4_row_gemv", ("gluon", 8), ("gluon", 8), ("gluon", 8), ("gluon", 16), ("gluon", 32),
-                     ("gluon", 256), "int4_row_matmul_dequantized"]
+        tq.int4_linear(x(rows), packed, None, None, 128, mma_layout=True)
+    assert calls == [("gluon", 8), ("gluon", 8), ("gluon", 8), ("gluon", 8), ("gluon", 16), ("gluon", 32),
+                     ("gluon", 256), ("int4_row_matmul_dequantized", True)]
     calls.clear()
     small = torch.zeros(4096, 512, dtype=torch.int32)
     for rows in (1, 4, 5):
-        tq.int4_linear(x(rows), small, None, None, 128, tinygemm=tiny, mma=mma)
-    assert calls == ["tinygemm_linear", "tinygemm_linear", ("gluon", 8)]
+        tq.int4_linear(x(rows), small, None, None, 128, tinygemm=tiny, mma_layout=True)
+    assert calls == [("tinygemm_linear", False), ("tinygemm_linear", False), ("gluon", 8)]
     calls.clear()
-    tq.int4_linear(x(20, 4160), torch.zeros(4096, 520, dtype=torch.int32), None, None, 64, mma=mma)  # not taken
-    tq.int4_linear(x(20), packed, None, None, 128)  # no copy
-    assert calls == ["int4_row_gemm", "int4_row_gemm"]
+    odd = torch.zeros(4096, 520, dtype=torch.int32)  # K of 4160: not the Gluon GEMM's
+    tq.int4_linear(x(20, 4160), odd, None, None, 64, mma_layout=True)
+    tq.int4_linear(x(1, 4160), odd, None, None, 64, mma_layout=True)
+    tq.int4_linear(x(20), packed, None, None, 128)  # the row layout
+    tq.int4_linear(x(1), packed, None, None, 128)
+    assert calls == [("int4_row_matmul_dequantized", True), ("int4_row_gemv", True), ("int4_row_gemm", False),
+                     ("int4_row_gemv", False)]

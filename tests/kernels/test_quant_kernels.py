@@ -158,29 +158,39 @@ def test_fp8_per_token_activation_quantization_in_one_kernel(tk, rows, k):
     assert torch.equal(scale[rows:].cpu(), torch.ones(padded - rows, 1))
 
 
-@pytest.mark.parametrize("group", [32, 64, 128])
+def _pack_4bit(tk, qweight: torch.Tensor, layout: str) -> torch.Tensor:
+    """A K-packed 4-bit weight in the row layout or the Gluon GEMM's MMA row layout, on the test's device."""
+    from kvloom.kernels import gluon_quant as gq
+
+    return tk.quant.int4_row_pack(qweight.to(tk.device)) if layout == "row" else \
+        gq.int4_mma_pack_qweight(qweight).to(tk.device)
+
+
+@pytest.mark.parametrize("group,layout", [(32, "row"), (64, "row"), (128, "row"), (64, "mma"), (128, "mma")])
 @pytest.mark.parametrize("split,combine", [(1, True), (2, True), (3, True), (2, False)])
-def test_int4_row_gemv_matches_the_reference(tk, monkeypatch, group, split, combine):
-    """The bit-pattern GEMV on its row-major layout (``int4_row_pack``): each nibble becomes the float
-    ``1 + q / 128`` and each group's offset and zero point come off its sums, the same product as
-    dequantizing first, to float32 rounding; three rows, N of 80 (a partial column tile), a bias, tiles of
-    one and of several groups. Split-K with the last split combining the partials (``SPLIT_COMBINE``;
-    3 splits of 2 tiles leave one empty) and with atomic adds into a zeroed float32 output."""
+def test_int4_row_gemv_matches_the_reference(tk, monkeypatch, group, layout, split, combine):
+    """The bit-pattern GEMV on its row-major layout (``int4_row_pack``), and on the Gluon GEMM's MMA row layout
+    (the same words and groups, x read at other inputs): each nibble becomes the float ``1 + q / 128`` and
+    each group's offset and zero point come off its sums, the same product as dequantizing first, to float32
+    rounding; three rows, N of 80 (a partial column tile), a bias, tiles of one and of several groups.
+    Split-K with the last split combining the partials (``SPLIT_COMBINE``; 3 splits of 2 tiles leave one
+    empty) and with atomic adds into a zeroed float32 output."""
     monkeypatch.setattr(tk.quant, "SPLIT_COMBINE", combine)
     k, n = 512, 80
     qweight, zeros, scales = random_packed(k, n, 4, group, seed=11)
     x = torch.randn(3, k, generator=torch.Generator().manual_seed(12))
     bias = torch.randn(n)
     want = qr.int_matmul(x, qweight, zeros, scales, group, 4, bias)
-    packed = tk.quant.int4_row_pack(qweight.to(tk.device))
+    packed = _pack_4bit(tk, qweight, layout)
     assert packed.shape == (n, k // 8) and packed.dtype == torch.int32
     args = [t.to(tk.device) for t in (x, packed, zeros, scales)]
     for block_k in (group, 256):
         cfg = dict(BLOCK_N=32, BLOCK_K=block_k, SPLIT_K=split, num_warps=4)
-        got = tk.quant.int4_row_gemv(*args, group, bias.to(tk.device), config=cfg)
+        got = tk.quant.int4_row_gemv(*args, group, bias.to(tk.device), config=cfg, mma_layout=layout == "mma")
         torch.testing.assert_close(got.cpu(), want, atol=1e-4, rtol=1e-4)
         if split > 1 and combine:  # the partials added in split order: the same bits every time
-            assert torch.equal(tk.quant.int4_row_gemv(*args, group, bias.to(tk.device), config=cfg), got)
+            assert torch.equal(tk.quant.int4_row_gemv(*args, group, bias.to(tk.device), config=cfg,
+                                                      mma_layout=layout == "mma"), got)
     if split > 1 and combine:
         from kvloom.kernels import arrivals
 
@@ -240,31 +250,33 @@ def test_int4_tensor_core_kernel_on_the_row_layout_matches_the_reference(tk, gro
         assert (got - want).abs().max() <= 0.01 * want.abs().max()  # 16-bit output; exact sums inside
 
 
-@pytest.mark.parametrize("fma", [False, True])
-def test_int4_row_layout_dequantizes_to_the_reference_weight(tk, monkeypatch, fma):
-    """The many-row path's dequantization from the row layout: ``(q - z) * s`` as the reference, into
-    ``[N, K]``, to the bit in float32 (and in bf16 on a GPU; the interpreter's bf16 cast truncates), with
-    each value built by an integer-to-float conversion or by the bit pattern and one FMA
-    (``INT4_DEQUANT_FMA``), both ways the same bits; then the dense product (a second, smaller layer reuses
-    the scratch buffer)."""
+@pytest.mark.parametrize("fma,layout", [(False, "row"), (True, "row"), (True, "mma")])
+def test_int4_row_layout_dequantizes_to_the_reference_weight(tk, monkeypatch, fma, layout):
+    """The many-row path's dequantization from the row layout (and from the MMA row layout): ``(q - z) * s`` as
+    the reference, into ``[N, K]`` in input order, to the bit in float32 (and in bf16 on a GPU; the
+    interpreter's bf16 cast truncates), with each value built by an integer-to-float conversion or by the bit
+    pattern and one FMA (``INT4_DEQUANT_FMA``), both ways the same bits; then the dense product (a second,
+    smaller layer reuses the scratch buffer)."""
     monkeypatch.setattr(tk.quant, "INT4_DEQUANT_FMA", fma)
+    mma = layout == "mma"
     x = torch.randn(70, 256, generator=torch.Generator().manual_seed(15))
-    for k, n, group in ((256, 96, 32), (128, 64, 64)):
+    for k, n, group in ((256, 96, 64 if mma else 32), (128, 64, 64)):
         qweight, zeros, scales = random_packed(k, n, 4, group, seed=k)
         dense = qr.int_matmul(torch.eye(k), qweight, zeros, scales, group, 4)  # [K, N]
-        packed = tk.quant.int4_row_pack(qweight.to(tk.device))
+        packed = _pack_4bit(tk, qweight, layout)
         args = [t.to(tk.device) for t in (packed, zeros, scales)]
         buf = torch.empty(k * n, device=tk.device)
-        torch.testing.assert_close(tk.quant.int4_row_dequantize(*args, group, buf).cpu(), dense.t(), atol=0, rtol=0)
+        torch.testing.assert_close(tk.quant.int4_row_dequantize(*args, group, buf, mma).cpu(), dense.t(),
+                                   atol=0, rtol=0)
         buf16 = torch.empty(k * n, device=tk.device, dtype=torch.bfloat16)
-        got16 = tk.quant.int4_row_dequantize(*args, group, buf16).cpu()
+        got16 = tk.quant.int4_row_dequantize(*args, group, buf16, mma).cpu()
         if tk.device == "cuda":  # the interpreter's float32 -> bf16 cast truncates instead of rounding
             assert torch.equal(got16, dense.t().to(torch.bfloat16))
         monkeypatch.setattr(tk.quant, "INT4_DEQUANT_FMA", not fma)
-        assert torch.equal(tk.quant.int4_row_dequantize(*args, group, buf16).cpu(), got16)  # the other way
+        assert torch.equal(tk.quant.int4_row_dequantize(*args, group, buf16, mma).cpu(), got16)  # the other way
         monkeypatch.setattr(tk.quant, "INT4_DEQUANT_FMA", fma)
         want = qr.int_matmul(x[:, :k], qweight, zeros, scales, group, 4)
-        got = tk.quant.int4_row_matmul_dequantized(x[:, :k].to(tk.device), *args, group)
+        got = tk.quant.int4_row_matmul_dequantized(x[:, :k].to(tk.device), *args, group, mma_layout=mma)
         torch.testing.assert_close(got.cpu(), want, atol=1e-4, rtol=1e-4)
 
 

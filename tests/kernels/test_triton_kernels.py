@@ -456,11 +456,13 @@ def test_kernels_that_combine_their_splits_compile_for_sm90():
 
     pytest.importorskip("triton.backends.nvidia.compiler", reason="triton's CUDA backend is not installed")
     cases = []
-    for fused in (False, True):
+    for fused, mma in ((False, False), (True, False), (True, True)):
         cases.append(dict(
-            name=f"int4 row combine={fused}", module="kvloom.kernels.triton_quant", kernel="_int4_row_gemv_kernel",
-            types=_INT4_ROW_TYPES, options=dict(num_warps=8, num_stages=2), ptx=_ARRIVAL_PTX if fused else [],
-            const=dict(GROUP=128, BLOCK_N=64, BLOCK_K=1024, SPLIT_K=4, PDL=True, SILU_MUL=False, SPLIT_COMBINE=fused)))
+            name=f"int4 row combine={fused} mma_layout={mma}", module="kvloom.kernels.triton_quant",
+            kernel="_int4_row_gemv_kernel", types=_INT4_ROW_TYPES, options=dict(num_warps=8, num_stages=2),
+            ptx=_ARRIVAL_PTX if fused else [],
+            const=dict(GROUP=128, BLOCK_N=64, BLOCK_K=1024, SPLIT_K=4, PDL=True, SILU_MUL=False, SPLIT_COMBINE=fused,
+                       MMA_LAYOUT=mma)))
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     run = subprocess.run([sys.executable, "-c", _COMPILE_SM90, json.dumps(cases)], env=env, capture_output=True,
                          text=True, timeout=600)

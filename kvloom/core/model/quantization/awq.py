@@ -76,7 +76,7 @@ class AWQLinearMethod:
             return
         qweight, zeros = repack_awq(layer.qweight.data, layer.qzeros.data)
         set_packed_weight(layer, qweight, zeros, layer.scales.data, m.group_size, 4)
-        m.kernel = INT_KERNELS[4, layer.method.row] + " (AWQ repacked at load)"
+        m.kernel = INT_KERNELS[4, layer.method.layout] + " (AWQ repacked at load)"
 
     def apply(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
         raise RuntimeError(f"{layer.prefix}: AWQ weights are used before process_weights_after_loading")

@@ -128,7 +128,7 @@ class GPTQLinearMethod:
             return
         qweight, zeros = repack_gptq(layer.qweight.data, layer.qzeros.data, m.bits, m.checkpoint_format == "gptq", perm)
         set_packed_weight(layer, qweight, zeros, layer.scales.data, g, m.bits, perm)
-        m.kernel = (INT_KERNELS[m.bits, layer.method.row]
+        m.kernel = (INT_KERNELS[m.bits, layer.method.layout]
                     + (", inputs sorted by group (desc_act)" if perm is not None else ""))
 
     def apply(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:

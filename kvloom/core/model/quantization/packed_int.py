@@ -1,7 +1,9 @@
-"""The run-time layouts of AWQ and GPTQ layers on the GPU, dequantized inside the Triton kernels
-(``kvloom.kernels.triton_quant``), with uint8 zero points and fp16 scales per group: 4-bit weights in the
-row layout (``[N, K / 8]`` int32, ``int4_row_pack``) that every 4-bit kernel reads, plus PyTorch's int4
-copy (tinygemm) for 1-4 rows where it takes the shape; 8-bit weights packed along the inputs. On the CPU
+"""The run-time layouts of AWQ and GPTQ layers on the GPU, dequantized inside the kernels
+(``kvloom.kernels.triton_quant``, ``gluon_quant``), with uint8 zero points and fp16 scales per group: 4-bit
+weights in one ``[N, K / 8]`` int32 layout that every 4-bit kernel of the GPU reads (on Hopper the Gluon GEMM's
+MMA row layout, ``gluon_quant.int4_mma_pack``; elsewhere the row layout, ``triton_quant.int4_row_pack``),
+plus PyTorch's int4 copy (tinygemm) for 1-4 rows where it takes the shape (on Hopper only for weights of
+4096 x 4096 and less, whose one row it runs); 8-bit weights packed along the inputs. On the CPU
 the formats are dequantized at load instead, where dense oneDNN matmuls are faster than unpacking
 nibbles on every call."""
 
@@ -13,19 +15,21 @@ from kvloom.core.model.linear import LinearBase
 
 
 # The start-up log's kernel: what ``triton_quant.int4_linear`` / ``int_linear`` pick from by row count.
-# Keyed by (bits, row layout).
+# Keyed by (bits, layout).
 INT_KERNELS = {
-    (4, True): ("W4A16 on CUDA, row-major 4-bit layout: one row a Triton GEMV (nibbles to floats by bit patterns; "
-                "PyTorch's int4 GEMM, tinygemm, on weights of 4096 x 4096 and less), 2-4 rows tinygemm (a second "
-                "copy of the weight), up to 16 rows a Triton tensor-core GEMM dequantizing in the kernel, up to 256 rows "
-                "a Triton wgmma GEMM dequantizing tiles in registers (or dequantize + cuBLAS where that is "
-                "faster), dequantize + cuBLAS beyond; with gluon_quant.ENABLED on Hopper, 2-256 rows (5-256 where "
-                "tinygemm is held) a Gluon wgmma GEMM taking the dequantized weight from registers (a copy in "
-                "its MMA layout)"),
-    (4, False): ("W4A16 on CUDA, packed along the inputs: up to 4 rows PyTorch's int4 GEMM (tinygemm, where it takes "
+    (4, "mma"): ("W4A16 on CUDA, the Gluon GEMM's 4-bit MMA row layout (Hopper): one row a Triton GEMV (nibbles to "
+                 "floats by bit patterns; PyTorch's int4 GEMM, tinygemm, on weights of 4096 x 4096 and less, a "
+                 "second copy of those), 2-256 rows a Gluon wgmma GEMM dequantizing pairs of values into its "
+                 "register operand (2-4 rows tinygemm where it is held), dequantize + cuBLAS beyond"),
+    (4, "row"): ("W4A16 on CUDA, row-major 4-bit layout: one row a Triton GEMV (nibbles to floats by bit patterns; "
+                 "PyTorch's int4 GEMM, tinygemm, on weights of 4096 x 4096 and less), 2-4 rows tinygemm (a second "
+                 "copy of the weight), up to 16 rows a Triton tensor-core GEMM dequantizing in the kernel, up to 256 "
+                 "rows a Triton wgmma GEMM dequantizing tiles in registers (or dequantize + cuBLAS where that is "
+                 "faster), dequantize + cuBLAS beyond"),
+    (4, "k"): ("W4A16 on CUDA, packed along the inputs: up to 4 rows PyTorch's int4 GEMM (tinygemm, where it takes "
                  "the group size), up to 63 rows a Triton tensor-core GEMM dequantizing in the kernel, dequantize + "
                  "cuBLAS beyond"),
-    (8, False): ("W8A16 on CUDA: up to 63 rows a Triton tensor-core GEMM dequantizing in the kernel, dequantize + "
+    (8, "k"): ("W8A16 on CUDA: up to 63 rows a Triton tensor-core GEMM dequantizing in the kernel, dequantize + "
                  "cuBLAS beyond"),
 }
 
@@ -38,18 +42,25 @@ def keep_packed(device: torch.device, forced: bool | None) -> bool:
 def set_packed_weight(layer: LinearBase, qweight: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor,
                       group_size: int, bits: int, perm: torch.Tensor | None = None) -> None:
     """Replace the checkpoint's tensors by the run-time layout, from the K-packed ``qweight``
-    (``[K * bits / 32, N]``); ``perm`` reorders the inputs (desc_act). 4-bit on CUDA: the row layout
-    (``qweight`` becomes ``[N, K / 8]``) for the groups its kernels take (``triton_quant.int4_row_layout_ok``),
-    and tinygemm's copy where it takes the shape."""
+    (``[K * bits / 32, N]``); ``perm`` reorders the inputs (desc_act). 4-bit on CUDA, for the groups the
+    kernels take (``triton_quant.int4_row_layout_ok``): ``qweight`` becomes ``[N, K / 8]``, in the MMA row
+    layout where the Gluon GEMM runs (``gluon_quant.mma_layout_wanted``), else in the row layout; and
+    tinygemm's copy where it takes the shape (with the MMA layout, only where it runs one row)."""
     for name in list(layer._parameters):
         if name != "bias":
             delattr(layer, name)
     cuda4 = bits == 4 and qweight.is_cuda
     if cuda4:  # (Triton only where the kernels run)
         from kvloom.kernels import triton_quant as tq
-    row = cuda4 and tq.int4_row_layout_ok(qweight.shape[0] * 8, group_size)
+    n, k = qweight.shape[1], qweight.shape[0] * 8
+    row = cuda4 and tq.int4_row_layout_ok(k, group_size)
+    mma = False
     if row:
-        layer.add_param("qweight", tq.int4_row_pack(qweight), input_dim=1, output_dim=0)
+        from kvloom.kernels import gluon_quant as gq
+
+        mma = gq.mma_layout_wanted(qweight.device, k, group_size, layer.params_dtype)
+        packed = gq.int4_mma_pack_qweight(qweight) if mma else tq.int4_row_pack(qweight)
+        layer.add_param("qweight", packed, input_dim=1, output_dim=0)
     else:
         layer.add_param("qweight", qweight, input_dim=0, output_dim=1)
     layer.add_param("zeros", zeros, input_dim=0, output_dim=1)
@@ -58,32 +69,27 @@ def set_packed_weight(layer: LinearBase, qweight: torch.Tensor, zeros: torch.Ten
         layer.register_buffer("perm", perm, persistent=False)
     else:
         layer.perm = None
-    layer.tinygemm = layer.mma = None
-    n, k = qweight.shape[1], qweight.shape[0] * 8
-    if row:
-        from kvloom.kernels import gluon_quant as gq
-
-        if gq.mma_layout_wanted(qweight.device, k, group_size, layer.params_dtype):
-            # the Gluon wgmma GEMM's copy (half a byte per value): 2-256 rows
-            layer.register_buffer("mma_weight", gq.int4_mma_pack_qweight(qweight), persistent=False)
-            layer.mma = layer.mma_weight
-    # tinygemm's copy: with the Gluon GEMM's, only for the weights whose one row it runs (4096 x 4096 and less)
-    if cuda4 and layer.params_dtype == torch.bfloat16 and (layer.mma is None or n * k < tq.INT4_ROW_MIN_WEIGHT):
+    layer.tinygemm = None
+    # tinygemm's copy: with the MMA layout, only for the weights whose one row it runs (4096 x 4096 and less)
+    if cuda4 and layer.params_dtype == torch.bfloat16 and (not mma or n * k < tq.INT4_ROW_MIN_WEIGHT):
         pack = tq.tinygemm_pack(qweight, zeros, scales, group_size)
         if pack is not None:  # a second copy of the weight (half a byte per value): a decode path
             layer.register_buffer("tinygemm_weight", pack[0], persistent=False)
             layer.register_buffer("tinygemm_scales_zeros", pack[1], persistent=False)
             layer.tinygemm = (layer.tinygemm_weight, layer.tinygemm_scales_zeros)
-    layer.method = PackedIntLinearMethod(group_size, bits, row)
+    layer.method = PackedIntLinearMethod(group_size, bits, "mma" if mma else "row" if row else "k")
 
 
 class PackedIntLinearMethod:
-    """W4A16/W8A16: on the row layout through ``ops.int4_row_matmul`` (4-bit on CUDA), else K-packed through
-    ``ops.int_matmul`` (Triton on CUDA, the PyTorch reference elsewhere)."""
+    """W4A16/W8A16: on the row or MMA row layout through ``ops.int4_row_matmul`` (4-bit on CUDA), else K-packed
+    (``layout`` ``"k"``) through ``ops.int_matmul`` (Triton on CUDA, the PyTorch reference elsewhere)."""
 
-    def __init__(self, group_size: int, bits: int, row: bool = False) -> None:
-        self.group_size, self.bits, self.row = group_size, bits, row
-        self.name = f"int{bits} packed" + (" (row layout)" if row else "")
+    def __init__(self, group_size: int, bits: int, layout: str = "k") -> None:
+        if layout not in ("k", "row", "mma"):
+            raise ValueError(f"layout {layout!r}: one of 'k', 'row', 'mma'")
+        self.group_size, self.bits, self.layout = group_size, bits, layout
+        self.row = layout != "k"  # [N, K / 8] words, read by the row kernels
+        self.name = f"int{bits} packed" + {"k": "", "row": " (row layout)", "mma": " (MMA row layout)"}[layout]
 
     def create_weights(self, layer: LinearBase) -> None:
         raise RuntimeError("a packed-int layer is made from a loaded AWQ or GPTQ one")
@@ -98,7 +104,7 @@ class PackedIntLinearMethod:
             x = x.index_select(-1, layer.perm)
         if self.row:
             return ops.int4_row_matmul(x, layer.qweight, layer.zeros, layer.scales, self.group_size, layer.bias,
-                                       layer.tinygemm, layer.mma)
+                                       layer.tinygemm, self.layout == "mma")
         return ops.int_matmul(x, layer.qweight, layer.zeros, layer.scales, self.group_size, self.bits, layer.bias,
                               layer.tinygemm)
 
@@ -115,30 +121,29 @@ class PackedIntLinearMethod:
         if layer.perm is not None:
             x = x.index_select(-1, layer.perm)
         return tq.int4_row_gemv(x, layer.qweight, layer.zeros, layer.scales, self.group_size,
-                                config=tq.int4_row_tiles(n, k), silu_mul=True)
+                                config=tq.int4_row_tiles(n, k), silu_mul=True, mma_layout=self.layout == "mma")
 
     def held_bytes(self, layer: LinearBase, device_type: str) -> int:
-        copies = [*(layer.tinygemm or ()), *(() if layer.mma is None else (layer.mma,))]
+        copies = layer.tinygemm or ()
         return sum(p.numel() * p.element_size() for p in layer.parameters(recurse=False)) + \
             sum(t.numel() * t.element_size() for t in copies)
 
 
 def tinygemm_bytes(layer: LinearBase, bits: int, group_size: int, device_type: str) -> int:
-    """What the second copies of a 4-bit layer add on CUDA (``engine plan``): tinygemm's in bf16, and on Hopper
-    the Gluon GEMM's MMA layout (then tinygemm's only for weights of 4096 x 4096 and less), as
-    ``set_packed_weight`` makes them."""
+    """What tinygemm's copy of a 4-bit layer adds on CUDA (``engine plan``), in bf16 where it takes the shape,
+    and with the MMA layout (Hopper) only for weights of 4096 x 4096 and less, as ``set_packed_weight``
+    makes it."""
     if bits != 4 or device_type != "cuda":
         return 0
+    from kvloom.kernels import triton_quant as tq
+
     k, n = layer.input_size, layer.output_size
-    mma = tiny_too = 0
     if torch.cuda.is_available():
         from kvloom.kernels import gluon_quant as gq
 
-        if gq.mma_layout_wanted(torch.device("cuda"), k, group_size, layer.params_dtype):
-            from kvloom.kernels import triton_quant as tq
-
-            mma, tiny_too = k * n // 2, n * k < tq.INT4_ROW_MIN_WEIGHT
-    if layer.params_dtype != torch.bfloat16 or group_size not in (32, 64, 128, 256) or k % 1024 \
-            or (mma and not tiny_too):
-        return mma
-    return mma + k * n // 2 + (k // group_size) * n * 4
+        if tq.int4_row_layout_ok(k, group_size) and n * k >= tq.INT4_ROW_MIN_WEIGHT \
+                and gq.mma_layout_wanted(torch.device("cuda"), k, group_size, layer.params_dtype):
+            return 0
+    if layer.params_dtype != torch.bfloat16 or group_size not in (32, 64, 128, 256) or k % 1024:
+        return 0
+    return k * n // 2 + (k // group_size) * n * 4
