@@ -806,8 +806,8 @@ INT4_GEMM_TILE_FEW = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, GROUP_M=8, SPLIT_
 # Rows up to which 4-bit layers may run int4_row_gemm (from INT4_MMA_ROWS + 1); beyond, dequantize + cuBLAS.
 INT4_GEMM_MAX_ROWS = 256
 # Up to how many rows a layer on the MMA row layout (Hopper) takes the Gluon GEMM (kvloom/kernels/gluon_quant.py),
-# and beyond, dequantize + cuBLAS. On an H200 at Llama-3-8B's shapes (session 18, pairs of values dequantized a
-# instruction) it is 1.2-2.2x faster than this module's row-layout paths from 4 to 256 rows, and 1.2x cuBLAS
+# and beyond, dequantize + cuBLAS. On an H200 at Llama-3-8B's shapes (session 18, pairs of values dequantized an
+# instruction) it is 1.0-2.1x faster than this module's row-layout paths from 4 to 256 rows, and 1.2x cuBLAS
 # bf16's time for gate_up and down at 256 rows.
 INT4_MMA_GLUON_MAX_ROWS = 256
 SM_PROGRAMS = 264  # about two programs an SM on an H100/H200: split-K until a layer has that many
