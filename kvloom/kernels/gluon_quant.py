@@ -261,7 +261,6 @@ def int4_mma_gemm(x: torch.Tensor, packed: torch.Tensor, zeros: torch.Tensor, sc
     """``x [.., K] @ W.T`` of a 4-bit weight in ``int4_mma_pack``'s layout (``zeros`` uint8 and ``scales``
     ``[G, N]``) on Hopper's tensor cores, from 1 to any number of rows (tiles of 8-256 rows)."""
     from kvloom.kernels import triton_quant as tq
-    from kvloom.kernels.arrivals import arrival_counters
     from kvloom.kernels.pdl import pdl_args
 
     x2 = tq._rows_2d(x)
@@ -272,16 +271,12 @@ def int4_mma_gemm(x: torch.Tensor, packed: torch.Tensor, zeros: torch.Tensor, sc
         raise ValueError(f"int4_mma_gemm does not take K={k}, N={n}, group_size={group_size}, {x2.dtype} with {cfg}")
     split = cfg.setdefault("SPLIT_K", 1)
     grid = (triton.cdiv(n, cfg["BLOCK_N"]), triton.cdiv(m, cfg["BLOCK_M"]), split)
-    arrivals = arrival_counters(x2, grid[0] * grid[1]) if split > 1 and tq.SPLIT_COMBINE and m <= COMBINE_MAX_ROWS \
-        else None
-    if arrivals is not None:  # the splits combined by the last one: no fill or cast kernel
-        part = torch.empty((split, m, n), device=x2.device, dtype=torch.float32)
-        out = torch.empty((m, n), device=x2.device, dtype=x2.dtype)
-    else:
-        out = part = tq._out_buffer(m, n, split, x2)
-        arrivals = out
-    _w4a16_mma_kernel[grid](x2, packed, zeros, scales, out, part, arrivals, m, n, k, x2.stride(0), packed.stride(0),
-                            out.stride(0), GROUP=group_size, COMBINE=part is not out, **cfg, **pdl_args(x2))
+    # up to COMBINE_MAX_ROWS the splits are combined by the last one (no fill or cast kernel)
+    part, arrivals, out = tq._split_outputs(x2, m, n, grid[0] * grid[1], split, combine=m <= COMBINE_MAX_ROWS)
+    combine = arrivals is not None
+    _w4a16_mma_kernel[grid](x2, packed, zeros, scales, out, part if combine else out, arrivals if combine else out,
+                            m, n, k, x2.stride(0), packed.stride(0), out.stride(0), GROUP=group_size, COMBINE=combine,
+                            **cfg, **pdl_args(x2))
     return tq._finish(out, x, bias)
 
 

@@ -104,11 +104,12 @@ def _out_buffer(m: int, n: int, split: int, like: torch.Tensor) -> torch.Tensor:
 SPLIT_COMBINE = True
 
 
-def _split_outputs(x2: torch.Tensor, m: int, n: int, tiles: int, split: int):
-    """``(part, arrivals, out)`` for a GEMV of ``m`` rows, ``n`` outputs in ``tiles`` tiles and ``split``
-    K-splits: with ``SPLIT_COMBINE`` (and counters to be had) the float32 partials ``[split, m, n]``, the
-    counters and an output in x's dtype; otherwise no partials and ``_out_buffer``'s output."""
-    arrivals = arrival_counters(x2, m * tiles) if split > 1 and SPLIT_COMBINE else None
+def _split_outputs(x2: torch.Tensor, m: int, n: int, tiles: int, split: int, combine: bool = True):
+    """``(part, arrivals, out)`` for a kernel of ``m`` rows, ``n`` outputs, ``tiles`` output tiles (one arrival
+    counter each) and ``split`` K-splits: with ``combine`` and ``SPLIT_COMBINE`` (and counters to be had) the
+    float32 partials ``[split, m, n]``, the counters and an output in x's dtype; otherwise no partials and
+    ``_out_buffer``'s output."""
+    arrivals = arrival_counters(x2, tiles) if split > 1 and combine and SPLIT_COMBINE else None
     if arrivals is None:
         return None, None, _out_buffer(m, n, split, x2)
     part = torch.empty((split, m, n), device=x2.device, dtype=torch.float32)
@@ -913,7 +914,7 @@ def int4_row_gemv(x: torch.Tensor, packed: torch.Tensor, zeros: torch.Tensor, sc
                          f"{64 if mma_layout else 32} dividing K={k}")
     cfg["BLOCK_K"] = bk
     tiles = triton.cdiv(n, cfg["BLOCK_N"])
-    part, arrivals, out = _split_outputs(x2, m, n, tiles, cfg["SPLIT_K"])
+    part, arrivals, out = _split_outputs(x2, m, n, m * tiles, cfg["SPLIT_K"])
     _int4_row_gemv_kernel[(m, tiles, cfg["SPLIT_K"])](
         x2, packed, zeros, scales, out, m, n, k, x2.stride(0), packed.stride(0), out.stride(0), 0x000F0000,
         part, arrivals, GROUP=group_size, **cfg, **pdl_args(x2), SILU_MUL=silu_mul, SPLIT_COMBINE=arrivals is not None,
@@ -1091,7 +1092,7 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
         cfg = dict(config or dict(BLOCK_N=16, BLOCK_K=256, SPLIT_K=1, num_warps=4))
         cfg.setdefault("X_TILE", FP8_GEMV_X_TILE)
         tiles = triton.cdiv(n, cfg["BLOCK_N"])
-        part, arrivals, out = _split_outputs(x2, m, n, tiles, cfg["SPLIT_K"])
+        part, arrivals, out = _split_outputs(x2, m, n, m * tiles, cfg["SPLIT_K"])
         _fp8_gemv_kernel[(m, tiles, cfg["SPLIT_K"])](
             x2, weight, weight_scale.reshape(-1), out, m, n, k, _row_bucket(m), x2.stride(0), weight.stride(0),
             out.stride(0), part_ptr=part, arrivals_ptr=arrivals, **cfg, **pdl_args(x2), SILU_MUL=silu_mul,
@@ -1224,17 +1225,15 @@ def int4_row_matmul_dequantized(x: torch.Tensor, packed: torch.Tensor, zeros: to
     kernels instead (the Gluon GEMM's 256 on the MMA layout, the Triton one's 64 on the row layout)."""
     n, k = packed.shape[0], packed.shape[1] * 8
     buf = _scratch(x, n * k)
-    if buf is None and mma_layout:
-        from kvloom.kernels import gluon_quant as gq
-
-        x2 = _rows_2d(x)
-        out = torch.cat([gq.int4_mma_gemm(x2[i:i + 256], packed, zeros, scales, group_size)
-                         for i in range(0, x2.shape[0], 256)])
-        return _finish(out, x, bias)
     if buf is None:
+        if mma_layout:
+            from kvloom.kernels import gluon_quant as gq
+
+            gemm, step = gq.int4_mma_gemm, INT4_MMA_GLUON_MAX_ROWS
+        else:
+            gemm, step = int4_mma_gemm, INT4_MMA_MAX_ROWS
         x2 = _rows_2d(x)
-        out = torch.cat([int4_mma_gemm(x2[i:i + INT4_MMA_MAX_ROWS], packed, zeros, scales, group_size)
-                         for i in range(0, x2.shape[0], INT4_MMA_MAX_ROWS)])
+        out = torch.cat([gemm(x2[i:i + step], packed, zeros, scales, group_size) for i in range(0, x2.shape[0], step)])
         return _finish(out, x, bias)
     w = int4_row_dequantize(packed, zeros, scales, group_size, buf, mma_layout)
     return torch.nn.functional.linear(x, w, bias)

@@ -39,6 +39,18 @@ def keep_packed(device: torch.device, forced: bool | None) -> bool:
     return forced if forced is not None else device.type == "cuda"
 
 
+def int4_cuda_layout(device: torch.device, k: int, group_size: int, dtype: torch.dtype) -> str:
+    """The layout a 4-bit layer of ``k`` inputs holds on a CUDA ``device``: ``"mma"`` (the Gluon GEMM's, on
+    Hopper: ``gluon_quant.mma_layout_wanted``), ``"row"`` for the other groups the row kernels take
+    (``triton_quant.int4_row_layout_ok``), else ``"k"`` (packed along the inputs)."""
+    from kvloom.kernels import gluon_quant as gq
+    from kvloom.kernels import triton_quant as tq
+
+    if not tq.int4_row_layout_ok(k, group_size):
+        return "k"
+    return "mma" if gq.mma_layout_wanted(device, k, group_size, dtype) else "row"
+
+
 def set_packed_weight(layer: LinearBase, qweight: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor,
                       group_size: int, bits: int, perm: torch.Tensor | None = None) -> None:
     """Replace the checkpoint's tensors by the run-time layout, from the K-packed ``qweight``
@@ -53,14 +65,14 @@ def set_packed_weight(layer: LinearBase, qweight: torch.Tensor, zeros: torch.Ten
     if cuda4:  # (Triton only where the kernels run)
         from kvloom.kernels import triton_quant as tq
     n, k = qweight.shape[1], qweight.shape[0] * 8
-    row = cuda4 and tq.int4_row_layout_ok(k, group_size)
-    mma = False
-    if row:
+    layout = int4_cuda_layout(qweight.device, k, group_size, layer.params_dtype) if cuda4 else "k"
+    mma = layout == "mma"
+    if mma:
         from kvloom.kernels import gluon_quant as gq
 
-        mma = gq.mma_layout_wanted(qweight.device, k, group_size, layer.params_dtype)
-        packed = gq.int4_mma_pack_qweight(qweight) if mma else tq.int4_row_pack(qweight)
-        layer.add_param("qweight", packed, input_dim=1, output_dim=0)
+        layer.add_param("qweight", gq.int4_mma_pack_qweight(qweight), input_dim=1, output_dim=0)
+    elif layout == "row":
+        layer.add_param("qweight", tq.int4_row_pack(qweight), input_dim=1, output_dim=0)
     else:
         layer.add_param("qweight", qweight, input_dim=0, output_dim=1)
     layer.add_param("zeros", zeros, input_dim=0, output_dim=1)
@@ -77,7 +89,7 @@ def set_packed_weight(layer: LinearBase, qweight: torch.Tensor, zeros: torch.Ten
             layer.register_buffer("tinygemm_weight", pack[0], persistent=False)
             layer.register_buffer("tinygemm_scales_zeros", pack[1], persistent=False)
             layer.tinygemm = (layer.tinygemm_weight, layer.tinygemm_scales_zeros)
-    layer.method = PackedIntLinearMethod(group_size, bits, "mma" if mma else "row" if row else "k")
+    layer.method = PackedIntLinearMethod(group_size, bits, layout)
 
 
 class PackedIntLinearMethod:
@@ -138,12 +150,9 @@ def tinygemm_bytes(layer: LinearBase, bits: int, group_size: int, device_type: s
     from kvloom.kernels import triton_quant as tq
 
     k, n = layer.input_size, layer.output_size
-    if torch.cuda.is_available():
-        from kvloom.kernels import gluon_quant as gq
-
-        if tq.int4_row_layout_ok(k, group_size) and n * k >= tq.INT4_ROW_MIN_WEIGHT \
-                and gq.mma_layout_wanted(torch.device("cuda"), k, group_size, layer.params_dtype):
-            return 0
+    if torch.cuda.is_available() and n * k >= tq.INT4_ROW_MIN_WEIGHT \
+            and int4_cuda_layout(torch.device("cuda"), k, group_size, layer.params_dtype) == "mma":
+        return 0
     if layer.params_dtype != torch.bfloat16 or group_size not in (32, 64, 128, 256) or k % 1024:
         return 0
     return k * n // 2 + (k // group_size) * n * 4
