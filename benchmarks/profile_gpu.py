@@ -7,6 +7,7 @@ kernels that took the most GPU time, grouped by name (a tool for tuning, not a b
 from __future__ import annotations
 
 import argparse
+import collections
 import random
 import sys
 import time
@@ -30,6 +31,8 @@ def main() -> None:
     p.add_argument("--quantization", default=None, help="fp8, awq or gptq (dummy weights in that format).")
     p.add_argument("--warmup", choices=("short", "full"), default="short",
                    help="Before the profile, 4 requests (short) or the whole workload once (full: compiles out).")
+    p.add_argument("--gaps", type=int, default=0, metavar="N",
+                   help="Also print the N largest sums of idle device time, by the kernels before and after each gap.")
     p.add_argument("--set", action="append", default=[], metavar="MODULE.NAME=VALUE",
                    help="Replace a module constant before the engine starts (e.g. a kernel switch).")
     args = p.parse_args()
@@ -61,6 +64,33 @@ def main() -> None:
     for e in sorted(events, key=lambda e: -getattr(e, "self_device_time_total", 0))[: args.rows]:
         t = getattr(e, "self_device_time_total", 0)
         print(f"{t / 1e6:8.3f}s {100 * t / max(total, 1):5.1f}% {e.count:7d}  {e.key[:90]}")
+    if args.gaps:
+        print_idle_gaps(prof, elapsed, args.gaps)
+
+
+def print_idle_gaps(prof, elapsed: float, top: int) -> None:
+    """The device's idle time (the profiled wall time less the union of its kernels' and copies'
+    intervals), and the gaps over 5 us summed by the (kernel before, kernel after) pair that bounds them."""
+    spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events() if e.device_type.name == "CUDA")
+    if not spans:
+        return
+    busy, (start, end, name) = 0.0, spans[0]
+    by_pair = collections.defaultdict(lambda: [0.0, 0])
+    for s, e, n in spans[1:]:
+        if s > end:
+            busy += end - start
+            if s - end > 5:
+                pair = by_pair[(name[:45], n[:45])]
+                pair[0] += s - end
+                pair[1] += 1
+            start, end, name = s, e, n
+        elif e > end:
+            end, name = e, n
+    busy += end - start
+    print(f"device busy {busy / 1e6:.2f}s of {elapsed:.2f}s; idle {elapsed - busy / 1e6:.2f}s, "
+          f"of which gaps over 5 us {sum(v[0] for v in by_pair.values()) / 1e6:.2f}s:")
+    for (before, after), (t, n) in sorted(by_pair.items(), key=lambda kv: -kv[1][0])[:top]:
+        print(f"{t / 1e6:8.3f}s {n:7d}  {before} -> {after}")
 
 
 if __name__ == "__main__":

@@ -165,6 +165,44 @@ def test_rotary_and_cache_write_in_the_fp8_qkv_gemv_change_no_token_on_gpu(name,
     assert max(abs(a - b) for a, b in zip(runs[True][1], runs[False][1])) < 1e-4
 
 
+@pytest.mark.parametrize("name", ["ct-fp8-llama-tensor", "ct-fp8-qwen2-channel"])
+def test_fp8_activations_quantized_by_the_norm_and_silu_kernels_change_no_token_on_gpu(name, tmp_path, monkeypatch):
+    """Where a W8A8 layer takes more rows than the GEMVs do (batched prefill here), RMSNorm and SiLU-and-mul
+    hand it FP8 rows (``FP8_FUSED_QUANT``): the same tokens and logprobs as the layer quantizing its input."""
+    from kvloom import LLM, SamplingParams
+    from kvloom.core.model.quantization import fp8
+    from kvloom.kernels import triton_quant
+    from tests.quant_checkpoints import write_checkpoint
+    from tests.test_quantization import CASES
+
+    if not fp8.fp8_matmul_supported(torch.device("cuda")):
+        pytest.skip("no FP8 matmul on this GPU")
+    family, fmt, settings = CASES[name]
+    path, _ = write_checkpoint(tmp_path, family, fmt, **settings)
+    handed = []
+    original = fp8.fp8_w8a8_linear
+
+    def counted(x, *args):
+        handed.append(isinstance(x, fp8.FP8Rows))
+        return original(x, *args)
+
+    monkeypatch.setattr(fp8, "fp8_w8a8_linear", counted)
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=2)
+    runs = {}
+    for on in (True, False):
+        monkeypatch.setattr(triton_quant, "FP8_FUSED_QUANT", on)
+        llm = LLM(str(path), dtype="float32", device="cuda", max_num_seqs=8, kv_cache_memory_gib=0.25)
+        outs = llm.generate(_prompts(), params, use_tqdm=False)
+        runs[on] = ([o.token_ids for o in outs], [t.logprob for o in outs for lp in o.outputs[0].logprobs for t in lp.top])
+        del llm
+        if on:
+            assert any(handed), "no layer was handed FP8 rows"
+            handed.clear()
+    assert not any(handed)
+    assert runs[True][0] == runs[False][0]
+    assert max(abs(a - b) for a, b in zip(runs[True][1], runs[False][1])) < 1e-4
+
+
 @pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)),
                     reason="the MMA row layout is Hopper's")
 def test_the_mma_row_layout_gives_the_row_layouts_tokens_on_hopper(tmp_path, monkeypatch):

@@ -204,14 +204,17 @@ class Scheduler:
         return min(tokens, budget)
 
     def _scheduled_seq(self, req: Request, num_new: int) -> ScheduledSeq:
-        start, end = req.num_computed_tokens, req.num_computed_tokens + num_new
-        known_end = min(end, req.num_tokens)
-        drafts = req.spec_token_ids[: end - known_end]
+        start = req.num_computed_tokens
+        end = start + num_new
+        num_tokens = len(req.all_token_ids)
+        known_end = min(end, num_tokens)
+        drafts = req.spec_token_ids[: end - known_end] if end > known_end else []
         sampling = req.sampling
-        first_placeholder = req.num_tokens - req.num_unresolved
+        first_placeholder = num_tokens - req.num_unresolved
+        tokens = req.all_token_ids[start:known_end]
         return ScheduledSeq(
-            request_id=req.request_id, token_ids=req.all_token_ids[start:known_end] + drafts, start_pos=start,
-            block_ids=list(req.block_ids), num_sample_rows=1 + len(drafts) if end >= req.num_tokens else 0,
+            request_id=req.request_id, token_ids=tokens + drafts if drafts else tokens, start_pos=start,
+            block_ids=list(req.block_ids), num_sample_rows=1 + len(drafts) if end >= num_tokens else 0,
             sampling=sampling, draft_token_ids=drafts,
             num_placeholders=max(0, known_end - max(start, first_placeholder)),
             num_output_tokens=req.num_output_tokens,
@@ -268,11 +271,12 @@ class Scheduler:
         """What a step does regardless of the tokens it samples: its input tokens are computed, and each
         sampling request gets a placeholder for its new token. Called as soon as the step is launched,
         so the next step can be scheduled while this one runs on the GPU."""
+        running = RequestStatus.RUNNING
         for s, req in zip(plan.seqs, self._launched[plan.step_id]):
-            if req.status is not RequestStatus.RUNNING:
+            if req.status is not running:
                 continue
-            req.num_computed_tokens += s.num_new_tokens
-            if s.samples:
+            req.num_computed_tokens += len(s.token_ids)
+            if s.num_sample_rows:
                 req.spec_token_ids = []  # being verified now
                 req.append_token(PLACEHOLDER)
                 req.num_unresolved += 1
@@ -286,16 +290,18 @@ class Scheduler:
         rejected drafts, offer full blocks of accepted tokens to the prefix cache, and finish the
         requests that stopped. Tokens of requests that finished meanwhile are dropped."""
         updates = []
+        caching = self.kv.prefix_cache is not None  # else cache_blocks does nothing: not called at all
+        block_size, sampled = self.kv.block_size, output.sampled_token_ids
         for s, req in zip(plan.seqs, self._launched.pop(plan.step_id)):
             if req.status.finished:
                 continue
             running = req.status is RequestStatus.RUNNING
-            computed_end = s.start_pos + s.num_new_tokens
-            if not s.samples:
-                if running and len(req.block_ids) * self.kv.block_size >= computed_end:
+            computed_end = s.start_pos + len(s.token_ids)
+            if not s.num_sample_rows:
+                if caching and running and len(req.block_ids) * block_size >= computed_end:
                     self.kv.cache_blocks(req, s.num_new_tokens, end=computed_end)
                 continue
-            tokens = output.sampled_token_ids[s.request_id]
+            tokens = sampled[s.request_id]
             num_drafts, accepted = len(s.draft_token_ids), len(tokens) - 1
             index = computed_end - num_drafts  # where this step's first new token goes
             if num_drafts:
@@ -312,7 +318,7 @@ class Scheduler:
             req.num_unresolved -= 1
             for t in tokens[1:]:
                 req.append_token(t)
-            if running and len(req.block_ids) * self.kv.block_size >= computed_end:
+            if caching and running and len(req.block_ids) * block_size >= computed_end:
                 self.kv.cache_blocks(req, computed_end - s.start_pos, end=computed_end)
             finished, new = None, tokens
             for i in range(len(tokens)):

@@ -43,6 +43,16 @@ def rms_norm(x, weight, eps, residual=None):
     return ref.rms_norm(x, weight, eps, residual)
 
 
+def rms_norm_fp8(x, weight, eps, residual=None):
+    """``rms_norm`` quantized per row for a W8A8 layer (``quant_reference.FP8Rows``, with the new residual
+    like ``rms_norm``); None where no kernel does it (not CUDA, or a row too wide)."""
+    if not (use_triton(x) and x.is_cuda):
+        return None
+    from kvloom.kernels import triton_quant
+
+    return triton_quant.rms_norm_fp8(x, weight, eps, residual)
+
+
 def rotary_embedding(positions, q, k, cos_sin_cache):
     """Returns the rotated ``(q, k)``; on CUDA they are rotated in place, so always use the returned tensors."""
     if use_triton(q):
@@ -86,6 +96,15 @@ def silu_and_mul(x):
 
         return triton_fused.silu_and_mul(x)
     return ref.silu_and_mul(x)
+
+
+def silu_and_mul_fp8(x):
+    """``silu_and_mul`` quantized per row for a W8A8 layer (``FP8Rows``); None where no kernel does it."""
+    if not (use_triton(x) and x.is_cuda):
+        return None
+    from kvloom.kernels import triton_quant
+
+    return triton_quant.silu_and_mul_fp8(x)
 
 
 def int_matmul(x, qweight, zeros, scales, group_size, bits, bias=None, tinygemm=None):

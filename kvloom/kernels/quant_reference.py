@@ -13,6 +13,8 @@ Layouts (as the formats document them; each int32 word holds ``32 // bits`` valu
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
@@ -83,6 +85,22 @@ def _dequantize(q, z, scales, group_size, g_idx, dtype):
 def fp8_quantize(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """``x / scale`` saturated to e4m3's range and rounded to FP8 (``scale`` broadcasts)."""
     return (x.float() / scale.float()).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+
+
+class FP8Rows(NamedTuple):
+    """Activations already quantized per token for a W8A8 layer, by the kernel that produced them (RMSNorm
+    or SiLU-and-mul): ``data`` FP8 ``[padded, K]`` and ``scale`` float32 ``[padded, 1]``, rows past ``rows``
+    zeros with scale 1 (cuBLASLt's padding); ``dtype``: the activation's own dtype, the layer's output's."""
+
+    data: torch.Tensor
+    scale: torch.Tensor
+    rows: int
+    dtype: torch.dtype
+
+
+def num_rows(x) -> int:
+    """The token rows of a layer input: a tensor's (all but its last dim) or ``FP8Rows``'."""
+    return x.rows if isinstance(x, FP8Rows) else x.numel() // x.shape[-1]
 
 
 def fp8_scale_per_row(x: torch.Tensor, min_scale: float = 1e-12) -> torch.Tensor:

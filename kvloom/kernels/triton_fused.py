@@ -43,6 +43,16 @@ def _rms_norm_kernel(
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)  # a weight: before the wait
     gdc_launch_dependents(PDL)  # the next kernel may start and wait
     gdc_wait(PDL)
+    normed = _rms_norm_row(x_ptr, res_ptr, new_res_ptr, row, stride_x, stride_res, stride_new_res, cols, mask,
+                           n_cols, eps, HAS_RESIDUAL)
+    tl.store(out_ptr + row * stride_out + cols, (w * normed).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rms_norm_row(x_ptr, res_ptr, new_res_ptr, row, stride_x, stride_res, stride_new_res, cols, mask, n_cols, eps,
+                  HAS_RESIDUAL: tl.constexpr):
+    """One row's normalized values (float32) before the weight, storing ``x + residual`` first where given;
+    ``row`` int64. Shared with the RMSNorm that quantizes its output (``triton_quant.rms_norm_fp8``)."""
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
     if HAS_RESIDUAL:
         r = tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0)
@@ -52,8 +62,7 @@ def _rms_norm_kernel(
     h = x.to(tl.float32)
     rstd = tl.rsqrt(tl.sum(h * h, 0) / n_cols + eps)
     # ``weight * normed.to(x.dtype)``: the normalized value is rounded to x's dtype before scaling.
-    normed = (h * rstd).to(x.dtype).to(tl.float32)
-    tl.store(out_ptr + row * stride_out + cols, (w * normed).to(out_ptr.dtype.element_ty), mask=mask)
+    return (h * rstd).to(x.dtype).to(tl.float32)
 
 
 def rms_norm(

@@ -18,7 +18,7 @@ import triton.language as tl
 from kvloom.kernels.arrivals import arrival_counters
 from kvloom.kernels.pdl import gdc_launch_dependents, gdc_wait, pdl_args
 from kvloom.kernels.triton_attention import _dot_precision, _round_to_e4m3
-from kvloom.kernels.triton_fused import _rotate
+from kvloom.kernels.triton_fused import _rms_norm_row, _rotate
 
 
 
@@ -381,6 +381,119 @@ def fp8_quantize_rows(x: torch.Tensor, pad_to: int = 16) -> tuple[torch.Tensor, 
     _fp8_quantize_rows_kernel[(rows,)](x, xq, scale, m, k, x.stride(0), xq.stride(0),
                                        BLOCK_K=min(1024, triton.next_power_of_2(k)), min_scale=1e-12)
     return xq, scale
+
+
+# The producers of a W8A8 layer's input quantize it themselves where that layer takes FP8 rows
+# (``FP8LinearMethod.takes_fp8_rows``): RMSNorm before qkv and gate/up, SiLU-and-mul before down. Each
+# keeps a whole row in registers (up to ``FP8_FUSED_MAX_COLS``), rounds its output to the activation's
+# dtype as the unfused kernel does, then quantizes it as ``fp8_quantize_rows`` would: the same bytes, one
+# kernel and one bf16 round trip less per layer. Rows past M are the same zero padding with scale 1.
+FP8_FUSED_QUANT = True
+FP8_FUSED_MAX_COLS = 16384
+_TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+
+
+@triton.jit
+def _quantize_row(y, row, live, q_ptr, scale_ptr, stride_q, cols, mask, min_scale: tl.constexpr):
+    """Store ``y`` (float32, 0 where masked) as FP8 over its amax / 448, and the scale (padding: 1)."""
+    scale = tl.maximum(tl.max(tl.abs(y), 0) / 448.0, min_scale)
+    scale = tl.where(live, scale, 1.0)
+    tl.store(scale_ptr + row, scale)
+    q_row = q_ptr + row.to(tl.int64) * stride_q
+    tl.store(q_row + cols, _round_to_e4m3(y / scale).to(q_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rms_norm_fp8_kernel(x_ptr, res_ptr, w_ptr, q_ptr, scale_ptr, new_res_ptr, M,
+                         stride_x, stride_res, stride_q, stride_new_res, n_cols, eps,
+                         HAS_RESIDUAL: tl.constexpr, OUT_DTYPE: tl.constexpr, BLOCK: tl.constexpr,
+                         min_scale: tl.constexpr, PDL: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    gdc_launch_dependents(PDL)
+    gdc_wait(PDL)
+    live = row < M
+    read = cols < tl.where(live, n_cols, 0)  # padding rows read nothing (a bound, as in fp8_quantize_rows)
+    normed = _rms_norm_row(x_ptr, res_ptr, new_res_ptr, row.to(tl.int64), stride_x, stride_res, stride_new_res,
+                           cols, read, n_cols, eps, HAS_RESIDUAL)
+    y = (w * normed).to(OUT_DTYPE).to(tl.float32)  # rms_norm's output, as the next layer would read it
+    _quantize_row(y, row, live, q_ptr, scale_ptr, stride_q, cols, mask, min_scale)
+
+
+@triton.jit
+def _silu_and_mul_fp8_kernel(x_ptr, q_ptr, scale_ptr, M, stride_x, stride_q, n_cols,
+                             BLOCK: tl.constexpr, min_scale: tl.constexpr, PDL: tl.constexpr):
+    row = tl.program_id(0)
+    gdc_launch_dependents(PDL)
+    gdc_wait(PDL)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    live = row < M
+    read = cols < tl.where(live, n_cols, 0)
+    x_row = x_ptr + row.to(tl.int64) * stride_x
+    gate = tl.load(x_row + cols, mask=read, other=0.0)
+    up = tl.load(x_row + n_cols + cols, mask=read, other=0.0)
+    g = gate.to(tl.float32)
+    act = (g / (1.0 + tl.exp(-g))).to(gate.dtype).to(tl.float32)
+    y = (act * up.to(tl.float32)).to(gate.dtype).to(tl.float32)  # silu_and_mul's output
+    _quantize_row(y, row, live, q_ptr, scale_ptr, stride_q, cols, mask, min_scale)
+
+
+def _fp8_rows_out(m: int, k: int, device, pad_to: int):
+    rows = -(-m // pad_to) * pad_to
+    return (torch.empty(rows, k, dtype=torch.float8_e4m3fn, device=device),
+            torch.empty(rows, 1, dtype=torch.float32, device=device))
+
+
+def rms_norm_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+                 pad_to: int = 16):
+    """``triton_fused.rms_norm`` with its output quantized per row as ``fp8_quantize_rows`` does:
+    ``FP8Rows``, or ``(FP8Rows, x + residual)`` with ``residual``. None where a row is too wide to hold."""
+    from kvloom.kernels.quant_reference import FP8Rows
+
+    n = x.shape[-1]
+    if not FP8_FUSED_QUANT or n > FP8_FUSED_MAX_COLS:
+        return None
+    x2 = x.reshape(-1, n)
+    x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
+    m = x2.shape[0]
+    stream = x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)
+    out_dtype = torch.promote_types(weight.dtype, stream)
+    xq, scale = _fp8_rows_out(m, n, x.device, pad_to)
+    if residual is not None:
+        res2 = residual.reshape(-1, n)
+        res2 = res2 if res2.stride(-1) == 1 else res2.contiguous()
+        new_res = torch.empty(m, n, dtype=stream, device=x.device)
+    else:
+        res2 = new_res = x2
+    block = triton.next_power_of_2(n)
+    _rms_norm_fp8_kernel[(xq.shape[0],)](
+        x2, res2, weight.contiguous(), xq, scale, new_res, m, x2.stride(0), res2.stride(0), xq.stride(0),
+        new_res.stride(0), n, eps, HAS_RESIDUAL=residual is not None, OUT_DTYPE=_TL_DTYPES[out_dtype],
+        BLOCK=block, min_scale=1e-12, num_warps=min(16, max(4, block // 512)), **pdl_args(x2))
+    rows = FP8Rows(xq, scale, m, out_dtype)
+    return rows if residual is None else (rows, new_res.view(residual.shape))
+
+
+def silu_and_mul_fp8(x: torch.Tensor, pad_to: int = 16):
+    """``triton_fused.silu_and_mul`` with its output quantized per row as ``fp8_quantize_rows`` does
+    (``FP8Rows``); None where a row is too wide to hold."""
+    from kvloom.kernels.quant_reference import FP8Rows
+
+    n = x.shape[-1] // 2
+    if not FP8_FUSED_QUANT or n > FP8_FUSED_MAX_COLS:
+        return None
+    x2 = x.reshape(-1, 2 * n)
+    x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
+    m = x2.shape[0]
+    xq, scale = _fp8_rows_out(m, n, x.device, pad_to)
+    block = triton.next_power_of_2(n)
+    _silu_and_mul_fp8_kernel[(xq.shape[0],)](x2, xq, scale, m, x2.stride(0), xq.stride(0), n, BLOCK=block,
+                                             min_scale=1e-12, num_warps=min(16, max(4, block // 512)),
+                                             **pdl_args(x2))
+    return FP8Rows(xq, scale, m, x.dtype)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -158,6 +158,43 @@ def test_fp8_per_token_activation_quantization_in_one_kernel(tk, rows, k):
     assert torch.equal(scale[rows:].cpu(), torch.ones(padded - rows, 1))
 
 
+@pytest.mark.parametrize("rows,k,residual", [(3, 64, False), (17, 300, True), (16, 2048, True)])
+def test_rms_norm_and_silu_and_mul_quantize_their_rows_as_the_unfused_kernels_do(tk, rows, k, residual):
+    """For a W8A8 layer, RMSNorm and SiLU-and-mul quantize their own output per row (``FP8Rows``): the
+    same FP8 bytes and scales as their unfused kernel followed by ``fp8_quantize_rows``, padding included,
+    and the same new residual."""
+    gen = torch.Generator().manual_seed(5)
+    dev = tk.device
+    x = (torch.randn(rows, k, generator=gen) * torch.logspace(-2, 1, rows)[:, None]).bfloat16().to(dev)
+    res = torch.randn(rows, k, generator=gen).bfloat16().to(dev) if residual else None
+    w = (torch.rand(k, generator=gen) + 0.5).bfloat16().to(dev)
+    want = tk.fused.rms_norm(x, w, 1e-5, res)
+    got = tk.quant.rms_norm_fp8(x, w, 1e-5, res)
+    if residual:
+        (want, want_res), (got, got_res) = want, got
+        assert torch.equal(got_res, want_res)
+    pairs = [(got, tk.quant.fp8_quantize_rows(want))]
+    gate_up = torch.randn(rows, 2 * k, generator=gen).bfloat16().to(dev) * 3
+    pairs.append((tk.quant.silu_and_mul_fp8(gate_up), tk.quant.fp8_quantize_rows(tk.fused.silu_and_mul(gate_up))))
+    for got, (want_q, want_scale) in pairs:
+        assert isinstance(got, qr.FP8Rows) and got.rows == rows and got.dtype == torch.bfloat16
+        assert got.data.shape == want_q.shape == (-(-rows // 16) * 16, k)
+        assert torch.equal(got.scale, want_scale)
+        assert torch.equal(got.data.view(torch.uint8), want_q.view(torch.uint8))
+
+
+def test_fused_activation_quantization_leaves_rows_too_wide_to_the_unfused_kernels(tk, monkeypatch):
+    """Rows wider than ``FP8_FUSED_MAX_COLS`` (or with ``FP8_FUSED_QUANT`` off) get None: the caller runs the
+    unfused kernel, and the layer quantizes its input itself."""
+    x = torch.ones(2, 64, device=tk.device)
+    monkeypatch.setattr(tk.quant, "FP8_FUSED_MAX_COLS", 32)
+    assert tk.quant.rms_norm_fp8(x, torch.ones(64, device=tk.device), 1e-5) is None
+    assert tk.quant.silu_and_mul_fp8(torch.ones(2, 128, device=tk.device)) is None
+    monkeypatch.setattr(tk.quant, "FP8_FUSED_MAX_COLS", 16384)
+    monkeypatch.setattr(tk.quant, "FP8_FUSED_QUANT", False)
+    assert tk.quant.rms_norm_fp8(x, torch.ones(64, device=tk.device), 1e-5) is None
+
+
 def _pack_4bit(tk, qweight: torch.Tensor, layout: str) -> torch.Tensor:
     """A K-packed 4-bit weight in the row layout or the Gluon GEMM's MMA row layout, on the test's device."""
     from kvloom.kernels import gluon_quant as gq

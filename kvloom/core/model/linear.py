@@ -182,17 +182,28 @@ class LinearBase(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.method.apply(self, x)
 
-    def forward_silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+    def takes_fp8_rows(self, rows: int) -> bool:
+        """Whether the weight format runs ``rows`` rows on FP8 activations it would quantize itself, so the
+        kernel before may hand it ``quant_reference.FP8Rows`` instead (its ``takes_fp8_rows``)."""
+        takes = getattr(self.method, "takes_fp8_rows", None)
+        return takes is not None and takes(self, rows)
+
+    def forward_silu_and_mul(self, x, fp8: bool = False):
         """``silu(gate) * up`` of a merged [gate; up] layer's output: in the matmul's epilogue where the
         weight format has a kernel for it at this row count (``apply_silu_and_mul``; one kernel less a
-        decode step), else the matmul and then ``ops.silu_and_mul``."""
+        decode step), else the matmul and then ``ops.silu_and_mul``; with ``fp8`` (the next layer
+        ``takes_fp8_rows``) quantized per row in that kernel, where it can (``FP8Rows``)."""
         fused = getattr(self.method, "apply_silu_and_mul", None)
-        out = fused(self, x) if fused is not None and self.bias is None and self.num_shards == 2 else None
+        out = None
+        if fused is not None and self.bias is None and self.num_shards == 2 and isinstance(x, torch.Tensor):
+            out = fused(self, x)
         if out is not None:
             return out
         from kvloom.kernels import ops
 
-        return ops.silu_and_mul(self.method.apply(self, x))
+        y = self.method.apply(self, x)
+        out = ops.silu_and_mul_fp8(y) if fp8 else None
+        return ops.silu_and_mul(y) if out is None else out
 
     def forward_qkv_rope(self, x: torch.Tensor, rope, kv_cache, slot_mapping: torch.Tensor, num_q_heads: int,
                          num_kv_heads: int, k_scale: float, v_scale: float) -> torch.Tensor | None:

@@ -21,6 +21,7 @@ from kvloom.core.distributed import TensorParallel
 from kvloom.core.model.linear import (ColumnLinear, LinearBase, MergedColumnLinear, QKVLinear, ReplicatedLinear,
                                       RowLinear, UnquantizedLinearMethod)
 from kvloom.kernels import ops
+from kvloom.kernels.quant_reference import num_rows
 
 if TYPE_CHECKING:
     from kvloom.core.model.quantization import QuantizationMethod
@@ -39,8 +40,11 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        return ops.rms_norm(x, self.weight, self.eps, residual)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, fp8: bool = False):
+        """``fp8``: the next layer takes FP8 rows (``LinearBase.takes_fp8_rows``), quantized here where a
+        kernel does it."""
+        out = ops.rms_norm_fp8(x, self.weight, self.eps, residual) if fp8 else None
+        return ops.rms_norm(x, self.weight, self.eps, residual) if out is None else out
 
 
 def rope_cos_sin_cache(config, head_dim: int, max_positions: int) -> torch.Tensor:
@@ -128,7 +132,8 @@ class Attention(nn.Module):
     def forward(self, rope, h, meta: AttentionMetadata, kv_cache) -> torch.Tensor:
         fp8_cache = kv_cache[0].dtype == torch.float8_e4m3fn
         qkv = None
-        if not self.qk_norm and getattr(self.backend, "takes_written_kv", False) and meta.num_decodes == meta.num_seqs:
+        if (not self.qk_norm and getattr(self.backend, "takes_written_kv", False) and meta.num_decodes == meta.num_seqs
+                and isinstance(h, torch.Tensor)):
             # A decode step where the weight format rotates q/k and writes the cache in the qkv kernel.
             qkv = self.qkv_proj.forward_qkv_rope(h, rope, kv_cache, meta.slot_mapping, self.num_heads,
                                                  self.num_kv_heads, self.k_scale if fp8_cache else 1.0,
@@ -174,8 +179,9 @@ class MLP(nn.Module):
         if act != "silu":
             raise ValueError(f"hidden_act={act!r} is not supported; supported: silu")
 
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return self.tp.all_reduce(self.down_proj(self.gate_up_proj.forward_silu_and_mul(h)))
+    def forward(self, h) -> torch.Tensor:
+        act = self.gate_up_proj.forward_silu_and_mul(h, fp8=self.down_proj.takes_fp8_rows(num_rows(h)))
+        return self.tp.all_reduce(self.down_proj(act))
 
 
 class DecoderLayer(nn.Module):
@@ -188,17 +194,19 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, rope, h, residual, meta, kv_cache, keep=None):
+        # Where the next layer runs W8A8 on these rows, the norm hands it FP8 rows (one kernel less).
+        fp8 = self.self_attn.qkv_proj.takes_fp8_rows(h.shape[0])
         if residual is None:
             residual = h
-            h = self.input_layernorm(h)
+            h = self.input_layernorm(h, fp8=fp8)
         else:
-            h, residual = self.input_layernorm(h, residual)
+            h, residual = self.input_layernorm(h, residual, fp8=fp8)
         h = self.self_attn(rope, h, meta, kv_cache)
         if keep is not None:  # only these rows go on (their K/V for every row are cached by now)
             h, residual = h[keep], residual[keep]
             if h.shape[0] == 0:
                 return h, residual
-        h, residual = self.post_attention_layernorm(h, residual)
+        h, residual = self.post_attention_layernorm(h, residual, fp8=self.mlp.gate_up_proj.takes_fp8_rows(h.shape[0]))
         return self.mlp(h), residual
 
 

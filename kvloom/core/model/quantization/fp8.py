@@ -18,7 +18,8 @@ import torch.nn.functional as F
 from kvloom.core.config import ConfigError
 from kvloom.core.model.linear import LinearBase, set_dense_weight
 from kvloom.core.model.quantization import QuantizationMethod, dense_bytes
-from kvloom.kernels.quant_reference import (FP8_DTYPE, fp8_dequantize_blocks, fp8_quantize, fp8_scale_per_row)
+from kvloom.kernels.quant_reference import (FP8_DTYPE, FP8Rows, fp8_dequantize_blocks, fp8_quantize,
+                                            fp8_scale_per_row)
 
 FP8_ACTIVATION_SCHEMES = ("dynamic", "static")
 CT_WEIGHT_STRATEGIES = ("channel", "tensor")
@@ -35,10 +36,15 @@ def fp8_matmul_supported(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
 
 
-def fp8_w8a8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+def fp8_w8a8_linear(x: torch.Tensor | FP8Rows, weight: torch.Tensor, weight_scale: torch.Tensor,
                     input_scale: torch.Tensor | None, bias: torch.Tensor | None) -> torch.Tensor:
-    """``x @ W.T + b`` with ``x`` quantized to FP8 per token (or by the static ``input_scale``) and
-    ``W`` FP8 ``[out, in]`` with ``weight_scale [out, 1]``, through ``torch._scaled_mm``."""
+    """``x @ W.T + b`` with ``x`` quantized to FP8 per token (or by the static ``input_scale``; or already,
+    ``FP8Rows`` from the kernel before) and ``W`` FP8 ``[out, in]`` with ``weight_scale [out, 1]``, through
+    ``torch._scaled_mm``."""
+    if isinstance(x, FP8Rows):
+        out = torch._scaled_mm(x.data, weight.t(), scale_a=x.scale, scale_b=weight_scale.reshape(1, -1),
+                               out_dtype=x.dtype, use_fast_accum=True)[:x.rows]
+        return out if bias is None else out + bias
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
     rows = x2.shape[0]
@@ -68,6 +74,8 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     (a weight-only GEMV for decode-sized batches, W8A8 beyond)."""
     from kvloom.kernels import triton_quant
 
+    if isinstance(x, FP8Rows):  # quantized by the kernel before, for this W8A8 layer (takes_fp8_rows)
+        return fp8_w8a8_linear(x, weight, weight_scale, input_scale, bias)
     path = triton_quant.fp8_linear_path(x.numel() // x.shape[-1], weight.shape[0], weight.shape[1])
     if path == "gemv":
         return triton_quant.fp8_gemv(x, weight, weight_scale, bias)
@@ -207,6 +215,15 @@ class FP8LinearMethod:
         self.w8a8 = True
         m.kernel = ("W8A8 torch._scaled_mm, row-wise scales, fast accumulation; up to "
                     f"{_gemv_rows()} rows by shape that or a weight-only FP8 GEMV (Triton)")
+
+    def takes_fp8_rows(self, layer: LinearBase, rows: int) -> bool:
+        """Whether ``rows`` rows run W8A8 with dynamic per-token scales, so that the kernel before the layer
+        may hand it ``FP8Rows`` (``triton_quant.FP8_FUSED_QUANT``)."""
+        from kvloom.kernels import triton_quant
+
+        return (self.w8a8 and triton_quant.FP8_FUSED_QUANT and layer.weight.is_cuda
+                and getattr(layer, "input_scale", None) is None
+                and triton_quant.fp8_linear_path(rows, *layer.weight.shape) == "w8a8")
 
     def apply(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
         return fp8_linear(x, layer.weight, layer.weight_scale, getattr(layer, "input_scale", None), layer.bias)
