@@ -4,6 +4,8 @@ values the scheduler and the runner exchange."""
 
 from __future__ import annotations
 
+import atexit
+import gc
 import logging
 import time
 
@@ -158,6 +160,7 @@ class EngineCore:
         self.structured = StructuredOutputManager(config.model, config.tokenizer, self.vocab_size,
                                                   self.eos_token_ids)
         self.runner.before_sampling = self.structured.fill_bitmasks  # overlaps the forward on a GPU
+        freeze_startup_heap()
 
     # --- set-up ------------------------------------------------------------------------------------
     def _resolve_max_model_len(self) -> int:
@@ -457,6 +460,25 @@ class EngineCore:
         """Empty the prefix cache (e.g. between benchmark runs). False when no prefix cache is enabled or
         while requests are in flight (they hold cached blocks): call again when idle."""
         return self.kv.reset_prefix_cache()
+
+
+def freeze_startup_heap() -> None:
+    """Move every object alive now (the model, its modules and kernels, the graphs) out of the garbage
+    collector's sight, as vLLM's engine does: they live as long as the engine, and a full collection
+    would scan them all again. On this project's CPU one full collection in the middle of 256 requests
+    scanned ~300,000 objects for ~150 ms, a pause of the device; with the heap frozen there was none.
+    Objects made later (requests, tokens) are collected as usual. What an earlier engine of this process
+    froze is unfrozen first, so an engine dropped since then is collected here."""
+    global _unfreeze_at_exit
+    if _unfreeze_at_exit:  # so that the interpreter's last collections still see everything
+        atexit.register(gc.unfreeze)
+        _unfreeze_at_exit = False
+    gc.unfreeze()
+    gc.collect()
+    gc.freeze()
+
+
+_unfreeze_at_exit = True
 
 
 def resolve_device(name: str) -> torch.device:

@@ -171,7 +171,7 @@ class ModelRunner:
         self.sampler.remove(plan.finished_request_ids)
         seqs = plan.seqs
         # Prompt logprobs need logits at prompt positions, which only the eager flat layout keeps.
-        scoring = [s for s in batch_order(seqs) if s.prompt_targets]
+        scoring = [s for s in batch_order(seqs) if s.prompt_targets] if any(s.prompt_targets for s in seqs) else []
         prompt = None
         if not scoring and self.graphs and plan.num_tokens <= self._max_graph_batch and decode_layout(seqs):
             logits, sampling = self._replay(seqs)

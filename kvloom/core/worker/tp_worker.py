@@ -72,6 +72,9 @@ class TPWorker:
         if device.type == "cuda" and not config.enforce_eager:
             self.runner.capture_graphs(config.max_num_seqs, self.max_model_len)
         logger.info("Tensor-parallel rank %d of %d ready: %d KV blocks", rank, size, blocks)
+        from kvloom.core.engine_core import freeze_startup_heap
+
+        freeze_startup_heap()  # as rank 0's engine does
 
     def _profile(self) -> int:
         from kvloom.core.engine_core import EngineCore
