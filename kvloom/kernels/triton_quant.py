@@ -461,6 +461,8 @@ def rms_norm_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: to
     m = x2.shape[0]
     stream = x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)
     out_dtype = torch.promote_types(weight.dtype, stream)
+    if out_dtype not in _TL_DTYPES:
+        return None
     xq, scale = _fp8_rows_out(m, n, x.device, pad_to)
     if residual is not None:
         res2 = residual.reshape(-1, n)
@@ -469,10 +471,11 @@ def rms_norm_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: to
     else:
         res2 = new_res = x2
     block = triton.next_power_of_2(n)
-    _rms_norm_fp8_kernel[(xq.shape[0],)](
-        x2, res2, weight.contiguous(), xq, scale, new_res, m, x2.stride(0), res2.stride(0), xq.stride(0),
-        new_res.stride(0), n, eps, HAS_RESIDUAL=residual is not None, OUT_DTYPE=_TL_DTYPES[out_dtype],
-        BLOCK=block, min_scale=1e-12, num_warps=min(16, max(4, block // 512)), **pdl_args(x2))
+    if m > 0:
+        _rms_norm_fp8_kernel[(xq.shape[0],)](
+            x2, res2, weight.contiguous(), xq, scale, new_res, m, x2.stride(0), res2.stride(0), xq.stride(0),
+            new_res.stride(0), n, eps, HAS_RESIDUAL=residual is not None, OUT_DTYPE=_TL_DTYPES[out_dtype],
+            BLOCK=block, min_scale=1e-12, num_warps=min(16, max(4, block // 512)), **pdl_args(x2))
     rows = FP8Rows(xq, scale, m, out_dtype)
     return rows if residual is None else (rows, new_res.view(residual.shape))
 
@@ -490,9 +493,10 @@ def silu_and_mul_fp8(x: torch.Tensor, pad_to: int = 16):
     m = x2.shape[0]
     xq, scale = _fp8_rows_out(m, n, x.device, pad_to)
     block = triton.next_power_of_2(n)
-    _silu_and_mul_fp8_kernel[(xq.shape[0],)](x2, xq, scale, m, x2.stride(0), xq.stride(0), n, BLOCK=block,
-                                             min_scale=1e-12, num_warps=min(16, max(4, block // 512)),
-                                             **pdl_args(x2))
+    if m > 0 and n > 0:
+        _silu_and_mul_fp8_kernel[(xq.shape[0],)](x2, xq, scale, m, x2.stride(0), xq.stride(0), n, BLOCK=block,
+                                                 min_scale=1e-12, num_warps=min(16, max(4, block // 512)),
+                                                 **pdl_args(x2))
     return FP8Rows(xq, scale, m, x.dtype)
 
 

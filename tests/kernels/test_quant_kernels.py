@@ -185,12 +185,15 @@ def test_rms_norm_and_silu_and_mul_quantize_their_rows_as_the_unfused_kernels_do
 
 def test_fused_activation_quantization_leaves_rows_too_wide_to_the_unfused_kernels(tk, monkeypatch):
     """Rows wider than ``FP8_FUSED_MAX_COLS`` (or with ``FP8_FUSED_QUANT`` off) get None: the caller runs the
-    unfused kernel, and the layer quantizes its input itself."""
+    unfused kernel, and the layer quantizes its input itself. An empty batch gives empty FP8 rows."""
     x = torch.ones(2, 64, device=tk.device)
     monkeypatch.setattr(tk.quant, "FP8_FUSED_MAX_COLS", 32)
     assert tk.quant.rms_norm_fp8(x, torch.ones(64, device=tk.device), 1e-5) is None
     assert tk.quant.silu_and_mul_fp8(torch.ones(2, 128, device=tk.device)) is None
     monkeypatch.setattr(tk.quant, "FP8_FUSED_MAX_COLS", 16384)
+    empty = tk.quant.rms_norm_fp8(x[:0], torch.ones(64, device=tk.device), 1e-5)  # no rows: nothing launched
+    assert empty.rows == 0 and empty.data.shape == (0, 64)
+    assert tk.quant.silu_and_mul_fp8(torch.ones(0, 128, device=tk.device)).data.shape == (0, 64)
     monkeypatch.setattr(tk.quant, "FP8_FUSED_QUANT", False)
     assert tk.quant.rms_norm_fp8(x, torch.ones(64, device=tk.device), 1e-5) is None
 
