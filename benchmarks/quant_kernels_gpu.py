@@ -11,8 +11,9 @@ row count: microseconds per call, GB/s of weight bytes read, and bf16's time ove
 Paths: ``int4`` (the tensor-core W4A16 kernel), ``int4_gemv`` (the row GEMV on its layout, no tensor cores),
 ``int4_deq`` (dequantize into a scratch buffer, then cuBLAS), ``int4_tinygemm`` (PyTorch's
 ``_weight_int4pack_mm``, for reference); ``fp8_w8a8`` (per-token activation quantization + ``_scaled_mm``),
-``fp8_mm_only`` (``_scaled_mm`` on already quantized activations), ``fp8_w8a8_fast`` (with
-``use_fast_accum``), ``fp8_gemv_dot`` (the ``tl.dot`` weight-only GEMV) and ``fp8_gemv`` (no tensor cores).
+``fp8_mm_only`` (``_scaled_mm`` on already quantized activations), ``fp8_mm_fast`` (that, with fast
+accumulation, as the engine runs it), ``fp8_mm_swapped`` (the same as ``(W @ x.T).T``, transposed back),
+``fp8_w8a8_fast`` (with ``use_fast_accum``), ``fp8_gemv_dot`` (the ``tl.dot`` weight-only GEMV) and ``fp8_gemv`` (no tensor cores).
 
 ``--profile`` then runs one batch-1 decode of each format under torch.profiler (eager, so each kernel is
 listed) and prints the kernels with the most CUDA time per decode step.
@@ -138,6 +139,8 @@ def bench_shape(name: str, k: int, n: int, rows_list, group: int, dtype, dev: st
             paths["fp8_w8a8_fast"] = (lambda t: _w8a8_fast(x, t[0], t[1]), fp8_w, wq.numel() + 4 * n)
             paths["fp8_mm_only"] = (lambda t: torch._scaled_mm(xq, t[0].t(), scale_a=xs, scale_b=t[1].reshape(1, -1),
                                                                out_dtype=dtype), fp8_w, wq.numel() + 4 * n)
+            paths["fp8_mm_fast"] = (lambda t: fp8_mm(xq, xs, *t, dtype), fp8_w, wq.numel() + 4 * n)
+            paths["fp8_mm_swapped"] = (lambda t: fp8_mm_swapped(xq, xs, *t, dtype), fp8_w, wq.numel() + 4 * n)
             if tiny is not None and dtype == torch.bfloat16:
                 paths["int4_tinygemm"] = (lambda t: torch._weight_int4pack_mm(x, t[0], group, t[1]), tiny, int4_bytes)
         r = {"proj": name, "rows": rows, "n": n, "k": k}
@@ -180,6 +183,20 @@ def summary(r: dict) -> str:
         elif isinstance(v, str) and path not in ("proj",):
             parts.append(f"{path} {v[:90]}")
     return " | ".join(parts)
+
+
+def fp8_mm(xq, xs, wq, ws, dtype):
+    """The engine's ``_scaled_mm`` (fast accumulation) on already quantized activations."""
+    return torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=ws.reshape(1, -1), out_dtype=dtype,
+                            use_fast_accum=xq.is_cuda)
+
+
+def fp8_mm_swapped(xq, xs, wq, ws, dtype):
+    """The same product as ``(W @ x.T).T``: cuBLASLt picks its kernel for N x M instead of M x N, which may
+    suit a few hundred rows better; the transpose back to row-major is part of the time."""
+    out = torch._scaled_mm(wq, xq.t(), scale_a=ws.reshape(-1, 1), scale_b=xs.reshape(1, -1), out_dtype=dtype,
+                           use_fast_accum=xq.is_cuda)
+    return out.t().contiguous()
 
 
 def _quantized(x):
