@@ -469,16 +469,12 @@ def freeze_startup_heap() -> None:
     scanned ~300,000 objects for ~150 ms, a pause of the device; with the heap frozen there was none.
     Objects made later (requests, tokens) are collected as usual. What an earlier engine of this process
     froze is unfrozen first, so an engine dropped since then is collected here."""
-    global _unfreeze_at_exit
-    if _unfreeze_at_exit:  # so that the interpreter's last collections still see everything
-        atexit.register(gc.unfreeze)
-        _unfreeze_at_exit = False
     gc.unfreeze()
     gc.collect()
     gc.freeze()
 
 
-_unfreeze_at_exit = True
+atexit.register(gc.unfreeze)  # the interpreter's last collections see everything (a no-op if nothing is frozen)
 
 
 def resolve_device(name: str) -> torch.device:

@@ -105,17 +105,11 @@ class KVCacheManager:
     def allocate_slots(self, request: Request, num_new_tokens: int, computed_blocks: Sequence[int] = ()) -> bool:
         """Make room for ``num_new_tokens`` more tokens (after ``computed_blocks``, if given, which become
         the request's first blocks). False, with nothing changed, when too few blocks are free."""
-        if not computed_blocks:  # every running request, every step: the short way
-            need = -(-(request.num_computed_tokens + num_new_tokens) // self.block_size) - len(request.block_ids)
-            if need <= 0:
-                return True
-            if need > self.allocator.num_free():
-                return False
-            request.block_ids.extend(self.allocator.allocate(need))
-            return True
         num_computed = request.num_computed_tokens + len(computed_blocks) * self.block_size
         have = len(request.block_ids) + len(computed_blocks)
         need = self.blocks_for(num_computed + num_new_tokens) - have
+        if need <= 0 and not computed_blocks:
+            return True  # most running requests, most steps
         # Shared blocks that are currently free leave the free queue, so count them against it.
         revived = sum(1 for b in computed_blocks if self.allocator.ref_count(b) == 0)
         if need + revived > self.allocator.num_free():

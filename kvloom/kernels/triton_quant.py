@@ -18,7 +18,7 @@ import triton.language as tl
 from kvloom.kernels.arrivals import arrival_counters
 from kvloom.kernels.pdl import gdc_launch_dependents, gdc_wait, pdl_args
 from kvloom.kernels.triton_attention import _dot_precision, _round_to_e4m3
-from kvloom.kernels.triton_fused import _rms_norm_row, _rotate
+from kvloom.kernels.triton_fused import _rms_norm_row, _rotate, _row_warps, _rows
 
 
 
@@ -345,6 +345,21 @@ def fp8_weight_only_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: 
 
 
 @triton.jit
+def _store_row_scale(amax, row, live, scale_ptr, min_scale: tl.constexpr):
+    """A row's scale ``amax / 448`` (at least ``min_scale``; 1 for a padding row), stored and returned."""
+    scale = tl.where(live, tl.maximum(amax / 448.0, min_scale), 1.0)
+    tl.store(scale_ptr + row, scale)
+    return scale
+
+
+def _fp8_rows_out(m: int, k: int, device, pad_to: int):
+    """Empty FP8 rows ``[M padded to pad_to, K]`` and their float32 scales ``[.., 1]``."""
+    rows = -(-m // pad_to) * pad_to
+    return (torch.empty(rows, k, dtype=torch.float8_e4m3fn, device=device),
+            torch.empty(rows, 1, dtype=torch.float32, device=device))
+
+
+@triton.jit
 def _fp8_quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, M, K, stride_xm, stride_qm,
                               BLOCK_K: tl.constexpr, min_scale: tl.constexpr):
     row = tl.program_id(0)
@@ -359,9 +374,7 @@ def _fp8_quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, M, K, stride_xm, stride_q
         k = k0 + offs
         x = tl.load(x_row + k, mask=k < k_read, other=0.0).to(tl.float32)
         amax = tl.maximum(amax, tl.abs(x))
-    scale = tl.maximum(tl.max(amax, 0) / 448.0, min_scale)
-    scale = tl.where(live, scale, 1.0)
-    tl.store(scale_ptr + row, scale)
+    scale = _store_row_scale(tl.max(amax, 0), row, live, scale_ptr, min_scale)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + offs
         x = tl.load(x_row + k, mask=k < k_read, other=0.0).to(tl.float32)
@@ -375,10 +388,8 @@ def fp8_quantize_rows(x: torch.Tensor, pad_to: int = 16) -> tuple[torch.Tensor, 
     if x.stride(-1) != 1:
         x = x.contiguous()
     m, k = x.shape
-    rows = -(-m // pad_to) * pad_to
-    xq = torch.empty(rows, k, dtype=torch.float8_e4m3fn, device=x.device)
-    scale = torch.empty(rows, 1, dtype=torch.float32, device=x.device)
-    _fp8_quantize_rows_kernel[(rows,)](x, xq, scale, m, k, x.stride(0), xq.stride(0),
+    xq, scale = _fp8_rows_out(m, k, x.device, pad_to)
+    _fp8_quantize_rows_kernel[(xq.shape[0],)](x, xq, scale, m, k, x.stride(0), xq.stride(0),
                                        BLOCK_K=min(1024, triton.next_power_of_2(k)), min_scale=1e-12)
     return xq, scale
 
@@ -396,9 +407,7 @@ _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.floa
 @triton.jit
 def _quantize_row(y, row, live, q_ptr, scale_ptr, stride_q, cols, mask, min_scale: tl.constexpr):
     """Store ``y`` (float32, 0 where masked) as FP8 over its amax / 448, and the scale (padding: 1)."""
-    scale = tl.maximum(tl.max(tl.abs(y), 0) / 448.0, min_scale)
-    scale = tl.where(live, scale, 1.0)
-    tl.store(scale_ptr + row, scale)
+    scale = _store_row_scale(tl.max(tl.abs(y), 0), row, live, scale_ptr, min_scale)
     q_row = q_ptr + row.to(tl.int64) * stride_q
     tl.store(q_row + cols, _round_to_e4m3(y / scale).to(q_ptr.dtype.element_ty), mask=mask)
 
@@ -441,12 +450,6 @@ def _silu_and_mul_fp8_kernel(x_ptr, q_ptr, scale_ptr, M, stride_x, stride_q, n_c
     _quantize_row(y, row, live, q_ptr, scale_ptr, stride_q, cols, mask, min_scale)
 
 
-def _fp8_rows_out(m: int, k: int, device, pad_to: int):
-    rows = -(-m // pad_to) * pad_to
-    return (torch.empty(rows, k, dtype=torch.float8_e4m3fn, device=device),
-            torch.empty(rows, 1, dtype=torch.float32, device=device))
-
-
 def rms_norm_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
                  pad_to: int = 16):
     """``triton_fused.rms_norm`` with its output quantized per row as ``fp8_quantize_rows`` does:
@@ -456,8 +459,7 @@ def rms_norm_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: to
     n = x.shape[-1]
     if not FP8_FUSED_QUANT or n > FP8_FUSED_MAX_COLS:
         return None
-    x2 = x.reshape(-1, n)
-    x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
+    x2 = _rows(x)
     m = x2.shape[0]
     stream = x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)
     out_dtype = torch.promote_types(weight.dtype, stream)
@@ -465,8 +467,7 @@ def rms_norm_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: to
         return None
     xq, scale = _fp8_rows_out(m, n, x.device, pad_to)
     if residual is not None:
-        res2 = residual.reshape(-1, n)
-        res2 = res2 if res2.stride(-1) == 1 else res2.contiguous()
+        res2 = _rows(residual)
         new_res = torch.empty(m, n, dtype=stream, device=x.device)
     else:
         res2 = new_res = x2
@@ -475,7 +476,7 @@ def rms_norm_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: to
         _rms_norm_fp8_kernel[(xq.shape[0],)](
             x2, res2, weight.contiguous(), xq, scale, new_res, m, x2.stride(0), res2.stride(0), xq.stride(0),
             new_res.stride(0), n, eps, HAS_RESIDUAL=residual is not None, OUT_DTYPE=_TL_DTYPES[out_dtype],
-            BLOCK=block, min_scale=1e-12, num_warps=min(16, max(4, block // 512)), **pdl_args(x2))
+            BLOCK=block, min_scale=1e-12, num_warps=_row_warps(block), **pdl_args(x2))
     rows = FP8Rows(xq, scale, m, out_dtype)
     return rows if residual is None else (rows, new_res.view(residual.shape))
 
@@ -488,14 +489,13 @@ def silu_and_mul_fp8(x: torch.Tensor, pad_to: int = 16):
     n = x.shape[-1] // 2
     if not FP8_FUSED_QUANT or n > FP8_FUSED_MAX_COLS:
         return None
-    x2 = x.reshape(-1, 2 * n)
-    x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
+    x2 = _rows(x)
     m = x2.shape[0]
     xq, scale = _fp8_rows_out(m, n, x.device, pad_to)
     block = triton.next_power_of_2(n)
     if m > 0 and n > 0:
         _silu_and_mul_fp8_kernel[(xq.shape[0],)](x2, xq, scale, m, x2.stride(0), xq.stride(0), n, BLOCK=block,
-                                                 min_scale=1e-12, num_warps=min(16, max(4, block // 512)),
+                                                 min_scale=1e-12, num_warps=_row_warps(block),
                                                  **pdl_args(x2))
     return FP8Rows(xq, scale, m, x.dtype)
 

@@ -41,31 +41,30 @@ def fp8_w8a8_linear(x: torch.Tensor | FP8Rows, weight: torch.Tensor, weight_scal
     """``x @ W.T + b`` with ``x`` quantized to FP8 per token (or by the static ``input_scale``; or already,
     ``FP8Rows`` from the kernel before) and ``W`` FP8 ``[out, in]`` with ``weight_scale [out, 1]``, through
     ``torch._scaled_mm``."""
-    if isinstance(x, FP8Rows):
-        out = torch._scaled_mm(x.data, weight.t(), scale_a=x.scale, scale_b=weight_scale.reshape(1, -1),
-                               out_dtype=x.dtype, use_fast_accum=True)[:x.rows]
-        return out if bias is None else out + bias
-    shape = x.shape
-    x2 = x.reshape(-1, shape[-1])
-    rows = x2.shape[0]
-    if input_scale is None and x2.is_cuda:  # one fused kernel: amax, scale, quantize, pad
-        from kvloom.kernels.triton_quant import fp8_quantize_rows
-
-        xq, scale = fp8_quantize_rows(x2)
+    if isinstance(x, FP8Rows):  # [rows, K], padded and quantized by the kernel before
+        xq, scale, rows, dtype, lead = x.data, x.scale, x.rows, x.dtype, (x.rows,)
     else:
-        scale = fp8_scale_per_row(x2) if input_scale is None else input_scale.float().reshape(1, 1).expand(rows, 1)
-        xq = fp8_quantize(x2, scale)
-        pad = -rows % 16  # cuBLASLt's FP8 kernels want 16-aligned dims
-        if pad:
-            xq = F.pad(xq.view(torch.uint8), (0, 0, 0, pad)).view(FP8_DTYPE)
-            scale = F.pad(scale, (0, 0, 0, pad), value=1.0)
+        lead, dtype = x.shape[:-1], x.dtype
+        x2 = x.reshape(-1, x.shape[-1])
+        rows = x2.shape[0]
+        if input_scale is None and x2.is_cuda:  # one fused kernel: amax, scale, quantize, pad
+            from kvloom.kernels.triton_quant import fp8_quantize_rows
+
+            xq, scale = fp8_quantize_rows(x2)
+        else:
+            scale = fp8_scale_per_row(x2) if input_scale is None else input_scale.float().reshape(1, 1).expand(rows, 1)
+            xq = fp8_quantize(x2, scale)
+            pad = -rows % 16  # cuBLASLt's FP8 kernels want 16-aligned dims
+            if pad:
+                xq = F.pad(xq.view(torch.uint8), (0, 0, 0, pad)).view(FP8_DTYPE)
+                scale = F.pad(scale, (0, 0, 0, pad), value=1.0)
     # Hopper's fast accumulation: 1.05-1.15x the GEMM at 256-4096 rows of Llama-3-8B (H200,
     # benchmarks/quant_kernels_gpu.py), within the tolerance of tests/kernels' W8A8 test.
     out = torch._scaled_mm(xq, weight.t(), scale_a=scale.contiguous(), scale_b=weight_scale.reshape(1, -1),
-                           out_dtype=x.dtype, use_fast_accum=x2.is_cuda)[:rows]
+                           out_dtype=dtype, use_fast_accum=xq.is_cuda)[:rows]
     if bias is not None:
         out = out + bias
-    return out.reshape(*shape[:-1], weight.shape[0])
+    return out.reshape(*lead, weight.shape[0])
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,

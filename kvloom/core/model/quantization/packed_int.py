@@ -100,8 +100,12 @@ class PackedIntLinearMethod:
         if layout not in ("k", "row", "mma"):
             raise ValueError(f"layout {layout!r}: one of 'k', 'row', 'mma'")
         self.group_size, self.bits, self.layout = group_size, bits, layout
-        self.row = layout != "k"  # [N, K / 8] words, read by the row kernels
         self.name = f"int{bits} packed" + {"k": "", "row": " (row layout)", "mma": " (MMA row layout)"}[layout]
+
+    @property
+    def row(self) -> bool:
+        """``[N, K / 8]`` words (the row or MMA row layout), read by the row kernels."""
+        return self.layout != "k"
 
     def create_weights(self, layer: LinearBase) -> None:
         raise RuntimeError("a packed-int layer is made from a loaded AWQ or GPTQ one")
