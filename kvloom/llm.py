@@ -191,11 +191,13 @@ class LLM:
         bar = tqdm(total=total, desc="Generating", unit="req", disable=not use_tqdm)
         try:
             while states:
-                for delta in engine.step():
-                    if delta.request_id not in states:
+                deltas = engine.step()
+                now = time.time()  # the step's tokens all arrived now
+                for delta in deltas:
+                    state = states.get(delta.request_id)
+                    if state is None:
                         continue  # the last step of a request a stop string ended
-                    out, comp, completion = states[delta.request_id]
-                    now = time.time()
+                    out, comp, completion = state
                     if out.metrics.first_token_time is None and delta.new_token_ids:
                         out.metrics.first_token_time = now
                     piece = completion.add(delta)

@@ -414,19 +414,20 @@ class EngineCore:
         updates = self.scheduler.resolve(plan, out)
         if self.structured.has_matchers:
             self.structured.accept_step(plan.step_id, {u.request.request_id: u.new_token_ids for u in updates})
+        logprobs, prompt_logprobs = out.logprobs, self._prompt_logprobs
         for u in updates:
             req = u.request
             if u.finished:
                 self.structured.remove([req.request_id])
-            prompt_lps = self._prompt_logprobs.pop(req.request_id, None) if self._prompt_logprobs else None
-            lps = out.logprobs.get(req.request_id)
+            prompt_lps = prompt_logprobs.pop(req.request_id, None) if prompt_logprobs else None
+            lps = logprobs.get(req.request_id) if logprobs else None
             deltas.append(TokenDelta(
                 request_id=req.request_id, new_token_ids=u.new_token_ids,
                 finish_reason=u.finished.value if u.finished else None,
                 stop_token_id=req.stop_token_id if u.finished is RequestStatus.FINISHED_STOPPED else None,
                 logprobs=_wire_logprobs(u.new_token_ids, lps) if lps is not None else None,
                 prompt_logprobs=prompt_lps,
-                num_prompt_tokens=req.num_prompt_tokens, num_cached_tokens=req.num_cached_tokens,
+                num_prompt_tokens=len(req.prompt_token_ids), num_cached_tokens=req.num_cached_tokens,
                 num_draft_tokens=req.num_draft_tokens, num_accepted_tokens=req.num_accepted_tokens,
             ))
         return deltas

@@ -44,7 +44,100 @@ def decode_layout(seqs: list[ScheduledSeq]) -> bool:
     return all(s.num_new_tokens == 1 or s.num_sample_rows == s.num_new_tokens for s in seqs)
 
 
-_NUMPY_DTYPES = {torch.int32: np.int32, torch.int64: np.int64}
+_TORCH_DTYPES = {np.int32: torch.int32, np.int64: torch.int64}
+# Offsets of the arrays in a step's staged buffer: aligned as the caching allocators align whole tensors,
+# so kernels see the pointer alignment (and Triton the specializations) that separate tensors had.
+_STAGE_ALIGN = 256
+
+
+def _ranges(starts: np.ndarray, lens: np.ndarray) -> np.ndarray:
+    """``range(starts[i], starts[i] + lens[i])`` for each i, concatenated (int64)."""
+    total = int(lens.sum())
+    ends = np.cumsum(lens)
+    return np.arange(total, dtype=np.int64) + np.repeat(starts - (ends - lens), lens)
+
+
+def _check_blocks(seqs: list[ScheduledSeq], ends: np.ndarray, block_size: int) -> int:
+    """The widest block table of a step, after checking that each sequence's blocks hold its positions
+    (a plan that does not would write another request's cache slots)."""
+    num_blocks = np.fromiter([len(s.block_ids) for s in seqs], np.int64, len(seqs))
+    short = np.flatnonzero(ends > num_blocks * block_size)
+    if len(short):
+        s = seqs[short[0]]
+        raise ValueError(f"request {s.request_id!r} feeds positions up to {int(ends[short[0]]) - 1} with "
+                         f"{len(s.block_ids)} blocks of {block_size} tokens")
+    return int(num_blocks.max())
+
+
+def _padded(a: np.ndarray, n: int, fill: int) -> np.ndarray:
+    out = np.full(n, fill, dtype=a.dtype)
+    out[: len(a)] = a
+    return out
+
+
+class BlockTables:
+    """Each request's block table as a row of one numpy array kept from step to step, so a step writes a
+    request's blocks only where they changed since its last step (a new block every ``block_size``
+    tokens, or a new table after a preemption) instead of converting every table of the batch from
+    Python lists every step. Entries past a request's blocks are 0, a valid block, as the padding of
+    a step's table always was. Rows of finished requests go back through ``release``; a runner that
+    is never told (a draft model's) drops the rows of requests absent from a step once they pile up."""
+
+    def __init__(self) -> None:
+        self.array = np.zeros((64, 64), dtype=np.int32)
+        self._row: dict[str, int] = {}
+        self._held: dict[str, list[int]] = {}  # the block list each row holds (a plan's copy, never mutated)
+        self._free = list(range(len(self.array) - 1, -1, -1))
+
+    def release(self, request_ids) -> None:
+        for rid in request_ids:
+            row = self._row.pop(rid, None)
+            if row is not None:
+                self.array[row, : len(self._held.pop(rid))] = 0
+                self._free.append(row)
+
+    def rows(self, seqs: list[ScheduledSeq]) -> np.ndarray:
+        """Each sequence's row, its request's current blocks written in."""
+        if len(self._row) > 2 * len(seqs) + 512:
+            live = {s.request_id for s in seqs}
+            self.release([rid for rid in self._row if rid not in live])
+        row_of, held_of = self._row, self._held
+        out = []
+        for s in seqs:
+            rid, blocks = s.request_id, s.block_ids
+            row = row_of.get(rid)
+            if row is None:
+                row = self._new_row(rid)
+                held = []
+            else:
+                held = held_of[rid]
+            if blocks is not held:
+                k = len(held)
+                if len(blocks) != k or blocks != held:
+                    if len(blocks) > k and blocks[:k] == held:
+                        self._write(row, k, blocks)  # new blocks at the end
+                    else:
+                        self._write(row, 0, blocks, clear=k)
+                held_of[rid] = blocks
+            out.append(row)
+        return np.array(out, dtype=np.int64)
+
+    def _new_row(self, rid: str) -> int:
+        if not self._free:
+            n = len(self.array)
+            self.array = np.concatenate([self.array, np.zeros_like(self.array)])
+            self._free = list(range(2 * n - 1, n - 1, -1))
+        row = self._row[rid] = self._free.pop()
+        self._held[rid] = []
+        return row
+
+    def _write(self, row: int, start: int, blocks: list[int], clear: int = 0) -> None:
+        if len(blocks) > self.array.shape[1]:
+            width = max(len(blocks), 2 * self.array.shape[1])
+            self.array = np.pad(self.array, ((0, 0), (0, width - self.array.shape[1])))
+        if clear > len(blocks):
+            self.array[row, len(blocks): clear] = 0
+        self.array[row, start: len(blocks)] = blocks[start:]
 
 
 class ModelRunner:
@@ -60,6 +153,8 @@ class ModelRunner:
         # graphs are captured, and for tests of that layout on the CPU).
         self.verify_as_decodes = False
         self._pin = device.type == "cuda"
+        self.block_tables = BlockTables()
+        self.stage_in_one_copy = device.type != "cpu"  # see _stage; tests turn it on for the CPU
         # The previous step's sampled tokens on the device, and each request's row in them: inputs that
         # are still placeholders on the host are filled from here without waiting for the copy back.
         self._prev_tokens: torch.Tensor | None = None
@@ -70,88 +165,94 @@ class ModelRunner:
 
     # --- inputs --------------------------------------------------------------------------------
     def _host_inputs(self, order: list[ScheduledSeq]):
+        """A flat step's host inputs as numpy arrays: ids, positions, cache slots, query start offsets,
+        sequence lengths, query lengths, the rows to keep (prompt-scoring positions, then the sampled
+        rows) and the block table."""
         bs = self.block_size
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        query_start = [0]
-        seq_lens: list[int] = []
-        query_lens: list[int] = []
-        logits_rows: list[int] = []
-        prompt_rows: list[int] = []  # positions that score prompt tokens, ahead of the sampled rows
-        for s in order:
-            n = len(s.token_ids)
-            if s.prompt_targets:
-                prompt_rows.extend(range(query_start[-1], query_start[-1] + len(s.prompt_targets)))
-            start, end = s.start_pos, s.start_pos + n
-            input_ids.extend(s.token_ids)
-            positions.extend(range(start, end))
-            blocks = s.block_ids
-            slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, end))
-            query_start.append(query_start[-1] + n)
-            seq_lens.append(end)
-            query_lens.append(n)
-            logits_rows.extend(range(query_start[-1] - s.num_sample_rows, query_start[-1]))
-        max_blocks = max(len(s.block_ids) for s in order)
-        table = [s.block_ids + [0] * (max_blocks - len(s.block_ids)) for s in order]
-        return input_ids, positions, slots, query_start, seq_lens, query_lens, prompt_rows + logits_rows, table
+        query_lens = np.fromiter([len(s.token_ids) for s in order], np.int64, len(order))
+        starts = np.fromiter([s.start_pos for s in order], np.int64, len(order))
+        query_start = np.zeros(len(order) + 1, np.int64)
+        np.cumsum(query_lens, out=query_start[1:])
+        positions = _ranges(starts, query_lens)
+        width = _check_blocks(order, starts + query_lens, bs)
+        rows = self.block_tables.rows(order)
+        table = self.block_tables.array
+        slots = table[np.repeat(rows, query_lens), positions // bs].astype(np.int64) * bs + positions % bs
+        ids = np.fromiter([t for s in order for t in s.token_ids], np.int64, len(positions))
+        num_sample = np.fromiter([s.num_sample_rows for s in order], np.int64, len(order))
+        keep = _ranges(query_start[1:] - num_sample, num_sample)
+        if any(s.prompt_targets for s in order):  # positions that score prompt tokens, ahead of the sampled rows
+            scored = np.fromiter([len(s.prompt_targets or ()) for s in order], np.int64, len(order))
+            keep = np.concatenate([_ranges(query_start[:-1], scored), keep])
+        return ids, positions, slots, query_start, starts + query_lens, query_lens, keep, table[rows, :width]
 
     def _decode_rows(self, seqs: list[ScheduledSeq]):
-        """Host inputs of a step in the decode layout: one row per token, whose sequence length is its
-        position + 1 and whose block table is its request's (so each draft attends causally); the
-        rows to sample are every sampling sequence's tokens."""
+        """Host inputs of a step in the decode layout (numpy arrays): one row per token, whose sequence
+        length is its position + 1 and whose block table is its request's (so each draft attends
+        causally); the rows to sample are every sampling sequence's tokens."""
         bs = self.block_size
-        ids: list[int] = []
-        pos: list[int] = []
-        slots: list[int] = []
-        rows: list[int] = []
-        tables: list[list[int]] = []
-        for s in seqs:
-            if s.samples:
-                rows.extend(range(len(ids), len(ids) + s.num_new_tokens))
-            blocks = s.block_ids
-            for i, t in enumerate(s.token_ids):
-                p = s.start_pos + i
-                ids.append(max(t, 0))
-                pos.append(p)
-                slots.append(blocks[p // bs] * bs + p % bs)
-                tables.append(blocks)
-        width = max(len(t) for t in tables)
-        table = [t + [0] * (width - len(t)) for t in tables]
-        return ids, pos, slots, [p + 1 for p in pos], table, rows
+        counts = np.fromiter([len(s.token_ids) for s in seqs], np.int64, len(seqs))
+        starts = np.fromiter([s.start_pos for s in seqs], np.int64, len(seqs))
+        pos = _ranges(starts, counts)
+        ids = np.fromiter([t for s in seqs for t in s.token_ids], np.int64, len(pos))
+        np.maximum(ids, 0, out=ids)  # placeholders: filled on the device
+        width = _check_blocks(seqs, starts + counts, bs)
+        table_rows = np.repeat(self.block_tables.rows(seqs), counts)
+        table = self.block_tables.array
+        slots = table[table_rows, pos // bs].astype(np.int64) * bs + pos % bs
+        sampled = np.fromiter([s.samples for s in seqs], bool, len(seqs))
+        offsets = np.cumsum(counts) - counts
+        rows = _ranges(offsets[sampled], counts[sampled])
+        return ids, pos, slots, pos + 1, table[table_rows, :width], rows
 
     def _prepare_decode_rows(self, seqs: list[ScheduledSeq]):
         ids, pos, slots, seq_lens, table, rows = self._decode_rows(seqs)
         n = len(ids)
+        ids_t, pos_t, slots_t, table_t, lens_t, qsl_t, rows_t, dst, src = self._stage(
+            (ids, np.int64), (pos, np.int64), (slots, np.int64), (table, np.int32), (seq_lens, np.int32),
+            (np.arange(n + 1), np.int32), (rows, np.int64), *self._placeholders(seqs))
+        lens = seq_lens.tolist()
         meta = AttentionMetadata(
-            slot_mapping=self._to_device(slots, torch.int64), block_tables=self._to_device(table, torch.int32),
-            seq_lens=self._to_device(seq_lens, torch.int32),
-            query_start_loc=self._to_device(list(range(n + 1)), torch.int32),
-            num_decodes=n, max_query_len=1, max_seq_len=max(seq_lens), query_lens_cpu=[1] * n, seq_lens_cpu=seq_lens,
+            slot_mapping=slots_t, block_tables=table_t, seq_lens=lens_t, query_start_loc=qsl_t,
+            num_decodes=n, max_query_len=1, max_seq_len=max(lens), query_lens_cpu=[1] * n, seq_lens_cpu=lens,
         )
-        ids_dev = self._to_device(ids, torch.int64)
-        self._fill_placeholders(seqs, ids_dev)
-        return ids_dev, self._to_device(pos, torch.int64), meta, self._to_device(rows, torch.int64), \
-            [s for s in seqs if s.samples]
+        self._fill_placeholders(ids_t, dst, src)
+        return ids_t, pos_t, meta, rows_t, [s for s in seqs if s.samples]
 
-    def _to_device(self, data, dtype) -> torch.Tensor:
-        # Through numpy: about 3x faster than torch.tensor on a list (a 256 x 48 block table: 0.3 against
-        # 0.9 ms), which is host time of every step.
-        t = torch.from_numpy(np.asarray(data, dtype=_NUMPY_DTYPES[dtype]))
-        if self._pin:
-            t = t.pin_memory()
-        return t.to(self.device, non_blocking=True)
+    def _stage(self, *arrays: tuple[object, type]) -> list[torch.Tensor]:
+        """A step's integer inputs on the device: each ``(values, numpy dtype)`` (a list, a list of equal
+        rows or a range) is written into one host buffer, which reaches the device in one copy (pinned,
+        non-blocking on CUDA; on the CPU the tensors are views of the buffer). One copy instead of one
+        per array: each copy costs the host a pinned allocation, a copy call and an event, every step.
+        On the CPU, where nothing is copied, each array is its own tensor (``stage_in_one_copy`` off: the
+        views of one buffer cost more than they save there)."""
+        parts = [np.asarray(values, dtype=dtype) for values, dtype in arrays]
+        if not self.stage_in_one_copy:
+            return [torch.from_numpy(a) for a in parts]
+        offsets, total = [], 0
+        for a in parts:
+            offsets.append(total)
+            total += -(-a.nbytes // _STAGE_ALIGN) * _STAGE_ALIGN
+        host = torch.empty(max(total, _STAGE_ALIGN), dtype=torch.uint8, pin_memory=self._pin)
+        buf = host.numpy()
+        for a, off in zip(parts, offsets):
+            buf[off: off + a.nbytes].view(a.dtype).reshape(a.shape)[...] = a
+        dev = host.to(self.device, non_blocking=True) if host.device != self.device else host
+        return [dev[off: off + a.nbytes].view(_TORCH_DTYPES[a.dtype.type]).view(a.shape)
+                for a, off in zip(parts, offsets)]
 
     def prepare(self, seqs: list[ScheduledSeq]):
         """Flat inputs for one step; sequences with a single query (decodes) come first. The rows to keep
         are the positions that score prompt tokens (``prompt_targets``), then the rows to sample."""
         order = batch_order(seqs)
         ids, pos, slots, qsl, seq_lens, query_lens, rows, table = self._host_inputs(order)
+        np.maximum(ids, 0, out=ids)  # placeholders: filled on the device
+        ids_t, pos_t, slots_t, table_t, lens_t, qsl_t, rows_t, dst, src = self._stage(
+            (ids, np.int64), (pos, np.int64), (slots, np.int64), (table, np.int32), (seq_lens, np.int32),
+            (qsl, np.int32), (rows, np.int64), *self._placeholders(order))
+        query_lens, seq_lens = query_lens.tolist(), seq_lens.tolist()
         meta = AttentionMetadata(
-            slot_mapping=self._to_device(slots, torch.int64),
-            block_tables=self._to_device(table, torch.int32),
-            seq_lens=self._to_device(seq_lens, torch.int32),
-            query_start_loc=self._to_device(qsl, torch.int32),
+            slot_mapping=slots_t, block_tables=table_t, seq_lens=lens_t, query_start_loc=qsl_t,
             num_decodes=sum(1 for q in query_lens if q == 1),
             max_query_len=max(query_lens),
             max_seq_len=max(seq_lens),
@@ -159,9 +260,8 @@ class ModelRunner:
             seq_lens_cpu=seq_lens,
         )
         sampling = [s for s in order if s.samples]
-        ids_dev = self._to_device([max(t, 0) for t in ids], torch.int64)
-        self._fill_placeholders(order, ids_dev)
-        return ids_dev, self._to_device(pos, torch.int64), meta, self._to_device(rows, torch.int64), sampling
+        self._fill_placeholders(ids_t, dst, src)
+        return ids_t, pos_t, meta, rows_t, sampling
 
     # --- execution -----------------------------------------------------------------------------
     @torch.inference_mode()
@@ -169,6 +269,7 @@ class ModelRunner:
         """Queue one step on the device and return at once; ``fetch()`` on the result waits for it and
         gives the ``RunnerOutput``."""
         self.sampler.remove(plan.finished_request_ids)
+        self.block_tables.release(plan.finished_request_ids)
         seqs = plan.seqs
         # Prompt logprobs need logits at prompt positions, which only the eager flat layout keeps.
         scoring = [s for s in batch_order(seqs) if s.prompt_targets] if any(s.prompt_targets for s in seqs) else []
@@ -200,24 +301,28 @@ class ModelRunner:
             row += s.num_sample_rows
         return LaunchedStep(result, prompt)
 
-    def _fill_placeholders(self, order: list[ScheduledSeq], ids_dev: torch.Tensor) -> None:
-        """Replace placeholder inputs with the previous step's sampled tokens, on the device. Only a
-        request's newest known token can be one (async steps verify no drafts)."""
+    def _placeholders(self, order: list[ScheduledSeq]) -> tuple[tuple[list[int], type], tuple[list[int], type]]:
+        """Where a step's placeholder inputs are in its flat ids, and the previous step's sampled rows that
+        hold their tokens (as ``_stage`` arguments). Only a request's newest known token can be one (async
+        steps verify no drafts)."""
         dst, src = [], []
         offset = 0
+        prev_rows = self._prev_rows
         for s in order:
             if s.num_placeholders:
-                row = self._prev_rows.get(s.request_id)
+                row = prev_rows.get(s.request_id)
                 if row is None or self._prev_tokens is None or s.num_placeholders > 1:
                     raise RuntimeError(f"request {s.request_id!r} has {s.num_placeholders} unresolved tokens "
                                        "that the previous step did not sample")
                 dst.append(offset + s.num_new_tokens - len(s.draft_token_ids) - 1)
                 src.append(row)
             offset += s.num_new_tokens
-        if dst:
-            dst_t = self._to_device(dst, torch.int64)
-            src_t = self._to_device(src, torch.int64)
-            ids_dev.index_copy_(0, dst_t, self._prev_tokens.index_select(0, src_t))
+        return (dst, np.int64), (src, np.int64)
+
+    def _fill_placeholders(self, ids_dev: torch.Tensor, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """Replace placeholder inputs with the previous step's sampled tokens, on the device."""
+        if len(dst):
+            ids_dev.index_copy_(0, dst, self._prev_tokens.index_select(0, src))
 
     # --- CUDA graphs ---------------------------------------------------------------------------
     @torch.inference_mode()
@@ -272,15 +377,17 @@ class ModelRunner:
         b = next(size for size in sorted(self.graphs) if size >= n)
         pad = b - n
         s = self._static
-        s["ids"][:b].copy_(self._to_device(ids + [0] * pad, torch.int64), non_blocking=True)
-        self._fill_placeholders(seqs, s["ids"])
-        s["pos"][:b].copy_(self._to_device(pos + [0] * pad, torch.int64), non_blocking=True)
-        s["slots"][:b].copy_(self._to_device(slots + [-1] * pad, torch.int64), non_blocking=True)
-        s["seq_lens"][:b].copy_(self._to_device(seq_lens + [0] * pad, torch.int32), non_blocking=True)
-        width = len(table[0])
-        s["table"][:n, :width].copy_(self._to_device(table, torch.int32), non_blocking=True)
+        ids_t, pos_t, slots_t, lens_t, table_t, rows_t, dst, src = self._stage(
+            (_padded(ids, b, 0), np.int64), (_padded(pos, b, 0), np.int64), (_padded(slots, b, -1), np.int64),
+            (_padded(seq_lens, b, 0), np.int32), (table, np.int32), (rows, np.int64), *self._placeholders(seqs))
+        self._fill_placeholders(ids_t, dst, src)
+        s["ids"][:b].copy_(ids_t)
+        s["pos"][:b].copy_(pos_t)
+        s["slots"][:b].copy_(slots_t)
+        s["seq_lens"][:b].copy_(lens_t)
+        s["table"][:n, :table_t.shape[1]].copy_(table_t)
         self.graphs[b].replay()
-        logits = self._logits[b][:n] if len(rows) == n else self._logits[b][self._to_device(rows, torch.int64)]
+        logits = self._logits[b][:n] if len(rows) == n else self._logits[b][rows_t]
         return logits, [sc for sc in seqs if sc.samples]
 
 

@@ -128,7 +128,7 @@ class Request:
     def set_token(self, index: int, token_id: int) -> None:
         """Replace the placeholder at ``all_token_ids[index]`` with the sampled token."""
         self.all_token_ids[index] = token_id
-        self.output_token_ids[index - self.num_prompt_tokens] = token_id
+        self.output_token_ids[index - len(self.prompt_token_ids)] = token_id
 
     def truncate(self, num_tokens: int) -> None:
         """Drop tokens past the first ``num_tokens`` (placeholders sampled after the request stopped)."""
@@ -142,10 +142,10 @@ class Request:
     def check_stop(self, index: int | None = None) -> RequestStatus | None:
         """The finished status after the token at ``all_token_ids[index]`` (default: the newest one),
         or None to keep going."""
-        index = self.num_tokens - 1 if index is None else index
-        n_out = index + 1 - self.num_prompt_tokens
+        index = len(self.all_token_ids) - 1 if index is None else index
+        n_out = index + 1 - len(self.prompt_token_ids)
         last = self.all_token_ids[index]
-        if n_out >= self.sampling.min_tokens and (last in self.eos_token_ids or last in self.stop_token_ids):
+        if (last in self.eos_token_ids or last in self.stop_token_ids) and n_out >= self.sampling.min_tokens:
             self.stop_token_id = last
             return RequestStatus.FINISHED_STOPPED
         if n_out >= self.max_tokens:

@@ -56,7 +56,7 @@ class RankedPolicy(abc.ABC):
         return max(running, key=lambda r: self.rank(r, now))
 
 
-@dataclass
+@dataclass(slots=True)
 class FinishedUpdate:
     """What ``Scheduler.update`` reports per request that got tokens or finished."""
 
@@ -204,23 +204,25 @@ class Scheduler:
         return min(tokens, budget)
 
     def _scheduled_seq(self, req: Request, num_new: int) -> ScheduledSeq:
+        # Runs for every scheduled request of every step: plain attributes and positional fields only.
         start = req.num_computed_tokens
         end = start + num_new
-        num_tokens = len(req.all_token_ids)
-        known_end = min(end, num_tokens)
-        drafts = req.spec_token_ids[: end - known_end] if end > known_end else []
+        all_ids = req.all_token_ids
+        num_tokens = len(all_ids)
         sampling = req.sampling
-        first_placeholder = num_tokens - req.num_unresolved
-        tokens = req.all_token_ids[start:known_end]
+        if end <= num_tokens:  # no drafts
+            drafts = []
+            tokens = all_ids[start:end]
+            placeholders = end - max(start, num_tokens - req.num_unresolved)
+        else:
+            drafts = req.spec_token_ids[: end - num_tokens]
+            tokens = all_ids[start:num_tokens] + drafts
+            placeholders = num_tokens - max(start, num_tokens - req.num_unresolved)
         return ScheduledSeq(
-            request_id=req.request_id, token_ids=tokens + drafts if drafts else tokens, start_pos=start,
-            block_ids=list(req.block_ids), num_sample_rows=1 + len(drafts) if end >= num_tokens else 0,
-            sampling=sampling, draft_token_ids=drafts,
-            num_placeholders=max(0, known_end - max(start, first_placeholder)),
-            num_output_tokens=req.num_output_tokens,
-            stop_token_ids=(req.eos_token_ids + tuple(req.stop_token_ids)) if sampling.min_tokens else (),
-            history=tuple(req.all_token_ids) if sampling.uses_penalties else None,
-            num_prompt_tokens=req.num_prompt_tokens,
+            req.request_id, tokens, start, req.block_ids.copy(), 1 + len(drafts) if end >= num_tokens else 0,
+            sampling, drafts, placeholders if placeholders > 0 else 0, len(req.output_token_ids),
+            (req.eos_token_ids + tuple(req.stop_token_ids)) if sampling.min_tokens else (),
+            tuple(all_ids) if sampling.uses_penalties else None, len(req.prompt_token_ids),
         )
 
     def _admit(self, req: Request, num_computed: int, now: float) -> None:
@@ -271,18 +273,19 @@ class Scheduler:
         """What a step does regardless of the tokens it samples: its input tokens are computed, and each
         sampling request gets a placeholder for its new token. Called as soon as the step is launched,
         so the next step can be scheduled while this one runs on the GPU."""
-        running = RequestStatus.RUNNING
+        running, max_model_len = RequestStatus.RUNNING, self.max_model_len
         for s, req in zip(plan.seqs, self._launched[plan.step_id]):
             if req.status is not running:
                 continue
             req.num_computed_tokens += len(s.token_ids)
             if s.num_sample_rows:
-                req.spec_token_ids = []  # being verified now
+                if req.spec_token_ids:
+                    req.spec_token_ids = []  # being verified now
                 req.append_token(PLACEHOLDER)
                 req.num_unresolved += 1
                 # A step that verifies drafts is never overlapped, so only plain steps need the flag.
-                if not s.draft_token_ids and (req.num_output_tokens >= req.max_tokens
-                                              or req.num_tokens >= self.max_model_len):
+                if not s.draft_token_ids and (len(req.output_token_ids) >= req.max_tokens
+                                              or len(req.all_token_ids) >= max_model_len):
                     req.awaiting_final_token = True
 
     def resolve(self, plan: SchedulerOutput, output: RunnerOutput) -> list[FinishedUpdate]:
@@ -291,7 +294,7 @@ class Scheduler:
         requests that stopped. Tokens of requests that finished meanwhile are dropped."""
         updates = []
         caching = self.kv.prefix_cache is not None  # else cache_blocks does nothing: not called at all
-        block_size, sampled = self.kv.block_size, output.sampled_token_ids
+        block_size, sampled, max_model_len = self.kv.block_size, output.sampled_token_ids, self.max_model_len
         for s, req in zip(plan.seqs, self._launched.pop(plan.step_id)):
             if req.status.finished:
                 continue
@@ -316,14 +319,15 @@ class Scheduler:
                     self.kv.trim(req, index + len(tokens))
             req.set_token(index, tokens[0])
             req.num_unresolved -= 1
-            for t in tokens[1:]:
-                req.append_token(t)
+            if accepted:
+                for t in tokens[1:]:
+                    req.append_token(t)
             if caching and running and len(req.block_ids) * block_size >= computed_end:
                 self.kv.cache_blocks(req, computed_end - s.start_pos, end=computed_end)
             finished, new = None, tokens
             for i in range(len(tokens)):
                 finished = req.check_stop(index + i)
-                if finished is None and index + i + 1 >= self.max_model_len:
+                if finished is None and index + i + 1 >= max_model_len:
                     finished = RequestStatus.FINISHED_LENGTH
                 if finished is not None:
                     new = tokens[: i + 1]
