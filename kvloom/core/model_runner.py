@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import numpy as np
 import torch
@@ -75,6 +75,17 @@ def _padded(a: np.ndarray, n: int, fill: int) -> np.ndarray:
     return out
 
 
+class _Tokens(NamedTuple):
+    ids: np.ndarray  # per token
+    positions: np.ndarray
+    slots: np.ndarray
+    counts: np.ndarray  # per sequence: tokens fed
+    ends: np.ndarray  # per sequence: its length after the step
+    rows: np.ndarray  # per sequence: its row in BlockTables.array
+    token_rows: np.ndarray  # per token: its sequence's row
+    width: int  # the widest block table of the step
+
+
 class BlockTables:
     """Each request's block table as a row of one numpy array kept from step to step, so a step writes a
     request's blocks only where they changed since its last step (a new block every ``block_size``
@@ -111,13 +122,12 @@ class BlockTables:
                 held = []
             else:
                 held = held_of[rid]
-            if blocks is not held:
+            if blocks is not held and blocks != held:
                 k = len(held)
-                if len(blocks) != k or blocks != held:
-                    if len(blocks) > k and blocks[:k] == held:
-                        self._write(row, k, blocks)  # new blocks at the end
-                    else:
-                        self._write(row, 0, blocks, clear=k)
+                if len(blocks) > k and blocks[:k] == held:
+                    self._write(row, k, blocks)  # new blocks at the end
+                else:
+                    self._write(row, 0, blocks, clear=k)
                 held_of[rid] = blocks
             out.append(row)
         return np.array(out, dtype=np.int64)
@@ -164,46 +174,47 @@ class ModelRunner:
         self.before_sampling: Callable[[list[ScheduledSeq]], None] | None = None
 
     # --- inputs --------------------------------------------------------------------------------
+    def _tokens(self, seqs: list[ScheduledSeq]) -> _Tokens:
+        """What both layouts take per token (ids, positions, cache slots) and per sequence (token count,
+        end, block-table row), after checking that each sequence's blocks hold its positions."""
+        bs = self.block_size
+        counts = np.fromiter([len(s.token_ids) for s in seqs], np.int64, len(seqs))
+        starts = np.fromiter([s.start_pos for s in seqs], np.int64, len(seqs))
+        ends = starts + counts
+        width = _check_blocks(seqs, ends, bs)
+        rows = self.block_tables.rows(seqs)
+        positions = _ranges(starts, counts)
+        token_rows = np.repeat(rows, counts)
+        slots = self.block_tables.array[token_rows, positions // bs].astype(np.int64) * bs + positions % bs
+        ids = np.fromiter([t for s in seqs for t in s.token_ids], np.int64, len(positions))
+        return _Tokens(ids, positions, slots, counts, ends, rows, token_rows, width)
+
     def _host_inputs(self, order: list[ScheduledSeq]):
         """A flat step's host inputs as numpy arrays: ids, positions, cache slots, query start offsets,
         sequence lengths, query lengths, the rows to keep (prompt-scoring positions, then the sampled
         rows) and the block table."""
-        bs = self.block_size
-        query_lens = np.fromiter([len(s.token_ids) for s in order], np.int64, len(order))
-        starts = np.fromiter([s.start_pos for s in order], np.int64, len(order))
+        t = self._tokens(order)
         query_start = np.zeros(len(order) + 1, np.int64)
-        np.cumsum(query_lens, out=query_start[1:])
-        positions = _ranges(starts, query_lens)
-        width = _check_blocks(order, starts + query_lens, bs)
-        rows = self.block_tables.rows(order)
-        table = self.block_tables.array
-        slots = table[np.repeat(rows, query_lens), positions // bs].astype(np.int64) * bs + positions % bs
-        ids = np.fromiter([t for s in order for t in s.token_ids], np.int64, len(positions))
+        np.cumsum(t.counts, out=query_start[1:])
         num_sample = np.fromiter([s.num_sample_rows for s in order], np.int64, len(order))
         keep = _ranges(query_start[1:] - num_sample, num_sample)
         if any(s.prompt_targets for s in order):  # positions that score prompt tokens, ahead of the sampled rows
             scored = np.fromiter([len(s.prompt_targets or ()) for s in order], np.int64, len(order))
             keep = np.concatenate([_ranges(query_start[:-1], scored), keep])
-        return ids, positions, slots, query_start, starts + query_lens, query_lens, keep, table[rows, :width]
+        table = self.block_tables.array[t.rows, : t.width]
+        return t.ids, t.positions, t.slots, query_start, t.ends, t.counts, keep, table
 
     def _decode_rows(self, seqs: list[ScheduledSeq]):
         """Host inputs of a step in the decode layout (numpy arrays): one row per token, whose sequence
         length is its position + 1 and whose block table is its request's (so each draft attends
         causally); the rows to sample are every sampling sequence's tokens."""
-        bs = self.block_size
-        counts = np.fromiter([len(s.token_ids) for s in seqs], np.int64, len(seqs))
-        starts = np.fromiter([s.start_pos for s in seqs], np.int64, len(seqs))
-        pos = _ranges(starts, counts)
-        ids = np.fromiter([t for s in seqs for t in s.token_ids], np.int64, len(pos))
-        np.maximum(ids, 0, out=ids)  # placeholders: filled on the device
-        width = _check_blocks(seqs, starts + counts, bs)
-        table_rows = np.repeat(self.block_tables.rows(seqs), counts)
-        table = self.block_tables.array
-        slots = table[table_rows, pos // bs].astype(np.int64) * bs + pos % bs
+        t = self._tokens(seqs)
+        np.maximum(t.ids, 0, out=t.ids)  # placeholders: filled on the device
         sampled = np.fromiter([s.samples for s in seqs], bool, len(seqs))
-        offsets = np.cumsum(counts) - counts
-        rows = _ranges(offsets[sampled], counts[sampled])
-        return ids, pos, slots, pos + 1, table[table_rows, :width], rows
+        offsets = np.cumsum(t.counts) - t.counts  # each sequence's first row
+        rows = _ranges(offsets[sampled], t.counts[sampled])
+        table = self.block_tables.array[t.token_rows, : t.width]
+        return t.ids, t.positions, t.slots, t.positions + 1, table, rows
 
     def _prepare_decode_rows(self, seqs: list[ScheduledSeq]):
         ids, pos, slots, seq_lens, table, rows = self._decode_rows(seqs)
