@@ -175,7 +175,7 @@ class ModelRunner:
 
     # --- inputs --------------------------------------------------------------------------------
     def _tokens(self, seqs: list[ScheduledSeq]) -> _Tokens:
-        """What both layouts take per token (ids, positions, cache slots) and per sequence (token count,
+        """What both layouts take per token (ids, placeholders as 0; positions; cache slots) and per sequence (token count,
         end, block-table row), after checking that each sequence's blocks hold its positions."""
         bs = self.block_size
         counts = np.fromiter([len(s.token_ids) for s in seqs], np.int64, len(seqs))
@@ -187,6 +187,7 @@ class ModelRunner:
         token_rows = np.repeat(rows, counts)
         slots = self.block_tables.array[token_rows, positions // bs].astype(np.int64) * bs + positions % bs
         ids = np.fromiter([t for s in seqs for t in s.token_ids], np.int64, len(positions))
+        np.maximum(ids, 0, out=ids)  # placeholders: filled on the device
         return _Tokens(ids, positions, slots, counts, ends, rows, token_rows, width)
 
     def _host_inputs(self, order: list[ScheduledSeq]):
@@ -209,7 +210,6 @@ class ModelRunner:
         length is its position + 1 and whose block table is its request's (so each draft attends
         causally); the rows to sample are every sampling sequence's tokens."""
         t = self._tokens(seqs)
-        np.maximum(t.ids, 0, out=t.ids)  # placeholders: filled on the device
         sampled = np.fromiter([s.samples for s in seqs], bool, len(seqs))
         offsets = np.cumsum(t.counts) - t.counts  # each sequence's first row
         rows = _ranges(offsets[sampled], t.counts[sampled])
@@ -232,11 +232,11 @@ class ModelRunner:
 
     def _stage(self, *arrays: tuple[object, type]) -> list[torch.Tensor]:
         """A step's integer inputs on the device: each ``(values, numpy dtype)`` (a list, a list of equal
-        rows or a range) is written into one host buffer, which reaches the device in one copy (pinned,
-        non-blocking on CUDA; on the CPU the tensors are views of the buffer). One copy instead of one
-        per array: each copy costs the host a pinned allocation, a copy call and an event, every step.
-        On the CPU, where nothing is copied, each array is its own tensor (``stage_in_one_copy`` off: the
-        views of one buffer cost more than they save there)."""
+        rows or a range) is written into one host buffer, which reaches the device in one pinned,
+        non-blocking copy; each tensor is a view of it. One copy instead of one per array: each copy costs
+        the host a pinned allocation, a copy call and an event, every step. On the CPU nothing is copied
+        and each array stays its own tensor (``stage_in_one_copy`` off: there the views of one buffer cost
+        more than they save; tests turn it on to run the CUDA path's layout)."""
         parts = [np.asarray(values, dtype=dtype) for values, dtype in arrays]
         if not self.stage_in_one_copy:
             return [torch.from_numpy(a) for a in parts]
@@ -257,7 +257,6 @@ class ModelRunner:
         are the positions that score prompt tokens (``prompt_targets``), then the rows to sample."""
         order = batch_order(seqs)
         ids, pos, slots, qsl, seq_lens, query_lens, rows, table = self._host_inputs(order)
-        np.maximum(ids, 0, out=ids)  # placeholders: filled on the device
         ids_t, pos_t, slots_t, table_t, lens_t, qsl_t, rows_t, dst, src = self._stage(
             (ids, np.int64), (pos, np.int64), (slots, np.int64), (table, np.int32), (seq_lens, np.int32),
             (qsl, np.int32), (rows, np.int64), *self._placeholders(order))
