@@ -45,6 +45,7 @@ COMPUTE = [("runner.model", "forward", "forward"), ("runner.model", "compute_log
 
 def measure(args) -> dict:
     """One pass in this process: per-step milliseconds of each part over the timed generate."""
+    import kvloom
     from kvloom import LLM, SamplingParams
 
     folder = Path(tempfile.gettempdir()) / "kvloom-host-step"
@@ -88,9 +89,8 @@ def measure(args) -> dict:
     ms = {label: 1e3 * v / steps for label, v in totals.items()}
     ms["execute without compute"] = 1e3 * (totals["execute"] - compute) / steps
     ms["host (wall without compute)"] = 1e3 * (wall - compute) / steps
-    import kvloom
-    return {"kvloom": str(Path(kvloom.__file__).parent), "steps": steps, "wall_s": wall, "output_tokens": sum(len(o.outputs[0].token_ids) for o in outs),
-            "ms_per_step": ms}
+    return {"kvloom": str(Path(kvloom.__file__).parent), "steps": steps, "wall_s": wall,
+            "output_tokens": sum(len(o.outputs[0].token_ids) for o in outs), "ms_per_step": ms}
 
 
 def main() -> None:
