@@ -57,6 +57,13 @@ def _ranges(starts: np.ndarray, lens: np.ndarray) -> np.ndarray:
     return np.arange(total, dtype=np.int64) + np.repeat(starts - (ends - lens), lens)
 
 
+def _unless_every_row(rows: np.ndarray, num_rows: int, rows_t: torch.Tensor) -> torch.Tensor | None:
+    """The rows to keep, or None when they are every row in order. Only the host can tell: rows scoring
+    prompt tokens come first, so a step may keep as many rows as it has in another order."""
+    every = len(rows) == num_rows and bool((rows == np.arange(num_rows)).all())
+    return None if every else rows_t
+
+
 def _check_blocks(seqs: list[ScheduledSeq], ends: np.ndarray, block_size: int) -> int:
     """The widest block table of a step, after checking that each sequence's blocks hold its positions
     (a plan that does not would write another request's cache slots)."""
@@ -228,7 +235,7 @@ class ModelRunner:
             num_decodes=n, max_query_len=1, max_seq_len=max(lens), query_lens_cpu=[1] * n, seq_lens_cpu=lens,
         )
         self._fill_placeholders(ids_t, dst, src)
-        return ids_t, pos_t, meta, rows_t, [s for s in seqs if s.samples]
+        return ids_t, pos_t, meta, _unless_every_row(rows, n, rows_t), [s for s in seqs if s.samples]
 
     def _stage(self, *arrays: tuple[object, type]) -> list[torch.Tensor]:
         """A step's integer inputs on the device: each ``(values, numpy dtype)`` (a list, a list of equal
@@ -271,7 +278,7 @@ class ModelRunner:
         )
         sampling = [s for s in order if s.samples]
         self._fill_placeholders(ids_t, dst, src)
-        return ids_t, pos_t, meta, rows_t, sampling
+        return ids_t, pos_t, meta, _unless_every_row(rows, len(ids), rows_t), sampling
 
     # --- execution -----------------------------------------------------------------------------
     @torch.inference_mode()

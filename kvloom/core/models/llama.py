@@ -254,8 +254,6 @@ class DecoderLM(nn.Module):
         h = self.embed_tokens(input_ids)
         residual = None
         rope = ops.rotary_tables(positions, self.cos_sin, h.dtype)  # once per step, for every layer
-        if keep is not None and keep.shape[0] == input_ids.shape[0]:
-            keep = None  # every row is kept (a decode step): nothing to select
         last = len(self.layers) - 1
         for i, (layer, kv) in enumerate(zip(self.layers, kv_caches)):
             h, residual = layer(rope, h, residual, meta, kv, keep if i == last else None)
