@@ -12,7 +12,7 @@ from typing import Any, Iterator, Sequence
 from tqdm.auto import tqdm
 
 from kvloom.core.config import DEFAULT_MODEL, OFFLINE_MAX_NUM_BATCHED_TOKENS, EngineConfig
-from kvloom.core.engine_core import EngineCore
+from kvloom.core.engine.core import EngineCore
 from kvloom.core.messages import AddRequest, TokenLogprobs
 from kvloom.core.sampling_params import SamplingParams
 from kvloom.frontends.output import CompletionText, fan_out

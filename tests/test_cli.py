@@ -8,7 +8,7 @@ import socket
 
 import pytest
 
-from kvloom.cli import build_parser, config_from_args, main, server_config_from_args
+from kvloom.cli.main import build_parser, config_from_args, main, server_config_from_args
 from kvloom.core.config import EngineConfig
 from kvloom.frontends.config import ServerConfig
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kvloom.core.config import EngineConfig
-from kvloom.core.engine_core import EngineCore
+from kvloom.core.engine.core import EngineCore
 from kvloom.core.messages import AddRequest
 from kvloom.core.sampling_params import SamplingParams
 

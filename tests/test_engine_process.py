@@ -11,7 +11,7 @@ import pytest
 
 from kvloom.core import messages as m
 from kvloom.core.config import EngineConfig
-from kvloom.core.engine_process import EngineServer
+from kvloom.core.engine.process import EngineServer
 from kvloom.core.sampling_params import SamplingParams
 from kvloom.frontends.engine_client import AsyncEngineClient
 from tests.server_utils import raw_socket

@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from benchmarks.shapes import SHAPES
-from kvloom.cli import main
+from kvloom.cli.main import main
+from kvloom.cli.plan import count_parameters, make_plan, valid_tp_sizes
 from kvloom.core.config import EngineConfig
-from kvloom.core.engine_core import EngineCore
-from kvloom.core.loader import load_hf_config
-from kvloom.plan import count_parameters, make_plan, valid_tp_sizes
+from kvloom.core.engine.core import EngineCore
+from kvloom.core.model.loader import load_hf_config
 
 
 @pytest.fixture
@@ -121,7 +121,7 @@ def _config_file(tmp_path, **changes):
 def checkpoint_bytes(model) -> int:
     """The model's weights as the checkpoint has them: parameters, plus the linear layers packed for the
     CPU (not the packed copy of tied embeddings, which the embedding table already counts)."""
-    from kvloom.core.cpu_linear import PackedLinear
+    from kvloom.kernels.cpu_linear import PackedLinear
 
     total = sum(p.numel() * p.element_size() for p in model.parameters())
     for name, m in model.named_modules():

@@ -223,8 +223,8 @@ def test_dummy_weights_in_each_format_run_and_are_deterministic(tmp_path, tiny_l
 def test_the_gpu_layout_repacked_at_load_computes_the_dequantized_product(name, tmp_path):
     """The GPU path (AWQ and GPTQ repacked into one K-packed layout, desc_act inputs sorted by group, the
     in-kernel dequantizing GEMM) run here through its PyTorch reference: each layer equals the CPU path's."""
-    from kvloom.core.attention import AttentionBackend
-    from kvloom.core.loader import build_model, load_hf_config
+    from kvloom.core.model.attention.base import AttentionBackend
+    from kvloom.core.model.loader import build_model, load_hf_config
     from kvloom.core.model.quantization import make_method
     from kvloom.core.model.quantization.packed_int import PackedIntLinearMethod
 
@@ -256,7 +256,7 @@ def test_the_gpu_layout_repacked_at_load_computes_the_dequantized_product(name, 
 
 def test_engine_plan_sizes_each_format_from_the_engines_layers(tmp_path, capsys):
     from benchmarks.shapes import SHAPES
-    from kvloom.cli import main
+    from kvloom.cli.main import main
 
     path = tmp_path / "config.json"
     path.write_text(json.dumps(SHAPES["llama-3-8b"]))

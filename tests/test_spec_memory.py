@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kvloom import LLM
-from kvloom.core import capacity
+from kvloom.core.engine import capacity
 from tests.test_spec_decode import _make_draft, _spec
 
 GiB = capacity.GiB
@@ -99,7 +99,7 @@ def test_gpu_profile_runs_the_draft_models_largest_forward_too(draft_engine, mon
 
 def test_plan_counts_the_draft_models_weights_and_kv_per_token(tiny_llama, tmp_path, capsys):
     from kvloom.core.config import EngineConfig
-    from kvloom.core.engine_core import EngineCore
+    from kvloom.core.engine.core import EngineCore
     from tests.test_plan import checkpoint_bytes, plan_json
 
     draft = _make_draft(tmp_path / "small", "llama")

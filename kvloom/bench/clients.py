@@ -19,7 +19,7 @@ from typing import Any, Callable
 import httpx
 
 from kvloom.bench.metrics import RequestResult
-from kvloom.core.cpu_threads import available_cores
+from kvloom.core.worker.cpu_threads import available_cores
 
 STREAMS_PER_CLIENT = 64  # streams one client process times faithfully (the default split)
 MAX_CLIENT_PROCESSES = 256

@@ -27,6 +27,7 @@ from starlette.routing import Route
 
 import kvloom
 from kvloom.core.config import EngineConfig
+from kvloom.core.sampling_params import StructuredOutputSpec
 from kvloom.frontends import openai_protocol as api
 from kvloom.frontends.access_log import AccessLog, track_tokens
 from kvloom.frontends.admission import KeyRing, check_timeout, parse_api_keys, replace_prepared
@@ -41,12 +42,7 @@ from kvloom.frontends.asgi import (
 )
 from kvloom.frontends.config import ServerConfig
 from kvloom.frontends.engine_client import EngineUnavailable
-from kvloom.frontends.frontend_core import (
-    FrontendCore,
-    PreparedRequest,
-    RequestError,
-    merge_streams,
-)
+from kvloom.frontends.frontend_core import FrontendCore, PreparedRequest, RequestError, merge_streams
 from kvloom.frontends.metrics import EngineSample, FrontendMetrics
 from kvloom.frontends.model_cores import close_cores, core_for, start_model_cores
 from kvloom.frontends.openai_requests import (
@@ -64,7 +60,6 @@ from kvloom.frontends.request_fields import CHAT_RULES, COMPLETION_RULES, check_
 from kvloom.frontends.text import load_chat_template
 from kvloom.frontends.tokenize_routes import routes as tokenize_routes
 from kvloom.frontends.tool_parsers import plan_tools
-from kvloom.core.sampling_params import StructuredOutputSpec
 
 logger = logging.getLogger("kvloom.api")
 
@@ -361,7 +356,7 @@ def run_server(engine_address: str | list[str], engine_config: EngineConfig, ser
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m kvloom.frontends.api_server --engine-address ADDR [--fd N]``, settings as JSON on stdin."""
-    from kvloom.child_process import start_child
+    from kvloom.launch.child_process import start_child
 
     parser = argparse.ArgumentParser(prog="kvloom-api-server")
     parser.add_argument("--engine-address", required=True, action="append",

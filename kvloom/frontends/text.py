@@ -8,8 +8,7 @@ from typing import Any
 
 from tokenizers.decoders import DecodeStream
 
-from kvloom.core.model_files import cache_dir, resolve_model
-
+from kvloom.core.model.files import cache_dir, resolve_model
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 

@@ -8,9 +8,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from kvloom.cli import main
+from kvloom.cli.main import main
 from kvloom.core.config import EngineConfig
-from kvloom.core.engine_core import EngineCore
+from kvloom.core.engine.core import EngineCore
 from kvloom.plugins import hookimpl
 from kvloom.plugins.builtin.free_list import FreeListAllocator
 from kvloom.plugins.builtin.prefix_cache import HashPrefixCache

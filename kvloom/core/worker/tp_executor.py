@@ -30,11 +30,17 @@ import torch
 import zmq
 
 from kvloom.core.config import EngineConfig
-from kvloom.core.distributed import (COLLECTIVE_TIMEOUT_S, STORE_HOST, WORKER_ENV, TensorParallel, destroy_group,
-                                     init_group)
 from kvloom.core.engine.step import SchedulerOutput
-from kvloom.core.model_runner import LaunchedStep, ModelRunner
-from kvloom.core.sampler import prompt_logits_slices
+from kvloom.core.model.distributed import (
+    COLLECTIVE_TIMEOUT_S,
+    STORE_HOST,
+    WORKER_ENV,
+    TensorParallel,
+    destroy_group,
+    init_group,
+)
+from kvloom.core.worker.model_runner import LaunchedStep, ModelRunner
+from kvloom.core.worker.sampler import prompt_logits_slices
 
 logger = logging.getLogger("kvloom")
 
@@ -61,7 +67,7 @@ class TPDriver:
         import torch.distributed as dist
 
         from kvloom.frontends.config import ServerConfig
-        from kvloom.launcher import launch_payload
+        from kvloom.launch.launcher import launch_payload
 
         for stale in list(_live):
             stale.shutdown()
@@ -122,7 +128,7 @@ class TPDriver:
         of the weights as ``engine plan`` computes them."""
         import dataclasses
 
-        from kvloom.plan import weight_bytes
+        from kvloom.cli.plan import weight_bytes
 
         blocks = self.tp.min_int(cap.num_blocks, self.device)
         share = weight_bytes(hf_config, dtype, quantization, self.device.type, TensorParallel(0, self.size))

@@ -23,14 +23,14 @@ class TPWorker:
     def __init__(self, config: EngineConfig, rank: int, store_port: int) -> None:
         import torch
 
-        from kvloom.core import capacity
-        from kvloom.core.attention import get_attention_backend
-        from kvloom.core.cpu_malloc import keep_freed_memory
-        from kvloom.core.cpu_threads import configure_threads
-        from kvloom.core.distributed import STORE_HOST, init_group, threads_per_rank
-        from kvloom.core.engine_core import resolve_device, resolve_dtype
-        from kvloom.core.loader import build_model, load_hf_config
-        from kvloom.core.model_files import resolve_model
+        from kvloom.core.engine import capacity
+        from kvloom.core.engine.core import resolve_device, resolve_dtype
+        from kvloom.core.model.attention.base import get_attention_backend
+        from kvloom.core.model.distributed import STORE_HOST, init_group, threads_per_rank
+        from kvloom.core.model.files import resolve_model
+        from kvloom.core.model.loader import build_model, load_hf_config
+        from kvloom.core.worker.cpu_malloc import keep_freed_memory
+        from kvloom.core.worker.cpu_threads import configure_threads
         from kvloom.core.worker.tp_executor import TPWorkerRunner
         from kvloom.plugins.manager import PluginManager
 
@@ -72,12 +72,12 @@ class TPWorker:
         if device.type == "cuda" and not config.enforce_eager:
             self.runner.capture_graphs(config.max_num_seqs, self.max_model_len)
         logger.info("Tensor-parallel rank %d of %d ready: %d KV blocks", rank, size, blocks)
-        from kvloom.core.engine_core import freeze_startup_heap
+        from kvloom.core.engine.core import freeze_startup_heap
 
         freeze_startup_heap()  # as rank 0's engine does
 
     def _profile(self) -> int:
-        from kvloom.core.engine_core import EngineCore
+        from kvloom.core.engine.core import EngineCore
 
         # The same profile as rank 0's, at the same time: its forward runs the same collectives.
         return EngineCore._profile_free_gpu_memory(self)
@@ -107,14 +107,14 @@ class TPWorker:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from kvloom.child_process import start_child
+    from kvloom.launch.child_process import start_child
 
     parser = argparse.ArgumentParser(prog="kvloom-tp-worker")
     parser.add_argument("--rank", type=int, required=True)
     parser.add_argument("--store-port", type=int, required=True)
     parser.add_argument("--plan-address", required=True)
     args, engine, _ = start_child(parser, argv)
-    from kvloom.core.cpu_threads import prepare_openmp
+    from kvloom.core.worker.cpu_threads import prepare_openmp
 
     prepare_openmp()
     try:
@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     except Exception:  # noqa: BLE001 - rank 0 sees this process exit and takes the engine down
         logger.exception("Tensor-parallel rank %d failed", args.rank)
         return 1
-    from kvloom.core.distributed import destroy_group
+    from kvloom.core.model.distributed import destroy_group
 
     destroy_group()
     return code

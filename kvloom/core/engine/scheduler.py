@@ -13,9 +13,9 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
+from kvloom.core.engine.kv_cache import KVCacheManager
+from kvloom.core.engine.request import PLACEHOLDER, Request, RequestStatus
 from kvloom.core.engine.step import RunnerOutput, ScheduledSeq, SchedulerOutput
-from kvloom.core.kv_cache import KVCacheManager
-from kvloom.core.request import PLACEHOLDER, Request, RequestStatus
 
 
 class SchedulingPolicy(Protocol):

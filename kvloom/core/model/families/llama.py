@@ -16,10 +16,17 @@ from typing import TYPE_CHECKING, Iterable
 import torch
 from torch import nn
 
-from kvloom.core.attention import AttentionBackend, AttentionMetadata
-from kvloom.core.distributed import TensorParallel
-from kvloom.core.model.linear import (ColumnLinear, LinearBase, MergedColumnLinear, QKVLinear, ReplicatedLinear,
-                                      RowLinear, UnquantizedLinearMethod)
+from kvloom.core.model.attention.base import AttentionBackend, AttentionMetadata
+from kvloom.core.model.distributed import TensorParallel
+from kvloom.core.model.linear import (
+    ColumnLinear,
+    LinearBase,
+    MergedColumnLinear,
+    QKVLinear,
+    ReplicatedLinear,
+    RowLinear,
+    UnquantizedLinearMethod,
+)
 from kvloom.kernels import ops
 from kvloom.kernels.quant_reference import num_rows
 
@@ -126,7 +133,7 @@ class Attention(nn.Module):
         self.layer_idx = layer_idx
         self.backend = backend
         # Per-tensor scales of an fp8 KV cache (stored x / scale): 1.0, or the checkpoint's k_scale/v_scale
-        # (kvloom.core.loader.KVCacheScales); other caches ignore them.
+        # (kvloom.core.model.loader.KVCacheScales); other caches ignore them.
         self.k_scale = self.v_scale = 1.0
 
     def forward(self, rope, h, meta: AttentionMetadata, kv_cache) -> torch.Tensor:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kvloom.core.attention import AttentionBackend, AttentionMetadata
+from kvloom.core.model.attention.base import AttentionBackend, AttentionMetadata
 from kvloom.kernels import triton_attention
 
 

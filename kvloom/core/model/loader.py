@@ -16,9 +16,9 @@ from typing import Iterator
 import torch
 from tqdm.auto import tqdm
 
-from kvloom.core.attention import AttentionBackend
-from kvloom.core.cpu_linear import pack_layer, pack_tied_output
-from kvloom.core.models.llama import SUPPORTED_ARCHITECTURES, DecoderLM
+from kvloom.core.model.attention.base import AttentionBackend
+from kvloom.core.model.families.llama import SUPPORTED_ARCHITECTURES, DecoderLM
+from kvloom.kernels.cpu_linear import pack_layer, pack_tied_output
 
 logger = logging.getLogger("kvloom")
 

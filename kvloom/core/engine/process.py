@@ -25,7 +25,7 @@ import msgspec
 import zmq
 
 from kvloom.core.config import EngineConfig
-from kvloom.core.stats_log import EngineStatsLog
+from kvloom.core.engine.stats_log import EngineStatsLog
 from kvloom.core.messages import (
     AbortRequest,
     AddRequest,
@@ -97,10 +97,10 @@ class EngineServer:
 
     # --- lifecycle ---------------------------------------------------------------------------------
     def load(self) -> None:
-        from kvloom.core.cpu_threads import prepare_openmp
+        from kvloom.core.worker.cpu_threads import prepare_openmp
 
         prepare_openmp()  # before torch loads OpenMP, which reads its settings then
-        from kvloom.core.engine_core import EngineCore  # torch and the model code load here only
+        from kvloom.core.engine.core import EngineCore  # torch and the model code load here only
 
         self.core = EngineCore(self.config)
         if self.gate is not None:
@@ -316,8 +316,8 @@ class EngineServer:
             self._send(ident, self.ready)
 
     def _add(self, ident: bytes, msg: AddRequest) -> None:
+        from kvloom.core.engine.core import RequestRejected
         from kvloom.core.engine.gate import Refusal
-        from kvloom.core.engine_core import RequestRejected
 
         if self.draining:
             self.outbox[ident].append(_error_delta(msg.request_id, "the engine is shutting down", "unavailable"))
@@ -442,9 +442,9 @@ def serve_engine(config: EngineConfig, address: str, model_name: str | None = No
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m kvloom.core.engine_process --address ADDR``, with the launch settings as JSON on stdin
+    """``python -m kvloom.core.engine.process --address ADDR``, with the launch settings as JSON on stdin
     (``{"engine": {...EngineConfig...}, "server": {...ServerConfig...}}``)."""
-    from kvloom.child_process import start_child
+    from kvloom.launch.child_process import start_child
 
     parser = argparse.ArgumentParser(prog="kvloom-engine")
     parser.add_argument("--address", required=True)

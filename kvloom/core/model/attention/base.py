@@ -91,12 +91,12 @@ def get_attention_backend(device: torch.device):
     """Triton kernels on CUDA, the head-major CPU backend on the CPU, the PyTorch reference elsewhere."""
     if device.type == "cuda":
         try:
-            from kvloom.core.triton_backend import TritonAttentionBackend
+            from kvloom.core.model.attention.triton import TritonAttentionBackend
         except ImportError:  # Triton missing: the reference still runs on CUDA tensors
             return AttentionBackend()
         return TritonAttentionBackend()
     if device.type == "cpu":
-        from kvloom.core.cpu_attention import CPUAttentionBackend
+        from kvloom.core.model.attention.cpu import CPUAttentionBackend
 
         return CPUAttentionBackend()
     return AttentionBackend()

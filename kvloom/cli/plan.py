@@ -10,9 +10,9 @@ from typing import Any
 
 import torch
 
-from kvloom.core import capacity
+from kvloom.cli.text_table import format_table
 from kvloom.core.config import ConfigError, EngineConfig
-from kvloom.text_table import format_table
+from kvloom.core.engine import capacity
 
 GiB = capacity.GiB
 CUDA_CONTEXT_GIB = 0.5  # memory a CUDA process holds outside PyTorch's allocator (context, cuBLAS workspaces)
@@ -35,8 +35,8 @@ class ParameterCount:
 
 def count_parameters(hf_config) -> ParameterCount:
     """Build the engine's own model on the meta device (no memory) and count what it holds."""
-    from kvloom.core.attention import AttentionBackend
-    from kvloom.core.loader import make_model
+    from kvloom.core.model.attention.base import AttentionBackend
+    from kvloom.core.model.loader import make_model
 
     model = make_model(hf_config, AttentionBackend(), torch.float32)
     count = ParameterCount()
@@ -64,9 +64,9 @@ def weight_bytes(hf_config, dtype: torch.dtype, method, device_type: str, tp=Non
     """The bytes the engine's model holds on ``device_type`` after loading: the same layers, built on the
     meta device, each sized by its format (a format dequantized at load counts as dense). With ``tp`` (a
     ``TensorParallel``), rank ``tp.rank``'s share: its heads, MLP and vocabulary, and the replicated norms."""
-    from kvloom.core.attention import AttentionBackend
-    from kvloom.core.loader import make_model
+    from kvloom.core.model.attention.base import AttentionBackend
     from kvloom.core.model.linear import LinearBase
+    from kvloom.core.model.loader import make_model
 
     model = make_model(hf_config, AttentionBackend(), dtype, method, tp)
     total = 0
@@ -122,7 +122,7 @@ def draft_plan(proposer, config: EngineConfig, hf_config, dtype: torch.dtype, de
     memory of their own)."""
     if getattr(proposer, "draft_model", None) is None:
         return None
-    from kvloom.core.engine_core import resolve_dtype
+    from kvloom.core.engine.core import resolve_dtype
 
     draft_dtype = dtype if proposer.draft_dtype == "auto" else resolve_dtype(proposer.draft_dtype, device)
     max_len = capacity.resolve_max_model_len(hf_config, config.max_model_len)
@@ -141,7 +141,7 @@ def valid_tp_sizes(hf_config, sizes) -> list[int]:
 
 def rank_weight_bytes(hf_config, dtype: torch.dtype, method, device_type: str, tp: int) -> tuple[int, str | None]:
     """(bytes of weights one rank holds, None), or (0, why the engine refuses to split ``tp`` ways)."""
-    from kvloom.core.distributed import TensorParallel, tp_refusal
+    from kvloom.core.model.distributed import TensorParallel, tp_refusal
 
     refusal = tp_refusal(hf_config, tp)
     if refusal is not None:
@@ -221,7 +221,7 @@ class Plan:
 
 def make_plan(config: EngineConfig, hf_config, model_name: str, *, gpu_memory_gib: float | None = None,
               quantization: str | None = None, tp_sizes=DEFAULT_TP_SIZES, dp_sizes=(1,)) -> Plan:
-    from kvloom.core.engine_core import resolve_dtype
+    from kvloom.core.engine.core import resolve_dtype
 
     method = quantization_method(hf_config, quantization)
     quantization = method.name if method is not None else None
@@ -268,7 +268,7 @@ def make_plan(config: EngineConfig, hf_config, model_name: str, *, gpu_memory_gi
                          "heads' share of every token")
         notes.append("CPU: the KV cache is sized by --kv-cache-memory-gib (default "
                      f"{capacity.DEFAULT_CPU_KV_GIB:g} GiB) or --num-kv-blocks, exactly as the engine sizes it")
-        from kvloom.core.cpu_linear import packing_supported
+        from kvloom.kernels.cpu_linear import packing_supported
 
         if getattr(hf_config, "tie_word_embeddings", False) and packing_supported(dtype):
             table = hf_config.vocab_size * hf_config.hidden_size * torch.empty(0, dtype=dtype).element_size()
@@ -328,8 +328,8 @@ def make_plan(config: EngineConfig, hf_config, model_name: str, *, gpu_memory_gi
 
 def load_plan_config(config: EngineConfig, config_json: str | None):
     """(hf_config, model name) from ``--config-json FILE`` or the engine's ``--model``."""
-    from kvloom.core.loader import is_gguf, load_hf_config
-    from kvloom.core.model_files import resolve_model
+    from kvloom.core.model.files import resolve_model
+    from kvloom.core.model.loader import is_gguf, load_hf_config
 
     if config_json:
         path = Path(config_json)

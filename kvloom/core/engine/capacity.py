@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import logging
-
 from dataclasses import dataclass
-
 from typing import Callable
 
 import torch

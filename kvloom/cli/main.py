@@ -11,20 +11,21 @@ import dataclasses
 import json
 import logging
 import sys
-import tomllib
 import typing
 from typing import Any
 
+import tomllib
+
+from kvloom.cli.vllm_flags import add_vllm_flags, apply_vllm_flags
 from kvloom.core.config import OFFLINE_MAX_NUM_BATCHED_TOKENS, ConfigError, EngineConfig, _split_names
 from kvloom.frontends.config import ServerConfig, check_field_types
-from kvloom.served_models import (
+from kvloom.launch.served_models import (
     ServedModel,
     check_memory_shares,
     models_from_flags,
     models_from_tables,
     split_model_flag,
 )
-from kvloom.vllm_flags import add_vllm_flags, apply_vllm_flags
 
 
 def _flag(name: str) -> str:
@@ -284,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return run_bench(args, config, config_flags)
     if args.command == "plan":
-        from kvloom import plan
+        from kvloom.cli import plan
 
         return plan.run_plan(args, config)
     if args.command == "plugins":
@@ -299,8 +300,8 @@ def main(argv: list[str] | None = None) -> int:
         except (ConfigError, ValueError, OSError) as e:  # e.g. --max-model-len over the model's limit
             print(f"engine {args.command}: error: {e}", file=sys.stderr)
             return 2
-    from kvloom.core.model_files import resolve_model
-    from kvloom.launcher import serve
+    from kvloom.core.model.files import resolve_model
+    from kvloom.launch.launcher import serve
 
     try:
         for model in [m.engine.model for m in models] if models else [config.model]:

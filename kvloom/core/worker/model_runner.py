@@ -13,9 +13,9 @@ from typing import Callable, NamedTuple
 import numpy as np
 import torch
 
-from kvloom.core.attention import AttentionMetadata
 from kvloom.core.engine.step import RunnerOutput, ScheduledSeq, SchedulerOutput
-from kvloom.core.sampler import PromptScores, SampleResult, Sampler, score_prompt
+from kvloom.core.model.attention.base import AttentionMetadata
+from kvloom.core.worker.sampler import PromptScores, Sampler, SampleResult, score_prompt
 
 logger = logging.getLogger("kvloom")
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Callable, Protocol, Sequence
 
-from kvloom.core.request import Request
+from kvloom.core.engine.request import Request
 
 
 class BlockAllocator(Protocol):

@@ -14,10 +14,10 @@ import sys
 import tempfile
 import time
 
-from kvloom.child_process import launch_payload
 from kvloom.core.config import ConfigError, EngineConfig
 from kvloom.frontends.config import LOOPBACK, ServerConfig, zmq_address_is_loopback
-from kvloom.served_models import ServedModel
+from kvloom.launch.child_process import launch_payload
+from kvloom.launch.served_models import ServedModel
 
 logger = logging.getLogger("kvloom")
 
@@ -127,7 +127,7 @@ class Launcher:
             signal.signal(sig, lambda signum, frame: self.signals.append(signum))
 
     def _start_engine(self, args: list[str], env: dict[str, str] | None, payload: bytes | None = None) -> None:
-        spec = ("kvloom.core.engine_process", args, (), env, payload)
+        spec = ("kvloom.core.engine.process", args, (), env, payload)
         self.engine_specs.append(spec)
         self.engines.append(self._spawn(*spec))
 
@@ -135,7 +135,7 @@ class Launcher:
         """Start every engine (each model's data-parallel replicas); the first model's addresses."""
         cfg = self.server_config
         if cfg.ray_address is not None:
-            from kvloom.ray_replicas import RayReplicas
+            from kvloom.launch.ray_replicas import RayReplicas
 
             self.ray_replicas = RayReplicas(
                 cfg.ray_address, launch_payload(self.engine_config, cfg, self.engine_secret), cfg.data_parallel_size,

@@ -11,25 +11,25 @@ import time
 
 import torch
 
-from kvloom.core import capacity
-from kvloom.core.attention import get_attention_backend
 from kvloom.core.config import ConfigError, EngineConfig
-from kvloom.core.cpu_linear import cpu_has_native_bf16
-from kvloom.core.cpu_malloc import keep_freed_memory
-from kvloom.core.cpu_threads import ThreadGovernor, available_core_ids, available_cores, configure_threads
-from kvloom.core.distributed import check_tp_size, threads_per_rank
-from kvloom.core.kv_cache import KVCacheManager
-from kvloom.core.loader import build_model, load_hf_config
+from kvloom.core.engine import capacity
 from kvloom.core.engine.gate import AdmissionGate
+from kvloom.core.engine.kv_cache import KVCacheManager
+from kvloom.core.engine.request import Request, RequestStatus
+from kvloom.core.engine.scheduler import Scheduler
 from kvloom.core.engine.speculation import Speculator, logits_row_weight
 from kvloom.core.engine.step import RunnerOutput, SchedulerOutput
+from kvloom.core.engine.structured_output import StructuredOutputManager
 from kvloom.core.messages import AddRequest, EngineStats, TokenDelta, TokenLogprobs, TopLogprob
-from kvloom.core.model_files import resolve_model
-from kvloom.core.model_runner import ModelRunner
-from kvloom.core.request import Request, RequestStatus
+from kvloom.core.model.attention.base import get_attention_backend
+from kvloom.core.model.distributed import check_tp_size, threads_per_rank
+from kvloom.core.model.files import resolve_model
+from kvloom.core.model.loader import build_model, load_hf_config
 from kvloom.core.sampling_params import check_priority
-from kvloom.core.scheduler import Scheduler
-from kvloom.core.structured_output import StructuredOutputManager
+from kvloom.core.worker.cpu_malloc import keep_freed_memory
+from kvloom.core.worker.cpu_threads import ThreadGovernor, available_core_ids, available_cores, configure_threads
+from kvloom.core.worker.model_runner import ModelRunner
+from kvloom.kernels.cpu_linear import cpu_has_native_bf16
 from kvloom.plugins.manager import PluginManager
 
 logger = logging.getLogger("kvloom")
@@ -525,7 +525,7 @@ class _ProfileRun:
 
     def __init__(self, model, backend, layers: int, kv_dtype: torch.dtype, n: int, block_size: int, rows: int,
                  device: torch.device) -> None:
-        from kvloom.core.attention import AttentionMetadata
+        from kvloom.core.model.attention.base import AttentionMetadata
 
         self.model, self.n, self.rows, self.device = model, n, rows, device
         blocks = -(-n // block_size)

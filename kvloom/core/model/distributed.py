@@ -124,6 +124,6 @@ def threads_per_rank(config) -> int | None:
     rank using every core would oversubscribe them N times over)."""
     if config.tensor_parallel_size == 1 or config.threads is not None:
         return config.threads
-    from kvloom.core.cpu_threads import available_cores
+    from kvloom.core.worker.cpu_threads import available_cores
 
     return max(1, available_cores() // config.tensor_parallel_size)
