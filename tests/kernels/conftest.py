@@ -36,6 +36,7 @@ def _import_interpreted() -> None:
 
         import kvloom.kernels.triton_attention  # noqa: F401
         import kvloom.kernels.triton_fused  # noqa: F401
+        import kvloom.kernels.triton_lora  # noqa: F401
         import kvloom.kernels.triton_quant  # noqa: F401
     except ImportError:
         pass  # no triton: the fixture below skips
@@ -64,7 +65,7 @@ if not HAS_CUDA and "triton" not in sys.modules:
 def tk(monkeypatch):
     """The Triton kernel modules and the device their inputs must live on (``cuda``, or ``cpu`` interpreted)."""
     pytest.importorskip("triton")
-    from kvloom.kernels import triton_attention, triton_fused, triton_quant
+    from kvloom.kernels import triton_attention, triton_fused, triton_lora, triton_quant
 
     if HAS_CUDA:
         device = "cuda"
@@ -76,4 +77,5 @@ def tk(monkeypatch):
             )
         monkeypatch.setenv("TRITON_INTERPRET", "1")  # consulted at run time by a few triton helpers
         device = "cpu"
-    return types.SimpleNamespace(attention=triton_attention, fused=triton_fused, quant=triton_quant, device=device)
+    return types.SimpleNamespace(attention=triton_attention, fused=triton_fused, quant=triton_quant, lora=triton_lora,
+                                 device=device)
