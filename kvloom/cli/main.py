@@ -17,7 +17,13 @@ from typing import Any
 import tomllib
 
 from kvloom.cli.vllm_flags import add_vllm_flags, apply_vllm_flags
-from kvloom.core.config import OFFLINE_MAX_NUM_BATCHED_TOKENS, ConfigError, EngineConfig, _split_names
+from kvloom.core.config import (
+    OFFLINE_MAX_NUM_BATCHED_TOKENS,
+    ConfigError,
+    EngineConfig,
+    _split_names,
+    parse_lora_module,
+)
 from kvloom.frontends.config import ServerConfig, check_field_types
 from kvloom.launch.served_models import (
     ServedModel,
@@ -56,6 +62,10 @@ def add_config_flags(group, cls, skip: tuple[str, ...] = (), shown_defaults: dic
         elif f.name == "plugins":
             kw["type"] = _split_names
             kw["metavar"] = "A,B"
+        elif f.name == "lora_modules":
+            kw["nargs"] = "+"
+            kw["type"] = _lora_module_flag
+            kw["metavar"] = "NAME=PATH"
         elif f.name in ("hf_overrides", "plugin_options", "api_keys"):
             kw["type"] = json.loads
             kw["metavar"] = "JSON"
@@ -63,6 +73,13 @@ def add_config_flags(group, cls, skip: tuple[str, ...] = (), shown_defaults: dic
             base = next((t for t in typing.get_args(hint) if t is not type(None)), hint)
             kw["type"] = base
         group.add_argument(_flag(f.name), **kw)
+
+
+def _lora_module_flag(text: str) -> tuple[str, str]:
+    try:
+        return parse_lora_module(text)
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def add_engine_flags(parser: argparse.ArgumentParser, skip: tuple[str, ...] = (),
@@ -86,6 +103,8 @@ def config_flags(config) -> list[str]:
             flags.append(_flag(f.name) if value else "--no-" + _flag(f.name)[2:])
         elif f.name == "plugins":
             flags += [_flag(f.name), ",".join(value)]
+        elif f.name == "lora_modules":
+            flags += [_flag(f.name), *(f"{name}={path}" for name, path in value.items())]
         elif isinstance(value, (dict, list)):
             flags += [_flag(f.name), json.dumps(value)]
         else:
@@ -118,6 +137,8 @@ def _given(args: argparse.Namespace, cls) -> dict[str, Any]:
 def config_from_args(args: argparse.Namespace) -> EngineConfig:
     engine_keys, _ = _read_config_file(args)
     given = _given(args, EngineConfig)
+    if "lora_modules" in given:  # NAME=PATH pairs: they replace the config file's table, as other flags do
+        given["lora_modules"] = dict(given["lora_modules"])
     model_flags = given.pop("model", None)  # a list: serving may take several (served_models_from_args)
     if model_flags:
         given["model"] = split_model_flag(model_flags[0])[1]

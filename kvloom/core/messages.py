@@ -43,6 +43,7 @@ class AddRequest(_Msg):
     client_index: int = 0
     queue_deadline: float | None = None  # wall-clock time past which it is dropped if it has not started
     api_key_name: str = ""  # the name of the caller's API key: its quotas are kept in the engine (docs/admission.md)
+    lora_name: str = ""  # the LoRA adapter to run with (docs/lora.md); empty: the base model
 
 
 class AbortRequest(_Msg):
@@ -138,6 +139,10 @@ class EngineStats(msgspec.Struct, omit_defaults=True, kw_only=True):
     num_expired_running: int = 0  # stopped at their deadline while running
     queue_wait_buckets: list[int] = []  # seconds from arrival to first step, per gate.QUEUE_WAIT_BUCKETS (+inf last)
     queue_wait_sum: float = 0.0
+    lora_running: dict[str, int] = {}  # LoRA adapter name -> its running requests
+    lora_waiting: dict[str, int] = {}  # ... its waiting ones
+    lora_loaded: int = 0  # adapters loaded (served by name)
+    lora_slot_loads: int = 0  # adapter moves into a device slot since the engine started
 
     @property
     def spec_decode_acceptance_rate(self) -> float:
@@ -166,6 +171,7 @@ class UtilityResult(_Msg):
     call_id: int
     result: Any = None
     error: str | None = None
+    error_kind: str | None = None  # with ``error``: ``not_found`` (the named thing does not exist), else None
 
 
 class EngineError(_Msg):
@@ -185,6 +191,7 @@ class EngineReady(_Msg):
     eos_token_ids: list[int]
     plugins: list[str] = []
     pid: int = 0
+    max_loras: int = 0  # LoRA device slots; 0: the engine serves no adapters
 
 
 class Heartbeat(_Msg):

@@ -45,7 +45,7 @@ from kvloom.core.messages import (
 logger = logging.getLogger("kvloom.engine")
 
 # What a frontend may call through ``Utility``; anything else is refused by name.
-UTILITY_METHODS = ("stats", "reset_prefix_cache")
+UTILITY_METHODS = ("stats", "reset_prefix_cache", "load_lora_adapter", "unload_lora_adapter", "list_lora_adapters")
 IDLE_POLL_MS = 100  # how often an idle engine wakes up to notice signals
 _STOP = b"stop"  # loop -> inbox thread: send what is queued, then close the socket
 _GONE = object()  # inbox thread -> loop: a frontend can no longer be reached
@@ -109,6 +109,7 @@ class EngineServer:
             model_name=self.model_name, max_model_len=self.core.max_model_len, vocab_size=self.core.vocab_size,
             num_kv_blocks=self.core.kv.num_blocks, block_size=self.core.config.block_size,
             eos_token_ids=list(self.core.eos_token_ids), plugins=list(self.config.plugins), pid=os.getpid(),
+            max_loras=self.config.max_loras if self.config.enable_lora else 0,
         )
 
     def request_shutdown(self, drain: bool = True) -> None:
@@ -349,7 +350,8 @@ class EngineServer:
             result = method(*msg.args)
             encode(UtilityResult(call_id=msg.call_id, result=result))  # fail here, not in the send
         except Exception as e:  # noqa: BLE001 - the caller gets the message; the engine keeps running
-            return UtilityResult(call_id=msg.call_id, error=f"{msg.method} failed: {e}")
+            return UtilityResult(call_id=msg.call_id, error=f"{msg.method} failed: {e}",
+                                 error_kind="not_found" if isinstance(e, LookupError) else None)
         return UtilityResult(call_id=msg.call_id, result=result)
 
     # --- outbox ------------------------------------------------------------------------------------

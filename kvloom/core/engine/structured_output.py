@@ -195,6 +195,10 @@ class StructuredOutputManager:
             ready.append(req)
         return ready, failed
 
+    def pending_requests(self) -> list:
+        """Requests whose grammar is still compiling (not yet with the scheduler)."""
+        return [req for req, _ in self._pending.values()]
+
     def drop_pending(self, request_ids: Sequence[str]) -> list:
         """Requests still waiting for their grammar among ``request_ids``, removed."""
         return [self._pending.pop(rid)[0] for rid in request_ids if rid in self._pending]

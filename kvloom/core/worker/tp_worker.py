@@ -57,6 +57,11 @@ class TPWorker:
             dtype=self.dtype, backend=self.attention_backend, max_positions=self.max_model_len, seed=config.seed,
             quantization=plugins.make_quantization(self.hf_config, config), tp=tp,
         )
+        lora = None
+        if config.enable_lora:  # the same slots as rank 0's, holding this rank's share of each adapter
+            from kvloom.core.model.lora import LoRAPool
+
+            lora = LoRAPool(self.model, config.max_loras, config.max_lora_rank, config.resolved_max_cpu_loras)
         profile = self._profile if device.type == "cuda" else None
         cap = capacity.kv_capacity(config, self.hf_config, self.dtype, self.max_model_len, profile, size)
         blocks = tp.min_int(cap.num_blocks, device)
@@ -68,7 +73,7 @@ class TPWorker:
                      for _ in range(self.hf_config.num_hidden_layers)]
         share_tokens = config.async_scheduling == "on" or (config.async_scheduling == "auto" and device.type == "cuda")
         self.runner = TPWorkerRunner(self.model, kv_caches, config.block_size, device, config.seed, tp=tp,
-                                     share_tokens=share_tokens)
+                                     share_tokens=share_tokens, lora=lora)
         if device.type == "cuda" and not config.enforce_eager:
             self.runner.capture_graphs(config.max_num_seqs, self.max_model_len)
         logger.info("Tensor-parallel rank %d of %d ready: %d KV blocks", rank, size, blocks)

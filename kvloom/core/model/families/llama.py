@@ -220,6 +220,8 @@ class DecoderLayer(nn.Module):
 class DecoderLM(nn.Module):
     """A Llama-family causal LM over a paged KV cache."""
 
+    lora_context = None  # set when the engine serves LoRA adapters (kvloom.core.model.lora.LoRAPool)
+
     # checkpoint module name -> (fused layer name, shard id)
     stacked = {
         "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
@@ -254,10 +256,13 @@ class DecoderLM(nn.Module):
         self.cos_sin = rope_cos_sin_cache(self.config, self.head_dim, max_positions).to(device)
 
     def forward(self, input_ids, positions, meta: AttentionMetadata, kv_caches,
-                keep: torch.Tensor | None = None) -> torch.Tensor:
+                keep: torch.Tensor | None = None, lora=None) -> torch.Tensor:
         """Final hidden states ``[T, hidden]``; with ``keep`` (row indices), only those rows': the last layer
         still caches every row's K/V but runs its output projection and MLP on the kept rows alone (a
-        prefill step needs logits for one row per prompt)."""
+        prefill step needs logits for one row per prompt). ``lora``: the step's tokens by adapter slot
+        (``kvloom.core.model.lora.LoRABatch``), read by the layers' LoRA slots."""
+        if self.lora_context is not None:
+            self.lora_context.batch = lora
         h = self.embed_tokens(input_ids)
         residual = None
         rope = ops.rotary_tables(positions, self.cos_sin, h.dtype)  # once per step, for every layer
