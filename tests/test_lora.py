@@ -1,0 +1,221 @@
+"""Multi-LoRA serving in the engine: greedy token-for-token parity with PEFT on transformers (float32) on
+tiny Llama and Qwen2 models, three adapters of different ranks and targets and the base model in one
+batch, under chunked prefill, preemption, the prefix cache (no KV shared between adapters), async
+scheduling, speculative decoding, few slots and a small host LRU; bad adapters refused with clear errors;
+unloading refused while an adapter is in use."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from kvloom import LLM, SamplingParams
+from kvloom.core.config import ConfigError, EngineConfig
+from kvloom.core.engine.core import RequestRejected
+from kvloom.core.messages import AddRequest
+from kvloom.core.model.lora import LoRAError
+from tests.conftest import make_tiny_model
+from tests.lora_utils import MAX_RANK, make_adapter, make_adapters, peft_greedy, prompts
+
+MAX_NEW = 12
+NAMES = [None, "a", "b", "c", "a", "b", None, "c"]  # one prompt each, in one batch
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def reference(request, tmp_path_factory):
+    folder = tmp_path_factory.mktemp(f"lora-{request.param}")
+    base = make_tiny_model(folder / "base", request.param)
+    adapters = make_adapters(base, folder)
+    ps = prompts()
+    expected = peft_greedy(base, adapters, ps, NAMES, MAX_NEW)
+    return base, adapters, ps, expected
+
+
+def _llm(base, adapters, **options) -> LLM:
+    options = {"max_loras": 3, "max_lora_rank": MAX_RANK, **options}
+    return LLM(str(base), dtype="float32", enable_lora=True, lora_modules=adapters, **options)
+
+
+def _greedy(llm: LLM, ps, names, max_tokens: int = MAX_NEW) -> list[list[int]]:
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    return [o.token_ids for o in llm.generate(ps, params, use_tqdm=False, lora=names)]
+
+
+def test_three_adapters_and_the_base_in_one_batch_equal_peft(reference):
+    base, adapters, ps, expected = reference
+    # Each adapter changes the output (else parity would prove nothing), and the base is the base.
+    assert expected[1] != peft_greedy(base, adapters, [ps[1]], [None], MAX_NEW)[0]
+    llm = _llm(base, adapters)
+    steps = []  # the distinct adapter slots each step reads
+    execute = llm.engine.runner.execute
+    llm.engine.runner.execute = lambda plan: steps.append({s.lora_slot for s in plan.seqs} - {-1}) or execute(plan)
+    assert _greedy(llm, ps, NAMES) == expected
+    assert max(len(s) for s in steps) == 3  # all three adapters in one step
+    assert llm.engine.kv.num_free_blocks() == llm.engine.kv.num_blocks
+    assert sorted(a["name"] for a in llm.list_lora_adapters()) == ["a", "b", "c"]
+
+
+def test_chunked_prefill_preemption_and_async_scheduling(reference):
+    base, adapters, ps, expected = reference
+    # 7 tokens a step push every long prompt through many chunks beside decodes; 16 blocks of 8 cannot hold
+    # all eight sequences, so some are preempted and recomputed; the next step is planned while one runs.
+    for mode in ("off", "on"):
+        llm = _llm(base, adapters, max_num_batched_tokens=7, block_size=8, num_kv_blocks=16, async_scheduling=mode)
+        assert _greedy(llm, ps, NAMES) == expected, mode
+        assert llm.engine.scheduler.num_preemptions > 0
+        assert llm.engine.kv.num_free_blocks() == 16
+
+
+def test_prefix_cache_never_shares_kv_between_adapters(reference):
+    base, adapters, ps, expected = reference
+    llm = _llm(base, adapters, plugins=["prefix_cache"], block_size=8)
+    sched = llm.engine.scheduler
+    prompt = ps[4]  # 40 tokens: four full blocks
+    by_name = {}
+    for name in ("a", "b", None, "c"):  # one prompt, asked under each adapter in turn
+        by_name[name] = _greedy(llm, [prompt], [name])[0]
+        assert sched.prefix_cache_hits == 0, name  # the blocks cached under the others never match
+    assert by_name["a"] == expected[4]
+    again = _greedy(llm, [prompt, prompt], ["a", "b"])  # the same adapters again: their own blocks are found
+    assert again == [by_name["a"], by_name["b"]]
+    assert sched.prefix_cache_hits == 2 * 32
+    # The whole batch under chunking and async scheduling: with preemption, and with room to keep blocks,
+    # twice (the second pass served from the cache).
+    llm = _llm(base, adapters, plugins=["prefix_cache"], max_num_batched_tokens=7, block_size=8, num_kv_blocks=16,
+               async_scheduling="on")
+    assert _greedy(llm, ps, NAMES) == expected
+    assert llm.engine.scheduler.num_preemptions > 0
+    llm = _llm(base, adapters, plugins=["prefix_cache"], max_num_batched_tokens=7, block_size=8, num_kv_blocks=64,
+               async_scheduling="on")
+    assert _greedy(llm, ps, NAMES) == expected
+    assert _greedy(llm, ps, NAMES) == expected
+    assert llm.engine.scheduler.prefix_cache_hits > 0
+
+
+def test_one_slot_and_a_host_lru_of_one_still_serve_every_adapter(reference):
+    base, adapters, ps, expected = reference
+    # max_loras=1: each step reads one adapter at most, so the adapters take turns in the one slot;
+    # max_cpu_loras=1: adapters that left the host LRU are read from their folders again.
+    llm = _llm(base, adapters, max_loras=1, max_cpu_loras=1)
+    steps = []
+    execute = llm.engine.runner.execute
+    llm.engine.runner.execute = lambda plan: steps.append({s.lora_slot for s in plan.seqs} - {-1}) or execute(plan)
+    assert _greedy(llm, ps, NAMES) == expected
+    assert max(len(s) for s in steps) == 1
+    assert llm.engine.adapters.num_loads >= 3
+    assert len(llm.engine.lora.host) == 1
+
+
+def test_speculative_decoding_verifies_drafts_under_each_adapter(reference):
+    base, adapters, ps, expected = reference
+    repeated = [p * 3 for p in ps[:4]]  # n-gram lookup finds drafts in prompts that repeat themselves
+    names = NAMES[:4]
+    want = peft_greedy(base, adapters, repeated, names, MAX_NEW)
+    llm = _llm(base, adapters, plugins=["spec_decode"],
+               plugin_options={"spec_decode": {"num_speculative_tokens": 3, "prompt_lookup_min": 1}})
+    assert _greedy(llm, repeated, names) == want
+    assert llm.engine.stats().spec_decode_num_drafts > 0
+    assert llm.engine.kv.num_free_blocks() == llm.engine.kv.num_blocks
+
+
+def test_adapters_load_and_unload_at_run_time(reference, tmp_path):
+    base, adapters, ps, expected = reference
+    llm = _llm(base, {})
+    with pytest.raises(RequestRejected, match="unknown LoRA adapter 'a'"):
+        _greedy(llm, [ps[1]], ["a"])
+    llm.load_lora_adapter("a", adapters["a"])
+    assert _greedy(llm, [ps[1]], ["a"]) == [expected[1]]
+    with pytest.raises(ValueError, match="already loaded"):
+        llm.load_lora_adapter("a", adapters["b"])
+    # A request in flight keeps its adapter: unloading it is refused, and the request finishes unharmed.
+    engine = llm.engine
+    engine.add_request(AddRequest(request_id="r", prompt_token_ids=ps[4], lora_name="a",
+                                  sampling=SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)))
+    tokens = []
+    tokens += [t for d in engine.step() for t in d.new_token_ids]
+    with pytest.raises(ValueError, match="in use by 1 unfinished request"):
+        llm.unload_lora_adapter("a")
+    while engine.has_unfinished():
+        tokens += [t for d in engine.step() for t in d.new_token_ids]
+    assert tokens == expected[4]
+    assert llm.unload_lora_adapter("a")["name"] == "a"
+    with pytest.raises(LookupError, match="'a' is not loaded"):
+        llm.unload_lora_adapter("a")
+    with pytest.raises(RequestRejected, match="unknown LoRA adapter 'a'"):
+        _greedy(llm, [ps[1]], ["a"])
+    # The name can serve another adapter now; blocks and slots of the old one are not reused for it.
+    llm.load_lora_adapter("a", adapters["c"])
+    assert _greedy(llm, [ps[3]], ["a"]) == [expected[3]]
+
+
+# --- bad adapters -----------------------------------------------------------------------------------
+def _copy(src: str, dst) -> str:
+    shutil.copytree(src, dst)
+    return str(dst)
+
+
+def _edit_config(folder: str, **changes) -> str:
+    path = f"{folder}/adapter_config.json"
+    config = json.loads(open(path).read())
+    config.update(changes)
+    open(path, "w").write(json.dumps(config))
+    return folder
+
+
+def test_bad_adapters_are_clear_errors_at_load(reference, tmp_path):
+    base, adapters, ps, expected = reference
+    llm = _llm(base, {}, max_lora_rank=4)
+    with pytest.raises(LoRAError, match=r"rank 8, over max_lora_rank=4"):
+        llm.load_lora_adapter("b", adapters["b"])
+    with pytest.raises(LoRAError, match="is not a folder"):
+        llm.load_lora_adapter("x", str(tmp_path / "nowhere"))
+    missing = _copy(adapters["a"], tmp_path / "missing")
+    (tmp_path / "missing" / "adapter_model.safetensors").unlink()
+    with pytest.raises(LoRAError, match="adapter_model.safetensors' is missing"):
+        llm.load_lora_adapter("x", missing)
+    head = make_adapter(base, tmp_path / "head", 5, r=2, lora_alpha=2, target_modules=["lm_head"]
+                        if json.loads((base / "config.json").read_text())["tie_word_embeddings"] is False
+                        else ["embed_tokens"])
+    with pytest.raises(LoRAError, match="target module '(lm_head|embed_tokens)' is not supported"):
+        llm.load_lora_adapter("x", str(head))
+    dora = _edit_config(_copy(adapters["a"], tmp_path / "dora"), use_dora=True)
+    with pytest.raises(LoRAError, match="use_dora=true"):
+        llm.load_lora_adapter("x", dora)
+    # An adapter of another base model (a wider MLP): its shapes do not fit this one.
+    import transformers
+
+    wide = make_tiny_model(tmp_path / "wide", "llama")
+    config = transformers.AutoConfig.from_pretrained(str(wide))
+    config.intermediate_size = 96
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(str(wide))
+    other = make_adapter(wide, tmp_path / "other", 6, r=2, lora_alpha=2, target_modules=["down_proj"])
+    with pytest.raises(LoRAError, match=r"down_proj has lora_A \(2, 96\).*needs \(2, 128\)"):
+        llm.load_lora_adapter("x", str(other))
+    # Nothing was loaded, and the engine still serves what it can.
+    assert llm.list_lora_adapters() == []
+    llm.load_lora_adapter("a", adapters["a"])
+    assert _greedy(llm, [ps[1]], ["a"]) == [expected[1]]
+
+
+def test_lora_settings_are_checked():
+    with pytest.raises(ConfigError, match="lora_modules=\\['a'\\] needs enable_lora"):
+        EngineConfig(lora_modules={"a": "/x"}).validate()
+    with pytest.raises(ConfigError, match="max_cpu_loras=1 must be >= max_loras=2"):
+        EngineConfig(enable_lora=True, max_loras=2, max_cpu_loras=1).validate()
+    with pytest.raises(ConfigError, match="max_lora_rank=0"):
+        EngineConfig(max_lora_rank=0).validate()
+    assert EngineConfig.from_dict({"lora_modules": ["a=/x", '{"name": "b", "path": "/y"}']}).lora_modules == {
+        "a": "/x", "b": "/y"}
+    with pytest.raises(ConfigError, match="must be NAME=PATH"):
+        EngineConfig.from_dict({"lora_modules": ["a"]})
+
+
+def test_a_request_for_an_adapter_of_an_engine_without_lora_is_rejected(tiny_llama):
+    llm = LLM(str(tiny_llama))
+    with pytest.raises(RequestRejected, match="start it with --enable-lora"):
+        llm.generate([[5, 6]], SamplingParams(max_tokens=2), lora="a", use_tqdm=False)
+    with pytest.raises(ValueError, match="LoRA is off"):
+        llm.load_lora_adapter("a", "/x")
