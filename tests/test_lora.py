@@ -219,3 +219,21 @@ def test_a_request_for_an_adapter_of_an_engine_without_lora_is_rejected(tiny_lla
         llm.generate([[5, 6]], SamplingParams(max_tokens=2), lora="a", use_tqdm=False)
     with pytest.raises(ValueError, match="LoRA is off"):
         llm.load_lora_adapter("a", "/x")
+
+
+def test_tensor_parallel_2_splits_adapters_with_their_layers(reference):
+    """Two ranks on gloo: a column layer's B splits with its outputs, a row layer's A with its inputs (its
+    partial products join the all-reduce); adapters loaded at start and at run time reach both ranks."""
+    base, adapters, ps, expected = reference
+    first = {k: v for k, v in adapters.items() if k != "c"}
+    llm = LLM(config=EngineConfig(model=str(base), tensor_parallel_size=2, dtype="float32", block_size=8,
+                                  num_kv_blocks=64, max_num_batched_tokens=7, enable_lora=True, lora_modules=first,
+                                  max_loras=2, max_lora_rank=MAX_RANK, plugins=["prefix_cache"],
+                                  async_scheduling="on"))
+    try:
+        llm.load_lora_adapter("c", adapters["c"])  # after start: rank 1 reads it when a step first needs it
+        assert _greedy(llm, ps, NAMES) == expected
+        assert llm.engine.adapters.num_loads > 2  # three adapters took turns in two slots
+        assert llm.engine.kv.num_free_blocks() == llm.engine.kv.num_blocks
+    finally:
+        llm.engine.shutdown()
