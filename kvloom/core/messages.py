@@ -171,7 +171,8 @@ class UtilityResult(_Msg):
     call_id: int
     result: Any = None
     error: str | None = None
-    error_kind: str | None = None  # with ``error``: ``not_found`` (the named thing does not exist), else None
+    # with ``error``: ``not_found`` (the named thing does not exist), ``conflict`` (it is in use), else None
+    error_kind: str | None = None
 
 
 class EngineError(_Msg):
@@ -214,8 +215,8 @@ class ChatMessage(msgspec.Struct, omit_defaults=True, kw_only=True, forbid_unkno
 class Generate(_Msg):
     """Generate text for exactly one of ``prompt`` (text), ``messages`` (a chat, through the model's
     chat template) or ``prompt_token_ids``. ``request_id`` is the client's own: it only has to be
-    unique among the client's unfinished requests. ``model`` is a served model's name (``Pong.models``);
-    left out, the first served model answers."""
+    unique among the client's unfinished requests. ``model`` is a served model's name (``Pong.models``) or
+    a LoRA adapter loaded on one (docs/lora.md); left out, the first served model answers."""
 
     request_id: str
     model: str | None = None

@@ -1,5 +1,6 @@
 """The OpenAI-compatible HTTP frontend (Starlette on uvicorn): /v1/completions, /v1/chat/completions,
-/v1/models, /health, /version, /metrics. Run as a process by the ``engine`` launcher; several of
+/v1/models (served models and their LoRA adapters), /v1/load_lora_adapter, /v1/unload_lora_adapter,
+/health, /version, /metrics. Run as a process by the ``engine`` launcher; several of
 them may share one listening socket and one engine. This file holds the routes and the process entry;
 HTTP plumbing is in ``asgi``, request translation in ``openai_requests``, response building in
 ``openai_responses``."""
@@ -29,7 +30,7 @@ import kvloom
 from kvloom.core.config import EngineConfig
 from kvloom.core.sampling_params import StructuredOutputSpec
 from kvloom.frontends import openai_protocol as api
-from kvloom.frontends.access_log import AccessLog, track_tokens
+from kvloom.frontends.access_log import AccessLog, note_model, track_tokens
 from kvloom.frontends.admission import KeyRing, check_timeout, parse_api_keys, replace_prepared
 from kvloom.frontends.asgi import (
     ClientGone,
@@ -44,7 +45,8 @@ from kvloom.frontends.config import ServerConfig
 from kvloom.frontends.engine_client import EngineUnavailable
 from kvloom.frontends.frontend_core import FrontendCore, PreparedRequest, RequestError, merge_streams
 from kvloom.frontends.metrics import EngineSample, FrontendMetrics
-from kvloom.frontends.model_cores import close_cores, core_for, start_model_cores
+from kvloom.frontends.lora_routes import routes as lora_routes
+from kvloom.frontends.model_cores import close_cores, core_for, resolve_model, start_model_cores
 from kvloom.frontends.openai_requests import (
     chat_messages,
     chat_template_options,
@@ -91,6 +93,7 @@ class OpenAIServer:
             Route("/metrics", self._endpoint(self.metrics_endpoint, public=True), methods=["GET"]),
             Route("/reset_prefix_cache", self._endpoint(self.reset_prefix_cache), methods=["POST"]),
             *tokenize_routes(self),
+            *lora_routes(self),
         ]
 
     # --- plumbing ----------------------------------------------------------------------------------
@@ -130,12 +133,25 @@ class OpenAIServer:
     async def _parse_generation(self, request: Request, typ: type):
         rules = CHAT_RULES if typ is api.ChatCompletionRequest else COMPLETION_RULES
         req = await self._parse(request, typ, rules)
-        request.state.model = self.core_for(req.model).ready.model_name
+        core, lora = await self.resolve(req.model)
+        # The request's model for metrics and the access log: its LoRA adapter's name, if it names one.
+        request.state.core, request.state.lora = core, lora
+        request.state.model = lora or core.ready.model_name
+        note_model(request.scope, request.state.model)
         request.state.timeout = req.timeout
         return req
 
-    def check_model(self, model: str | None) -> None:
-        self.core_for(model)
+    async def resolve(self, model: str | None) -> tuple[FrontendCore, str]:
+        """The served model and LoRA adapter (empty for none) a request's ``model`` names, or a 404."""
+        return await resolve_model(self.cores, model)
+
+    def builder(self, core: FrontendCore, lora: str) -> ResponseBuilder:
+        """The response builder of a served model or of one of its adapters (responses name the adapter)."""
+        name = lora or core.ready.model_name
+        builder = self.builders.get(name)
+        if builder is None or builder.tokenizer is not core.tokenizer:
+            builder = self.builders[name] = ResponseBuilder(core.tokenizer, name)
+        return builder
 
     def core_for(self, model: str | None) -> FrontendCore:
         """The served model a request names (no name: the first model), or 404 naming those served."""
@@ -145,8 +161,8 @@ class OpenAIServer:
         # Echoed back only: the engine gets ids this frontend makes, so a reused id cannot mix outputs.
         return request.headers.get("x-request-id") or f"{prefix}-{uuid.uuid4().hex}"
 
-    def _start(self, core: FrontendCore, prepared: list[PreparedRequest]) -> AsyncIterator[tuple[int, TextDelta]]:
-        model = core.ready.model_name
+    def _start(self, core: FrontendCore, prepared: list[PreparedRequest], model: str
+               ) -> AsyncIterator[tuple[int, TextDelta]]:
         self.metrics.count_prompt_tokens(sum(len(p.prompt_token_ids) for p in prepared), model)
         return merge_streams([self.metrics.observe(core.generate(p), model) for p in prepared])
 
@@ -159,9 +175,9 @@ class OpenAIServer:
         # n choices of one prompt share its token list: the log counts each prompt once, as usage does.
         prompts = {id(p.prompt_token_ids): p.prompt_token_ids for p in prepared}
         prompt_tokens = sum(len(ids) for ids in prompts.values())
-        merged = track_tokens(request.scope, prompt_tokens, self._start(core, prepared))
+        merged = track_tokens(request.scope, prompt_tokens, self._start(core, prepared, request.state.model))
         if key is not None:
-            merged = self.metrics.count_key_usage(key.name, prompt_tokens, merged, core.ready.model_name)
+            merged = self.metrics.count_key_usage(key.name, prompt_tokens, merged, request.state.model)
         headers = {"x-request-id": rid}
         if not stream:
             try:
@@ -182,15 +198,15 @@ class OpenAIServer:
     # --- /v1/completions ---------------------------------------------------------------------------
     async def completions(self, request: Request):
         req: api.CompletionRequest = await self._parse_generation(request, api.CompletionRequest)
-        core = self.core_for(req.model)
-        responses = self.builders[core.ready.model_name]
+        core, lora = request.state.core, request.state.lora
+        responses = self.builder(core, lora)
         texts = split_prompts(req.prompt)
         prompts = [core.check_token_ids(p) if isinstance(p, list) else await core.tokenize_text(p) for p in texts]
         check_echo(req)
         # max_tokens=0 (echo only): the engine generates one token, which the response leaves out.
         sp = sampling_params(req, 1 if req.max_tokens == 0 else req.max_tokens, req.logprobs,
                              prompt_logprobs=prompt_logprobs(req))
-        prepared = [core.prepare(ids, choice, priority=req.priority)
+        prepared = [core.prepare(ids, choice, priority=req.priority, lora_name=lora)
                     for ids in prompts for choice in fan_out(sp, req.n)]
         echo = None
         if req.echo or req.prompt_logprobs is not None:
@@ -207,8 +223,8 @@ class OpenAIServer:
     # --- /v1/chat/completions ----------------------------------------------------------------------
     async def chat_completions(self, request: Request):
         req: api.ChatCompletionRequest = await self._parse_generation(request, api.ChatCompletionRequest)
-        core = self.core_for(req.model)
-        responses = self.builders[core.ready.model_name]
+        core, lora = request.state.core, request.state.lora
+        responses = self.builder(core, lora)
         tools = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls, self.config.tool_call_parser,
                            self.config.enable_auto_tool_choice)
         options = chat_template_options(req, self.chat_template)
@@ -227,7 +243,8 @@ class OpenAIServer:
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         sp = sampling_params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None, constraint)
-        prepared = [core.prepare(ids, choice, priority=req.priority, max_tokens_param=param, prompt_param="messages")
+        prepared = [core.prepare(ids, choice, priority=req.priority, max_tokens_param=param, prompt_param="messages",
+                                 lora_name=lora)
                     for choice in fan_out(sp, req.n)]
         rid = self._request_id(request, "chatcmpl")
         usage = UsageCounter([len(ids)], req.n)
@@ -239,13 +256,23 @@ class OpenAIServer:
 
     # --- the rest ----------------------------------------------------------------------------------
     async def models(self, request: Request):
-        return json_response(api.ModelList([api.ModelCard(name, core.max_model_len)
-                                            for name, core in self.cores.items()]))
+        cards = []
+        for name, core in self.cores.items():
+            await core.refresh_adapters()
+            cards.append(api.ModelCard(name, core.max_model_len, root=name))
+            cards += [self._adapter_card(core, adapter) for adapter in core.adapters]
+        return json_response(api.ModelList(cards))
 
     async def model_card(self, request: Request):
         name = request.path_params["model"]
-        core = self.core_for(name)
-        return json_response(api.ModelCard(name, core.max_model_len))
+        core, lora = await self.resolve(name)
+        return json_response(self._adapter_card(core, lora) if lora else api.ModelCard(name, core.max_model_len,
+                                                                                        root=name))
+
+    @staticmethod
+    def _adapter_card(core: FrontendCore, name: str) -> api.ModelCard:
+        """A LoRA adapter as vLLM lists it: its folder as ``root``, its base model as ``parent``."""
+        return api.ModelCard(name, core.max_model_len, root=core.adapters[name]["path"], parent=core.ready.model_name)
 
     async def health(self, request: Request):
         if len(self.cores) == 1 and len(self.core.client.replicas) == 1:

@@ -43,7 +43,8 @@ class EngineUnavailable(RuntimeError):
 
 
 class UtilityError(RuntimeError):
-    """An engine utility call failed; ``kind`` is the engine's ``error_kind`` (``not_found`` or None)."""
+    """An engine utility call failed; ``kind`` is the engine's ``error_kind`` (``not_found``, ``conflict``
+    or None)."""
 
     def __init__(self, message: str, kind: str | None = None) -> None:
         super().__init__(message)

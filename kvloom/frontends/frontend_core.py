@@ -45,6 +45,7 @@ class PreparedRequest:
     api_key_name: str = ""  # the caller's key, whose quotas the engine keeps (admission.py)
     timeout: float | None = None  # run timeout in seconds (admission.check_timeout); None: the server's
     timeout_param: str = "request_timeout"  # where ``timeout`` came from, for the 408's message
+    lora_name: str = ""  # the LoRA adapter to run with (empty: the base model)
 
 
 TOKENIZER_THREADS = 2
@@ -65,12 +66,36 @@ class FrontendCore:
         self.draining = False
         self.num_admitted = 0  # slots held by admitted requests until their responses end
         self.prompt_bound = PromptLengthBound(tokenizer)
+        # The engine's LoRA adapters as last seen (name -> its card): what a request's ``model`` may name.
+        self.adapters: dict[str, dict[str, Any]] = {}
+        self._refreshing: asyncio.Future | None = None
         # Tokenizing a long prompt takes seconds: never on the event loop, which serves every other client.
         self._tokenizer_pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="tokenize")
 
     @property
     def max_model_len(self) -> int:
         return self.ready.max_model_len
+
+    # --- LoRA adapters -----------------------------------------------------------------------------
+    async def refresh_adapters(self) -> None:
+        """Ask the engine which adapters it serves (one call at a time; concurrent callers share it)."""
+        if not self.ready.max_loras or not self.client.healthy:
+            return
+        if self._refreshing is None:
+            self._refreshing = asyncio.ensure_future(self._list_adapters())
+        try:
+            await asyncio.shield(self._refreshing)
+        finally:
+            if self._refreshing is not None and self._refreshing.done():
+                self._refreshing = None
+
+    async def _list_adapters(self) -> None:
+        try:
+            cards = await self.client.utility("list_lora_adapters")
+        except Exception as e:  # noqa: BLE001 - the names seen so far stay; the request gets its 404 or 503
+            logger.warning("Could not list the engine's LoRA adapters: %s", e)
+            return
+        self.adapters = {card["name"]: card for card in cards}
 
     # --- prompts -----------------------------------------------------------------------------------
     def encode_text(self, text: str) -> list[int]:
@@ -103,7 +128,8 @@ class FrontendCore:
 
     # --- validation --------------------------------------------------------------------------------
     def prepare(self, prompt_token_ids: list[int], sampling: SamplingParams, *, priority: int = 0,
-                max_tokens_param: str = "max_tokens", prompt_param: str = "prompt") -> PreparedRequest:
+                max_tokens_param: str = "max_tokens", prompt_param: str = "prompt",
+                lora_name: str = "") -> PreparedRequest:
         """Check the request against the context and the admission limit; raises RequestError."""
         self.check_available()
         try:
@@ -132,7 +158,7 @@ class FrontendCore:
         if bad_stop is not None:
             raise RequestError(400, f"stop token id {bad_stop} is out of range [0, {self.ready.vocab_size})",
                                "stop_token_ids")
-        return PreparedRequest(prompt_token_ids, sampling, priority)
+        return PreparedRequest(prompt_token_ids, sampling, priority, lora_name=lora_name)
 
     def start_draining(self) -> None:
         """Refuse new requests (503) from now on; those in flight continue."""
@@ -177,6 +203,7 @@ class FrontendCore:
         deltas = self.client.generate(
             self.next_request_id(), req.prompt_token_ids, sp, req.priority, now,
             deadline=None if timeout is None else now + timeout, api_key_name=req.api_key_name,
+            lora_name=req.lora_name,
             queue_deadline=None if self.queue_timeout is None else now + self.queue_timeout)
         deadline = None if timeout is None else time.monotonic() + timeout + DEADLINE_GRACE_S
         try:

@@ -29,7 +29,7 @@ from kvloom.core.messages import (
 from kvloom.frontends.admission import KeyRing, effective_priority, parse_api_keys
 from kvloom.frontends.config import ServerConfig
 from kvloom.frontends.frontend_core import FrontendCore, PreparedRequest, RequestError
-from kvloom.frontends.model_cores import close_cores, core_for, start_model_cores
+from kvloom.frontends.model_cores import close_cores, core_for, resolve_model, start_model_cores
 
 logger = logging.getLogger("kvloom.gateway")
 
@@ -178,10 +178,10 @@ class Gateway:
         key = (ident, request_id)
         try:
             api_key = self.keys.authenticate(msg.api_key) if self.keys.required else None
-            core = core_for(self.cores, msg.model)
+            core, lora = await resolve_model(self.cores, msg.model)  # a served model or one of its LoRA adapters
             # Tokenized here, in the request's own task, so a long prompt never holds up the receive loop.
             prepared = core.prepare(await self._prompt_ids(core, msg), msg.sampling,
-                                    priority=effective_priority(api_key, msg.priority))
+                                    priority=effective_priority(api_key, msg.priority), lora_name=lora)
             prepared.api_key_name = api_key.name if api_key else ""
             admission = core.admit(1)
             try:

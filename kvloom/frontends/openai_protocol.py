@@ -228,6 +228,8 @@ class ModelCard(Struct):
     created: int = msgspec.field(default_factory=lambda: int(time.time()))
     object: str = "model"
     owned_by: str = "kvloom"
+    root: str | None = None  # a LoRA adapter's folder; a served model's own name
+    parent: str | None = None  # a LoRA adapter's base model (None for a served model)
 
 
 class ModelList(Struct):

@@ -12,6 +12,13 @@ from typing import Callable
 from kvloom.core.engine.step import LoRALoad
 
 
+class AdapterInUse(ValueError):
+    """Unloading an adapter that unfinished requests still run with (the engine's utility answers it as a
+    ``conflict``)."""
+
+    error_kind = "conflict"
+
+
 @dataclass
 class Adapter:
     id: int

@@ -13,7 +13,7 @@ import torch
 
 from kvloom.core.config import ConfigError, EngineConfig
 from kvloom.core.engine import capacity
-from kvloom.core.engine.adapters import AdapterSlots
+from kvloom.core.engine.adapters import AdapterInUse, AdapterSlots
 from kvloom.core.engine.gate import AdmissionGate
 from kvloom.core.engine.kv_cache import KVCacheManager
 from kvloom.core.engine.request import Request, RequestStatus
@@ -342,7 +342,7 @@ class EngineCore:
         users = [r for r in [*self.scheduler.requests.values(), *self.structured.pending_requests()]
                  if r.lora_id == adapter.id]
         if users:
-            raise ValueError(f"LoRA adapter {name!r} is in use by {len(users)} unfinished request(s); it was not "
+            raise AdapterInUse(f"LoRA adapter {name!r} is in use by {len(users)} unfinished request(s); it was not "
                              "unloaded (unload it again once they finish)")
         self.adapters.remove(name)
         self.lora.forget(adapter.id)

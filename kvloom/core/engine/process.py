@@ -103,6 +103,8 @@ class EngineServer:
         from kvloom.core.engine.core import EngineCore  # torch and the model code load here only
 
         self.core = EngineCore(self.config)
+        if self.core.adapters is not None and self.model_name in self.core.adapters.by_name:
+            raise ValueError(f"LoRA adapter {self.model_name!r} has the served model's name; give it another")
         if self.gate is not None:
             self.core.gate = self.gate
         self.ready = EngineReady(
@@ -351,7 +353,7 @@ class EngineServer:
             encode(UtilityResult(call_id=msg.call_id, result=result))  # fail here, not in the send
         except Exception as e:  # noqa: BLE001 - the caller gets the message; the engine keeps running
             return UtilityResult(call_id=msg.call_id, error=f"{msg.method} failed: {e}",
-                                 error_kind="not_found" if isinstance(e, LookupError) else None)
+                                 error_kind=getattr(e, "error_kind", "not_found" if isinstance(e, LookupError) else None))
         return UtilityResult(call_id=msg.call_id, result=result)
 
     # --- outbox ------------------------------------------------------------------------------------
