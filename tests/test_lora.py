@@ -151,6 +151,56 @@ def test_adapters_load_and_unload_at_run_time(reference, tmp_path):
     assert _greedy(llm, [ps[3]], ["a"]) == [expected[3]]
 
 
+def _effective_weights(llm: LLM) -> dict[str, torch.Tensor]:
+    """Each linear layer's weight as the engine multiplies by it (after its format's quantization), by
+    Hugging Face module name: the layer applied to the identity, less the layer applied to zeros (its bias)."""
+    out = {}
+    model = llm.engine.model
+    for layer in model.linear_layers():
+        if layer.prefix == "lm_head":
+            continue
+        eye = torch.eye(layer.input_size)
+        with torch.no_grad():
+            w = (layer.method.apply(layer, eye) - layer.method.apply(layer, torch.zeros_like(eye))).t()
+        head, _, fused = layer.prefix.rpartition(".")
+        names = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}.get(fused, [fused])
+        for name, part in zip(names, w.split(layer.output_sizes)):
+            out[f"{head}.{name}.weight"] = part.clone()
+    return out
+
+
+def test_adapters_on_an_fp8_base_equal_peft_on_the_same_weights(reference):
+    """Adapters sit on a quantized base: the engine's FP8 weights, moved into transformers, under PEFT give
+    the tokens the engine gives with the adapters on its FP8 layers."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base, adapters, ps, expected = reference
+    from safetensors.torch import load_file
+
+    llm = _llm(base, adapters, quantization="fp8")
+    got = _greedy(llm, ps, NAMES)
+    weights = _effective_weights(llm)
+    name = "model.layers.0.self_attn.q_proj.weight"
+    original = load_file(str(base / "model.safetensors"))[name]
+    assert not torch.equal(weights[name], original)  # FP8-rounded
+    torch.testing.assert_close(weights[name], original, rtol=0.07, atol=1e-3)
+    want = []
+    for prompt, name in zip(ps, NAMES):
+        model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32).eval()
+        missing = model.load_state_dict(weights, strict=False).missing_keys
+        assert not any(k.endswith("_proj.weight") for k in missing)
+        if name is not None:
+            model = PeftModel.from_pretrained(model, adapters[name]).eval()
+        ids = torch.tensor([prompt])
+        with torch.no_grad():
+            gen = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_NEW,
+                                 do_sample=False, pad_token_id=0, eos_token_id=None)
+        want.append(gen[0, len(prompt):].tolist())
+    assert got == want
+    assert got != expected  # FP8 weights are not the float32 ones: the check above is not a tautology
+
+
 # --- bad adapters -----------------------------------------------------------------------------------
 def _copy(src: str, dst) -> str:
     shutil.copytree(src, dst)
@@ -237,3 +287,27 @@ def test_tensor_parallel_2_splits_adapters_with_their_layers(reference):
         assert llm.engine.kv.num_free_blocks() == llm.engine.kv.num_blocks
     finally:
         llm.engine.shutdown()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the H200 run)")
+def test_cuda_graphs_triton_kernels_and_async_loads_equal_peft(reference):
+    """On the GPU in float32: decode steps replay CUDA graphs holding the LoRA kernels (counted), adapters
+    move into their slots on a side stream, with and without async scheduling, with few slots and with
+    speculative decoding's verify steps: the greedy outputs equal PEFT's."""
+    base, adapters, ps, expected = reference
+    common = dict(device="cuda", max_num_seqs=8, kv_cache_memory_gib=0.25)
+    runs = [dict(async_scheduling="off"), dict(async_scheduling="on"),
+            dict(async_scheduling="on", max_loras=1, max_cpu_loras=1, max_num_batched_tokens=16),
+            dict(plugins=["spec_decode"], plugin_options={"spec_decode": {"num_speculative_tokens": 3,
+                                                                          "prompt_lookup_min": 1}})]
+    for options in runs:
+        llm = _llm(base, adapters, **common, **options)
+        runner = llm.engine.runner
+        assert runner.graphs
+        replays = []
+        replay = runner._replay
+        runner._replay = lambda seqs: replays.append(len(seqs)) or replay(seqs)
+        assert _greedy(llm, ps, NAMES) == expected, options
+        assert replays, options
+        assert llm.engine.kv.num_free_blocks() == llm.engine.kv.num_blocks
