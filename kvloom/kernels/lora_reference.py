@@ -43,11 +43,25 @@ def lora_expand(y: torch.Tensor, buf: torch.Tensor, b: torch.Tensor, scale: torc
 
 def lora_add(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor,
              slices: Sequence[tuple[int, int]], groups: Sequence[tuple[int, torch.Tensor]]) -> torch.Tensor:
-    """``y`` plus every grouped token's LoRA term ``scale * (x @ A.T) @ B.T`` of its slot, per slice: one
-    product per adapter of the step, never per token."""
-    if not groups:
-        return y
-    return lora_expand(y, lora_shrink(x, a, groups), b, scale, slices, groups)
+    """``y`` plus every grouped token's LoRA term ``scale * (x @ A.T) @ B.T`` of its slot, per slice, in place:
+    one product per adapter of the step, never per token; a slot's untargeted slices (scale 0) are skipped,
+    and a group of every token needs no gather. The CPU path (``scale`` is read on the host)."""
+    num_slices, rank, k = a.shape[1:]
+    for slot, rows in groups:
+        factors = scale[slot].tolist()
+        if not any(factors):
+            continue
+        whole = rows.numel() == x.shape[0]  # every token, in order (groups list rows ascending)
+        h = (x if whole else x.index_select(0, rows)) @ a[slot].reshape(num_slices * rank, k).t()
+        for s, (start, size) in enumerate(slices):
+            if not factors[s]:
+                continue
+            part = (h[:, s * rank:(s + 1) * rank] @ b[slot, start:start + size].t()).mul_(factors[s])
+            if whole:
+                y[:, start:start + size] += part
+            else:
+                y[:, start:start + size].index_add_(0, rows, part.to(y.dtype))
+    return y
 
 
 def groups_of(token_slots: torch.Tensor) -> list[tuple[int, torch.Tensor]]:

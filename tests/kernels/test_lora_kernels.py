@@ -33,6 +33,7 @@ def _slices(sizes):
     ([48, 48], 96, 9, None),  # gate/up
     ([40], 1024, 5, [2, -1, 0, 2, 2]),  # one slice, few tokens and a long K: the split-K path
     ([40], 64, 3, [-1, -1, -1]),  # no adapter token at all
+    ([64, 32, 32], 64, 6, [1, 1, 1, 1, 1, 1]),  # one adapter for the whole batch
 ])
 def test_shrink_and_expand_match_the_reference(tk, sizes, k, num_tokens, token_slots):
     slices = _slices(sizes)
@@ -46,6 +47,9 @@ def test_shrink_and_expand_match_the_reference(tk, sizes, k, num_tokens, token_s
     slots = np.array(token_slots, dtype=np.int64)
     groups = ref.groups_of(torch.from_numpy(slots))
     expected = ref.lora_add(y.clone(), x, a, b, scale, slices, groups)
+    # The CPU path (no gather for a whole batch, untargeted slices skipped) is the shrink/expand oracle's sum.
+    oracle = ref.lora_expand(y.clone(), ref.lora_shrink(x, a, groups), b, scale, slices, groups)
+    torch.testing.assert_close(expected, oracle, rtol=1e-6, atol=1e-6)
     sorted_tokens, seg_start, seg_slot = (torch.from_numpy(t).to(tk.device) for t in ref.segments(slots, max_loras))
     dev = [t.to(tk.device) for t in (x, a, b, scale, y)]
     buf = tk.lora.lora_shrink(dev[0], dev[1], sorted_tokens, seg_start, seg_slot)

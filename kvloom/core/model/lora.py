@@ -107,6 +107,7 @@ class LayerLoRA:
         self.a = torch.zeros(max_loras, len(self.slices), max_rank, layer.input_size, dtype=dtype, device=dev)
         self.b = torch.zeros(max_loras, layer.output_size, max_rank, dtype=dtype, device=dev)
         self.scale = torch.zeros(max_loras, len(self.slices), dtype=torch.float32, device=dev)
+        self.targeted: set[int] = set()  # slots whose adapter targets this layer (the others hold zeros)
 
     def apply(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         batch = self.context.batch
@@ -114,8 +115,8 @@ class LayerLoRA:
             return y
         if self.kept_rows and batch.kept is not None:
             batch = batch.kept
-        if not batch.active:
-            return y
+        if not batch.static and not any(slot in self.targeted for slot, _, _ in batch.spans):
+            return y  # no adapter of this step targets this layer (a graph runs the kernels regardless)
         return ops.lora_add(y, x, self.a, self.b, self.scale, self.slices, batch)
 
     def share(self, weights: dict[int, tuple[torch.Tensor, torch.Tensor, float]] | None, pin: bool):
@@ -142,6 +143,10 @@ class LayerLoRA:
 
     def copy_in(self, slot: int, share) -> None:
         a, b, scale = share
+        if bool(scale.any()):
+            self.targeted.add(slot)
+        else:
+            self.targeted.discard(slot)
         self.a[slot].copy_(a, non_blocking=True)
         self.b[slot].copy_(b, non_blocking=True)
         self.scale[slot].copy_(scale, non_blocking=True)
