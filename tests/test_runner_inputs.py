@@ -106,7 +106,8 @@ def test_decode_rows_equal_the_per_token_construction():
         seqs = [s for s in _random_step(rng, 4, step) if s.num_sample_rows == len(s.token_ids) or len(s.token_ids) == 1]
         if not seqs:
             continue
-        ids, pos, slots, seq_lens, table, rows = runner._decode_rows(seqs)
+        ids, pos, slots, seq_lens, table, rows, lora_slots = runner._decode_rows(seqs)
+        assert lora_slots is None  # a runner without adapters
         want_ids, want_pos, want_slots, want_table, want_rows = [], [], [], [], []
         for s in seqs:
             if s.samples:
