@@ -114,11 +114,14 @@ def test_speculative_decoding_verifies_drafts_under_each_adapter(reference):
     repeated = [p * 3 for p in ps[:4]]  # n-gram lookup finds drafts in prompts that repeat themselves
     names = NAMES[:4]
     want = peft_greedy(base, adapters, repeated, names, MAX_NEW)
-    llm = _llm(base, adapters, plugins=["spec_decode"],
-               plugin_options={"spec_decode": {"num_speculative_tokens": 3, "prompt_lookup_min": 1}})
-    assert _greedy(llm, repeated, names) == want
-    assert llm.engine.stats().spec_decode_num_drafts > 0
-    assert llm.engine.kv.num_free_blocks() == llm.engine.kv.num_blocks
+    ngram = {"num_speculative_tokens": 3, "prompt_lookup_min": 1}
+    # A draft model drafts with its own (base) weights; the target verifies under each request's adapter.
+    draft = {"num_speculative_tokens": 3, "method": "draft", "draft_model": str(base), "adaptive": False}
+    for options in (ngram, draft):
+        llm = _llm(base, adapters, plugins=["spec_decode"], plugin_options={"spec_decode": options})
+        assert _greedy(llm, repeated, names) == want, options
+        assert llm.engine.stats().spec_decode_num_drafts > 0
+        assert llm.engine.kv.num_free_blocks() == llm.engine.kv.num_blocks
 
 
 def test_adapters_load_and_unload_at_run_time(reference, tmp_path):

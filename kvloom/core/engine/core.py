@@ -283,12 +283,11 @@ class EngineCore:
                 f"the request needs {need} KV blocks ({n + max_tokens} tokens) but the whole cache has "
                 f"{self.kv.num_blocks} blocks ({self.capacity.num_tokens} tokens)"
             )
-        self._adapter_of(msg.lora_name)  # an unknown adapter is rejected before the gate counts the request
+        adapter = self._adapter_of(msg.lora_name)  # an unknown adapter is rejected before the gate counts it
         waiting = self.scheduler.waiting
         # Raises gate.Refusal (queue full, over a key's quota): the caller maps it to the client's 429.
         self.gate.admit(msg.request_id, msg.api_key_name, n, max_tokens, len(waiting),
                         sum(r.num_tokens - r.num_computed_tokens for r in waiting))
-        adapter = self._adapter_of(msg.lora_name)
         req = Request.from_message(msg, eos_token_ids=self.eos_token_ids, max_tokens=max_tokens)
         if adapter is not None:
             req.lora_id, req.lora_name, req.lora_key = adapter.id, adapter.name, adapter.key

@@ -301,8 +301,8 @@ class LoRAPool:
         self.model, self.max_loras, self.max_rank, self.max_cpu_loras = model, max_loras, max_rank, max_cpu_loras
         self.context = LoRAContext()
         # The last decoder layer runs its MLP on the kept rows only (DecoderLM.forward's ``keep``).
-        last = model.layers[-1]
-        kept = {m.prefix for m in last.mlp.modules() if isinstance(m, LinearBase)}
+        mlp = getattr(model.layers[-1], "mlp", None)
+        kept = {m.prefix for m in mlp.modules() if isinstance(m, LinearBase)} if mlp is not None else set()
         self.layers: dict[str, LayerLoRA] = {}
         for prefix, layer in lora_layers(model).items():
             layer.lora = self.layers[prefix] = LayerLoRA(layer, self.context, max_loras, max_rank, prefix in kept)
