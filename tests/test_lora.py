@@ -253,6 +253,20 @@ def test_bad_adapters_are_clear_errors_at_load(reference, tmp_path):
     assert _greedy(llm, [ps[1]], ["a"]) == [expected[1]]
 
 
+def test_an_adapter_whose_folder_vanished_fails_its_requests_not_the_engine(reference, tmp_path):
+    base, adapters, ps, expected = reference
+    folder = _copy(adapters["a"], tmp_path / "a")
+    llm = _llm(base, {"a": folder, "b": adapters["b"]}, max_loras=1, max_cpu_loras=1)
+    assert _greedy(llm, [ps[1]], ["a"]) == [expected[1]]
+    assert _greedy(llm, [ps[2]], ["b"]) == [expected[2]]  # a leaves the slot and the host LRU
+    shutil.rmtree(folder)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+    out = llm.generate([ps[1], ps[2]], params, lora=["a", "b"], use_tqdm=False)
+    assert out[0].finish_reason == "error" and "LoRA adapter 'a'" in out[0].outputs[0].error
+    assert out[1].token_ids == expected[2]
+    assert llm.engine.kv.num_free_blocks() == llm.engine.kv.num_blocks
+
+
 def test_lora_settings_are_checked():
     with pytest.raises(ConfigError, match="lora_modules=\\['a'\\] needs enable_lora"):
         EngineConfig(lora_modules={"a": "/x"}).validate()

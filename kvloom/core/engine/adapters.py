@@ -105,6 +105,12 @@ class AdapterSlots:
                       and self.slot_adapter[s] not in needed]
         return min(candidates, key=self.last_used.__getitem__) if candidates else None
 
+    def cancel_load(self, load: LoRALoad) -> None:
+        """A planned load that cannot happen (the adapter's folder is gone): its slot is free again."""
+        self.slot_adapter[load.slot] = None
+        self.slot_of.pop(load.adapter_id, None)
+        self.loading.discard(load.slot)
+
     def end_step(self, step_slots: set[int]) -> None:
         """The plan just made reads ``step_slots``: keep them from other adapters while it may run."""
         self.protected = step_slots

@@ -348,6 +348,28 @@ class EngineCore:
         logger.info("LoRA adapter %r unloaded", name)
         return self._adapter_card(adapter)
 
+    def _read_adapters(self, plan: SchedulerOutput) -> list[TokenDelta]:
+        """Make sure each adapter the plan loads is in host memory, read again from its folder if the host
+        LRU let it go; an adapter that cannot be read any more fails its requests (the engine runs on)."""
+        from kvloom.core.model.lora import LoRAError
+
+        deltas = []
+        for load in list(plan.lora_loads):
+            try:
+                self.lora.prefetch(load.adapter_id, load.name, load.path)
+            except LoRAError as e:
+                plan.lora_loads.remove(load)
+                self.adapters.cancel_load(load)
+                users = [r.request_id for r in self.scheduler.waiting if r.lora_id == load.adapter_id]
+                logger.error("LoRA adapter %r cannot be read again; failing its %d waiting request(s): %s",
+                             load.name, len(users), e)
+                self.structured.remove(users)
+                for req in self.scheduler.abort(users, RequestStatus.FINISHED_ERROR):
+                    deltas.append(TokenDelta(request_id=req.request_id, new_token_ids=[], finish_reason="error",
+                                             error=str(e), error_kind="rejected",
+                                             num_prompt_tokens=req.num_prompt_tokens))
+        return deltas
+
     def list_lora_adapters(self) -> list[dict]:
         return [self._adapter_card(a) for a in self.adapters.by_name.values()] if self.adapters is not None else []
 
@@ -389,6 +411,8 @@ class EngineCore:
         if self.speculator is not None:
             self.speculator.propose(self.scheduler)
         plan = self.scheduler.schedule()
+        if plan.lora_loads:
+            deltas += self._read_adapters(plan)
         self._fill_prompt_targets(plan)
         self.last_step_tokens = plan.num_tokens
         if plan.seqs and self._in_flight is not None:

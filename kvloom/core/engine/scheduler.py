@@ -111,13 +111,13 @@ class Scheduler:
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
-    def abort(self, request_ids: list[str]) -> list[Request]:
-        """Finish these requests as aborted and free their blocks; unknown ids are ignored."""
+    def abort(self, request_ids: list[str], status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> list[Request]:
+        """Finish these requests (as aborted, or ``status``) and free their blocks; unknown ids are ignored."""
         aborted = []
         for rid in request_ids:
             req = self.requests.get(rid)
             if req is not None:
-                self._finish(req, RequestStatus.FINISHED_ABORTED)
+                self._finish(req, status)
                 aborted.append(req)
         return aborted
 

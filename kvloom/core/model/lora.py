@@ -322,6 +322,13 @@ class LoRAPool:
         self._remember(adapter_id, adapter)
         return adapter
 
+    def prefetch(self, adapter_id: int, name: str, path: str) -> None:
+        """Have the adapter in the host LRU (read again if it was let go); LoRAError if it cannot be read."""
+        if adapter_id in self.host:
+            self.host.move_to_end(adapter_id)
+        else:
+            self._remember(adapter_id, read_adapter(name, path, self.model, self.max_rank))
+
     def forget(self, adapter_id: int) -> None:
         self.host.pop(adapter_id, None)
 
@@ -335,12 +342,8 @@ class LoRAPool:
 
     def load(self, slot: int, adapter_id: int, name: str, path: str) -> None:
         """Fill device slot ``slot`` with the adapter (read again from ``path`` if the LRU let it go)."""
-        entry = self.host.get(adapter_id)
-        if entry is None:
-            shares = self._remember(adapter_id, read_adapter(name, path, self.model, self.max_rank))
-        else:
-            self.host.move_to_end(adapter_id)
-            shares = entry[1]
+        self.prefetch(adapter_id, name, path)
+        shares = self.host[adapter_id][1]
         if not self.cuda:
             for prefix, layer in self.layers.items():
                 layer.copy_in(slot, shares[prefix])
