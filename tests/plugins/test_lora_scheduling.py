@@ -88,3 +88,42 @@ def test_the_least_recently_used_idle_slot_goes_and_the_in_flight_plans_slots_st
     load = sched.schedule().lora_loads
     assert [(x.name, x.slot) for x in load] == [("c", r_a.lora_slot)]  # a was used less recently than b
     assert slots.resident() == {"b": r_b.lora_slot}
+
+
+def test_a_waiting_adapter_is_not_starved_by_new_requests_of_a_resident_one():
+    sched, slots, loading = _setup(1)
+    _lora(add(sched, "a0", 2, max_tokens=3), slots, "a")
+    for _ in range(2):  # a0 loads, then runs
+        plan = sched.schedule()
+        loading.clear()
+        _run(sched, plan, loading)
+    _lora(add(sched, "b0", 2, max_tokens=2), slots, "b")  # finds the one slot busy
+    _lora(add(sched, "a1", 2, max_tokens=2), slots, "a")  # arrives later: a's slot would admit it at once
+    order = []
+    for _ in range(30):
+        if not sched.has_unfinished():
+            break
+        plan = sched.schedule()
+        order += [s.request_id for s in plan.seqs if s.request_id not in order]
+        loading.clear()
+        _run(sched, plan, loading)
+    assert order.index("b0") < order.index("a1")  # a's slot drained for b, then a came back
+    assert slots.draining is None and not sched.has_unfinished()
+
+
+def test_a_drained_slot_opens_again_when_the_waiting_adapter_stops_waiting():
+    sched, slots, loading = _setup(1)
+    _lora(add(sched, "a0", 2, max_tokens=3), slots, "a")
+    for _ in range(2):
+        plan = sched.schedule()
+        loading.clear()
+        _run(sched, plan, loading)
+    _lora(add(sched, "b0", 2, max_tokens=2), slots, "b")
+    _run(sched, sched.schedule(), loading)
+    assert slots.draining is not None
+    sched.abort(["b0"])  # the client went away
+    _lora(add(sched, "a1", 2, max_tokens=2), slots, "a")
+    _run(sched, sched.schedule(), loading)
+    assert slots.draining is None
+    plan = sched.schedule()
+    assert "a1" in [s.request_id for s in plan.seqs]

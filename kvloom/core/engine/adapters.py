@@ -44,6 +44,10 @@ class AdapterSlots:
         self.loading: set[int] = set()
         self.last_used = [0] * max_loras
         self.protected: set[int] = set()
+        # A busy slot that admits no new request: a waiting adapter found every slot busy, and takes this
+        # one once its running requests are done (else requests of resident adapters could starve it).
+        self.draining: int | None = None
+        self.draining_for: int | None = None  # the adapter waiting for it
         self._clock = 0
         self.num_loads = 0  # slot loads planned since the engine started
 
@@ -63,18 +67,26 @@ class AdapterSlots:
         if slot is not None:
             self.slot_adapter[slot] = None
             self.loading.discard(slot)
+            if slot == self.draining:
+                self.release_draining()
+        if adapter.id == self.draining_for:
+            self.release_draining()
         return adapter
 
     # --- slots -------------------------------------------------------------------------------------
     def slot_for(self, adapter_id: int, step_slots: set[int], loads: list[LoRALoad],
-                 busy: Callable[[], set[int]]) -> int | None:
+                 busy: Callable[[], set[int]], new: bool = True) -> int | None:
         """The slot a request of ``adapter_id`` reads in this step, or None when it must wait: its adapter is
         still loading, or no slot can be freed for it now (then a load may have been added to ``loads``).
-        ``busy()`` gives the adapters that running requests need (asked only when a slot must be freed)."""
+        ``busy()`` gives the adapters that running requests need (asked only when a slot must be freed);
+        ``new``: the request is not running yet (a draining slot admits none)."""
         slot = self.slot_of.get(adapter_id)
         if slot is not None:
+            if new and slot == self.draining:
+                return None
             if slot in self.loading:
-                if not self.is_ready(slot):
+                # A load this plan carries has not even started: its requests run in a later step.
+                if any(load.slot == slot for load in loads) or not self.is_ready(slot):
                     return None
                 self.loading.discard(slot)
             self._clock += 1
@@ -83,7 +95,14 @@ class AdapterSlots:
             return slot
         victim = self._victim(step_slots, busy)
         if victim is None:
+            if self.draining is None:
+                held = [s for s in range(self.max_loras) if s not in self.loading and self.slot_adapter[s] is not None]
+                if held:
+                    self.draining = min(held, key=self.last_used.__getitem__)
+                    self.draining_for = adapter_id
             return None
+        if adapter_id == self.draining_for:
+            self.release_draining()
         old = self.slot_adapter[victim]
         if old is not None:
             del self.slot_of[old]
@@ -104,6 +123,10 @@ class AdapterSlots:
                       if s not in step_slots and s not in self.protected and s not in self.loading
                       and self.slot_adapter[s] not in needed]
         return min(candidates, key=self.last_used.__getitem__) if candidates else None
+
+    def release_draining(self) -> None:
+        """The adapter waiting for the draining slot got one, or no longer waits (or the slot's adapter is gone)."""
+        self.draining = self.draining_for = None
 
     def cancel_load(self, load: LoRALoad) -> None:
         """A planned load that cannot happen (the adapter's folder is gone): its slot is free again."""

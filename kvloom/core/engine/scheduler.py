@@ -138,7 +138,7 @@ class Scheduler:
                 break
             if req.status is not RequestStatus.RUNNING or req.awaiting_final_token:
                 continue  # preempted earlier in this loop, or its last token is already in flight
-            if req.lora_id and not self._take_slot(req, step_slots, loads):
+            if req.lora_id and not self._take_slot(req, step_slots, loads, new=False):
                 continue
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)  # its drafts come last, below
             while not self.kv.allocate_slots(req, num_new):
@@ -177,17 +177,20 @@ class Scheduler:
         self._step_id += 1
         if self.adapters is not None:
             self.adapters.end_step({r.lora_slot for r, _ in scheduled.values() if r.lora_id})
+            waiting_for = self.adapters.draining_for
+            if waiting_for is not None and not any(r.lora_id == waiting_for for r in self.waiting):
+                self.adapters.release_draining()  # its requests ended (aborted, expired) before it got a slot
         plan = SchedulerOutput(self._step_id, [self._scheduled_seq(r, n) for r, n in scheduled.values()],
                                self._finished_ids, [r.request_id for r in preempted], loads)
         self._finished_ids = []
         self._launched[plan.step_id] = [r for r, _ in scheduled.values()]
         return plan
 
-    def _take_slot(self, req: Request, step_slots: set[int], loads: list[LoRALoad]) -> bool:
+    def _take_slot(self, req: Request, step_slots: set[int], loads: list[LoRALoad], new: bool = True) -> bool:
         """Whether ``req``'s adapter is in a device slot it can read this step (``req.lora_slot``); if not,
         a load may have been planned and the request sits this step out."""
         slot = self.adapters.slot_for(req.lora_id, step_slots, loads,
-                                      lambda: {r.lora_id for r in self.running if r.lora_id})
+                                      lambda: {r.lora_id for r in self.running if r.lora_id}, new)
         if slot is None:
             return False
         req.lora_slot = slot
