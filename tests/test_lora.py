@@ -280,6 +280,27 @@ def test_lora_settings_are_checked():
         EngineConfig.from_dict({"lora_modules": ["a"]})
 
 
+def test_adapters_from_flags_and_the_config_file(reference, tmp_path, capsys):
+    from kvloom.cli.main import build_parser, config_from_args, main
+
+    base, adapters, ps, expected = reference
+    config_file = tmp_path / "engine.toml"
+    config_file.write_text(f'enable_lora = true\nmax_loras = 2\n[lora_modules]\na = "{adapters["a"]}"\n')
+    args = build_parser().parse_args(["--config", str(config_file)])
+    assert config_from_args(args).lora_modules == {"a": adapters["a"]}
+    args = build_parser().parse_args(["--config", str(config_file), "--lora-modules", f"b={adapters['b']}",
+                                      json.dumps({"name": "c", "path": adapters["c"]})])
+    config = config_from_args(args)
+    assert config.lora_modules == {"b": adapters["b"], "c": adapters["c"]} and config.max_loras == 2
+    # `engine generate --lora NAME` runs the prompt with that adapter.
+    texts = []
+    for extra in ([], ["--lora", "b"]):
+        assert main(["generate", "--model", str(base), "--dtype", "float32", "--enable-lora", "--max-lora-rank", "8",
+                     "--lora-modules", f"b={adapters['b']}", "--prompt", "hello", "--max-tokens", "8", *extra]) == 0
+        texts.append(json.loads(capsys.readouterr().out.strip().splitlines()[-1])["text"])
+    assert texts[0] != texts[1]
+
+
 def test_a_request_for_an_adapter_of_an_engine_without_lora_is_rejected(tiny_llama):
     llm = LLM(str(tiny_llama))
     with pytest.raises(RequestRejected, match="start it with --enable-lora"):

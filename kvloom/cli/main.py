@@ -216,6 +216,7 @@ def build_parser() -> argparse.ArgumentParser:
                           "(default: %(default)s).")
     gen.add_argument("--sampling-seed", type=int, default=None, help="Seed for sampling (reproducible text).")
     gen.add_argument("--output", help="Write JSONL results here instead of printing them.")
+    gen.add_argument("--lora", metavar="NAME", help="Run every prompt with this LoRA adapter (one of --lora-modules).")
     add_engine_flags(gen, shown_defaults={"max_num_batched_tokens": OFFLINE_MAX_NUM_BATCHED_TOKENS})
 
     chat = sub.add_parser("chat", help="Chat with the model in the terminal (replies stream as they are made).")
@@ -376,9 +377,9 @@ def _generate(args, config: EngineConfig) -> int:
         config = config.replace(max_num_batched_tokens=OFFLINE_MAX_NUM_BATCHED_TOKENS)  # as LLM() defaults
     llm = LLM(config=config)
     if args.chat:
-        outs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params)
+        outs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params, lora=args.lora)
     else:
-        outs = llm.generate(prompts, params)
+        outs = llm.generate(prompts, params, lora=args.lora)
     lines = [json.dumps({"prompt": prompt, "text": out.text, "finish_reason": out.finish_reason,
                          "num_tokens": len(out.token_ids)}, ensure_ascii=False) for prompt, out in zip(prompts, outs)]
     if args.output:
