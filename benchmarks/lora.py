@@ -29,7 +29,8 @@ def write_adapter(folder: Path, config, rank: int, seed: int, dtype: torch.dtype
     """A random PEFT adapter on every projection of every layer (small values: outputs stay sane)."""
     from safetensors.torch import save_file
 
-    heads, kv_heads = config.num_attention_heads, getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     hidden, inter = config.hidden_size, config.intermediate_size
     shapes = {"q_proj": (hidden, heads * head_dim), "k_proj": (hidden, kv_heads * head_dim),
@@ -85,9 +86,10 @@ def main() -> None:
                                                   llm.engine.dtype))
         names.append(name)
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
-    runs = {"base": [None] * len(prompts), "one adapter": [names[0]] * len(prompts),
-            f"{args.adapters} adapters": [names[i % args.adapters] for i in range(len(prompts))],
-            f"{2 * args.adapters} adapters, {args.adapters} slots": [names[i % len(names)] for i in range(len(prompts))]}
+    n = len(prompts)
+    runs = {"base": [None] * n, "one adapter": [names[0]] * n,
+            f"{args.adapters} adapters": [names[i % args.adapters] for i in range(n)],
+            f"{2 * args.adapters} adapters, {args.adapters} slots": [names[i % len(names)] for i in range(n)]}
     llm.generate(prompts, SamplingParams(max_tokens=2, ignore_eos=True), lora=runs[f"{args.adapters} adapters"],
                  use_tqdm=False)  # warm-up: kernels compiled, slots filled
     results = {}

@@ -179,7 +179,8 @@ class LLM:
             sampling_params = SamplingParams()
         params = _per_prompt(sampling_params, len(encoded), "SamplingParams")
         priorities = _per_prompt(priority, len(encoded), "priorities")
-        adapters = [lora] * len(encoded) if lora is None or isinstance(lora, str) else _per_prompt(lora, len(encoded), "lora names")
+        one = lora is None or isinstance(lora, str)
+        adapters = [lora] * len(encoded) if one else _per_prompt(lora, len(encoded), "lora names")
         if self.tokenizer is None and any(p.stop for p in params):
             raise ValueError("stop strings need a tokenizer; this model has none (use stop_token_ids)")
         engine = self.engine

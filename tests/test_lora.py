@@ -166,7 +166,8 @@ def _effective_weights(llm: LLM) -> dict[str, torch.Tensor]:
         with torch.no_grad():
             w = (layer.method.apply(layer, eye) - layer.method.apply(layer, torch.zeros_like(eye))).t()
         head, _, fused = layer.prefix.rpartition(".")
-        names = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}.get(fused, [fused])
+        split = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
+        names = split.get(fused, [fused])
         for name, part in zip(names, w.split(layer.output_sizes)):
             out[f"{head}.{name}.weight"] = part.clone()
     return out

@@ -74,7 +74,8 @@ def test_adapters_load_and_unload_while_another_streams(setup):
     chunks = iter(stream)
     while len(tokens) < 4:
         tokens += next(chunks).choices[0].logprobs.tokens
-    assert _post(srv, "/v1/load_lora_adapter", {"lora_name": "b", "lora_path": adapters["b"]}, key=None).status_code == 401
+    body = {"lora_name": "b", "lora_path": adapters["b"]}
+    assert _post(srv, "/v1/load_lora_adapter", body, key=None).status_code == 401
     loaded = _post(srv, "/v1/load_lora_adapter", {"lora_name": "b", "lora_path": adapters["b"]})
     assert loaded.status_code == 200 and loaded.text == "Success: LoRA adapter 'b' added successfully."
     again = _post(srv, "/v1/load_lora_adapter", {"lora_name": "b", "lora_path": adapters["b"]})

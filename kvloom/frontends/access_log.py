@@ -1,6 +1,7 @@
 """The HTTP access log: one info line per request on ``kvloom.access`` (client, method, path, status,
-the model or LoRA adapter it ran on, prompt and output tokens, time to first token, duration), written when the response has been sent,
-so a stream is logged with its real duration and a refusal (401/4xx/408/429/503) is logged too.
+the model or LoRA adapter it ran on, prompt and output tokens, time to first token, duration), written
+when the response has been sent, so a stream is logged with its real duration and a refusal
+(401/4xx/408/429/503) is logged too.
 Never the prompt text, the output text or the API key."""
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 and finish reasons, summed over every API worker (prometheus_client's multiprocess mode, which the
 launcher turns on), plus the engine's own counters and gauges fetched from the engine at scrape time
 and served once. Every series carries a ``model`` label (the model that served the request, or the LoRA
-adapter it named; the first model for requests that name none); the engine's series also a ``replica`` label (its index among
-the model's data-parallel replicas)."""
+adapter it named; the first model for requests that name none); the engine's series also a ``replica``
+label (its index among the model's data-parallel replicas)."""
 
 from __future__ import annotations
 
@@ -97,8 +97,10 @@ class _EngineCollector:
                                      "engine's queue.", labels=ENGINE_LABELS)
         wait.add_metric(self.labels, cumulative, self.stats.get("queue_wait_sum", 0.0))
         yield wait
-        for field, name, help in (("lora_running", "kvloom_lora_requests_running", "Running requests by LoRA adapter."),
-                                  ("lora_waiting", "kvloom_lora_requests_waiting", "Waiting requests by LoRA adapter.")):
+        for field, name, help in (
+            ("lora_running", "kvloom_lora_requests_running", "Running requests by LoRA adapter."),
+            ("lora_waiting", "kvloom_lora_requests_waiting", "Waiting requests by LoRA adapter."),
+        ):
             family = GaugeMetricFamily(name, help, labels=[*ENGINE_LABELS, "lora_adapter"])
             for adapter, count in sorted((self.stats.get(field) or {}).items()):
                 family.add_metric([*self.labels, adapter], count)

@@ -328,7 +328,8 @@ class EngineCore:
         weights = self.lora.read(adapter_id, name, path)
         adapter = Adapter(adapter_id, name, path, weights.digest, weights.rank, weights.targets)
         self.adapters.add(adapter)
-        logger.info("LoRA adapter %r loaded from %s: rank %d on %s", name, path, adapter.rank, ", ".join(adapter.targets))
+        logger.info("LoRA adapter %r loaded from %s: rank %d on %s", name, path, adapter.rank,
+                    ", ".join(adapter.targets))
         return self._adapter_card(adapter)
 
     def unload_lora_adapter(self, name: str) -> dict:

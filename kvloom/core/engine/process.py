@@ -352,8 +352,8 @@ class EngineServer:
             result = method(*msg.args)
             encode(UtilityResult(call_id=msg.call_id, result=result))  # fail here, not in the send
         except Exception as e:  # noqa: BLE001 - the caller gets the message; the engine keeps running
-            return UtilityResult(call_id=msg.call_id, error=f"{msg.method} failed: {e}",
-                                 error_kind=getattr(e, "error_kind", "not_found" if isinstance(e, LookupError) else None))
+            kind = getattr(e, "error_kind", "not_found" if isinstance(e, LookupError) else None)
+            return UtilityResult(call_id=msg.call_id, error=f"{msg.method} failed: {e}", error_kind=kind)
         return UtilityResult(call_id=msg.call_id, result=result)
 
     # --- outbox ------------------------------------------------------------------------------------

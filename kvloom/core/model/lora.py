@@ -174,8 +174,9 @@ def read_adapter(name: str, path: str, model, max_rank: int) -> AdapterWeights:
     if not config_file.is_file():
         raise LoRAError(f"LoRA adapter {name!r}: {str(config_file)!r} is missing")
     if not weights_file.is_file():
-        bin_note = " (adapter_model.bin is not read: pickled weights are refused)" if (folder / "adapter_model.bin").exists() else ""
-        raise LoRAError(f"LoRA adapter {name!r}: {str(weights_file)!r} is missing{bin_note}")
+        pickled = (folder / "adapter_model.bin").exists()
+        note = " (adapter_model.bin is not read: pickled weights are refused)" if pickled else ""
+        raise LoRAError(f"LoRA adapter {name!r}: {str(weights_file)!r} is missing{note}")
     config_bytes, weights_bytes = config_file.read_bytes(), weights_file.read_bytes()
     try:
         config = json.loads(config_bytes)
