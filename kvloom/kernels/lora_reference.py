@@ -56,11 +56,11 @@ def lora_add(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
         for s, (start, size) in enumerate(slices):
             if not factors[s]:
                 continue
-            part = (h[:, s * rank:(s + 1) * rank] @ b[slot, start:start + size].t()).mul_(factors[s])
-            if whole:
-                y[:, start:start + size] += part
+            hs, bs = h[:, s * rank:(s + 1) * rank], b[slot, start:start + size].t()
+            if whole:  # one BLAS call: y += scale * (h @ B.T)
+                y[:, start:start + size].addmm_(hs, bs, alpha=factors[s])
             else:
-                y[:, start:start + size].index_add_(0, rows, part.to(y.dtype))
+                y[:, start:start + size].index_add_(0, rows, (hs @ bs).mul_(factors[s]).to(y.dtype))
     return y
 
 
