@@ -73,10 +73,6 @@ class LoRABatch:
         self._groups: list[tuple[int, torch.Tensor]] | None = None
 
     @property
-    def active(self) -> bool:
-        return self.static or bool(self.spans)
-
-    @property
     def groups(self) -> list[tuple[int, torch.Tensor]]:
         if self._groups is None:
             self._groups = [(slot, self.sorted_tokens[lo:hi].long()) for slot, lo, hi in self.spans]
@@ -120,13 +116,15 @@ class LayerLoRA:
         return ops.lora_add(y, x, self.a, self.b, self.scale, self.slices, batch)
 
     def share(self, weights: dict[int, tuple[torch.Tensor, torch.Tensor, float]] | None, pin: bool):
-        """This rank's slot contents for an adapter's weights of this layer (None: not targeted): ``A``, ``B``
-        padded to the slot rank and the scales, on the host."""
+        """This rank's slot contents for an adapter's weights of this layer: ``A``, ``B`` padded to the slot
+        rank and the scales, on the host; None for a layer the adapter does not target."""
+        if not weights:
+            return None
         layer = self.layer
         a = torch.zeros(len(self.slices), self.rank, layer.input_size, dtype=layer.params_dtype)
         b = torch.zeros(layer.output_size, self.rank, dtype=layer.params_dtype)
         scale = torch.zeros(len(self.slices), dtype=torch.float32)
-        for s, (wa, wb, sc) in (weights or {}).items():
+        for s, (wa, wb, sc) in weights.items():
             r = wa.shape[0]
             if layer.parallel == "row" and layer.tp_size > 1:
                 wa = wa.narrow(1, layer.tp_rank * layer.input_size, layer.input_size)
@@ -142,11 +140,13 @@ class LayerLoRA:
         return a, b, scale
 
     def copy_in(self, slot: int, share) -> None:
-        a, b, scale = share
-        if bool(scale.any()):
-            self.targeted.add(slot)
-        else:
+        if share is None:  # not targeted: zeros, and the layer skips the slot
             self.targeted.discard(slot)
+            for t in (self.a, self.b, self.scale):
+                t[slot].zero_()
+            return
+        a, b, scale = share
+        self.targeted.add(slot)
         self.a[slot].copy_(a, non_blocking=True)
         self.b[slot].copy_(b, non_blocking=True)
         self.scale[slot].copy_(scale, non_blocking=True)
