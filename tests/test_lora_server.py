@@ -100,8 +100,9 @@ def test_adapters_load_and_unload_while_another_streams(setup):
         assert time.monotonic() < deadline, "the aborted request kept its adapter in use"
         time.sleep(0.05)
     assert done.status_code == 200 and done.text == "Success: LoRA adapter 'a' removed successfully."
-    with pytest.raises(openai.NotFoundError, match="`a` does not exist"):
-        _greedy(client, "a", ps[0])
+    for _ in range(3):  # either HTTP worker: the one that unloaded it knows, the other learns it from the engine
+        with pytest.raises(openai.NotFoundError, match="`a` does not exist|unknown LoRA adapter 'a'"):
+            _greedy(client, "a", ps[0])
     missing = _post(srv, "/v1/unload_lora_adapter", {"lora_name": "a"})
     assert missing.status_code == 404 and "'a' is not loaded" in missing.json()["error"]["message"]
     bad = _post(srv, "/v1/load_lora_adapter", {"lora_name": "x", "lora_path": str(base)})

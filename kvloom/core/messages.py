@@ -97,7 +97,8 @@ class TokenDelta(_Msg):
     """New tokens of one request in one step; ``finish_reason`` is set on its last delta
     (``stop``, ``length``, ``abort`` or ``error`` with ``error`` holding the message). ``error_kind``
     says whether an error is the request's fault (``rejected``: it can never run) or the engine's
-    (``unavailable``: shutting down or failed; retrying elsewhere may work); admission adds
+    (``unavailable``: shutting down or failed; retrying elsewhere may work) or names a LoRA adapter the
+    engine does not serve (``not_found``); admission adds
     ``queue_full`` and ``rate_limited`` (retry after ``retry_after`` seconds) and the deadlines
     ``queue_timeout`` (dropped before its first step) and ``deadline`` (stopped while running)."""
 

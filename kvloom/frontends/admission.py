@@ -199,6 +199,8 @@ def engine_refusal(delta: TokenDelta, run_timeout: float | None, run_limit: str,
                             if run_timeout is not None else message, reason="deadline")
     if kind == "rejected":
         return RequestError(400, message)
+    if kind == "not_found":  # a LoRA adapter unloaded meanwhile
+        return RequestError(404, message, "model")
     return RequestError(503, message, reason="unavailable")
 
 

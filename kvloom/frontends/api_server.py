@@ -147,10 +147,12 @@ class OpenAIServer:
 
     def builder(self, core: FrontendCore, lora: str) -> ResponseBuilder:
         """The response builder of a served model or of one of its adapters (responses name the adapter)."""
-        name = lora or core.ready.model_name
-        builder = self.builders.get(name)
+        base = self.builders[core.ready.model_name]
+        if not lora:
+            return base
+        builder = self.builders.get(lora)
         if builder is None or builder.tokenizer is not core.tokenizer:
-            builder = self.builders[name] = ResponseBuilder(core.tokenizer, name)
+            builder = self.builders[lora] = base.named(lora)
         return builder
 
     def core_for(self, model: str | None) -> FrontendCore:

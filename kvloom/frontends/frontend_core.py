@@ -210,6 +210,8 @@ class FrontendCore:
             while True:
                 delta = await self._next(deltas, deadline, timeout, limit)
                 if delta.finish_reason == "error":
+                    if delta.error_kind == "not_found":
+                        self.adapters.pop(req.lora_name, None)  # unloaded through another worker
                     raise engine_refusal(delta, timeout, limit, self.queue_timeout)
                 out = completion.add(delta)
                 if out is None:

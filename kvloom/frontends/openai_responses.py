@@ -3,6 +3,7 @@ streams (with usage chunks and a final error event), and logprobs in the complet
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable
 
@@ -102,6 +103,12 @@ class ResponseBuilder:
         self.model_name = model_name
         self._token_text: dict[int, str] = {}
         self._token_bytes: dict[int, bytes] = {}
+
+    def named(self, model_name: str) -> "ResponseBuilder":
+        """This builder answering as ``model_name`` (a LoRA adapter of the model), sharing its token caches."""
+        builder = copy.copy(self)
+        builder.model_name = model_name
+        return builder
 
     def token_text(self, token_id: int) -> str:
         text = self._token_text.get(token_id)

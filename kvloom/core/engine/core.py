@@ -42,6 +42,14 @@ STEP_TIME_WEIGHT = 0.2  # of the latest step in the moving average: a few steps,
 class RequestRejected(ValueError):
     """A request that can never run (bad tokens, over the context or over the whole KV cache)."""
 
+    error_kind = "rejected"
+
+
+class UnknownAdapter(RequestRejected):
+    """A request naming a LoRA adapter this engine does not serve (any more)."""
+
+    error_kind = "not_found"
+
 
 GOVERNOR_LAYER_STRIDE = 4  # CPU thread count re-checked before every 4th decoder layer (a clock read)
 
@@ -306,7 +314,7 @@ class EngineCore:
                                   "with --enable-lora)")
         adapter = self.adapters.by_name.get(name)
         if adapter is None:
-            raise RequestRejected(f"unknown LoRA adapter {name!r}; loaded: {sorted(self.adapters.by_name) or 'none'}")
+            raise UnknownAdapter(f"unknown LoRA adapter {name!r}; loaded: {sorted(self.adapters.by_name) or 'none'}")
         return adapter
 
     def _check_lora_enabled(self) -> None:

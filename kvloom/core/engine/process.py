@@ -333,7 +333,7 @@ class EngineServer:
         try:
             self.core.add_request(msg)
         except RequestRejected as e:
-            self.outbox[ident].append(_error_delta(msg.request_id, str(e), "rejected"))
+            self.outbox[ident].append(_error_delta(msg.request_id, str(e), e.error_kind))
             return
         except Refusal as e:
             self.outbox[ident].append(_refusal_delta(msg.request_id, e))
