@@ -48,7 +48,7 @@ LONG = {"prompt": "Once upon a time", "max_tokens": 400, "ignore_eos": True}
 def test_sigterm_with_an_expiring_drain_ends_every_request_cleanly(tiny_llama, tmp_path):
     server = start_server(tiny_llama, tmp_path, "drain_timeout = 2.0\n")
     children = server.descendants()
-    engine = server.child_running("kvloom.core.engine.process")
+    engine = server.child_running("kvloom.launch.engine_process")
     try:
         with httpx.Client(timeout=60) as http, ThreadPoolExecutor(4) as pool:
             started = threading.Semaphore(0)
@@ -94,7 +94,7 @@ def test_sigstop_of_the_engine_is_noticed_and_sigcont_recovers(tiny_llama, tmp_p
 
     gateway = f"ipc://{tmp_path}/gw.sock"
     server = start_server(tiny_llama, tmp_path, f'engine_heartbeat_timeout = 2.0\ngateway = "{gateway}"\n')
-    engine = server.child_running("kvloom.core.engine.process")
+    engine = server.child_running("kvloom.launch.engine_process")
     try:
         with httpx.Client(timeout=60) as http, ThreadPoolExecutor(2) as pool:
             started = threading.Semaphore(0)
@@ -136,7 +136,7 @@ def test_max_pending_requests_is_exact_under_300_simultaneous_requests(tiny_llam
     import asyncio
 
     server = start_server(tiny_llama, tmp_path, "max_pending_requests = 50\nengine_heartbeat_timeout = 300.0\n")
-    engine = server.child_running("kvloom.core.engine.process")
+    engine = server.child_running("kvloom.launch.engine_process")
     body = {"prompt": "hi", "max_tokens": 2, "ignore_eos": True}
 
     async def burst():
@@ -167,7 +167,7 @@ def test_kill_9_of_the_engine_ends_requests_and_the_server_exits_non_zero_at_onc
     gateway = f"ipc://{tmp_path}/gw.sock"
     server = start_server(tiny_llama, tmp_path, f'gateway = "{gateway}"\ndrain_timeout = 60.0\n', workers=2)
     children = server.descendants()
-    engine = server.child_running("kvloom.core.engine.process")
+    engine = server.child_running("kvloom.launch.engine_process")
     try:
         with httpx.Client(timeout=60) as http, ThreadPoolExecutor(1) as pool:
             started = threading.Semaphore(0)

@@ -46,7 +46,7 @@ def test_engine_death_fails_requests_and_stops_the_server(tiny_llama, tmp_path):
     server = start_server(tiny_llama, tmp_path, f'engine_address = "tcp://127.0.0.1:{free_port()}"\n')
     children = server.descendants()
     try:
-        engine_pid = server.child_running("kvloom.core.engine.process")
+        engine_pid = server.child_running("kvloom.launch.engine_process")
         with httpx.Client(timeout=60) as http, ThreadPoolExecutor(1) as pool:
             with long_stream(server, http) as r:
                 lines = r.iter_lines()

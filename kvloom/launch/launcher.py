@@ -127,7 +127,7 @@ class Launcher:
             signal.signal(sig, lambda signum, frame: self.signals.append(signum))
 
     def _start_engine(self, args: list[str], env: dict[str, str] | None, payload: bytes | None = None) -> None:
-        spec = ("kvloom.core.engine.process", args, (), env, payload)
+        spec = ("kvloom.launch.engine_process", args, (), env, payload)
         self.engine_specs.append(spec)
         self.engines.append(self._spawn(*spec))
 

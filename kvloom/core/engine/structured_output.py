@@ -155,7 +155,7 @@ class StructuredOutputManager:
             import xgrammar
 
             # The engine speaks token ids only; the tokenizer's vocabulary is needed once, for the masks.
-            from kvloom.frontends.text import load_tokenizer
+            from kvloom.core.model.tokenizer import load_tokenizer
 
             tok = load_tokenizer(self._model, self._tokenizer)
             info = xgrammar.TokenizerInfo.from_huggingface(tok, vocab_size=self.vocab_size,

@@ -17,8 +17,9 @@ import torch
 from tqdm.auto import tqdm
 
 from kvloom.core.model.attention.base import AttentionBackend
+from kvloom.core.model.cpu_packing import pack_layer, pack_tied_output
 from kvloom.core.model.families.llama import SUPPORTED_ARCHITECTURES, DecoderLM
-from kvloom.kernels.cpu_linear import pack_layer, pack_tied_output
+from kvloom.core.model.linear import LinearBase
 
 logger = logging.getLogger("kvloom")
 
@@ -237,6 +238,22 @@ def default_dtype(dtype: torch.dtype):
         yield
     finally:
         torch.set_default_dtype(previous)
+
+
+def weight_bytes(hf_config, dtype: torch.dtype, method, device_type: str, tp=None) -> int:
+    """The bytes the engine's model holds on ``device_type`` after loading: the same layers, built on the
+    meta device, each sized by its format (a format dequantized at load counts as dense). With ``tp`` (a
+    ``TensorParallel``), rank ``tp.rank``'s share: its heads, MLP and vocabulary, and the replicated norms."""
+    from kvloom.core.model.attention.base import TorchAttentionBackend
+
+    model = make_model(hf_config, TorchAttentionBackend(), dtype, method, tp)
+    total = 0
+    for module in model.modules():
+        if isinstance(module, LinearBase):
+            total += module.method.held_bytes(module, device_type)
+        else:
+            total += sum(p.numel() * p.element_size() for p in module.parameters(recurse=False))
+    return total
 
 
 def make_model(config, backend: AttentionBackend, dtype: torch.dtype, quantization=None, tp=None) -> DecoderLM:

@@ -59,7 +59,7 @@ class DraftModelProposer:
     def load(self, *, device: torch.device, dtype: torch.dtype, load_format: str, max_model_len: int,
              seed: int, max_num_batched_tokens: int | None = None) -> None:
         from kvloom.core.engine.core import resolve_dtype
-        from kvloom.core.model.attention.base import get_attention_backend
+        from kvloom.core.model.attention.selector import get_attention_backend
         from kvloom.core.model.loader import build_model
 
         self.dtype = dtype if self.draft_dtype == "auto" else resolve_dtype(self.draft_dtype, device)

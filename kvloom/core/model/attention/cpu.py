@@ -1,6 +1,6 @@
 """Attention on the CPU: the paged cache laid out head-major, and the per-step index work done once.
 
-The reference backend (``kvloom.core.model.attention.base.AttentionBackend``) keeps the GPU kernels' layout,
+The reference backend (``kvloom.core.model.attention.base.TorchAttentionBackend``) keeps the GPU kernels' layout,
 ``[num_blocks, block_size, num_kv_heads, head_dim]``; gathering a sequence's blocks from it yields
 ``[L, Hkv, D]``, which every matmul then has to copy into ``[Hkv, L, D]``. Here a block is
 ``[num_kv_heads, block_size, head_dim]``, so one ``index_select`` over ``(block, head)`` rows yields

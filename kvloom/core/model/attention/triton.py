@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import torch
 
-from kvloom.core.model.attention.base import AttentionBackend, AttentionMetadata
+from kvloom.core.model.attention.base import AttentionMetadata, TorchAttentionBackend
 from kvloom.kernels import triton_attention
 
 
 class TritonAttentionBackend:
     name = "triton"
-    kv_cache_shape = staticmethod(AttentionBackend.kv_cache_shape)  # the kernels' layout is the reference one
+    kv_cache_shape = staticmethod(TorchAttentionBackend.kv_cache_shape)  # the kernels' layout is the reference one
     # forward takes the step's rotary tables (``rope``) and rotates q and k itself, in the kernel that
     # writes the cache: one launch a layer instead of two
     fuses_rotary = True
