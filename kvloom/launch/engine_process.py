@@ -14,6 +14,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kvloom-engine")
     parser.add_argument("--address", required=True)
     args, engine, server = start_child(parser, argv)
+    from kvloom.core.worker.cpu_threads import prepare_openmp
+
+    prepare_openmp()  # before torch loads OpenMP (the builder imports it), which reads its settings then
     from kvloom.builder import build_engine
     from kvloom.core.engine.process import serve_engine
     from kvloom.frontends.admission import engine_gate
