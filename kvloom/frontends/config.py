@@ -148,6 +148,9 @@ class ServerConfig:
                                         "tool_choice='auto': hermes (Hermes, Qwen <tool_call>) or llama3_json.")
     enable_auto_tool_choice: bool = _opt(False, "Let the model decide whether to call a tool (tool_choice='auto'); "
                                          "needs --tool-call-parser.")
+    reasoning_parser: str | None = _opt(None, "Split a reasoning model's <think>...</think> from its answer: "
+                                        "reasoning_content in chat, reasoning items in /v1/responses, thinking "
+                                        "blocks in /v1/messages (qwen3 or deepseek_r1).")
     max_request_body_mb: float = _opt(16.0, "Largest HTTP request body (and gateway message) in MiB; larger "
                                       "ones are refused with 413 before they are parsed.")
 
@@ -180,6 +183,10 @@ class ServerConfig:
             raise ConfigError(f"tool_call_parser={self.tool_call_parser!r} must be one of {list(TOOL_CALL_PARSERS)}")
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ConfigError("enable_auto_tool_choice needs tool_call_parser (hermes or llama3_json)")
+        from kvloom.frontends.reasoning import REASONING_PARSERS
+
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise ConfigError(f"reasoning_parser={self.reasoning_parser!r} must be one of {list(REASONING_PARSERS)}")
         if self.routing_policy not in ROUTING_POLICIES:
             raise ConfigError(f"routing_policy={self.routing_policy!r} must be one of {', '.join(ROUTING_POLICIES)}")
         if self.data_parallel_size > 1 and self.engine_address is not None:

@@ -71,20 +71,18 @@ CHAT_RULES: dict[str, Rule] = {
     "modalities": ("only text output is supported", lambda v, b: _off(v) or v == ["text"]),
     "prediction": ("predicted outputs are not supported", lambda v, b: _off(v)),
     "reasoning_effort": ("reasoning effort is not supported", lambda v, b: v is None),
-    "include_reasoning": ("reasoning output is not supported", lambda v, b: v in (None, False)),
     "verbosity": ("verbosity is not supported", lambda v, b: v is None),
     "web_search_options": ("web search is not supported", lambda v, b: _off(v)),
 }
-MESSAGE_FIELDS = {"role", "content", "name", "tool_calls", "tool_call_id"}
-MESSAGE_RULES = {"function_call": _FUNCTIONS, "audio": "audio is not supported", "refusal": None,
-                 "reasoning_content": None}
+MESSAGE_FIELDS = {"role", "content", "name", "tool_calls", "tool_call_id", "reasoning_content"}
+MESSAGE_RULES = {"function_call": _FUNCTIONS, "audio": "audio is not supported", "refusal": None}
 STREAM_OPTION_RULES = {"continuous_usage_stats": "usage in every chunk is not supported; include_usage "
                        "gives it once at the end"}
 
 
-def check_fields(body: Any, struct: type, rules: dict[str, Rule]) -> None:
+def check_fields(body: Any, struct: type, rules: dict[str, Rule], api: str = "OpenAI's or vLLM's") -> None:
     """Raise a 400 RequestError naming the first field of ``body`` (the request's JSON object) that
-    kvloom does not implement, or that neither OpenAI nor vLLM defines."""
+    kvloom does not implement, or that the API (``api``: whose request it is) does not define."""
     if not isinstance(body, dict):
         return  # the typed decode has refused it already
     known = set(struct.__struct_fields__)
@@ -95,7 +93,7 @@ def check_fields(body: Any, struct: type, rules: dict[str, Rule]) -> None:
             if not accepted(value, body):
                 raise RequestError(400, f"'{name}' is not supported: {reason}", name)
         elif name not in known and name not in _HINTS:
-            raise RequestError(400, f"unknown field '{name}': not a field of OpenAI's or vLLM's request "
+            raise RequestError(400, f"unknown field '{name}': not a field of {api} request "
                                "(see docs/compat.md for what kvloom takes)", name)
     options = body.get("stream_options")
     for name, value in (options.items() if isinstance(options, dict) else ()):
