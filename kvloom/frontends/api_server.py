@@ -1,8 +1,9 @@
-"""The HTTP frontend (Starlette on uvicorn): /v1/completions, /v1/chat/completions, /v1/models, /health,
-/version, /metrics. Run as a process by the ``engine`` launcher; several of them may share one listening
-socket and one engine. This file holds the routes, the chat pipeline every chat-shaped API runs through,
-and the process entry; HTTP plumbing is in ``asgi``, request translation in ``openai_requests``,
-response building in ``openai_responses``."""
+"""The HTTP frontend (Starlette on uvicorn): OpenAI's /v1/completions and /v1/chat/completions,
+Anthropic's /v1/messages, /v1/models, /health, /version, /metrics. Run as a process by the ``engine``
+launcher; several of them may share one listening socket and one engine. This file holds the routes, the
+chat pipeline every chat-shaped API runs through, and the process entry; HTTP plumbing is in ``asgi``,
+request translation in ``openai_requests``, chat/completions response building in ``openai_responses``,
+the Messages API's translator in ``anthropic_api``."""
 
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ from kvloom.core.config import EngineConfig
 from kvloom.frontends import openai_protocol as api
 from kvloom.frontends.access_log import AccessLog, track_tokens
 from kvloom.frontends.admission import KeyRing, check_timeout, parse_api_keys, replace_prepared
+from kvloom.frontends import anthropic_api
 from kvloom.frontends.asgi import (
     ClientGone,
     EventStream,
@@ -113,6 +115,7 @@ class OpenAIServer:
             self.route("/metrics", self.metrics_endpoint, ["GET"], public=True),
             self.route("/reset_prefix_cache", self.reset_prefix_cache, ["POST"]),
             *tokenize_routes(self),
+            *anthropic_api.routes(self),
         ]
 
     # --- plumbing ----------------------------------------------------------------------------------

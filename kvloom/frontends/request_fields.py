@@ -80,6 +80,22 @@ STREAM_OPTION_RULES = {"continuous_usage_stats": "usage in every chunk is not su
                        "gives it once at the end"}
 
 
+# Anthropic's Messages API (/v1/messages and its count_tokens)
+ANTHROPIC_RULES: dict[str, Rule] = {
+    "service_tier": ("service tiers are not supported", lambda v, b: v in (None, "auto", "standard_only")),
+    "container": ("code-execution containers are not supported", lambda v, b: _off(v)),
+    "mcp_servers": ("MCP servers are not supported: give the tools as tools", lambda v, b: _off(v)),
+    "context_management": ("context management is not supported", lambda v, b: _off(v)),
+    "speed": ("only the standard speed is served", lambda v, b: v in (None, "standard")),
+    "diagnostics": ("prompt-cache diagnostics are not supported", lambda v, b: v is None),
+    "inference_geo": ("kvloom serves where it runs: no inference_geo", lambda v, b: v is None),
+    # identifiers and hints with no effect on the output (prefix caching is automatic)
+    "cache_control": ("", lambda v, b: True),
+    "user_profile_id": ("", lambda v, b: True),
+    "workspace_id": ("", lambda v, b: True),
+}
+
+
 def check_fields(body: Any, struct: type, rules: dict[str, Rule], api: str = "OpenAI's or vLLM's") -> None:
     """Raise a 400 RequestError naming the first field of ``body`` (the request's JSON object) that
     kvloom does not implement, or that the API (``api``: whose request it is) does not define."""
