@@ -1,9 +1,9 @@
-"""The HTTP frontend (Starlette on uvicorn): OpenAI's /v1/completions and /v1/chat/completions,
-Anthropic's /v1/messages, /v1/models, /health, /version, /metrics. Run as a process by the ``engine``
-launcher; several of them may share one listening socket and one engine. This file holds the routes, the
-chat pipeline every chat-shaped API runs through, and the process entry; HTTP plumbing is in ``asgi``,
-request translation in ``openai_requests``, chat/completions response building in ``openai_responses``,
-the Messages API's translator in ``anthropic_api``."""
+"""The HTTP frontend (Starlette on uvicorn): OpenAI's /v1/completions, /v1/chat/completions and
+/v1/responses, Anthropic's /v1/messages, /v1/models, /health, /version, /metrics. Run as a process by
+the ``engine`` launcher; several of them may share one listening socket and one engine. This file holds
+the routes, the chat pipeline every chat-shaped API runs through, and the process entry; HTTP plumbing
+is in ``asgi``, request translation in ``openai_requests``, chat/completions response building in
+``openai_responses``, the other APIs' translators in ``responses_api`` and ``anthropic_api``."""
 
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ from kvloom.core.config import EngineConfig
 from kvloom.frontends import openai_protocol as api
 from kvloom.frontends.access_log import AccessLog, track_tokens
 from kvloom.frontends.admission import KeyRing, check_timeout, parse_api_keys, replace_prepared
-from kvloom.frontends import anthropic_api
+from kvloom.frontends import anthropic_api, responses_api
 from kvloom.frontends.asgi import (
     ClientGone,
     EventStream,
@@ -65,6 +65,7 @@ from kvloom.frontends.chat_output import ChatReading
 from kvloom.frontends.openai_responses import CompletionEcho, ResponseBuilder, UsageCounter
 from kvloom.frontends.output import TextDelta, fan_out
 from kvloom.frontends.reasoning import starts_in_reasoning
+from kvloom.frontends.responses_store import open_response_store
 from kvloom.frontends.request_fields import CHAT_RULES, COMPLETION_RULES, check_fields
 from kvloom.frontends.text import load_chat_template
 from kvloom.frontends.tokenize_routes import routes as tokenize_routes
@@ -97,6 +98,8 @@ class OpenAIServer:
         self.metrics = FrontendMetrics()
         self.responses: ResponseBuilder | None = None  # once the engine has said which model it serves
         self.keys = KeyRing(parse_api_keys(config.api_keys, config.api_key))
+        self.response_store = open_response_store(config.responses_store_path, config.responses_store_max_entries,
+                                                  config.responses_store_max_mb, config.responses_store_max_age)
         # --chat-template: read once here; the launcher has checked it already
         self.chat_template = load_chat_template(config.chat_template) if config.chat_template else None
 
@@ -115,6 +118,7 @@ class OpenAIServer:
             self.route("/metrics", self.metrics_endpoint, ["GET"], public=True),
             self.route("/reset_prefix_cache", self.reset_prefix_cache, ["POST"]),
             *tokenize_routes(self),
+            *responses_api.routes(self),
             *anthropic_api.routes(self),
         ]
 

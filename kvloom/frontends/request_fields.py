@@ -94,6 +94,28 @@ ANTHROPIC_RULES: dict[str, Rule] = {
     "user_profile_id": ("", lambda v, b: True),
     "workspace_id": ("", lambda v, b: True),
 }
+# OpenAI's Responses API (/v1/responses)
+RESPONSES_RULES: dict[str, Rule] = {
+    "background": ("background responses are not supported", lambda v, b: _off(v)),
+    "conversation": ("conversations are not supported: chain responses with previous_response_id",
+                     lambda v, b: _off(v)),
+    "include": ("extra output data (include) is not supported", lambda v, b: _off(v)),
+    "prompt": ("stored prompt templates are not supported", lambda v, b: _off(v)),
+    "reasoning": ("reasoning effort and summaries are not supported (with --reasoning-parser the model's "
+                  "reasoning comes as a reasoning item)",
+                  lambda v, b: _off(v) or isinstance(v, dict) and all(x is None for x in v.values())),
+    "truncation": ("only truncation='disabled' is supported: send a shorter input",
+                   lambda v, b: v in (None, "disabled")),
+    "top_logprobs": ("logprobs are not supported on /v1/responses yet", lambda v, b: v in (None, 0)),
+    "max_tool_calls": ("max_tool_calls is not supported", lambda v, b: v is None),
+    "stream_options": ("stream options are not supported", lambda v, b: _off(v)),
+    "prompt_cache_retention": ("prompt cache retention is not supported (prefix caching is automatic)",
+                               lambda v, b: v is None),
+    "service_tier": _COMMON["service_tier"],
+    "request_id": _COMMON["request_id"],
+    "cache_salt": _COMMON["cache_salt"],
+    "mm_processor_kwargs": _COMMON["mm_processor_kwargs"],
+}
 
 
 def check_fields(body: Any, struct: type, rules: dict[str, Rule], api: str = "OpenAI's or vLLM's") -> None:
