@@ -77,6 +77,7 @@ class ChatMessageIn(Struct, kw_only=True):
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls
     tool_call_id: str | None = None  # a tool message: which call it answers
+    reasoning_content: str | None = None  # an assistant's earlier reasoning, for templates that show it
 
 
 class ChatCompletionRequest(_GenerationRequest, kw_only=True):
@@ -93,6 +94,7 @@ class ChatCompletionRequest(_GenerationRequest, kw_only=True):
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    include_reasoning: bool = True  # vLLM's: false leaves the reasoning out (--reasoning-parser)
 
 
 # --- responses -------------------------------------------------------------------------------------
@@ -180,6 +182,7 @@ class ChatMessageOut(Struct):
     content: str | None
     role: str = "assistant"
     tool_calls: list[ToolCallOut] | None = None
+    reasoning_content: str | msgspec.UnsetType = msgspec.UNSET  # with --reasoning-parser only
 
 
 class ChatChoice(_Choice, kw_only=True):
@@ -209,6 +212,7 @@ class DeltaToolCall(Struct, omit_defaults=True):
 class DeltaMessage(Struct, omit_defaults=True):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
 
 

@@ -12,45 +12,7 @@ from kvloom.frontends.asgi import ERROR_TYPES, SSE_DONE, sse
 from kvloom.frontends.errors import RequestError
 from kvloom.frontends.output import TextDelta
 from kvloom.frontends.text import token_bytes
-from kvloom.frontends.tool_parsers import ToolCall, ToolPlan, make_parser
-
-
-class ToolOutput:
-    """One choice's tool calls: read from its text (auto, by the server's parser) or the forced JSON
-    (required, named). ``feed`` returns the content that can be streamed now."""
-
-    def __init__(self, plan: ToolPlan, parser: str | None) -> None:
-        self.plan = plan
-        self.parser = make_parser(parser) if plan.mode == "auto" else None
-        self.text = ""
-
-    def feed(self, text: str) -> str:
-        self.text += text
-        return self.parser.feed(text) if self.parser is not None else ""
-
-    def finish(self) -> tuple[str, list[ToolCall]]:
-        """Content not streamed yet, and the calls."""
-        if self.parser is not None:
-            return self.parser.finish()
-        try:
-            return "", self.plan.forced_calls(self.text)
-        except (ValueError, KeyError, TypeError):  # cut short by max_tokens: not a whole call
-            return self.text, []
-
-    def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
-        if self.parser is not None:
-            return self.parser.parse(text)
-        self.text = text
-        rest, calls = self.finish()
-        return (rest or None) if calls else text, calls
-
-    def finish_reason(self, reason: str | None, calls: list[ToolCall]) -> str | None:
-        # OpenAI ends a call the model chose (auto, required) with "tool_calls", a named one with "stop".
-        return "tool_calls" if calls and reason == "stop" and self.plan.mode != "named" else reason
-
-
-def _tool_output(plan: ToolPlan | None, parser: str | None) -> ToolOutput | None:
-    return ToolOutput(plan, parser) if plan is not None and plan.mode != "none" else None
+from kvloom.frontends.chat_output import ChatReading
 
 
 @dataclass
@@ -222,8 +184,8 @@ class ResponseBuilder:
             tops.append(entry)
         return api.CompletionLogprobs(tokens, [lp.logprob for lp in lps], tops, text_offset)
 
-    async def collect_chat(self, rid: str, merged, usage: UsageCounter, n: int, tools: ToolPlan | None = None,
-                           parser: str | None = None) -> api.ChatCompletionResponse:
+    async def collect_chat(self, rid: str, merged, usage: UsageCounter, n: int,
+                           reading: ChatReading) -> api.ChatCompletionResponse:
         texts = [""] * n
         lps: list[list[api.TokenLogprobOut] | None] = [None] * n
         finals: list[TextDelta | None] = [None] * n
@@ -236,27 +198,29 @@ class ResponseBuilder:
                 usage.add(index, delta)
         choices = []
         for i in range(n):
-            message, reason = api.ChatMessageOut(texts[i]), finals[i].finish_reason
-            out = _tool_output(tools, parser)
-            if out is not None:
-                content, calls = out.parse(texts[i])
-                if calls:
-                    message = api.ChatMessageOut(content, tool_calls=[
-                        api.ToolCallOut(c.id, api.FunctionCallOut(c.name, c.arguments)) for c in calls])
-                    reason = out.finish_reason(reason, calls)
-            choices.append(api.ChatChoice(index=i, message=message, finish_reason=reason,
+            reasoning, content, calls = reading.whole(texts[i])
+            message = api.ChatMessageOut(content, tool_calls=[
+                api.ToolCallOut(c.id, api.FunctionCallOut(c.name, c.arguments)) for c in calls] or None)
+            if reasoning is not None:
+                message.reasoning_content = reasoning
+            choices.append(api.ChatChoice(index=i, message=message,
+                                          finish_reason=reading.finish_reason(finals[i].finish_reason, calls),
                                           logprobs=api.ChatLogprobs(lps[i]) if lps[i] is not None else None,
                                           stop_reason=finals[i].stop_reason))
         return api.ChatCompletionResponse(id=rid, choices=choices, model=self.model_name, usage=usage.info())
 
     def chat_events(self, req: api.ChatCompletionRequest, rid: str, merged, usage: UsageCounter,
-                    tools: ToolPlan | None = None, parser: str | None = None):
+                    reading: ChatReading):
         model = self.model_name
-        outs = {i: _tool_output(tools, parser) for i in range(req.n)}
+        outs = {i: reading.stream() for i in range(req.n)}
 
         def chunk(index: int, delta: api.DeltaMessage, **kw) -> str:
             return sse(api.ChatCompletionChunk(id=rid, model=model, choices=[
                 api.ChatChunkChoice(index=index, delta=delta, **kw)]))
+
+        def text_delta(reasoning: str, content: str) -> api.DeltaMessage:
+            return api.DeltaMessage(content=content if content or not reasoning else None,
+                                    reasoning_content=reasoning or None)
 
         async def events():
             yield sse(api.ChatCompletionChunk(id=rid, model=model, choices=[
@@ -267,18 +231,20 @@ class ResponseBuilder:
                     usage.add(index, delta)
                 lp = self.chat_logprobs(delta.logprobs) if delta.logprobs else None
                 out = outs[index]
-                if out is None:
-                    yield chunk(index, api.DeltaMessage(content=delta.text), logprobs=lp,
+                reasoning, content = out.feed(delta.text)
+                if delta.finish_reason is None:
+                    if reasoning or content or lp is not None:
+                        yield chunk(index, text_delta(reasoning, content), logprobs=lp)
+                    continue
+                more, rest, calls = out.finish()
+                reasoning, content = reasoning + more, content + rest
+                if out.tools is None and out.splitter is None:
+                    # Plain text: the last piece and the finish share one chunk, as before tools existed.
+                    yield chunk(index, api.DeltaMessage(content=content), logprobs=lp,
                                 finish_reason=delta.finish_reason, stop_reason=delta.stop_reason)
                     continue
-                content = out.feed(delta.text)
-                if delta.finish_reason is None:
-                    if content or lp is not None:
-                        yield chunk(index, api.DeltaMessage(content=content), logprobs=lp)
-                    continue
-                rest, calls = out.finish()
-                if content + rest or lp is not None:
-                    yield chunk(index, api.DeltaMessage(content=content + rest), logprobs=lp)
+                if reasoning or content or lp is not None:
+                    yield chunk(index, text_delta(reasoning, content), logprobs=lp)
                 for k, call in enumerate(calls):  # as OpenAI streams a call: id and name, then arguments
                     yield chunk(index, api.DeltaMessage(tool_calls=[api.DeltaToolCall(
                         k, call.id, "function", api.DeltaFunctionCall(name=call.name, arguments=""))]))

@@ -71,20 +71,56 @@ CHAT_RULES: dict[str, Rule] = {
     "modalities": ("only text output is supported", lambda v, b: _off(v) or v == ["text"]),
     "prediction": ("predicted outputs are not supported", lambda v, b: _off(v)),
     "reasoning_effort": ("reasoning effort is not supported", lambda v, b: v is None),
-    "include_reasoning": ("reasoning output is not supported", lambda v, b: v in (None, False)),
     "verbosity": ("verbosity is not supported", lambda v, b: v is None),
     "web_search_options": ("web search is not supported", lambda v, b: _off(v)),
 }
-MESSAGE_FIELDS = {"role", "content", "name", "tool_calls", "tool_call_id"}
-MESSAGE_RULES = {"function_call": _FUNCTIONS, "audio": "audio is not supported", "refusal": None,
-                 "reasoning_content": None}
+MESSAGE_FIELDS = {"role", "content", "name", "tool_calls", "tool_call_id", "reasoning_content"}
+MESSAGE_RULES = {"function_call": _FUNCTIONS, "audio": "audio is not supported", "refusal": None}
 STREAM_OPTION_RULES = {"continuous_usage_stats": "usage in every chunk is not supported; include_usage "
                        "gives it once at the end"}
 
 
-def check_fields(body: Any, struct: type, rules: dict[str, Rule]) -> None:
+# Anthropic's Messages API (/v1/messages and its count_tokens)
+ANTHROPIC_RULES: dict[str, Rule] = {
+    "service_tier": ("service tiers are not supported", lambda v, b: v in (None, "auto", "standard_only")),
+    "container": ("code-execution containers are not supported", lambda v, b: _off(v)),
+    "mcp_servers": ("MCP servers are not supported: give the tools as tools", lambda v, b: _off(v)),
+    "context_management": ("context management is not supported", lambda v, b: _off(v)),
+    "speed": ("only the standard speed is served", lambda v, b: v in (None, "standard")),
+    "diagnostics": ("prompt-cache diagnostics are not supported", lambda v, b: v is None),
+    "inference_geo": ("kvloom serves where it runs: no inference_geo", lambda v, b: v is None),
+    # identifiers and hints with no effect on the output (prefix caching is automatic)
+    "cache_control": ("", lambda v, b: True),
+    "user_profile_id": ("", lambda v, b: True),
+    "workspace_id": ("", lambda v, b: True),
+}
+# OpenAI's Responses API (/v1/responses)
+RESPONSES_RULES: dict[str, Rule] = {
+    "background": ("background responses are not supported", lambda v, b: _off(v)),
+    "conversation": ("conversations are not supported: chain responses with previous_response_id",
+                     lambda v, b: _off(v)),
+    "include": ("extra output data (include) is not supported", lambda v, b: _off(v)),
+    "prompt": ("stored prompt templates are not supported", lambda v, b: _off(v)),
+    "reasoning": ("reasoning effort and summaries are not supported (with --reasoning-parser the model's "
+                  "reasoning comes as a reasoning item)",
+                  lambda v, b: _off(v) or isinstance(v, dict) and all(x is None for x in v.values())),
+    "truncation": ("only truncation='disabled' is supported: send a shorter input",
+                   lambda v, b: v in (None, "disabled")),
+    "top_logprobs": ("logprobs are not supported on /v1/responses yet", lambda v, b: v in (None, 0)),
+    "max_tool_calls": ("max_tool_calls is not supported", lambda v, b: v is None),
+    "stream_options": ("stream options are not supported", lambda v, b: _off(v)),
+    "prompt_cache_retention": ("prompt cache retention is not supported (prefix caching is automatic)",
+                               lambda v, b: v is None),
+    "service_tier": _COMMON["service_tier"],
+    "request_id": _COMMON["request_id"],
+    "cache_salt": _COMMON["cache_salt"],
+    "mm_processor_kwargs": _COMMON["mm_processor_kwargs"],
+}
+
+
+def check_fields(body: Any, struct: type, rules: dict[str, Rule], api: str = "OpenAI's or vLLM's") -> None:
     """Raise a 400 RequestError naming the first field of ``body`` (the request's JSON object) that
-    kvloom does not implement, or that neither OpenAI nor vLLM defines."""
+    kvloom does not implement, or that the API (``api``: whose request it is) does not define."""
     if not isinstance(body, dict):
         return  # the typed decode has refused it already
     known = set(struct.__struct_fields__)
@@ -95,7 +131,7 @@ def check_fields(body: Any, struct: type, rules: dict[str, Rule]) -> None:
             if not accepted(value, body):
                 raise RequestError(400, f"'{name}' is not supported: {reason}", name)
         elif name not in known and name not in _HINTS:
-            raise RequestError(400, f"unknown field '{name}': not a field of OpenAI's or vLLM's request "
+            raise RequestError(400, f"unknown field '{name}': not a field of {api} request "
                                "(see docs/compat.md for what kvloom takes)", name)
     options = body.get("stream_options")
     for name, value in (options.items() if isinstance(options, dict) else ()):

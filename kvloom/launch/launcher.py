@@ -97,6 +97,9 @@ class Launcher:
         sock = bind_http_socket(cfg.host, cfg.port)
         self._catch_signals()
         private_dir = tempfile.mkdtemp(prefix="kvloom-")  # mode 0700: only this user reaches the sockets
+        if cfg.api_workers > 1 and cfg.responses_store_path is None:
+            # Each worker must find the responses another one stored (previous_response_id, GET).
+            cfg = self.server_config = cfg.replace(responses_store_path=os.path.join(private_dir, "responses.sqlite"))
         try:
             addresses = self._start_engines(private_dir)
             engine_args = [arg for address in addresses for arg in ("--engine-address", address)]
