@@ -30,10 +30,10 @@ from starlette.routing import Route
 import kvloom
 from kvloom.core.config import EngineConfig
 from kvloom.core.sampling_params import StructuredOutputSpec
+from kvloom.frontends import anthropic_api, responses_api
 from kvloom.frontends import openai_protocol as api
 from kvloom.frontends.access_log import AccessLog, track_tokens
 from kvloom.frontends.admission import KeyRing, check_timeout, parse_api_keys, replace_prepared
-from kvloom.frontends import anthropic_api, responses_api
 from kvloom.frontends.asgi import (
     ClientGone,
     EventStream,
@@ -43,6 +43,7 @@ from kvloom.frontends.asgi import (
     json_response,
     prepend,
 )
+from kvloom.frontends.chat_output import ChatReading
 from kvloom.frontends.config import ServerConfig
 from kvloom.frontends.engine_client import EngineUnavailable
 from kvloom.frontends.frontend_core import FrontendCore, PreparedRequest, RequestError, merge_streams
@@ -57,12 +58,11 @@ from kvloom.frontends.openai_requests import (
     split_prompts,
     structured_output,
 )
-from kvloom.frontends.chat_output import ChatReading
 from kvloom.frontends.openai_responses import CompletionEcho, ResponseBuilder, UsageCounter
 from kvloom.frontends.output import TextDelta, fan_out
 from kvloom.frontends.reasoning import starts_in_reasoning
-from kvloom.frontends.responses_store import open_response_store
 from kvloom.frontends.request_fields import CHAT_RULES, COMPLETION_RULES, check_fields
+from kvloom.frontends.responses_store import open_response_store
 from kvloom.frontends.text import load_chat_template
 from kvloom.frontends.tokenize_routes import routes as tokenize_routes
 from kvloom.frontends.tool_parsers import ToolPlan, plan_tools
