@@ -7,7 +7,7 @@ charges each with the time from the previous kernel's end (or its own start, if 
 its share of the step's critical path. Summed by kernel name per step, with the gaps where no kernel ran.
 
     python benchmarks/decode_profile_gpu.py --shape llama-3-8b --formats bf16,fp8,awq
-    python benchmarks/decode_profile_gpu.py --formats awq --set kvloom.kernels.triton_quant.INT4_ROW_MIN_WEIGHT=0
+    python benchmarks/decode_profile_gpu.py --formats awq --set kvloom.kernels.quant.dispatch.INT4_ROW_MIN_WEIGHT=0
 
 ``--set MODULE.NAME=VALUE`` (a Python expression of literals and ``dict(...)``, evaluated with no builtins) replaces a module constant before the engines start, to
 compare kernel routings or tiles.

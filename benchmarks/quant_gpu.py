@@ -102,7 +102,7 @@ def kernel_times(hf_config: dict, rows_list=(1, 16, 256, 2048), group_size: int 
 
     from kvloom.core.model.quantization.fp8 import fp8_w8a8_linear
     from kvloom.kernels import quant_reference as qr
-    from kvloom.kernels import triton_quant
+    from kvloom.kernels.quant import dispatch, fp8_weight_only, int_kpacked
 
     h, inter = hf_config["hidden_size"], hf_config["intermediate_size"]
     heads, kv = hf_config["num_attention_heads"], hf_config["num_key_value_heads"]
@@ -121,11 +121,11 @@ def kernel_times(hf_config: dict, rows_list=(1, 16, 256, 2048), group_size: int 
             x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
             r = {"proj": name, "rows": rows, "n": n, "k": k,
                  "bf16_us": triton.testing.do_bench(lambda: x @ w.t()) * 1e3,
-                 "int4_us": triton.testing.do_bench(lambda: triton_quant.int_matmul(x, qweight, zeros, scales,
+                 "int4_us": triton.testing.do_bench(lambda: int_kpacked.int_matmul(x, qweight, zeros, scales,
                                                                                    group_size, 4)) * 1e3,
                  "fp8_w8a8_us": triton.testing.do_bench(lambda: fp8_w8a8_linear(x, wq, ws, None, None)) * 1e3}
-            if rows <= triton_quant.FP8_GEMV_MAX_ROWS:
-                r["fp8_gemv_us"] = triton.testing.do_bench(lambda: triton_quant.fp8_weight_only_linear(x, wq, ws)) * 1e3
+            if rows <= dispatch.FP8_GEMV_MAX_ROWS:
+                r["fp8_gemv_us"] = triton.testing.do_bench(lambda: fp8_weight_only.fp8_weight_only_linear(x, wq, ws)) * 1e3
             for key in ("int4_us", "fp8_w8a8_us", "fp8_gemv_us"):
                 if key in r:
                     r[key.replace("_us", "_speedup")] = round(r["bf16_us"] / r[key], 3)
@@ -179,7 +179,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--output", default=None, help="Also write the JSON here.")
     p.add_argument("--set", action="append", default=[], metavar="MODULE.NAME=VALUE",
                    help="Replace a module constant first (kernel tiles, routing), e.g. "
-                        "kvloom.kernels.triton_quant.INT4_FUSED_SILU_MUL=True.")
+                        "kvloom.kernels.quant.dispatch.INT4_FUSED_SILU_MUL=True.")
     p.add_argument("--kernels", action="store_true", help="Also time the GEMMs alone first (CUDA).")
     p.add_argument("--kernels-only", action="store_true", help="Only time the GEMMs alone (CUDA).")
     args = p.parse_args(argv)

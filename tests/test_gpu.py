@@ -103,9 +103,9 @@ def test_silu_and_mul_fused_into_quantized_one_row_decode_changes_no_token_on_gp
     from tests.quant_checkpoints import write_checkpoint
     from tests.test_quantization import CASES
 
-    from kvloom.kernels import triton_quant
+    from kvloom.kernels.quant import dispatch
 
-    monkeypatch.setattr(triton_quant, "INT4_FUSED_SILU_MUL", True)  # off by default (docs/benchmarks.md)
+    monkeypatch.setattr(dispatch, "INT4_FUSED_SILU_MUL", True)  # off by default (docs/benchmarks.md)
     family, fmt, settings = CASES[name]
     quant, _ = write_checkpoint(tmp_path, family, fmt, **settings)
     cls = FP8LinearMethod if "fp8" in fmt else PackedIntLinearMethod
@@ -136,7 +136,7 @@ def test_rotary_and_cache_write_in_the_fp8_qkv_gemv_change_no_token_on_gpu(name,
     float32 the same tokens and logprobs as without, for Llama, Qwen2 (qkv bias) and an fp8 cache."""
     from kvloom import LLM, SamplingParams
     from kvloom.core.model.quantization.fp8 import FP8LinearMethod
-    from kvloom.kernels import triton_quant
+    from kvloom.kernels.quant import dispatch
     from tests.quant_checkpoints import write_checkpoint
     from tests.test_quantization import CASES
 
@@ -154,7 +154,7 @@ def test_rotary_and_cache_write_in_the_fp8_qkv_gemv_change_no_token_on_gpu(name,
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2)
     runs = {}
     for on in (True, False):
-        monkeypatch.setattr(triton_quant, "FP8_QKV_ROPE", on)
+        monkeypatch.setattr(dispatch, "FP8_QKV_ROPE", on)
         llm = LLM(str(path), dtype="float32", device="cuda", max_num_seqs=4, kv_cache_memory_gib=0.25,
                   kv_cache_dtype=kv_dtype)
         outs = [llm.generate([p], params, use_tqdm=False)[0] for p in _prompts()[:3]]
@@ -171,7 +171,7 @@ def test_fp8_activations_quantized_by_the_norm_and_silu_kernels_change_no_token_
     hand it FP8 rows (``FP8_FUSED_QUANT``): the same tokens and logprobs as the layer quantizing its input."""
     from kvloom import LLM, SamplingParams
     from kvloom.core.model.quantization import fp8
-    from kvloom.kernels import triton_quant
+    from kvloom.kernels.quant import dispatch, fp8_rows
     from tests.quant_checkpoints import write_checkpoint
     from tests.test_quantization import CASES
 
@@ -190,7 +190,8 @@ def test_fp8_activations_quantized_by_the_norm_and_silu_kernels_change_no_token_
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=2)
     runs = {}
     for on in (True, False):
-        monkeypatch.setattr(triton_quant, "FP8_FUSED_QUANT", on)
+        monkeypatch.setattr(dispatch, "FP8_FUSED_QUANT", on)
+        monkeypatch.setattr(fp8_rows, "FP8_FUSED_QUANT", on)
         llm = LLM(str(path), dtype="float32", device="cuda", max_num_seqs=8, kv_cache_memory_gib=0.25)
         outs = llm.generate(_prompts(), params, use_tqdm=False)
         runs[on] = ([o.token_ids for o in outs], [t.logprob for o in outs for lp in o.outputs[0].logprobs for t in lp.top])
@@ -211,11 +212,11 @@ def test_the_mma_row_layout_gives_the_row_layouts_tokens_on_hopper(tmp_path, mon
     prefill dequantized); in fp16 its dequantized values are the row layout's, so the tokens of the 8
     prompts, one at a time and batched, are the row layout's and the logprobs within fp16 sums' noise."""
     from kvloom import LLM, SamplingParams
-    from kvloom.kernels import gluon_quant
+    from kvloom.kernels.quant import dispatch, gluon_int4
     from tests import quant_checkpoints
     from tests.quant_checkpoints import write_checkpoint
 
-    if not gluon_quant.AVAILABLE:
+    if not gluon_int4.AVAILABLE:
         pytest.skip("this Triton has no Gluon")
     monkeypatch.setitem(quant_checkpoints.QUANT_COMMON, "hidden_size", 256)
     monkeypatch.setitem(quant_checkpoints.QUANT_COMMON, "intermediate_size", 512)
@@ -223,7 +224,7 @@ def test_the_mma_row_layout_gives_the_row_layouts_tokens_on_hopper(tmp_path, mon
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=1)
     runs = {}
     for on in (True, False):
-        monkeypatch.setattr(gluon_quant, "ENABLED", on)
+        monkeypatch.setattr(dispatch, "ENABLED", on)
         llm = LLM(str(path), dtype="float16", device="cuda", max_num_seqs=8, kv_cache_memory_gib=0.25)
         layouts = {layer.method.layout for layer in llm.engine.model.linear_layers()
                    if hasattr(layer.method, "layout")}

@@ -48,9 +48,9 @@ def rms_norm_fp8(x, weight, eps, residual=None):
     like ``rms_norm``); None where no kernel does it (not CUDA, or a row too wide)."""
     if not (use_triton(x) and x.is_cuda):
         return None
-    from kvloom.kernels import triton_quant
+    from kvloom.kernels.quant import dispatch
 
-    return triton_quant.rms_norm_fp8(x, weight, eps, residual)
+    return dispatch.rms_norm_fp8(x, weight, eps, residual)
 
 
 def rotary_embedding(positions, q, k, cos_sin_cache):
@@ -102,27 +102,27 @@ def silu_and_mul_fp8(x):
     """``silu_and_mul`` quantized per row for a W8A8 layer (``FP8Rows``); None where no kernel does it."""
     if not (use_triton(x) and x.is_cuda):
         return None
-    from kvloom.kernels import triton_quant
+    from kvloom.kernels.quant import dispatch
 
-    return triton_quant.silu_and_mul_fp8(x)
+    return dispatch.silu_and_mul_fp8(x)
 
 
 def int_matmul(x, qweight, zeros, scales, group_size, bits, bias=None, tinygemm=None):
     """``x @ W.T`` of a K-packed int4/int8 weight, dequantized inside the matmul (``quant_reference``).
     ``tinygemm``: the same 4-bit weight in PyTorch's int4 layout (CUDA), one more decode path."""
     if use_triton(x):
-        from kvloom.kernels import triton_quant
+        from kvloom.kernels.quant import dispatch
 
-        return triton_quant.int_linear(x, qweight, zeros, scales, group_size, bits, bias, tinygemm)
+        return dispatch.int_linear(x, qweight, zeros, scales, group_size, bits, bias, tinygemm)
     from kvloom.kernels import quant_reference
 
     return quant_reference.int_matmul(x, qweight, zeros, scales, group_size, bits, bias)
 
 
 def int4_row_matmul(x, packed, zeros, scales, group_size, bias=None, tinygemm=None, mma_layout=False):
-    """``x @ W.T`` of a 4-bit weight in the row layout (``triton_quant.int4_row_pack``), or with ``mma_layout``
-    the Gluon GEMM's (``gluon_quant.int4_mma_pack``, Hopper); CUDA only, other devices hold the formats
+    """``x @ W.T`` of a 4-bit weight in the row layout (``quant.int4_row.int4_row_pack``), or with ``mma_layout``
+    the Gluon GEMM's (``quant.gluon_int4.int4_mma_pack``, Hopper); CUDA only, other devices hold the formats
     dequantized. ``tinygemm``: PyTorch's int4 copy of it, a decode path."""
-    from kvloom.kernels import triton_quant
+    from kvloom.kernels.quant import dispatch
 
-    return triton_quant.int4_linear(x, packed, zeros, scales, group_size, bias, tinygemm, mma_layout)
+    return dispatch.int4_linear(x, packed, zeros, scales, group_size, bias, tinygemm, mma_layout)

@@ -52,7 +52,7 @@ def _rms_norm_kernel(
 def _rms_norm_row(x_ptr, res_ptr, new_res_ptr, row, stride_x, stride_res, stride_new_res, cols, mask, n_cols, eps,
                   HAS_RESIDUAL: tl.constexpr):
     """One row's normalized values (float32) before the weight, storing ``x + residual`` first where given;
-    ``row`` int64. Shared with the RMSNorm that quantizes its output (``triton_quant.rms_norm_fp8``)."""
+    ``row`` int64. Shared with the RMSNorm that quantizes its output (``quant.fp8_rows.rms_norm_fp8``)."""
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
     if HAS_RESIDUAL:
         r = tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0)

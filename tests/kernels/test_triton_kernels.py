@@ -458,7 +458,7 @@ def test_kernels_that_combine_their_splits_compile_for_sm90():
     cases = []
     for fused, mma in ((False, False), (True, False), (True, True)):
         cases.append(dict(
-            name=f"int4 row combine={fused} mma_layout={mma}", module="kvloom.kernels.triton_quant",
+            name=f"int4 row combine={fused} mma_layout={mma}", module="kvloom.kernels.quant.int4_row",
             kernel="_int4_row_gemv_kernel", types=_INT4_ROW_TYPES, options=dict(num_warps=8, num_stages=2),
             ptx=_ARRIVAL_PTX if fused else [],
             const=dict(GROUP=128, BLOCK_N=64, BLOCK_K=1024, SPLIT_K=4, PDL=True, SILU_MUL=False, SPLIT_COMBINE=fused,

@@ -1,6 +1,6 @@
 """A many-row W4A16 GEMM for Hopper written in Gluon (Triton's explicit-layout dialect, ``triton.experimental.gluon``),
 with the dequantized weight as wgmma's register operand: ``out.T = W x.T``. The weight never goes through shared
-memory. Triton's ``tl.dot`` version (``triton_quant.int4_row_gemm``) stores each dequantized tile to shared
+memory. Triton's ``tl.dot`` version (``int4_row.int4_row_gemm``) stores each dequantized tile to shared
 memory and waits for each wgmma, so dequantization and the MMA alternate, and shared-memory bandwidth is spent
 twice on the weight (docs/benchmarks.md, sessions 16 and 17).
 
@@ -24,6 +24,9 @@ device's Triton 3.6 and 3.9 are bound here. ``AVAILABLE`` is False where Gluon o
 from __future__ import annotations
 
 import torch
+
+from kvloom.kernels.pdl import pdl_args
+from kvloom.kernels.quant.common import _finish, _rows_2d, _split_outputs
 
 try:
     import triton
@@ -260,10 +263,7 @@ def int4_mma_gemm(x: torch.Tensor, packed: torch.Tensor, zeros: torch.Tensor, sc
                   group_size: int, bias: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
     """``x [.., K] @ W.T`` of a 4-bit weight in ``int4_mma_pack``'s layout (``zeros`` uint8 and ``scales``
     ``[G, N]``) on Hopper's tensor cores, from 1 to any number of rows (tiles of 8-256 rows)."""
-    from kvloom.kernels import triton_quant as tq
-    from kvloom.kernels.pdl import pdl_args
-
-    x2 = tq._rows_2d(x)
+    x2 = _rows_2d(x)
     m, k = x2.shape
     n = packed.shape[0]
     cfg = dict(config or int4_mma_tiles(m, n, k))
@@ -272,12 +272,12 @@ def int4_mma_gemm(x: torch.Tensor, packed: torch.Tensor, zeros: torch.Tensor, sc
     split = cfg.setdefault("SPLIT_K", 1)
     grid = (triton.cdiv(n, cfg["BLOCK_N"]), triton.cdiv(m, cfg["BLOCK_M"]), split)
     # up to COMBINE_MAX_ROWS the splits are combined by the last one (no fill or cast kernel)
-    part, arrivals, out = tq._split_outputs(x2, m, n, grid[0] * grid[1], split, combine=m <= COMBINE_MAX_ROWS)
+    part, arrivals, out = _split_outputs(x2, m, n, grid[0] * grid[1], split, combine=m <= COMBINE_MAX_ROWS)
     combine = arrivals is not None
     _w4a16_mma_kernel[grid](x2, packed, zeros, scales, out, part if combine else out, arrivals if combine else out,
                             m, n, k, x2.stride(0), packed.stride(0), out.stride(0), GROUP=group_size, COMBINE=combine,
                             **cfg, **pdl_args(x2))
-    return tq._finish(out, x, bias)
+    return _finish(out, x, bias)
 
 
 # Tiles (BLOCK_M, BLOCK_N, BLOCK_K, STAGES, num_warps, SPLIT_K) by weight shape and row bucket (the smallest
@@ -317,23 +317,6 @@ def int4_mma_tiles(rows: int, n: int, k: int) -> dict:
             and (k // tile["BLOCK_K"]) % (tile["SPLIT_K"] * 4) == 0:
         tile["SPLIT_K"] *= 2
     return tile
-
-
-# Whether 4-bit layers on Hopper hold their weight in the MMA row layout (one copy, which the row GEMV and the
-# dequantize pass read too) and run 2-256 rows on this GEMM. On an H200 (Llama-3-8B shape, awq, 256 x (512 + 256)
-# offline, docs/benchmarks.md session 18): 8,436 output tok/s against 8,121 for bf16 in the same run (7,628 on the
-# Triton paths in session 17). ``--set kvloom.kernels.gluon_quant.ENABLED=False`` in the benchmarks turns it off.
-ENABLED = True
-
-
-def mma_layout_wanted(device: torch.device, k: int, group_size: int, dtype: torch.dtype) -> bool:
-    """Whether a 4-bit layer on ``device`` holds the MMA row layout (``ENABLED``, Hopper, this Gluon, and inputs
-    and groups its tiles take: K tiles of 64 and 128 within a group)."""
-    if not (ENABLED and AVAILABLE and device.type == "cuda" and dtype in (torch.bfloat16, torch.float16)):
-        return False
-    if torch.cuda.get_device_capability(device) != (9, 0):
-        return False
-    return group_size % 128 == 0 and k % group_size == 0 and k % 256 == 0
 
 
 def int4_mma_pack_qweight(qweight: torch.Tensor, chunk: int = 4096) -> torch.Tensor:

@@ -1,0 +1,189 @@
+"""Which kernel a quantized layer runs on CUDA, by row count and shape, and which layout it holds: the one
+module that imports the kernel families, and the entry points the rest of kvloom calls."""
+
+from __future__ import annotations
+
+import torch
+
+from kvloom.kernels.quant import gluon_int4 as gq
+from kvloom.kernels.quant.common import _finish, _rows_2d, _scratch
+from kvloom.kernels.quant.int4_row import (INT4_MMA_MAX_ROWS, int4_gemm_tiles, int4_mma_gemm, int4_mma_tiles,
+                                           int4_row_dequantize, int4_row_gemm, int4_row_gemv, int4_row_tiles)
+from kvloom.kernels.quant.int_kpacked import int_matmul, int_matmul_dequantized
+from kvloom.kernels.quant.tinygemm import tinygemm_linear
+
+# The kernels kvloom's layers call directly, beside the routing functions below.
+from kvloom.kernels.quant.fp8_rows import FP8_FUSED_QUANT, fp8_quantize_rows, rms_norm_fp8, silu_and_mul_fp8  # noqa: F401,E501
+from kvloom.kernels.quant.fp8_weight_only import (fp8_gemv, fp8_qkv_rope_gemv, fp8_qkv_rope_tiles,  # noqa: F401
+                                                  fp8_weight_only_linear)
+from kvloom.kernels.quant.gluon_int4 import int4_mma_pack_qweight  # noqa: F401
+from kvloom.kernels.quant.int4_row import int4_row_pack  # noqa: F401
+from kvloom.kernels.quant.tinygemm import tinygemm_pack  # noqa: F401
+
+
+# Up to this many rows an FP8 layer runs weight-only here (bf16 activations, FP8 weight converted in
+# registers): a decode step is bound by reading the weight, which is half of bf16's bytes, while the
+# W8A8 path pays an activation quantization pass and cuBLASLt's padded 16-row tile.
+FP8_GEMV_MAX_ROWS = 16
+
+
+# What the engine gives it: up to 16 rows. Alone it is faster than dequantize + cuBLAS at 32 and 63 rows
+# too (gate_up 70 and 95 against 173 us), but end to end (256 x (512 + 256) offline, the same H200 run,
+# session 10) routing 17-63 rows to it gave 5,100 output tok/s against 7,303 with 16: those rows come in
+# eager mixed steps (the last layer's kept rows); an unverified guess is that each new row count compiles its
+# variant there, inside the timed run (its BLOCK_M follows the rows). From 17 rows int4_row_gemm runs, whose
+# row count is not specialized (one compiled kernel a tile).
+INT4_MMA_ROWS = 16
+
+
+# Rows up to which 4-bit layers may run int4_row_gemm (from INT4_MMA_ROWS + 1); beyond, dequantize + cuBLAS.
+INT4_GEMM_MAX_ROWS = 256
+# Up to how many rows a layer on the MMA row layout (Hopper) takes the Gluon GEMM (kvloom/kernels/quant/gluon_int4.py),
+# and beyond, dequantize + cuBLAS. On an H200 at Llama-3-8B's shapes (session 18, pairs of values dequantized an
+# instruction) it is 1.0-2.1x faster than the Triton row-layout paths (int4_row.py) from 4 to 256 rows, and 1.2x cuBLAS
+# bf16's time for gate_up and down at 256 rows.
+INT4_MMA_GLUON_MAX_ROWS = 256
+
+
+def int4_row_matmul_dequantized(x: torch.Tensor, packed: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor,
+                                group_size: int, bias: torch.Tensor | None = None,
+                                mma_layout: bool = False) -> torch.Tensor:
+    """``int_matmul_dequantized`` on the row layout (or the MMA row layout): the dense ``[N, K]`` weight in the
+    shared scratch buffer, then cuBLAS. Capturing without the buffer: slices of rows through the tensor-core
+    kernels instead (the Gluon GEMM's 256 on the MMA layout, the Triton one's 64 on the row layout)."""
+    n, k = packed.shape[0], packed.shape[1] * 8
+    buf = _scratch(x, n * k)
+    if buf is None:
+        if mma_layout:
+            gemm, step = gq.int4_mma_gemm, INT4_MMA_GLUON_MAX_ROWS
+        else:
+            gemm, step = int4_mma_gemm, INT4_MMA_MAX_ROWS
+        x2 = _rows_2d(x)
+        out = torch.cat([gemm(x2[i:i + step], packed, zeros, scales, group_size) for i in range(0, x2.shape[0], step)])
+        return _finish(out, x, bias)
+    w = int4_row_dequantize(packed, zeros, scales, group_size, buf, mma_layout)
+    return torch.nn.functional.linear(x, w, bias)
+
+
+# --------------------------------------------------------------------------------------------------
+# Which path a quantized layer takes, by row count and shape: a fixed rule read off the CUDA-graph timings
+# of benchmarks/quant_kernels_gpu.py at Llama-3-8B's shapes on an H200 (docs/benchmarks.md; weights
+# rotated past L2). Timing the candidates at start-up instead was tried and chose wrongly: eager calls
+# of a few microseconds measure their Python launch, not the kernel that a CUDA graph replays.
+# --------------------------------------------------------------------------------------------------
+TINYGEMM_MAX_ROWS = 4  # 1.6-1.8x bf16 at one row; 0.44-0.60x at 16 rows, where the tensor-core kernel wins
+INT_DEQUANTIZE_MIN_ROWS = 64  # 0.54-0.61x bf16 at 256 rows against the tensor-core kernel's 0.28-0.41x
+FP8_WIDE_N = 16384  # at 2-16 rows, W8A8 beats the weight-only GEMV on wide outputs (gate_up: 1.58x vs 1.28x)
+
+
+def int_linear(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor,
+               group_size: int, bits: int, bias: torch.Tensor | None = None, tinygemm=None) -> torch.Tensor:
+    """A K-packed layer on CUDA (8-bit, and 4-bit with one group of all inputs; other 4-bit layers run
+    ``int4_linear`` on the row layout): PyTorch's int4 GEMM for a few rows (``tinygemm``), the tensor-core
+    kernel up to 63 rows, dequantize + cuBLAS beyond."""
+    rows = x.numel() // x.shape[-1]
+    if tinygemm is not None and rows <= TINYGEMM_MAX_ROWS and x.dtype == torch.bfloat16:
+        return tinygemm_linear(x, *tinygemm, group_size, bias)
+    if rows >= INT_DEQUANTIZE_MIN_ROWS:
+        return int_matmul_dequantized(x, qweight, zeros, scales, group_size, bits, bias)
+    return int_matmul(x, qweight, zeros, scales, group_size, bits, bias)
+
+
+# 4-bit layers on CUDA hold the row layout (``int4_row_pack``) and, where PyTorch's int4 GEMM takes the
+# shape, tinygemm's copy of the weight. By rows (benchmarks/int4_gemv_sweep_gpu.py at Llama-3-8B's shapes
+# on an H200, session 10; CUDA-graph replay, weights past L2; microseconds):
+# * one row: the row GEMV, except on weights of 4096 x 4096 and less, where tinygemm is faster (o_proj
+#   6.84 against 8.02); qkv_proj 8.99 (tinygemm 9.26), gate_up_proj 27.44 (33.2), down_proj 17.59 (18.69);
+# * 2-4 rows: tinygemm (gate_up 34.6 at 2 rows, 47.1 at 4), the tensor-core kernel where it is missing;
+# * 5-16 rows: the output-major tensor-core kernel on the row layout (gate_up 60 at 8 and 16 rows; the
+#   K-packed tensor-core kernel took 67-70, dequantize + cuBLAS 173, tinygemm 78-135);
+# * 17-256 rows: the many-row GEMM dequantizing tiles in registers into wgmma (``int4_row_gemm``, tiles by
+#   shape and rows from ``int4_gemm_tiles``), except where dequantize + cuBLAS measured faster (qkv_proj
+#   and o_proj from 129 rows; ``INT4_GEMM_TILES``);
+# * more rows: dequantize into the scratch buffer, then cuBLAS.
+INT4_ROW_MIN_WEIGHT = 4096 * 4096 + 1
+# Groups the row-layout kernels take: a tile of theirs spans whole groups (the tensor-core kernel's K tile
+# is one group), so a group of all K inputs (GPTQ group_size -1) keeps the K-packed layout and kernels.
+INT4_ROW_GROUPS = (32, 64, 128)
+
+
+def int4_row_layout_ok(k: int, group_size: int) -> bool:
+    """Whether a 4-bit layer of ``k`` inputs in groups of ``group_size`` runs on the row layout."""
+    return group_size in INT4_ROW_GROUPS and k % group_size == 0
+
+
+# Whether a merged gate/up 4-bit layer's one-row GEMV stores silu(gate) * up itself (``int4_row_gemv``'s
+# ``silu_mul``), saving the SiLU-and-mul kernel. Off: see the session-11 measurements in docs/benchmarks.md.
+INT4_FUSED_SILU_MUL = False
+
+
+def int4_one_row_path(n: int, k: int, dtype: torch.dtype, tinygemm) -> str:
+    """What runs one row of an ``[n, k]`` 4-bit layer: ``row`` (the row GEMV) or ``tinygemm``."""
+    if tinygemm is None or n * k >= INT4_ROW_MIN_WEIGHT or dtype != torch.bfloat16:
+        return "row"
+    return "tinygemm"
+
+
+def int4_linear(x: torch.Tensor, packed: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor,
+                group_size: int, bias: torch.Tensor | None = None, tinygemm=None,
+                mma_layout: bool = False) -> torch.Tensor:
+    """A 4-bit layer on CUDA by rows, on the row layout, or with ``mma_layout`` on the Gluon GEMM's MMA row
+    layout (Hopper), and tinygemm's copy where there is one. On the MMA layout one row also takes the Gluon
+    GEMM (x padded to 8 rows): at Llama-3-8B's shapes on an H200 (session 18) its 29.7, 16.5 and 10.5 us for
+    gate_up, down and qkv are the row GEMV's time on the row layout (27.6, 17.4, 11.4), where the GEMV on the
+    MMA layout, reading x at scattered inputs, made batch-1 decode 10% slower (335 against 371 tok/s)."""
+    rows = x.numel() // x.shape[-1]
+    n, k = packed.shape[0], packed.shape[1] * 8
+    one_row = rows == 1 and int4_one_row_path(n, k, x.dtype, tinygemm) == "row"
+    if one_row and not mma_layout:
+        return int4_row_gemv(x, packed, zeros, scales, group_size, bias, config=int4_row_tiles(n, k))
+    if tinygemm is not None and rows <= TINYGEMM_MAX_ROWS and x.dtype == torch.bfloat16:
+        return tinygemm_linear(x, *tinygemm, group_size, bias)
+    if mma_layout:
+        if rows <= INT4_MMA_GLUON_MAX_ROWS:
+            tile = gq.int4_mma_tiles(rows, n, k)
+            if gq.int4_mma_gemm_ok(n, k, group_size, x.dtype, tile):
+                return gq.int4_mma_gemm(x, packed, zeros, scales, group_size, bias, config=tile)
+        if one_row:  # a shape the Gluon GEMM does not take
+            return int4_row_gemv(x, packed, zeros, scales, group_size, bias, config=int4_row_tiles(n, k),
+                                 mma_layout=True)
+        return int4_row_matmul_dequantized(x, packed, zeros, scales, group_size, bias, mma_layout=True)
+    if rows <= INT4_MMA_ROWS and x.dtype in (torch.bfloat16, torch.float16):
+        return int4_mma_gemm(x, packed, zeros, scales, group_size, bias, config=int4_mma_tiles(rows, n))
+    tile = int4_gemm_tiles(rows, n, k) if rows <= INT4_GEMM_MAX_ROWS else None
+    if tile is not None and x.dtype in (torch.bfloat16, torch.float16):
+        return int4_row_gemm(x, packed, zeros, scales, group_size, bias, config=tile)
+    return int4_row_matmul_dequantized(x, packed, zeros, scales, group_size, bias)
+
+
+def fp8_linear_path(rows: int, n: int, k: int) -> str:
+    """Which of an FP8 layer's paths runs ``rows`` rows: ``gemv`` (no tensor cores), ``gemv_dot`` (the
+    ``tl.dot`` weight-only GEMV) or ``w8a8`` (``_scaled_mm``)."""
+    if rows == 1:
+        return "gemv"  # fixed tiles up to 28672 x 4096 (fp8_row_tiles), autotuned beyond
+    if rows <= FP8_GEMV_MAX_ROWS:
+        return "w8a8" if n >= FP8_WIDE_N else "gemv_dot"
+    return "w8a8"
+
+
+# Whether a one-row decode step's qkv projection on the FP8 GEMV rotates q/k and writes the KV cache in
+# its epilogue (``fp8_qkv_rope_gemv``: the rotary + cache-write kernel folded in). On: an H200's Llama-3-8B
+# decode step took 63 us less with it (2,940 -> 2,877 us in one process; docs/benchmarks.md, session 15).
+FP8_QKV_ROPE = True
+
+
+# Whether 4-bit layers on Hopper hold their weight in the MMA row layout (one copy, which the row GEMV and the
+# dequantize pass read too) and run 2-256 rows on this GEMM. On an H200 (Llama-3-8B shape, awq, 256 x (512 + 256)
+# offline, docs/benchmarks.md session 18): 8,436 output tok/s against 8,121 for bf16 in the same run (7,628 on the
+# Triton paths in session 17). ``--set kvloom.kernels.quant.dispatch.ENABLED=False`` in the benchmarks turns it off.
+ENABLED = True
+
+
+def mma_layout_wanted(device: torch.device, k: int, group_size: int, dtype: torch.dtype) -> bool:
+    """Whether a 4-bit layer on ``device`` holds the MMA row layout (``ENABLED``, Hopper, this Gluon, and inputs
+    and groups its tiles take: K tiles of 64 and 128 within a group)."""
+    if not (ENABLED and gq.AVAILABLE and device.type == "cuda" and dtype in (torch.bfloat16, torch.float16)):
+        return False
+    if torch.cuda.get_device_capability(device) != (9, 0):
+        return False
+    return group_size % 128 == 0 and k % group_size == 0 and k % 256 == 0
