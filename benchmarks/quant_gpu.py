@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from shapes import apply_overrides, model_for_benchmark  # noqa: E402
+from shapes import kernel_options, model_for_benchmark  # noqa: E402
 
 TINY = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=128, intermediate_size=256,
             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=512,
@@ -58,7 +58,7 @@ def run_format(args, model: str, fmt: str, vocab: int) -> dict:
     llm = LLM(model, load_format="dummy", dtype=args.dtype, device=args.device, quantization=quantization,
               kv_cache_dtype="fp8" if fmt == "kvfp8" else "auto",
               max_num_seqs=args.num_requests, max_model_len=args.prompt_len + max(args.output_len, args.decode_tokens) + 16,
-              enforce_eager=args.enforce_eager)
+              enforce_eager=args.enforce_eager, kernel_options=args.kernel_options)
     engine = llm.engine
     result = {"format": fmt, "kernel": engine.quantization.describe() if engine.quantization else "dense",
               "weight_gb": weight_bytes_read_per_token(engine.model) / 1e9, "kv_cache": engine.capacity.describe()}
@@ -177,13 +177,13 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output", default=None, help="Also write the JSON here.")
-    p.add_argument("--set", action="append", default=[], metavar="MODULE.NAME=VALUE",
-                   help="Replace a module constant first (kernel tiles, routing), e.g. "
-                        "kvloom.kernels.quant.dispatch.INT4_FUSED_SILU_MUL=True.")
+    p.add_argument("--kernel-option", action="append", default=[], metavar="NAME=VALUE",
+                   help="A kernel choice for the engines (kvloom/kernels/options.py), VALUE in JSON, e.g. "
+                        "int4_fused_silu_mul=true; repeatable.")
     p.add_argument("--kernels", action="store_true", help="Also time the GEMMs alone first (CUDA).")
     p.add_argument("--kernels-only", action="store_true", help="Only time the GEMMs alone (CUDA).")
     args = p.parse_args(argv)
-    apply_overrides(args.set)
+    args.kernel_options = kernel_options(args.kernel_option)
     kernels = None
     if args.kernels or args.kernels_only:
         from shapes import SHAPES
@@ -215,7 +215,7 @@ def main(argv: list[str] | None = None) -> dict:
               for fmt, r in runs.items() if fmt != formats[0]}
     result = {"benchmark": "quant_gpu", "shape": args.shape,
               "device": torch.cuda.get_device_name() if torch.cuda.is_available() and args.device != "cpu" else "cpu",
-              "baseline": formats[0], "set": args.set, "runs": runs, "ratios_to_baseline": ratios, "kernels": kernels}
+              "baseline": formats[0], "kernel_options": args.kernel_options, "runs": runs, "ratios_to_baseline": ratios, "kernels": kernels}
     text = json.dumps(result, indent=2)
     print(text)
     if args.output:

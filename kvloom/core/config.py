@@ -7,6 +7,8 @@ import tomllib
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
+from kvloom.kernels.options import KernelOptions
+
 if TYPE_CHECKING:
     import torch
 
@@ -76,6 +78,8 @@ class EngineConfig:
     plugin_options: dict[str, dict[str, Any]] = _opt({}, "Per-plugin options, e.g. {\"sjf\": {\"aging_tokens_per_s\": 50}} "
                                                      "([plugins.NAME] tables in the config file).")
     hf_overrides: dict[str, Any] = _opt({}, "Overrides applied to the model's config (e.g. for dummy shapes).")
+    kernel_options: dict[str, Any] = _opt({}, "CUDA kernel choices to compare (benchmarks, tests), by name: "
+                                          "kvloom/kernels/options.py, e.g. {\"pdl\": false}.")
 
     def validate(self) -> None:
         """Raise ConfigError naming the first out-of-range value."""
@@ -100,6 +104,14 @@ class EngineConfig:
             raise ConfigError(f"num_kv_blocks={self.num_kv_blocks} must be >= 1")
         if self.stats_log_interval < 0:
             raise ConfigError(f"stats_log_interval={self.stats_log_interval} must be >= 0")
+        try:
+            self.kernels()
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"kernel_options: {e}") from None
+
+    def kernels(self) -> KernelOptions:
+        """``kernel_options`` as the kernels take them."""
+        return KernelOptions.from_mapping(self.kernel_options)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "EngineConfig":

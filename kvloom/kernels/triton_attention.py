@@ -114,7 +114,7 @@ def _write_kv_cache_kernel(
 
 def write_kv_cache(
     k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
-    k_scale: float = 1.0, v_scale: float = 1.0,
+    k_scale: float = 1.0, v_scale: float = 1.0, pdl: bool = True,
 ) -> None:
     """Store ``k``/``v`` (``[T, Hkv, D]``, strided views allowed) at ``slot_mapping`` (``[T]``), quantized
     with the per-tensor ``k_scale``/``v_scale`` when the caches are fp8 (see ``reference.quantize_kv``).
@@ -132,7 +132,7 @@ def write_kv_cache(
         num_heads, 1.0 / k_scale, 1.0 / v_scale,
         BLOCK_SIZE=k_cache.shape[1], HEAD_DIM=head_dim,
         BLOCK_H=triton.next_power_of_2(num_heads), BLOCK_D=triton.next_power_of_2(head_dim),
-        FP8=k_cache.dtype == torch.float8_e4m3fn, **pdl_args(k),
+        FP8=k_cache.dtype == torch.float8_e4m3fn, **pdl_args(k, pdl),
     )
 
 
@@ -181,7 +181,7 @@ def _rotary_write_kv_kernel(
 def rotary_and_write_kv_cache(
     positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos_sin_cache: torch.Tensor,
     k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
-    k_scale: float = 1.0, v_scale: float = 1.0,
+    k_scale: float = 1.0, v_scale: float = 1.0, pdl: bool = True,
 ) -> torch.Tensor:
     """``rotary_embedding`` of ``q`` (in place; returned) and ``k``, and ``write_kv_cache`` of the rotated k
     and ``v``, in one kernel: the cache holds what the two would have written. ``k`` itself is left as
@@ -202,7 +202,7 @@ def rotary_and_write_kv_cache(
         num_q_heads, num_kv_heads, 1.0 / k_scale, 1.0 / v_scale,
         HALF=half, BLOCK_HALF=triton.next_power_of_2(half), BLOCK_HQ=triton.next_power_of_2(num_q_heads),
         BLOCK_HKV=triton.next_power_of_2(num_kv_heads), BLOCK_SIZE=k_cache.shape[1], HEAD_DIM=head_dim,
-        BLOCK_D=triton.next_power_of_2(head_dim), FP8=k_cache.dtype == torch.float8_e4m3fn, **pdl_args(q),
+        BLOCK_D=triton.next_power_of_2(head_dim), FP8=k_cache.dtype == torch.float8_e4m3fn, **pdl_args(q, pdl),
     )
     return q
 
@@ -385,6 +385,7 @@ def paged_decode_attention(
     num_splits: int | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    pdl: bool = True,
 ) -> torch.Tensor:
     """One query token per sequence: ``q`` ``[B, Hq, D]`` -> ``[B, Hq, D]`` (see ``reference.paged_decode_attention``).
 
@@ -423,7 +424,7 @@ def paged_decode_attention(
         BLOCK_SIZE=block_size, HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_N=_DECODE_BLOCK_N, DOT_PRECISION=_dot_precision(q.dtype),
         # Measured on H200 (bf16, D=128): 64-key tiles, 3 stages reach ~4.3 TB/s at large batch.
-        num_warps=4, num_stages=3 if q.element_size() <= 2 else 2, **pdl_args(q),
+        num_warps=4, num_stages=3 if q.element_size() <= 2 else 2, **pdl_args(q, pdl),
     )
     if num_splits > 1:
         _decode_reduce_kernel[(batch, num_q_heads)](
@@ -431,7 +432,7 @@ def paged_decode_attention(
             out.stride(0), out.stride(1),
             num_q_heads,
             NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits),
-            HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=_DECODE_BLOCK_N, **pdl_args(q),
+            HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=_DECODE_BLOCK_N, **pdl_args(q, pdl),
         )
     return out
 

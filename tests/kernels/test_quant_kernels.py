@@ -183,19 +183,21 @@ def test_rms_norm_and_silu_and_mul_quantize_their_rows_as_the_unfused_kernels_do
         assert torch.equal(got.data.view(torch.uint8), want_q.view(torch.uint8))
 
 
-def test_fused_activation_quantization_leaves_rows_too_wide_to_the_unfused_kernels(tk, monkeypatch):
-    """Rows wider than ``FP8_FUSED_MAX_COLS`` (or with ``FP8_FUSED_QUANT`` off) get None: the caller runs the
-    unfused kernel, and the layer quantizes its input itself. An empty batch gives empty FP8 rows."""
+def test_fused_activation_quantization_leaves_rows_too_wide_to_the_unfused_kernels(tk):
+    """Rows wider than ``max_cols`` (``FP8_FUSED_MAX_COLS``; or with ``fp8_fused_quant`` off) get None: the
+    caller runs the unfused kernel, and the layer quantizes its input itself. An empty batch gives empty FP8
+    rows."""
+    from kvloom.kernels.options import KernelOptions
+
     x = torch.ones(2, 64, device=tk.device)
-    monkeypatch.setattr(tk.fp8_rows, "FP8_FUSED_MAX_COLS", 32)
-    assert tk.fp8_rows.rms_norm_fp8(x, torch.ones(64, device=tk.device), 1e-5) is None
-    assert tk.fp8_rows.silu_and_mul_fp8(torch.ones(2, 128, device=tk.device)) is None
-    monkeypatch.setattr(tk.fp8_rows, "FP8_FUSED_MAX_COLS", 16384)
+    assert tk.fp8_rows.rms_norm_fp8(x, torch.ones(64, device=tk.device), 1e-5, max_cols=32) is None
+    assert tk.fp8_rows.silu_and_mul_fp8(torch.ones(2, 128, device=tk.device), max_cols=32) is None
     empty = tk.fp8_rows.rms_norm_fp8(x[:0], torch.ones(64, device=tk.device), 1e-5)  # no rows: nothing launched
     assert empty.rows == 0 and empty.data.shape == (0, 64)
     assert tk.fp8_rows.silu_and_mul_fp8(torch.ones(0, 128, device=tk.device)).data.shape == (0, 64)
-    monkeypatch.setattr(tk.fp8_rows, "FP8_FUSED_QUANT", False)
-    assert tk.fp8_rows.rms_norm_fp8(x, torch.ones(64, device=tk.device), 1e-5) is None
+    off = KernelOptions(fp8_fused_quant=False)
+    assert tk.fp8_rows.rms_norm_fp8(x, torch.ones(64, device=tk.device), 1e-5, options=off) is None
+    assert tk.fp8_rows.silu_and_mul_fp8(torch.ones(2, 128, device=tk.device), options=off) is None
 
 
 def _pack_4bit(tk, qweight: torch.Tensor, layout: str) -> torch.Tensor:
@@ -208,14 +210,16 @@ def _pack_4bit(tk, qweight: torch.Tensor, layout: str) -> torch.Tensor:
 
 @pytest.mark.parametrize("group,layout", [(32, "row"), (64, "row"), (128, "row"), (64, "mma"), (128, "mma")])
 @pytest.mark.parametrize("split,combine", [(1, True), (2, True), (3, True), (2, False)])
-def test_int4_row_gemv_matches_the_reference(tk, monkeypatch, group, layout, split, combine):
+def test_int4_row_gemv_matches_the_reference(tk, group, layout, split, combine):
     """The bit-pattern GEMV on its row-major layout (``int4_row_pack``), and on the Gluon GEMM's MMA row layout
     (the same words and groups, x read at other inputs): each nibble becomes the float ``1 + q / 128`` and
     each group's offset and zero point come off its sums, the same product as dequantizing first, to float32
     rounding; three rows, N of 80 (a partial column tile), a bias, tiles of one and of several groups.
-    Split-K with the last split combining the partials (``SPLIT_COMBINE``; 3 splits of 2 tiles leave one
+    Split-K with the last split combining the partials (``split_combine``; 3 splits of 2 tiles leave one
     empty) and with atomic adds into a zeroed float32 output."""
-    monkeypatch.setattr(tk.common, "SPLIT_COMBINE", combine)
+    from kvloom.kernels.options import KernelOptions
+
+    options = KernelOptions(split_combine=combine)
     k, n = 512, 80
     qweight, zeros, scales = random_packed(k, n, 4, group, seed=11)
     x = torch.randn(3, k, generator=torch.Generator().manual_seed(12))
@@ -226,7 +230,8 @@ def test_int4_row_gemv_matches_the_reference(tk, monkeypatch, group, layout, spl
     args = [t.to(tk.device) for t in (x, packed, zeros, scales)]
     for block_k in (group, 256):
         cfg = dict(BLOCK_N=32, BLOCK_K=block_k, SPLIT_K=split, num_warps=4)
-        got = tk.int4_row.int4_row_gemv(*args, group, bias.to(tk.device), config=cfg, mma_layout=layout == "mma")
+        got = tk.int4_row.int4_row_gemv(*args, group, bias.to(tk.device), config=cfg, mma_layout=layout == "mma",
+                                        options=options)
         torch.testing.assert_close(got.cpu(), want, atol=1e-4, rtol=1e-4)
         if split > 1 and combine:  # the partials added in split order: the same bits every time
             assert torch.equal(tk.int4_row.int4_row_gemv(*args, group, bias.to(tk.device), config=cfg,
@@ -291,13 +296,15 @@ def test_int4_tensor_core_kernel_on_the_row_layout_matches_the_reference(tk, gro
 
 
 @pytest.mark.parametrize("fma,layout", [(False, "row"), (True, "row"), (True, "mma")])
-def test_int4_row_layout_dequantizes_to_the_reference_weight(tk, monkeypatch, fma, layout):
+def test_int4_row_layout_dequantizes_to_the_reference_weight(tk, fma, layout):
     """The many-row path's dequantization from the row layout (and from the MMA row layout): ``(q - z) * s`` as
     the reference, into ``[N, K]`` in input order, to the bit in float32 (and in bf16 on a GPU; the
     interpreter's bf16 cast truncates), with each value built by an integer-to-float conversion or by the bit
-    pattern and one FMA (``INT4_DEQUANT_FMA``), both ways the same bits; then the dense product (a second,
+    pattern and one FMA (``int4_dequant_fma``), both ways the same bits; then the dense product (a second,
     smaller layer reuses the scratch buffer)."""
-    monkeypatch.setattr(tk.int4_row, "INT4_DEQUANT_FMA", fma)
+    from kvloom.kernels.options import KernelOptions
+
+    options, other = KernelOptions(int4_dequant_fma=fma), KernelOptions(int4_dequant_fma=not fma)
     mma = layout == "mma"
     x = torch.randn(70, 256, generator=torch.Generator().manual_seed(15))
     for k, n, group in ((256, 96, 64 if mma else 32), (128, 64, 64)):
@@ -306,17 +313,16 @@ def test_int4_row_layout_dequantizes_to_the_reference_weight(tk, monkeypatch, fm
         packed = _pack_4bit(tk, qweight, layout)
         args = [t.to(tk.device) for t in (packed, zeros, scales)]
         buf = torch.empty(k * n, device=tk.device)
-        torch.testing.assert_close(tk.int4_row.int4_row_dequantize(*args, group, buf, mma).cpu(), dense.t(),
-                                   atol=0, rtol=0)
+        torch.testing.assert_close(tk.int4_row.int4_row_dequantize(*args, group, buf, mma, options).cpu(),
+                                   dense.t(), atol=0, rtol=0)
         buf16 = torch.empty(k * n, device=tk.device, dtype=torch.bfloat16)
-        got16 = tk.int4_row.int4_row_dequantize(*args, group, buf16, mma).cpu()
+        got16 = tk.int4_row.int4_row_dequantize(*args, group, buf16, mma, options).cpu()
         if tk.device == "cuda":  # the interpreter's float32 -> bf16 cast truncates instead of rounding
             assert torch.equal(got16, dense.t().to(torch.bfloat16))
-        monkeypatch.setattr(tk.int4_row, "INT4_DEQUANT_FMA", not fma)
-        assert torch.equal(tk.int4_row.int4_row_dequantize(*args, group, buf16, mma).cpu(), got16)  # the other way
-        monkeypatch.setattr(tk.int4_row, "INT4_DEQUANT_FMA", fma)
+        assert torch.equal(tk.int4_row.int4_row_dequantize(*args, group, buf16, mma, other).cpu(), got16)  # the other way
         want = qr.int_matmul(x[:, :k], qweight, zeros, scales, group, 4)
-        got = tk.dispatch.int4_row_matmul_dequantized(x[:, :k].to(tk.device), *args, group, mma_layout=mma)
+        got = tk.dispatch.int4_row_matmul_dequantized(x[:, :k].to(tk.device), *args, group, mma_layout=mma,
+                                                      options=options)
         torch.testing.assert_close(got.cpu(), want, atol=1e-4, rtol=1e-4)
 
 
@@ -364,6 +370,12 @@ def test_int4_many_row_tiles_follow_the_measured_table_and_rule(monkeypatch):
     assert int4_row.int4_gemm_tiles(40, 37888, 3584)["SPLIT_K"] == 1  # 592 programs already
     assert int4_row.int4_gemm_tiles(100, 1152, 256)["SPLIT_K"] == 1  # four K tiles: a split would get fewer
     assert int4_row.int4_gemm_tiles(200, 3584, 3584) is None and int4_row.int4_gemm_tiles(200, 3584, 18944) is not None
+    # a benchmark's own table (kernel_options, JSON: "NxK" keys) replaces the measured one
+    from kvloom.kernels.options import KernelOptions
+
+    mine = KernelOptions.from_mapping({"int4_gemm_tiles": {"6144x4096": [[300, dict(int4_row.INT4_GEMM_TILE)]]}})
+    assert int4_row.int4_gemm_tiles(256, 6144, 4096, mine) == int4_row.INT4_GEMM_TILE
+    assert int4_row.int4_gemm_tiles(40, 3584, 3584, mine) == int4_row.int4_gemm_tiles(40, 3584, 3584)
     calls = []
     monkeypatch.setattr(dispatch, "int4_row_gemm", lambda *a, **k: calls.append("gemm"))
     monkeypatch.setattr(dispatch, "int4_row_matmul_dequantized", lambda *a, **k: calls.append("dequantize"))
@@ -432,35 +444,40 @@ def test_int4_row_pack_places_each_input_where_the_kernel_reads_it():
 
 @pytest.mark.parametrize("combine", [True, False])
 @pytest.mark.parametrize("rows", [1, 4])
-def test_fp8_gemv_without_tensor_cores_matches_the_dequantized_product(tk, monkeypatch, rows, combine):
-    """With and without split-K, the splits combined by the last to arrive (``SPLIT_COMBINE``: the same bits
+def test_fp8_gemv_without_tensor_cores_matches_the_dequantized_product(tk, rows, combine):
+    """With and without split-K, the splits combined by the last to arrive (``split_combine``: the same bits
     every time, the counters left zero) or atomically added."""
-    monkeypatch.setattr(tk.common, "SPLIT_COMBINE", combine)
+    from kvloom.kernels.options import KernelOptions
+
+    options = KernelOptions(split_combine=combine)
     x, wq, scale, bias, want = fp8_layer(rows, seed=4)
     dev = tk.device
     args = (x.to(dev), wq.to(dev), scale.to(dev), bias.to(dev))
     for cfg in (dict(BLOCK_N=16, BLOCK_K=64, SPLIT_K=1, num_warps=4), dict(BLOCK_N=32, BLOCK_K=128, SPLIT_K=2, num_warps=4)):
-        got = tk.fp8_weight_only.fp8_gemv(*args, config=cfg)
+        got = tk.fp8_weight_only.fp8_gemv(*args, config=cfg, options=options)
         torch.testing.assert_close(got.cpu(), want, atol=1e-4, rtol=1e-4)
         if combine and cfg["SPLIT_K"] > 1:
             from kvloom.kernels import arrivals
 
-            assert torch.equal(tk.fp8_weight_only.fp8_gemv(*args, config=cfg), got)
+            assert torch.equal(tk.fp8_weight_only.fp8_gemv(*args, config=cfg, options=options), got)
             assert int(arrivals._COUNTERS[args[0].device].abs().sum()) == 0
 
 
 @pytest.mark.parametrize("x_tile", [False, True])
-def test_fp8_gemv_with_silu_and_mul_in_its_epilogue(tk, monkeypatch, x_tile):
-    """One row of a merged [gate; up] FP8 weight with SiLU-and-mul fused (the MLP's decode step): the same
-    as ``silu_and_mul`` of the GEMV's output; the tiles halve so a program covers the same rows."""
+def test_fp8_gemv_with_silu_and_mul_in_its_epilogue(tk, x_tile):
+    """One row of a merged [gate; up] FP8 weight with SiLU-and-mul fused (the MLP's decode step), reading x
+    either way (``fp8_silu_mul_x_tile``): the same as ``silu_and_mul`` of the GEMV's output; the tiles halve
+    so a program covers the same rows."""
     from kvloom.kernels import reference
+    from kvloom.kernels.options import KernelOptions
     from kvloom.kernels.quant.fp8_weight_only import fp8_silu_mul_tiles
 
-    monkeypatch.setattr(tk.fp8_weight_only, "FP8_GEMV_X_TILE", x_tile)
+    options = KernelOptions(fp8_silu_mul_x_tile=x_tile)
+    assert fp8_silu_mul_tiles(40, 64, options)["X_TILE"] is x_tile
     x, wq, scale, _, _ = fp8_layer(1, seed=8)  # 80 rows: gate and up of 40, a partial tile
     want = reference.silu_and_mul(x @ (wq.float() * scale).t())
     dev = tk.device
-    got = tk.fp8_weight_only.fp8_gemv(x.to(dev), wq.to(dev), scale.to(dev), silu_mul=True)
+    got = tk.fp8_weight_only.fp8_gemv(x.to(dev), wq.to(dev), scale.to(dev), silu_mul=True, options=options)
     assert got.shape == (1, 40)
     torch.testing.assert_close(got.cpu(), want, atol=1e-5, rtol=1e-4)
     assert fp8_silu_mul_tiles(14336, 4096)["BLOCK_N"] * 2 == 8 and fp8_silu_mul_tiles(14336, 4096)["SPLIT_K"] == 1

@@ -23,19 +23,12 @@ def _out_buffer(m: int, n: int, split: int, like: torch.Tensor) -> torch.Tensor:
     return torch.empty((m, n), device=like.device, dtype=like.dtype)
 
 
-# Whether the one-row GEMVs' split-K programs (the int4 row GEMV's, the FP8 GEMV's) combine their partials
-# themselves (the last split of an output tile, kvloom/kernels/arrivals.py) instead of atomically adding into
-# a zeroed float32 output that a cast kernel then rounds: two PyTorch kernels fewer a layer, which also broke
-# the chain of PDL launches, and a deterministic sum.
-SPLIT_COMBINE = True
-
-
 def _split_outputs(x2: torch.Tensor, m: int, n: int, tiles: int, split: int, combine: bool = True):
     """``(part, arrivals, out)`` for a kernel of ``m`` rows, ``n`` outputs, ``tiles`` output tiles (one arrival
-    counter each) and ``split`` K-splits: with ``combine`` and ``SPLIT_COMBINE`` (and counters to be had) the
-    float32 partials ``[split, m, n]``, the counters and an output in x's dtype; otherwise no partials and
-    ``_out_buffer``'s output."""
-    arrivals = arrival_counters(x2, tiles) if split > 1 and combine and SPLIT_COMBINE else None
+    counter each) and ``split`` K-splits: with ``combine`` (``KernelOptions.split_combine``, and counters to be
+    had) the float32 partials ``[split, m, n]``, the counters and an output in x's dtype; otherwise no partials
+    and ``_out_buffer``'s output."""
+    arrivals = arrival_counters(x2, tiles) if split > 1 and combine else None
     if arrivals is None:
         return None, None, _out_buffer(m, n, split, x2)
     part = torch.empty((split, m, n), device=x2.device, dtype=torch.float32)

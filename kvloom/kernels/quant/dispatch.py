@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from kvloom.kernels.options import DEFAULT_KERNELS, KernelOptions
 from kvloom.kernels.quant import gluon_int4 as gq
 from kvloom.kernels.quant.common import _finish, _rows_2d, _scratch
 from kvloom.kernels.quant.int4_row import (INT4_MMA_MAX_ROWS, int4_gemm_tiles, int4_mma_gemm, int4_mma_tiles,
@@ -13,7 +14,7 @@ from kvloom.kernels.quant.int_kpacked import int_matmul, int_matmul_dequantized
 from kvloom.kernels.quant.tinygemm import tinygemm_linear
 
 # The kernels kvloom's layers call directly, beside the routing functions below.
-from kvloom.kernels.quant.fp8_rows import FP8_FUSED_QUANT, fp8_quantize_rows, rms_norm_fp8, silu_and_mul_fp8  # noqa: F401,E501
+from kvloom.kernels.quant.fp8_rows import fp8_quantize_rows, rms_norm_fp8, silu_and_mul_fp8  # noqa: F401
 from kvloom.kernels.quant.fp8_weight_only import (fp8_gemv, fp8_qkv_rope_gemv, fp8_qkv_rope_tiles,  # noqa: F401
                                                   fp8_weight_only_linear)
 from kvloom.kernels.quant.gluon_int4 import int4_mma_pack_qweight  # noqa: F401
@@ -47,21 +48,24 @@ INT4_MMA_GLUON_MAX_ROWS = 256
 
 def int4_row_matmul_dequantized(x: torch.Tensor, packed: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor,
                                 group_size: int, bias: torch.Tensor | None = None,
-                                mma_layout: bool = False) -> torch.Tensor:
+                                mma_layout: bool = False, options: KernelOptions = DEFAULT_KERNELS) -> torch.Tensor:
     """``int_matmul_dequantized`` on the row layout (or the MMA row layout): the dense ``[N, K]`` weight in the
     shared scratch buffer, then cuBLAS. Capturing without the buffer: slices of rows through the tensor-core
     kernels instead (the Gluon GEMM's 256 on the MMA layout, the Triton one's 64 on the row layout)."""
     n, k = packed.shape[0], packed.shape[1] * 8
     buf = _scratch(x, n * k)
     if buf is None:
-        if mma_layout:
-            gemm, step = gq.int4_mma_gemm, INT4_MMA_GLUON_MAX_ROWS
-        else:
-            gemm, step = int4_mma_gemm, INT4_MMA_MAX_ROWS
         x2 = _rows_2d(x)
-        out = torch.cat([gemm(x2[i:i + step], packed, zeros, scales, group_size) for i in range(0, x2.shape[0], step)])
-        return _finish(out, x, bias)
-    w = int4_row_dequantize(packed, zeros, scales, group_size, buf, mma_layout)
+        if mma_layout:
+            step = INT4_MMA_GLUON_MAX_ROWS
+            parts = [gq.int4_mma_gemm(x2[i:i + step], packed, zeros, scales, group_size, options=options)
+                     for i in range(0, x2.shape[0], step)]
+        else:
+            step = INT4_MMA_MAX_ROWS
+            parts = [int4_mma_gemm(x2[i:i + step], packed, zeros, scales, group_size)
+                     for i in range(0, x2.shape[0], step)]
+        return _finish(torch.cat(parts), x, bias)
+    w = int4_row_dequantize(packed, zeros, scales, group_size, buf, mma_layout, options)
     return torch.nn.functional.linear(x, w, bias)
 
 
@@ -101,7 +105,7 @@ def int_linear(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor, scal
 #   shape and rows from ``int4_gemm_tiles``), except where dequantize + cuBLAS measured faster (qkv_proj
 #   and o_proj from 129 rows; ``INT4_GEMM_TILES``);
 # * more rows: dequantize into the scratch buffer, then cuBLAS.
-INT4_ROW_MIN_WEIGHT = 4096 * 4096 + 1
+# (The weight size from which one row takes the row GEMV over tinygemm: ``KernelOptions.int4_row_min_weight``.)
 # Groups the row-layout kernels take: a tile of theirs spans whole groups (the tensor-core kernel's K tile
 # is one group), so a group of all K inputs (GPTQ group_size -1) keeps the K-packed layout and kernels.
 INT4_ROW_GROUPS = (32, 64, 128)
@@ -112,21 +116,16 @@ def int4_row_layout_ok(k: int, group_size: int) -> bool:
     return group_size in INT4_ROW_GROUPS and k % group_size == 0
 
 
-# Whether a merged gate/up 4-bit layer's one-row GEMV stores silu(gate) * up itself (``int4_row_gemv``'s
-# ``silu_mul``), saving the SiLU-and-mul kernel. Off: see the session-11 measurements in docs/benchmarks.md.
-INT4_FUSED_SILU_MUL = False
-
-
-def int4_one_row_path(n: int, k: int, dtype: torch.dtype, tinygemm) -> str:
+def int4_one_row_path(n: int, k: int, dtype: torch.dtype, tinygemm, options: KernelOptions = DEFAULT_KERNELS) -> str:
     """What runs one row of an ``[n, k]`` 4-bit layer: ``row`` (the row GEMV) or ``tinygemm``."""
-    if tinygemm is None or n * k >= INT4_ROW_MIN_WEIGHT or dtype != torch.bfloat16:
+    if tinygemm is None or n * k >= options.int4_row_min_weight or dtype != torch.bfloat16:
         return "row"
     return "tinygemm"
 
 
 def int4_linear(x: torch.Tensor, packed: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor,
                 group_size: int, bias: torch.Tensor | None = None, tinygemm=None,
-                mma_layout: bool = False) -> torch.Tensor:
+                mma_layout: bool = False, options: KernelOptions = DEFAULT_KERNELS) -> torch.Tensor:
     """A 4-bit layer on CUDA by rows, on the row layout, or with ``mma_layout`` on the Gluon GEMM's MMA row
     layout (Hopper), and tinygemm's copy where there is one. On the MMA layout one row also takes the Gluon
     GEMM (x padded to 8 rows): at Llama-3-8B's shapes on an H200 (session 18) its 29.7, 16.5 and 10.5 us for
@@ -134,26 +133,26 @@ def int4_linear(x: torch.Tensor, packed: torch.Tensor, zeros: torch.Tensor, scal
     MMA layout, reading x at scattered inputs, made batch-1 decode 10% slower (335 against 371 tok/s)."""
     rows = x.numel() // x.shape[-1]
     n, k = packed.shape[0], packed.shape[1] * 8
-    one_row = rows == 1 and int4_one_row_path(n, k, x.dtype, tinygemm) == "row"
+    one_row = rows == 1 and int4_one_row_path(n, k, x.dtype, tinygemm, options) == "row"
     if one_row and not mma_layout:
-        return int4_row_gemv(x, packed, zeros, scales, group_size, bias, config=int4_row_tiles(n, k))
+        return int4_row_gemv(x, packed, zeros, scales, group_size, bias, config=int4_row_tiles(n, k), options=options)
     if tinygemm is not None and rows <= TINYGEMM_MAX_ROWS and x.dtype == torch.bfloat16:
         return tinygemm_linear(x, *tinygemm, group_size, bias)
     if mma_layout:
         if rows <= INT4_MMA_GLUON_MAX_ROWS:
             tile = gq.int4_mma_tiles(rows, n, k)
             if gq.int4_mma_gemm_ok(n, k, group_size, x.dtype, tile):
-                return gq.int4_mma_gemm(x, packed, zeros, scales, group_size, bias, config=tile)
+                return gq.int4_mma_gemm(x, packed, zeros, scales, group_size, bias, config=tile, options=options)
         if one_row:  # a shape the Gluon GEMM does not take
             return int4_row_gemv(x, packed, zeros, scales, group_size, bias, config=int4_row_tiles(n, k),
-                                 mma_layout=True)
-        return int4_row_matmul_dequantized(x, packed, zeros, scales, group_size, bias, mma_layout=True)
+                                 mma_layout=True, options=options)
+        return int4_row_matmul_dequantized(x, packed, zeros, scales, group_size, bias, mma_layout=True, options=options)
     if rows <= INT4_MMA_ROWS and x.dtype in (torch.bfloat16, torch.float16):
         return int4_mma_gemm(x, packed, zeros, scales, group_size, bias, config=int4_mma_tiles(rows, n))
-    tile = int4_gemm_tiles(rows, n, k) if rows <= INT4_GEMM_MAX_ROWS else None
+    tile = int4_gemm_tiles(rows, n, k, options) if rows <= INT4_GEMM_MAX_ROWS else None
     if tile is not None and x.dtype in (torch.bfloat16, torch.float16):
         return int4_row_gemm(x, packed, zeros, scales, group_size, bias, config=tile)
-    return int4_row_matmul_dequantized(x, packed, zeros, scales, group_size, bias)
+    return int4_row_matmul_dequantized(x, packed, zeros, scales, group_size, bias, options=options)
 
 
 def fp8_linear_path(rows: int, n: int, k: int) -> str:
@@ -166,23 +165,11 @@ def fp8_linear_path(rows: int, n: int, k: int) -> str:
     return "w8a8"
 
 
-# Whether a one-row decode step's qkv projection on the FP8 GEMV rotates q/k and writes the KV cache in
-# its epilogue (``fp8_qkv_rope_gemv``: the rotary + cache-write kernel folded in). On: an H200's Llama-3-8B
-# decode step took 63 us less with it (2,940 -> 2,877 us in one process; docs/benchmarks.md, session 15).
-FP8_QKV_ROPE = True
-
-
-# Whether 4-bit layers on Hopper hold their weight in the MMA row layout (one copy, which the row GEMV and the
-# dequantize pass read too) and run 2-256 rows on this GEMM. On an H200 (Llama-3-8B shape, awq, 256 x (512 + 256)
-# offline, docs/benchmarks.md session 18): 8,436 output tok/s against 8,121 for bf16 in the same run (7,628 on the
-# Triton paths in session 17). ``--set kvloom.kernels.quant.dispatch.ENABLED=False`` in the benchmarks turns it off.
-ENABLED = True
-
-
-def mma_layout_wanted(device: torch.device, k: int, group_size: int, dtype: torch.dtype) -> bool:
-    """Whether a 4-bit layer on ``device`` holds the MMA row layout (``ENABLED``, Hopper, this Gluon, and inputs
-    and groups its tiles take: K tiles of 64 and 128 within a group)."""
-    if not (ENABLED and gq.AVAILABLE and device.type == "cuda" and dtype in (torch.bfloat16, torch.float16)):
+def mma_layout_wanted(device: torch.device, k: int, group_size: int, dtype: torch.dtype,
+                      options: KernelOptions = DEFAULT_KERNELS) -> bool:
+    """Whether a 4-bit layer on ``device`` holds the MMA row layout (``options.int4_mma_layout``, Hopper, this
+    Gluon, and inputs and groups its tiles take: K tiles of 64 and 128 within a group)."""
+    if not (options.int4_mma_layout and gq.AVAILABLE and device.type == "cuda" and dtype in (torch.bfloat16, torch.float16)):
         return False
     if torch.cuda.get_device_capability(device) != (9, 0):
         return False

@@ -7,6 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kvloom.kernels.options import DEFAULT_KERNELS, KernelOptions
 from kvloom.kernels.pdl import gdc_launch_dependents, gdc_wait, pdl_args
 from kvloom.kernels.triton_attention import _round_to_e4m3
 from kvloom.kernels.triton_fused import _rms_norm_row, _row_warps, _rows
@@ -68,11 +69,11 @@ def fp8_quantize_rows(x: torch.Tensor, pad_to: int = 16) -> tuple[torch.Tensor, 
 
 
 # The producers of a W8A8 layer's input quantize it themselves where that layer takes FP8 rows
-# (``FP8LinearMethod.takes_fp8_rows``): RMSNorm before qkv and gate/up, SiLU-and-mul before down. Each
-# keeps a whole row in registers (up to ``FP8_FUSED_MAX_COLS``), rounds its output to the activation's
-# dtype as the unfused kernel does, then quantizes it as ``fp8_quantize_rows`` would: the same bytes, one
-# kernel and one bf16 round trip less per layer. Rows past M are the same zero padding with scale 1.
-FP8_FUSED_QUANT = True
+# (``FP8LinearMethod.takes_fp8_rows``, ``KernelOptions.fp8_fused_quant``): RMSNorm before qkv and gate/up,
+# SiLU-and-mul before down. Each keeps a whole row in registers (up to ``FP8_FUSED_MAX_COLS``), rounds its
+# output to the activation's dtype as the unfused kernel does, then quantizes it as ``fp8_quantize_rows``
+# would: the same bytes, one kernel and one bf16 round trip less per layer. Rows past M are the same zero
+# padding with scale 1.
 FP8_FUSED_MAX_COLS = 16384
 _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
@@ -124,13 +125,14 @@ def _silu_and_mul_fp8_kernel(x_ptr, q_ptr, scale_ptr, M, stride_x, stride_q, n_c
 
 
 def rms_norm_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
-                 pad_to: int = 16):
+                 pad_to: int = 16, options: KernelOptions = DEFAULT_KERNELS, max_cols: int = FP8_FUSED_MAX_COLS):
     """``triton_fused.rms_norm`` with its output quantized per row as ``fp8_quantize_rows`` does:
-    ``FP8Rows``, or ``(FP8Rows, x + residual)`` with ``residual``. None where a row is too wide to hold."""
+    ``FP8Rows``, or ``(FP8Rows, x + residual)`` with ``residual``. None where a row is wider than ``max_cols``
+    or ``options.fp8_fused_quant`` is off."""
     from kvloom.kernels.quant_reference import FP8Rows
 
     n = x.shape[-1]
-    if not FP8_FUSED_QUANT or n > FP8_FUSED_MAX_COLS:
+    if not options.fp8_fused_quant or n > max_cols:
         return None
     x2 = _rows(x)
     m = x2.shape[0]
@@ -149,18 +151,19 @@ def rms_norm_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: to
         _rms_norm_fp8_kernel[(xq.shape[0],)](
             x2, res2, weight.contiguous(), xq, scale, new_res, m, x2.stride(0), res2.stride(0), xq.stride(0),
             new_res.stride(0), n, eps, HAS_RESIDUAL=residual is not None, OUT_DTYPE=_TL_DTYPES[out_dtype],
-            BLOCK=block, min_scale=1e-12, num_warps=_row_warps(block), **pdl_args(x2))
+            BLOCK=block, min_scale=1e-12, num_warps=_row_warps(block), **pdl_args(x2, options.pdl))
     rows = FP8Rows(xq, scale, m, out_dtype)
     return rows if residual is None else (rows, new_res.view(residual.shape))
 
 
-def silu_and_mul_fp8(x: torch.Tensor, pad_to: int = 16):
+def silu_and_mul_fp8(x: torch.Tensor, pad_to: int = 16, options: KernelOptions = DEFAULT_KERNELS,
+                     max_cols: int = FP8_FUSED_MAX_COLS):
     """``triton_fused.silu_and_mul`` with its output quantized per row as ``fp8_quantize_rows`` does
-    (``FP8Rows``); None where a row is too wide to hold."""
+    (``FP8Rows``); None where a row is wider than ``max_cols`` or ``options.fp8_fused_quant`` is off."""
     from kvloom.kernels.quant_reference import FP8Rows
 
     n = x.shape[-1] // 2
-    if not FP8_FUSED_QUANT or n > FP8_FUSED_MAX_COLS:
+    if not options.fp8_fused_quant or n > max_cols:
         return None
     x2 = _rows(x)
     m = x2.shape[0]
@@ -169,5 +172,5 @@ def silu_and_mul_fp8(x: torch.Tensor, pad_to: int = 16):
     if m > 0 and n > 0:
         _silu_and_mul_fp8_kernel[(xq.shape[0],)](x2, xq, scale, m, x2.stride(0), xq.stride(0), n, BLOCK=block,
                                                  min_scale=1e-12, num_warps=_row_warps(block),
-                                                 **pdl_args(x2))
+                                                 **pdl_args(x2, options.pdl))
     return FP8Rows(xq, scale, m, x.dtype)

@@ -8,6 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kvloom.kernels.options import DEFAULT_KERNELS, KernelOptions
 from kvloom.kernels.pdl import gdc_launch_dependents, gdc_wait, pdl_args
 from kvloom.kernels.quant.common import (_autotuned, _cfg, _combine_split_k, _finish, _grid, _out_buffer,
                                          _row_bucket, _rows_2d, _silu_mul_epilogue, _split_outputs)
@@ -177,7 +178,7 @@ def _fp8_gemv_kernel(
     # in registers and multiplied by the row of x; one reduction along K at the end. x is read once per
     # tile and handed to the weight's layout through shared memory (two barriers a conversion), or with
     # X_TILE read by each thread for its own weights (no barriers, a bf16 -> float32 conversion per
-    # weight instead of per input; FP8_GEMV_X_TILE, to be timed on the GPU). Under PDL the first
+    # weight instead of per input; KernelOptions.fp8_gemv_x_tile). Under PDL the first
     # weight tile is read before the wait for the previous kernel. With SILU_MUL the weight is a merged
     # [gate; up] of 2N rows: a program reads rows n of both halves and stores silu(gate) * up (N outputs).
     # With ROPE (one row of a qkv projection, heads of HEAD_DIM: q, then k, then v) a program takes the
@@ -259,9 +260,11 @@ _FP8_GEMV = [_fp8_gemv_cfg(bn, bk, sp, w) for bn, bk, sp, w in (
 
 
 def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-             bias: torch.Tensor | None = None, config: dict | None = None, silu_mul: bool = False) -> torch.Tensor:
+             bias: torch.Tensor | None = None, config: dict | None = None, silu_mul: bool = False,
+             options: KernelOptions = DEFAULT_KERNELS) -> torch.Tensor:
     """``fp8_weight_only_linear`` for a few rows without tensor cores (``_fp8_gemv_kernel``). With
-    ``silu_mul`` (one row, no bias; ``weight`` a merged [gate; up]): ``silu(gate) * up`` of the output."""
+    ``silu_mul`` (one row, no bias; ``weight`` a merged [gate; up]): ``silu(gate) * up`` of the output.
+    ``options``: its tiles, how it reads x, split-K's combining and PDL."""
     x2 = _rows_2d(x)
     m, k = x2.shape
     n = weight.shape[0]
@@ -269,9 +272,9 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
         if bias is not None or m != 1 or n % 2:
             raise ValueError("fp8_gemv(silu_mul=True) takes one row of x and an even weight without bias")
         n //= 2
-        config = fp8_silu_mul_tiles(n, k)
+        config = fp8_silu_mul_tiles(n, k, options)
     if config is None and x2.is_cuda and m == 1:
-        config = fp8_row_tiles(n, k)
+        config = fp8_row_tiles(n, k, options)
     if config is None and x2.is_cuda:
         out = _out_buffer(m, n, 2, x)  # the autotuned configs may split K: zeroed float32
         if "fp8_gemv" not in _TUNED:
@@ -281,12 +284,12 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
             out.stride(0))  # without PDL: the autotuner's benchmark launches must not wait on each other
     else:
         cfg = dict(config or dict(BLOCK_N=16, BLOCK_K=256, SPLIT_K=1, num_warps=4))
-        cfg.setdefault("X_TILE", FP8_GEMV_X_TILE)
+        cfg.setdefault("X_TILE", options.fp8_gemv_x_tile)
         tiles = triton.cdiv(n, cfg["BLOCK_N"])
-        part, arrivals, out = _split_outputs(x2, m, n, m * tiles, cfg["SPLIT_K"])
+        part, arrivals, out = _split_outputs(x2, m, n, m * tiles, cfg["SPLIT_K"], options.split_combine)
         _fp8_gemv_kernel[(m, tiles, cfg["SPLIT_K"])](
             x2, weight, weight_scale.reshape(-1), out, m, n, k, _row_bucket(m), x2.stride(0), weight.stride(0),
-            out.stride(0), part_ptr=part, arrivals_ptr=arrivals, **cfg, **pdl_args(x2), SILU_MUL=silu_mul,
+            out.stride(0), part_ptr=part, arrivals_ptr=arrivals, **cfg, **pdl_args(x2, options.pdl), SILU_MUL=silu_mul,
             SPLIT_COMBINE=arrivals is not None)
     return _finish(out, x, bias)
 
@@ -294,7 +297,8 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
 def fp8_qkv_rope_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
                       positions: torch.Tensor, cos_sin_cache: torch.Tensor, k_cache: torch.Tensor,
                       v_cache: torch.Tensor, slot_mapping: torch.Tensor, num_q_heads: int, num_kv_heads: int,
-                      k_scale: float = 1.0, v_scale: float = 1.0, config: dict | None = None) -> torch.Tensor:
+                      k_scale: float = 1.0, v_scale: float = 1.0, config: dict | None = None,
+                      options: KernelOptions = DEFAULT_KERNELS) -> torch.Tensor:
     """One row of a qkv projection on the FP8 GEMV with rotary and the KV-cache write in its epilogue: the
     ``[1, (Hq + 2 Hkv) D]`` output with q and k rotated (``triton_attention.rotary_and_write_kv_cache`` of
     ``fp8_gemv``'s output, bias added), and the token's k and v in the cache. ``config``: the GEMV's tiles
@@ -306,14 +310,14 @@ def fp8_qkv_rope_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch
     m, k = x2.shape
     n = weight.shape[0]
     head_dim = k_cache.shape[-1]
-    cfg = dict(config or fp8_qkv_rope_tiles(n, k) or {})
+    cfg = dict(config or fp8_qkv_rope_tiles(n, k, options) or {})
     if (m != 1 or not cfg or cfg.get("SPLIT_K", 1) != 1 or n != (num_q_heads + 2 * num_kv_heads) * head_dim
             or head_dim % 2 or (head_dim // 2) % cfg["BLOCK_N"] or cos_sin_cache.shape[-1] != head_dim
             or k_cache.shape[2] != num_kv_heads):
         raise ValueError(f"fp8_qkv_rope_gemv takes one row, fixed tiles without split-K and a qkv weight of "
                          f"(Hq + 2 Hkv) x head_dim rows; got {m} rows, an [{n}, {k}] weight, {num_q_heads} + "
                          f"2 x {num_kv_heads} heads of {head_dim}, tiles {cfg}")
-    cfg.setdefault("X_TILE", FP8_GEMV_X_TILE)
+    cfg.setdefault("X_TILE", options.fp8_gemv_x_tile)
     cos_sin_cache = cos_sin_cache.contiguous()
     out = torch.empty((1, n), device=x.device, dtype=x.dtype)
     _fp8_gemv_kernel[(1, n // (2 * cfg["BLOCK_N"]), 1)](
@@ -321,7 +325,7 @@ def fp8_qkv_rope_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch
         bias, positions, cos_sin_cache, k_cache, v_cache, slot_mapping,
         cos_sin_cache.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_cache.shape[1],
         num_q_heads, num_kv_heads, 1.0 / k_scale, 1.0 / v_scale,
-        **cfg, **pdl_args(x2), ROPE=True, HEAD_DIM=head_dim, KV_FP8=k_cache.dtype == torch.float8_e4m3fn)
+        **cfg, **pdl_args(x2, options.pdl), ROPE=True, HEAD_DIM=head_dim, KV_FP8=k_cache.dtype == torch.float8_e4m3fn)
     return out.reshape(*x.shape[:-1], n)
 
 
@@ -331,11 +335,11 @@ def fp8_qkv_rope_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch
 FP8_QKV_ROPE_MIN_BLOCK_K = 1024
 
 
-def fp8_qkv_rope_tiles(n: int, k: int) -> dict | None:
+def fp8_qkv_rope_tiles(n: int, k: int, options: KernelOptions = DEFAULT_KERNELS) -> dict | None:
     """The fused qkv + rotary GEMV's tiles: the one-row tiles with a K tile of at least
     ``FP8_QKV_ROPE_MIN_BLOCK_K``, each program's rows split between the two halves of a head (so
     ``BLOCK_N`` halves), or None where there are no fixed ones."""
-    tiles = fp8_row_tiles(n, k)
+    tiles = fp8_row_tiles(n, k, options)
     if tiles is None or tiles.get("SPLIT_K", 1) != 1:
         return None
     block_k = max(tiles["BLOCK_K"], min(FP8_QKV_ROPE_MIN_BLOCK_K, triton.next_power_of_2(k)))
@@ -361,27 +365,21 @@ FP8_ROW_TILES = (
 )
 
 
-def fp8_silu_mul_tiles(n: int, k: int) -> dict:
+def fp8_silu_mul_tiles(n: int, k: int, options: KernelOptions = DEFAULT_KERNELS) -> dict:
     """The FMA GEMV's tiles for one row of a merged [gate; up] FP8 weight of ``2 n`` rows with SiLU-and-mul
-    fused: the one-row tiles of the whole weight, each program taking half its rows from either half."""
-    if FP8_SILU_MUL_TILES is not None:
-        return dict(FP8_SILU_MUL_TILES)
-    tiles = fp8_row_tiles(2 * n, k) or dict(BLOCK_N=8, BLOCK_K=512, SPLIT_K=1, num_warps=4, num_stages=2)
-    return dict(tiles, BLOCK_N=max(tiles["BLOCK_N"] // 2, 2), SPLIT_K=1, X_TILE=FP8_SILU_MUL_X_TILE)
+    fused: ``options.fp8_silu_mul_tiles``, else the one-row tiles of the whole weight, each program taking half
+    its rows from either half."""
+    if options.fp8_silu_mul_tiles is not None:
+        return dict(options.fp8_silu_mul_tiles)
+    tiles = fp8_row_tiles(2 * n, k, options) or dict(BLOCK_N=8, BLOCK_K=512, SPLIT_K=1, num_warps=4, num_stages=2)
+    return dict(tiles, BLOCK_N=max(tiles["BLOCK_N"] // 2, 2), SPLIT_K=1, X_TILE=options.fp8_silu_mul_x_tile)
 
 
-FP8_SILU_MUL_TILES = None  # fixed tiles for the fused gate/up GEMV (a benchmark's override); None: derived
-# Whether the fixed-tile FP8 GEMV reads x in its weights' layout (``_fp8_gemv_kernel``'s X_TILE): on sm90,
-# 147 -> 181 instructions a loop at 8 x 512 but none of its 8 barriers. Timed on the H200 (one row, Llama-3-8B,
-# session 12): the fused gate/up 31.6 -> 30.2 us (4 x 512 a half), but qkv 9.1 -> 9.6, o 6.3 -> 7.3 and down
-# 18.0 -> 23.4 us. So on for the SiLU-and-mul GEMV only.
-FP8_GEMV_X_TILE = False
-FP8_SILU_MUL_X_TILE = True
-
-
-def fp8_row_tiles(n: int, k: int) -> dict | None:
-    """The FMA GEMV's fixed tiles for one row of an ``[n, k]`` FP8 weight, or None (autotuned)."""
-    for limit, tiles in FP8_ROW_TILES:
+def fp8_row_tiles(n: int, k: int, options: KernelOptions = DEFAULT_KERNELS) -> dict | None:
+    """The FMA GEMV's fixed tiles for one row of an ``[n, k]`` FP8 weight (``options.fp8_row_tiles``, else
+    ``FP8_ROW_TILES``), or None (autotuned)."""
+    table = FP8_ROW_TILES if options.fp8_row_tiles is None else options.fp8_row_tiles
+    for limit, tiles in table:
         if n * k <= limit:
             return dict(tiles)
     return None

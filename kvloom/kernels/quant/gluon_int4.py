@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import torch
 
+from kvloom.kernels.options import DEFAULT_KERNELS, KernelOptions
 from kvloom.kernels.pdl import pdl_args
 from kvloom.kernels.quant.common import _finish, _rows_2d, _split_outputs
 
@@ -260,9 +261,11 @@ COMBINE_MAX_ROWS = 16
 
 
 def int4_mma_gemm(x: torch.Tensor, packed: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor,
-                  group_size: int, bias: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
+                  group_size: int, bias: torch.Tensor | None = None, config: dict | None = None,
+                  options: KernelOptions = DEFAULT_KERNELS) -> torch.Tensor:
     """``x [.., K] @ W.T`` of a 4-bit weight in ``int4_mma_pack``'s layout (``zeros`` uint8 and ``scales``
-    ``[G, N]``) on Hopper's tensor cores, from 1 to any number of rows (tiles of 8-256 rows)."""
+    ``[G, N]``) on Hopper's tensor cores, from 1 to any number of rows (tiles of 8-256 rows). ``options``:
+    split-K's combining and PDL."""
     x2 = _rows_2d(x)
     m, k = x2.shape
     n = packed.shape[0]
@@ -272,11 +275,12 @@ def int4_mma_gemm(x: torch.Tensor, packed: torch.Tensor, zeros: torch.Tensor, sc
     split = cfg.setdefault("SPLIT_K", 1)
     grid = (triton.cdiv(n, cfg["BLOCK_N"]), triton.cdiv(m, cfg["BLOCK_M"]), split)
     # up to COMBINE_MAX_ROWS the splits are combined by the last one (no fill or cast kernel)
-    part, arrivals, out = _split_outputs(x2, m, n, grid[0] * grid[1], split, combine=m <= COMBINE_MAX_ROWS)
+    part, arrivals, out = _split_outputs(x2, m, n, grid[0] * grid[1], split,
+                                         combine=m <= COMBINE_MAX_ROWS and options.split_combine)
     combine = arrivals is not None
     _w4a16_mma_kernel[grid](x2, packed, zeros, scales, out, part if combine else out, arrivals if combine else out,
                             m, n, k, x2.stride(0), packed.stride(0), out.stride(0), GROUP=group_size, COMBINE=combine,
-                            **cfg, **pdl_args(x2))
+                            **cfg, **pdl_args(x2, options.pdl))
     return _finish(out, x, bias)
 
 

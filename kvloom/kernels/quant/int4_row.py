@@ -8,6 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kvloom.kernels.options import DEFAULT_KERNELS, KernelOptions
 from kvloom.kernels.pdl import gdc_launch_dependents, gdc_wait, pdl_args
 from kvloom.kernels.quant.common import (_combine_split_k, _finish, _out_buffer, _rows_2d, _silu_mul_epilogue,
                                          _split_outputs)
@@ -320,13 +321,14 @@ def _int4_row_dequantize_kernel(qw_ptr, z_ptr, s_ptr, w_ptr, N, K, stride_qn, NI
 
 
 def int4_row_dequantize(packed: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, group_size: int,
-                        out: torch.Tensor, mma_layout: bool = False) -> torch.Tensor:
+                        out: torch.Tensor, mma_layout: bool = False,
+                        options: KernelOptions = DEFAULT_KERNELS) -> torch.Tensor:
     """The row layout's weight (or with ``mma_layout`` the MMA row layout's) as a dense ``[N, K]`` matrix
     written into ``out`` (its dtype), as the reference dequantizes it: ``(q - z) * s`` in float32, rounded
-    once."""
+    once (``options.int4_dequant_fma``: by the bit-pattern FMA, the same bits)."""
     n, kw = packed.shape
     w = out[: n * kw * 8].view(n, kw * 8)
-    fma = INT4_DEQUANT_FMA and scales.dtype in (torch.float16, torch.bfloat16)  # exact only for 16-bit scales
+    fma = options.int4_dequant_fma and scales.dtype in (torch.float16, torch.bfloat16)  # exact only for 16-bit scales
     _int4_row_dequantize_kernel[(triton.cdiv(n, 64), triton.cdiv(kw * 8, 256))](
         packed, zeros, scales, w, n, kw * 8, packed.stride(0), 0x000F0000, GROUP=group_size, BLOCK_N=64,
         BLOCK_K=256, FMA=fma, MMA_LAYOUT=mma_layout, num_warps=4)
@@ -429,13 +431,15 @@ INT4_GEMM_TILES: dict = {
 }
 
 
-def int4_gemm_tiles(rows: int, n: int, k: int) -> dict | None:
+def int4_gemm_tiles(rows: int, n: int, k: int, options: KernelOptions = DEFAULT_KERNELS) -> dict | None:
     """``int4_row_gemm``'s tiles for ``rows`` rows of an ``[n, k]`` weight, or None where dequantize +
-    cuBLAS is faster: the measured table, else a rule read off it. Up to 64 rows, output-major 64 x 64
+    cuBLAS is faster: the measured table (``options.int4_gemm_tiles``, else ``INT4_GEMM_TILES``), else a rule
+    read off it. Up to 64 rows, output-major 64 x 64
     tiles; more rows, 128 x 128 tiles with the weight as the MMA's second operand. Split-K until the layer
     has ``SM_PROGRAMS`` programs (each split keeping four K tiles or more); dequantize + cuBLAS beyond 128
     rows for weights neither wide (16,384 outputs) nor long (8,192 inputs), where the kernel lost."""
-    for max_rows, tile in INT4_GEMM_TILES.get((n, k), ()):
+    table = INT4_GEMM_TILES if options.int4_gemm_tiles is None else options.int4_gemm_tiles
+    for max_rows, tile in table.get((n, k), ()):
         if rows <= max_rows:
             return None if tile is None else dict(tile)
     if rows > 128 and n < 16384 and k < 8192:
@@ -466,26 +470,18 @@ def int4_row_gemm(x: torch.Tensor, packed: torch.Tensor, zeros: torch.Tensor, sc
     return _finish(out, x, bias)
 
 
-# Whether the row-layout dequantization (dequantize, then cuBLAS) builds each value with the row GEMV's bit
-# pattern and one FMA instead of an integer-to-float conversion, a subtraction and a product: the same bits;
-# compiled for sm90 (session 16, Triton 3.9, the engine's 64 x 256 tile), 2,144 instructions a program instead
-# of 2,280, none of them the 128 quarter-rate I2FP (session 15 counted 1,056 and 1,200 another way).
-# Timed on an H200 (session 16, awq 256 x (512 + 256) offline, alternated): 7,418 and 7,358 output tok/s
-# against 7,445 and 7,472 without, so the pass is not bound by its instructions; off. (int4_row_gemm builds
-# its values this way.)
-INT4_DEQUANT_FMA = False
-
-
 INT4_ROW_TILE = dict(BLOCK_N=16, BLOCK_K=1024, SPLIT_K=1, num_warps=4, num_stages=3)
 
 
 def int4_row_gemv(x: torch.Tensor, packed: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor,
                   group_size: int, bias: torch.Tensor | None = None, config: dict | None = None,
-                  silu_mul: bool = False, mma_layout: bool = False) -> torch.Tensor:
+                  silu_mul: bool = False, mma_layout: bool = False,
+                  options: KernelOptions = DEFAULT_KERNELS) -> torch.Tensor:
     """``x [.., K] @ W.T`` of a 4-bit weight in ``int4_row_pack``'s layout (or with ``mma_layout``
     ``gluon_int4.int4_mma_pack``'s; ``zeros``/``scales`` ``[G, N]`` as ``int_matmul`` takes them), one program
     per row of x (the engine runs it at one row). With
-    ``silu_mul`` (no bias, no split-K; ``packed`` a merged [gate; up]): ``silu(gate) * up`` of the output."""
+    ``silu_mul`` (no bias, no split-K; ``packed`` a merged [gate; up]): ``silu(gate) * up`` of the output.
+    ``options``: split-K's combining and PDL."""
     x2 = _rows_2d(x)
     m, k = x2.shape
     n = packed.shape[0]
@@ -505,10 +501,11 @@ def int4_row_gemv(x: torch.Tensor, packed: torch.Tensor, zeros: torch.Tensor, sc
                          f"{64 if mma_layout else 32} dividing K={k}")
     cfg["BLOCK_K"] = bk
     tiles = triton.cdiv(n, cfg["BLOCK_N"])
-    part, arrivals, out = _split_outputs(x2, m, n, m * tiles, cfg["SPLIT_K"])
+    part, arrivals, out = _split_outputs(x2, m, n, m * tiles, cfg["SPLIT_K"], options.split_combine)
     _int4_row_gemv_kernel[(m, tiles, cfg["SPLIT_K"])](
         x2, packed, zeros, scales, out, m, n, k, x2.stride(0), packed.stride(0), out.stride(0), 0x000F0000,
-        part, arrivals, GROUP=group_size, **cfg, **pdl_args(x2), SILU_MUL=silu_mul, SPLIT_COMBINE=arrivals is not None,
+        part, arrivals, GROUP=group_size, **cfg, **pdl_args(x2, options.pdl), SILU_MUL=silu_mul,
+        SPLIT_COMBINE=arrivals is not None,
         MMA_LAYOUT=mma_layout)
     return _finish(out, x, bias)
 

@@ -21,4 +21,4 @@ def kvloom_quantization(hf_config: Any, config: Any):
     from kvloom.core.model.quantization import make_method
 
     # Dummy weights of a dense config are made in the format's usual settings (to benchmark real shapes).
-    return make_method("fp8", hf_config, plan_defaults=config.load_format == "dummy")
+    return make_method("fp8", hf_config, plan_defaults=config.load_format == "dummy", kernels=config.kernels())

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from kvloom.core.config import ConfigError
 from kvloom.core.model.linear import LinearBase, set_dense_weight
 from kvloom.core.model.quantization.base import QuantizationMethod, dense_bytes
+from kvloom.kernels.options import DEFAULT_KERNELS, KernelOptions
 from kvloom.kernels.quant_reference import (FP8_DTYPE, FP8Rows, fp8_dequantize_blocks, fp8_quantize,
                                             fp8_scale_per_row)
 
@@ -68,7 +69,8 @@ def fp8_w8a8_linear(x: torch.Tensor | FP8Rows, weight: torch.Tensor, weight_scal
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-               input_scale: torch.Tensor | None, bias: torch.Tensor | None) -> torch.Tensor:
+               input_scale: torch.Tensor | None, bias: torch.Tensor | None,
+               kernels: KernelOptions = DEFAULT_KERNELS) -> torch.Tensor:
     """An FP8 layer on CUDA: the path ``dispatch.fp8_linear_path`` picks for the row count and shape
     (a weight-only GEMV for decode-sized batches, W8A8 beyond)."""
     from kvloom.kernels.quant import dispatch
@@ -77,7 +79,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
         return fp8_w8a8_linear(x, weight, weight_scale, input_scale, bias)
     path = dispatch.fp8_linear_path(x.numel() // x.shape[-1], weight.shape[0], weight.shape[1])
     if path == "gemv":
-        return dispatch.fp8_gemv(x, weight, weight_scale, bias)
+        return dispatch.fp8_gemv(x, weight, weight_scale, bias, options=kernels)
     if path == "gemv_dot":
         return dispatch.fp8_weight_only_linear(x, weight, weight_scale, bias)
     return fp8_w8a8_linear(x, weight, weight_scale, input_scale, bias)
@@ -217,32 +219,34 @@ class FP8LinearMethod:
 
     def takes_fp8_rows(self, layer: LinearBase, rows: int) -> bool:
         """Whether ``rows`` rows run W8A8 with dynamic per-token scales, so that the kernel before the layer
-        may hand it ``FP8Rows`` (``quant.dispatch.FP8_FUSED_QUANT``)."""
+        may hand it ``FP8Rows`` (``KernelOptions.fp8_fused_quant``)."""
         from kvloom.kernels.quant import dispatch
 
-        return (self.w8a8 and dispatch.FP8_FUSED_QUANT and layer.weight.is_cuda
+        return (self.w8a8 and self.method.kernels.fp8_fused_quant and layer.weight.is_cuda
                 and getattr(layer, "input_scale", None) is None
                 and dispatch.fp8_linear_path(rows, *layer.weight.shape) == "w8a8")
 
     def apply(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
-        return fp8_linear(x, layer.weight, layer.weight_scale, getattr(layer, "input_scale", None), layer.bias)
+        return fp8_linear(x, layer.weight, layer.weight_scale, getattr(layer, "input_scale", None), layer.bias,
+                          self.method.kernels)
 
     def apply_qkv_rope(self, layer: LinearBase, x: torch.Tensor, rope, kv_cache, slot_mapping, num_q_heads: int,
                        num_kv_heads: int, k_scale: float, v_scale: float) -> torch.Tensor | None:
         """One row of a qkv layer on the FP8 GEMV with rotary and the cache write in its epilogue
-        (``quant.dispatch.FP8_QKV_ROPE``; None: not fused here)."""
+        (``KernelOptions.fp8_qkv_rope``; None: not fused here)."""
         from kvloom.kernels.quant import dispatch
 
+        kernels = self.method.kernels
         rows = x.numel() // x.shape[-1]
-        if not (dispatch.FP8_QKV_ROPE and self.w8a8 and x.is_cuda and rows == 1):
+        if not (kernels.fp8_qkv_rope and self.w8a8 and x.is_cuda and rows == 1):
             return None
-        tiles = dispatch.fp8_qkv_rope_tiles(*layer.weight.shape)
+        tiles = dispatch.fp8_qkv_rope_tiles(*layer.weight.shape, options=kernels)
         if tiles is None:
             return None
         positions, cos_sin = rope
         return dispatch.fp8_qkv_rope_gemv(x, layer.weight, layer.weight_scale, layer.bias, positions, cos_sin,
                                               kv_cache[0], kv_cache[1], slot_mapping, num_q_heads, num_kv_heads,
-                                              k_scale, v_scale, config=tiles)
+                                              k_scale, v_scale, config=tiles, options=kernels)
 
     def apply_silu_and_mul(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor | None:
         """One row of a merged [gate; up] layer: the FP8 GEMV with SiLU-and-mul in its epilogue (None:
@@ -251,7 +255,7 @@ class FP8LinearMethod:
 
         if not (self.w8a8 and x.is_cuda and x.numel() == x.shape[-1]):
             return None
-        return dispatch.fp8_gemv(x, layer.weight, layer.weight_scale, silu_mul=True)
+        return dispatch.fp8_gemv(x, layer.weight, layer.weight_scale, silu_mul=True, options=self.method.kernels)
 
     def held_bytes(self, layer: LinearBase, device_type: str) -> int:
         if device_type == "cpu" or self.method.block:  # weight-only: dequantized at load
