@@ -15,9 +15,8 @@ if TYPE_CHECKING:
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 
 # Offline batches want throughput, not inter-token latency: a step budget twice the server's default
-# prefills more prompts per step, so their decodes run in lockstep (vLLM makes the same split).
-# On this project's CPU: 7.6 -> 7.2 s on the offline benchmark (docs/benchmarks.md). Here, not in
-# llm.py, so that `engine generate --help` can show it without importing torch.
+# prefills more prompts per step, so their decodes run in lockstep (vLLM makes the same split). Here, not
+# in llm.py, so that `engine generate --help` can show it without importing torch.
 OFFLINE_MAX_NUM_BATCHED_TOKENS = 4096
 
 
@@ -146,7 +145,7 @@ class EngineConfig:
 
 def default_block_size(device_type: str) -> int:
     """16 on GPUs (the Triton kernels' tile); 32 on the CPU, where the decode attention gathers whole
-    blocks and 2 KiB rows (16 x 64 x bf16) measured 16% slower end to end than 4 KiB ones."""
+    blocks and 4 KiB rows gather faster than 2 KiB ones (docs/benchmarks.md)."""
     return 32 if device_type == "cpu" else 16
 
 
@@ -169,7 +168,7 @@ def resolve_device(name: str) -> "torch.device":
 def resolve_dtype(name: str, device: "torch.device", hf_config=None) -> "torch.dtype":
     """``auto``: bfloat16 on CUDA. On the CPU, a float32 checkpoint stays float32; any other (bf16/fp16
     checkpoints, GGUF files) runs in bfloat16 where the CPU computes it natively (AVX-512 BF16 or
-    AMX: 1.6-1.9x float32's throughput on SmolLM2 here, docs/benchmarks.md), else float32."""
+    AMX: faster than float32, docs/benchmarks.md), else float32."""
     import torch
 
     from kvloom.kernels.cpu_linear import cpu_has_native_bf16

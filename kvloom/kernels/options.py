@@ -22,13 +22,10 @@ class KernelOptions:
     # (``quant.fp8_rows``).
     fp8_fused_quant: bool = True
     # Whether a one-row decode step's qkv projection on the FP8 GEMV rotates q/k and writes the KV cache in
-    # its epilogue (``fp8_qkv_rope_gemv``: the rotary + cache-write kernel folded in). On: an H200's Llama-3-8B
-    # decode step took 63 us less with it (2,940 -> 2,877 us in one process; docs/benchmarks.md, session 15).
+    # its epilogue (``fp8_qkv_rope_gemv``): one kernel less a layer, a shorter step (docs/benchmarks.md).
     fp8_qkv_rope: bool = True
-    # Whether the fixed-tile FP8 GEMV reads x in its weights' layout (``_fp8_gemv_kernel``'s X_TILE): on sm90,
-    # 147 -> 181 instructions a loop at 8 x 512 but none of its 8 barriers. Timed on the H200 (one row, Llama-3-8B,
-    # session 12): the fused gate/up 31.6 -> 30.2 us (4 x 512 a half), but qkv 9.1 -> 9.6, o 6.3 -> 7.3 and down
-    # 18.0 -> 23.4 us. So on for the SiLU-and-mul GEMV only.
+    # Whether the fixed-tile FP8 GEMV reads x in its weights' layout (``_fp8_gemv_kernel``'s X_TILE: more
+    # instructions, no barriers): faster only for the fused gate/up GEMV (docs/benchmarks.md).
     fp8_gemv_x_tile: bool = False
     fp8_silu_mul_x_tile: bool = True
     # The FP8 FMA GEMV's one-row tiles, ``[[max weight size, tile dict], ...]``; None: the built-in table
@@ -37,23 +34,18 @@ class KernelOptions:
     # Fixed tiles for the fused gate/up FP8 GEMV (a benchmark's override); None: derived from the one-row tiles.
     fp8_silu_mul_tiles: Any = None
     # Whether a merged gate/up 4-bit layer's one-row GEMV stores silu(gate) * up itself (``int4_row_gemv``'s
-    # ``silu_mul``), saving the SiLU-and-mul kernel. Off: see the session-11 measurements in docs/benchmarks.md.
+    # ``silu_mul``), saving the SiLU-and-mul kernel. Off: slower than the two kernels (docs/benchmarks.md).
     int4_fused_silu_mul: bool = False
     # Whether the row-layout dequantization (dequantize, then cuBLAS) builds each value with the row GEMV's bit
-    # pattern and one FMA instead of an integer-to-float conversion, a subtraction and a product: the same bits;
-    # compiled for sm90 (session 16, Triton 3.9, the engine's 64 x 256 tile), 2,144 instructions a program instead
-    # of 2,280, none of them the 128 quarter-rate I2FP (session 15 counted 1,056 and 1,200 another way).
-    # Timed on an H200 (session 16, awq 256 x (512 + 256) offline, alternated): 7,418 and 7,358 output tok/s
-    # against 7,445 and 7,472 without, so the pass is not bound by its instructions; off. (int4_row_gemm builds
-    # its values this way.)
+    # pattern and one FMA: the same bits in fewer instructions, but no faster, the pass not being bound by its
+    # instructions (docs/benchmarks.md); off.
     int4_dequant_fma: bool = False
     # 4-bit weights of at least this many values run one row on the row GEMV even where tinygemm's copy is held
     # (``quant.dispatch.int4_one_row_path``).
     int4_row_min_weight: int = 4096 * 4096 + 1
     # Whether 4-bit layers on Hopper hold their weight in the MMA row layout (one copy, which the row GEMV and the
-    # dequantize pass read too) and run 2-256 rows on the Gluon GEMM. On an H200 (Llama-3-8B shape, awq, 256 x
-    # (512 + 256) offline, docs/benchmarks.md session 18): 8,436 output tok/s against 8,121 for bf16 in the same
-    # run (7,628 on the Triton paths in session 17).
+    # dequantize pass read too) and run 2-256 rows on the Gluon GEMM, faster than the Triton paths
+    # (docs/benchmarks.md).
     int4_mma_layout: bool = True
     # The many-row 4-bit GEMM's tiles by weight shape, ``{(n, k): ((max rows, tile or None), ...)}`` (keys may be
     # written "NxK"); None: the built-in table (``quant.int4_row.INT4_GEMM_TILES``).

@@ -75,8 +75,8 @@ def _round_to_e4m3(x):
     bits = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576  # keep 3 of float32's 23 mantissa bits
     r = bits.to(tl.float32, bitcast=True)
     r = tl.minimum(tl.where(small, r - 0.015625, r), 448.0)
-    # The sign bit copied, not ``-r``: compiled, a negation is ``0 - r``, which turns -0.0 into +0.0 (the
-    # H200 wrote byte 0 where torch writes 128 for tiny negative values).
+    # The sign bit copied, not ``-r``: compiled, a negation is ``0 - r``, which turns -0.0 into +0.0 (byte 0
+    # where torch writes 128 for tiny negative values).
     sign = x.to(tl.int32, bitcast=True) & -2147483648
     return (r.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
 
@@ -423,7 +423,7 @@ def paged_decode_attention(
         BLOCK_G=max(16, triton.next_power_of_2(group)),  # tl.dot needs M >= 16
         BLOCK_SIZE=block_size, HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_N=_DECODE_BLOCK_N, DOT_PRECISION=_dot_precision(q.dtype),
-        # Measured on H200 (bf16, D=128): 64-key tiles, 3 stages reach ~4.3 TB/s at large batch.
+        # 64-key tiles in 3 stages: the fastest decode configuration timed (docs/benchmarks.md).
         num_warps=4, num_stages=3 if q.element_size() <= 2 else 2, **pdl_args(q, pdl),
     )
     if num_splits > 1:
@@ -513,8 +513,8 @@ def _prefill_config(max_query_len: int, block_d: int, element_size: int) -> tupl
         # Short chunks (decode-like steps mixed into a prefill batch): don't pad to a big query tile.
         return max(16, triton.next_power_of_2(max_query_len)), 64, 4, 2
     if max_query_len >= 512 and block_d <= 128 and element_size <= 2:
-        # Measured on H200 (bf16, D=128, 4096-token prompt): ~320 TFLOP/s against ~300 for 64 x 64 tiles.
-        # The 3-stage K/V ring needs ~220 KB of shared memory, hence 16-bit inputs and D <= 128 only.
+        # 128 x 128 tiles beat 64 x 64 on long prompts (docs/benchmarks.md); the 3-stage K/V ring needs ~220 KB
+        # of shared memory, hence 16-bit inputs and D <= 128 only.
         return 128, 128, 8, 3
     return 64, 64 if block_d <= 128 else 32, 4, 2
 

@@ -242,7 +242,7 @@ ARGMAX_CHUNK = 1024  # columns a first-stage program reduces: 126 programs for L
 def greedy_argmax(logits: torch.Tensor, chunk: int = ARGMAX_CHUNK) -> torch.Tensor:
     """``logits.argmax(-1)`` of ``[R, V]`` logits in two stages: the maximum of each chunk of
     ``chunk`` columns (a power of two), many programs at once, then the first chunk holding the row's maximum.
-    PyTorch's one-row reduction over Llama-3's vocabulary took 27 us of an H200's decode step. Ties go to
+    PyTorch's one-row reduction over a large vocabulary is one slow program (docs/benchmarks.md). Ties go to
     the first column, as in torch.argmax; a NaN counts as the maximum (as +inf: a row with both NaN and +inf
     gives the first of either)."""
     x2 = _rows(logits)

@@ -28,21 +28,15 @@ from kvloom.kernels.quant.tinygemm import tinygemm_pack  # noqa: F401
 FP8_GEMV_MAX_ROWS = 16
 
 
-# What the engine gives it: up to 16 rows. Alone it is faster than dequantize + cuBLAS at 32 and 63 rows
-# too (gate_up 70 and 95 against 173 us), but end to end (256 x (512 + 256) offline, the same H200 run,
-# session 10) routing 17-63 rows to it gave 5,100 output tok/s against 7,303 with 16: those rows come in
-# eager mixed steps (the last layer's kept rows); an unverified guess is that each new row count compiles its
-# variant there, inside the timed run (its BLOCK_M follows the rows). From 17 rows int4_row_gemm runs, whose
-# row count is not specialized (one compiled kernel a tile).
+# The 5-16-row tensor-core kernel compiles a variant per row count: beyond 16 rows (eager mixed steps)
+# int4_row_gemm, one compiled kernel a tile, was faster end to end (docs/benchmarks.md).
 INT4_MMA_ROWS = 16
 
 
 # Rows up to which 4-bit layers may run int4_row_gemm (from INT4_MMA_ROWS + 1); beyond, dequantize + cuBLAS.
 INT4_GEMM_MAX_ROWS = 256
-# Up to how many rows a layer on the MMA row layout (Hopper) takes the Gluon GEMM (kvloom/kernels/quant/gluon_int4.py),
-# and beyond, dequantize + cuBLAS. On an H200 at Llama-3-8B's shapes (session 18, pairs of values dequantized an
-# instruction) it is 1.0-2.1x faster than the Triton row-layout paths (int4_row.py) from 4 to 256 rows, and 1.2x cuBLAS
-# bf16's time for gate_up and down at 256 rows.
+# Rows up to which a layer on the MMA row layout (Hopper) takes the Gluon GEMM, the fastest path there up to 256
+# rows (docs/benchmarks.md); beyond, dequantize + cuBLAS.
 INT4_MMA_GLUON_MAX_ROWS = 256
 
 
@@ -70,14 +64,13 @@ def int4_row_matmul_dequantized(x: torch.Tensor, packed: torch.Tensor, zeros: to
 
 
 # --------------------------------------------------------------------------------------------------
-# Which path a quantized layer takes, by row count and shape: a fixed rule read off the CUDA-graph timings
-# of benchmarks/quant_kernels_gpu.py at Llama-3-8B's shapes on an H200 (docs/benchmarks.md; weights
-# rotated past L2). Timing the candidates at start-up instead was tried and chose wrongly: eager calls
-# of a few microseconds measure their Python launch, not the kernel that a CUDA graph replays.
+# Which path a quantized layer takes, by row count and shape: a fixed rule read off CUDA-graph timings
+# (benchmarks/quant_kernels_gpu.py, docs/benchmarks.md), because timing eager calls at start-up measures
+# their Python launch, not the kernel a CUDA graph replays.
 # --------------------------------------------------------------------------------------------------
-TINYGEMM_MAX_ROWS = 4  # 1.6-1.8x bf16 at one row; 0.44-0.60x at 16 rows, where the tensor-core kernel wins
-INT_DEQUANTIZE_MIN_ROWS = 64  # 0.54-0.61x bf16 at 256 rows against the tensor-core kernel's 0.28-0.41x
-FP8_WIDE_N = 16384  # at 2-16 rows, W8A8 beats the weight-only GEMV on wide outputs (gate_up: 1.58x vs 1.28x)
+TINYGEMM_MAX_ROWS = 4  # tinygemm is the fastest at a few rows and collapses by 16
+INT_DEQUANTIZE_MIN_ROWS = 64  # from here dequantize + cuBLAS beats the in-kernel dequantizing GEMM
+FP8_WIDE_N = 16384  # at 2-16 rows W8A8 beats the weight-only GEMV on outputs this wide
 
 
 def int_linear(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor,
@@ -94,16 +87,12 @@ def int_linear(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor, scal
 
 
 # 4-bit layers on CUDA hold the row layout (``int4_row_pack``) and, where PyTorch's int4 GEMM takes the
-# shape, tinygemm's copy of the weight. By rows (benchmarks/int4_gemv_sweep_gpu.py at Llama-3-8B's shapes
-# on an H200, session 10; CUDA-graph replay, weights past L2; microseconds):
-# * one row: the row GEMV, except on weights of 4096 x 4096 and less, where tinygemm is faster (o_proj
-#   6.84 against 8.02); qkv_proj 8.99 (tinygemm 9.26), gate_up_proj 27.44 (33.2), down_proj 17.59 (18.69);
-# * 2-4 rows: tinygemm (gate_up 34.6 at 2 rows, 47.1 at 4), the tensor-core kernel where it is missing;
-# * 5-16 rows: the output-major tensor-core kernel on the row layout (gate_up 60 at 8 and 16 rows; the
-#   K-packed tensor-core kernel took 67-70, dequantize + cuBLAS 173, tinygemm 78-135);
+# shape, tinygemm's copy of the weight. By rows, the fastest path at each (docs/benchmarks.md):
+# * one row: the row GEMV, except on weights of 4096 x 4096 and less, where tinygemm is faster;
+# * 2-4 rows: tinygemm, the tensor-core kernel where it is missing;
+# * 5-16 rows: the output-major tensor-core kernel on the row layout;
 # * 17-256 rows: the many-row GEMM dequantizing tiles in registers into wgmma (``int4_row_gemm``, tiles by
-#   shape and rows from ``int4_gemm_tiles``), except where dequantize + cuBLAS measured faster (qkv_proj
-#   and o_proj from 129 rows; ``INT4_GEMM_TILES``);
+#   shape and rows from ``int4_gemm_tiles``), except where dequantize + cuBLAS is faster (``INT4_GEMM_TILES``);
 # * more rows: dequantize into the scratch buffer, then cuBLAS.
 # (The weight size from which one row takes the row GEMV over tinygemm: ``KernelOptions.int4_row_min_weight``.)
 # Groups the row-layout kernels take: a tile of theirs spans whole groups (the tensor-core kernel's K tile
@@ -128,9 +117,8 @@ def int4_linear(x: torch.Tensor, packed: torch.Tensor, zeros: torch.Tensor, scal
                 mma_layout: bool = False, options: KernelOptions = DEFAULT_KERNELS) -> torch.Tensor:
     """A 4-bit layer on CUDA by rows, on the row layout, or with ``mma_layout`` on the Gluon GEMM's MMA row
     layout (Hopper), and tinygemm's copy where there is one. On the MMA layout one row also takes the Gluon
-    GEMM (x padded to 8 rows): at Llama-3-8B's shapes on an H200 (session 18) its 29.7, 16.5 and 10.5 us for
-    gate_up, down and qkv are the row GEMV's time on the row layout (27.6, 17.4, 11.4), where the GEMV on the
-    MMA layout, reading x at scattered inputs, made batch-1 decode 10% slower (335 against 371 tok/s)."""
+    GEMM (x padded to 8 rows), as fast as the row GEMV on the row layout, where the GEMV on the MMA layout
+    reads x at scattered inputs and is slower (docs/benchmarks.md)."""
     rows = x.numel() // x.shape[-1]
     n, k = packed.shape[0], packed.shape[1] * 8
     one_row = rows == 1 and int4_one_row_path(n, k, x.dtype, tinygemm, options) == "row"

@@ -118,8 +118,7 @@ def fp8_weight_only_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: 
 # shared memory per tile); a decode row only needs each weight value once, multiplied and summed along K.
 # These kernels keep the loaded tile in the layout it arrives in (128-bit loads along the contiguous dim)
 # and reduce with plain FMAs. Row programs are the fastest grid axis, so the rows that share a weight
-# tile run together and all but the first read it from L2. (An int4 GEMV on the K-packed layout,
-# converting each value with an integer-to-float instruction, was replaced by the row GEMV, int4_row.py.)
+# tile run together and all but the first read it from L2. (The int4 GEMV is int4_row.py's.)
 
 
 @triton.jit
@@ -329,9 +328,8 @@ def fp8_qkv_rope_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch
     return out.reshape(*x.shape[:-1], n)
 
 
-# The fused qkv + rotary GEMV's K tile at least this (up to K's power of two): on an H200 at Llama-3-8B's
-# qkv_proj, in the decode step, 1024 took 259 us a step against 310 for the one-row tile's 512 (session 15,
-# docs/benchmarks.md); the plain qkv GEMV keeps 512, which its own sweep picked.
+# The fused qkv + rotary GEMV's K tile at least this (up to K's power of two): faster in the decode step than
+# the plain qkv GEMV's 512 (docs/benchmarks.md).
 FP8_QKV_ROPE_MIN_BLOCK_K = 1024
 
 
@@ -346,17 +344,9 @@ def fp8_qkv_rope_tiles(n: int, k: int, options: KernelOptions = DEFAULT_KERNELS)
     return dict(tiles, BLOCK_N=max(tiles["BLOCK_N"] // 2, 1), BLOCK_K=block_k)
 
 
-# One row of FP8 weights: fixed tiles of the FMA GEMV, read off a sweep of 132 tile configs per shape on an
-# H200 (benchmarks/gemv_sweep_gpu.py, session 9: CUDA-graph replay, weights past L2), by weight size up to
-# Llama-3-8B's gate_up_proj. Microseconds against what ran before (the autotuned GEMV, which timing eager
-# calls had picked slower tiles, or for o_proj the tl.dot GEMV): o_proj 7.47 (12.54), qkv_proj 9.98
-# (12.85), down_proj 22.07 (30.49), gate_up_proj 36.01 (39.41). Batch-1 decode of the 8B shape went from
-# 1.30x to 1.43x of bf16 (302 against 211 tok/s). Larger weights keep the autotuner.
-# Session 11 re-timed them inside the decode step (PDL on, benchmarks/decode_profile_gpu.py --set): only
-# down_proj moved, 8 x 1024 in 2 stages taking 17.1 us of the step's critical path against 19.4 for
-# 16 x 1024 in 4; wider and 8-warp tiles were slower everywhere. Session 17 (same profile): down_proj in two
-# K splits (SPLIT_COMBINE) took 522 us a step against 576 unsplit, the step 2,618 against 2,667-2,669 (382.6
-# against 375.6-375.9 tok/s); o_proj split in two moved 225 to 217 us, within noise, and stays unsplit.
+# One row of FP8 weights: fixed tiles of the FMA GEMV by weight size up to Llama-3-8B's gate_up_proj, the
+# fastest of a CUDA-graph sweep and of the decode-step profile (benchmarks/gemv_sweep_gpu.py,
+# benchmarks/decode_profile_gpu.py; docs/benchmarks.md); larger weights keep the autotuner.
 FP8_ROW_TILES = (
     (4096 * 4096, dict(BLOCK_N=8, BLOCK_K=1024, SPLIT_K=1, num_warps=4, num_stages=2)),
     (6144 * 4096, dict(BLOCK_N=8, BLOCK_K=512, SPLIT_K=1, num_warps=4, num_stages=2)),

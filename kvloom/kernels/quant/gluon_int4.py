@@ -2,7 +2,7 @@
 with the dequantized weight as wgmma's register operand: ``out.T = W x.T``. The weight never goes through shared
 memory. Triton's ``tl.dot`` version (``int4_row.int4_row_gemm``) stores each dequantized tile to shared
 memory and waits for each wgmma, so dequantization and the MMA alternate, and shared-memory bandwidth is spent
-twice on the weight (docs/benchmarks.md, sessions 16 and 17).
+twice on the weight (docs/benchmarks.md).
 
 **The MMA row layout** (``int4_mma_pack``): ``[N, K / 8]`` int32 words like the row layout, but inside each
 64-input block of a row, word ``2 q + c`` holds inputs ``32 c + 16 n2 + 8 n1 + 2 q + n0`` at nibble
@@ -253,10 +253,8 @@ def int4_mma_gemm_ok(n: int, k: int, group_size: int, dtype: torch.dtype, config
             and group_size % bk == 0 and k % group_size == 0 and n % 8 == 0)
 
 
-# Up to how many rows split-K tiles combine their own splits (arrivals.py): at one row on an H200 (session 18) that
-# and PDL took the awq decode step from 2,803 to 2,609 us (the fill and cast kernels of 2 of the 4 GEMMs a layer
-# gone), while at 256 rows, where partials of 256 x N floats go through L2 twice, offline throughput fell from
-# 8,660 to 8,386 tok/s against atomic adds into a zeroed float32 output.
+# Up to how many rows split-K tiles combine their own splits (arrivals.py): at few rows that saves the fill and
+# cast kernels, while many rows' partials going through L2 twice cost more than atomic adds (docs/benchmarks.md).
 COMBINE_MAX_ROWS = 16
 
 
@@ -285,12 +283,8 @@ def int4_mma_gemm(x: torch.Tensor, packed: torch.Tensor, zeros: torch.Tensor, sc
 
 
 # Tiles (BLOCK_M, BLOCK_N, BLOCK_K, STAGES, num_warps, SPLIT_K) by weight shape and row bucket (the smallest
-# bucket at or above the row count), the best of 12-17 configs a bucket on an H200 (session 17,
-# benchmarks/int4_mma_gemm_sweep_gpu.py: CUDA-graph replay, weights past L2;
-# benchmarks/results/h200_int4_mma_gemm_sweep_s17.jsonl); re-swept in session 18 with pairs of values dequantized
-# an instruction (h200_int4_mma_gemm_sweep_s18_pairs.jsonl: rows 1-256), where only gate_up's best tiles up to 16
-# rows moved (no K split: 29.7-30.7 against 30.7-31.9 us).
-# Llama-3-8B's projections (Mistral-7B's are the same); other shapes take int4_mma_tiles' rule.
+# bucket at or above the row count): the best configs of benchmarks/int4_mma_gemm_sweep_gpu.py (docs/benchmarks.md)
+# at Llama-3-8B's projections (Mistral-7B's are the same); other shapes take int4_mma_tiles' rule.
 INT4_MMA_TILES = {
     (28672, 4096): ((4, (8, 64, 128, 4, 4, 1)), (8, (8, 64, 128, 4, 4, 1)), (16, (16, 64, 128, 4, 4, 1)), (32, (32, 64, 128, 4, 4, 1)), (64, (64, 128, 64, 4, 8, 1)), (128, (128, 128, 64, 3, 8, 1)), (256, (256, 128, 64, 4, 8, 1))),
     (4096, 14336): ((4, (8, 64, 128, 4, 4, 8)), (8, (8, 64, 128, 4, 4, 8)), (16, (16, 64, 128, 4, 4, 8)), (32, (32, 64, 128, 4, 4, 4)), (64, (64, 64, 128, 4, 4, 4)), (128, (128, 128, 64, 4, 8, 4)), (256, (256, 128, 64, 4, 8, 4))),

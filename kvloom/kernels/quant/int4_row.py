@@ -17,8 +17,8 @@ from kvloom.kernels.quant.common import (_combine_split_k, _finish, _out_buffer,
 # --------------------------------------------------------------------------------------------------
 # 4-bit GEMV for one row, on the row-major layout of the weight. The K-packed kernels (int_kpacked.py) convert each
 # value with an integer-to-float instruction (a quarter-rate conversion on Hopper) after a shift, a mask
-# and a sign fix: about six instructions per weight, which capped the int4 GEMVs near 1.85 TB/s of packed
-# bytes, below HBM's rate. Here a value costs about four: its nibble is shifted into float32 mantissa
+# and a sign fix: about six instructions per weight, too many to stream the packed bytes at HBM's rate
+# (docs/benchmarks.md). Here a value costs about four: its nibble is shifted into float32 mantissa
 # bits 16-19 and OR-ed with 1.0's bit pattern, which is the float ``1 + q / 128`` exactly, and one FMA; the
 # offset and the zero point are taken out once per group, ``sum x (q - z) s = s (128 sum x f - (128 + z) sum x)``.
 # The layout (``int4_row_pack``): ``[N, K / 8]`` int32, nibble ``j`` of word ``w`` holding input
@@ -222,9 +222,8 @@ def _int4_mma_kernel(
 INT4_MMA_MAX_ROWS = 64  # what the kernel takes (x padded to 16, 32 or 64 rows)
 
 
-# Tiles from benchmarks/int4_gemv_sweep_gpu.py --kernel mma on an H200 (session 10): 64 outputs and K in four
-# up to 16 rows; 128 outputs a program beyond (o_proj at 63 rows 25.6 against 28.2 us) and for wide
-# weights (gate_up_proj, 28672 outputs, K whole: 95 against 146 us at 63 rows, 60 against 63 at 4-16).
+# Tiles from benchmarks/int4_gemv_sweep_gpu.py --kernel mma (docs/benchmarks.md): 64 outputs and K in four up to
+# 16 rows; 128 outputs a program beyond, and for wide weights (K whole).
 INT4_MMA_TILE = dict(BLOCK_N=64, SPLIT_K=4, num_warps=4, num_stages=3)
 INT4_MMA_TILE_ROWS = dict(BLOCK_N=128, SPLIT_K=4, num_warps=8, num_stages=4)
 INT4_MMA_TILE_WIDE = dict(BLOCK_N=128, SPLIT_K=1, num_warps=4, num_stages=3)
@@ -411,15 +410,9 @@ def _gemm_tile(bm, bn, bk, split, swap, warps):
     return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, SPLIT_K=split, SWAP=swap, num_warps=warps, num_stages=3)
 
 
-# Tiles read off benchmarks/int4_gemm_sweep_gpu.py on an H200 (session 16; CUDA-graph replay, weights past L2,
-# group 128), by weight shape: {(n, k): ((max_rows, tile or None), ...)}, the first bucket holding the row
-# count wins, None where dequantize + cuBLAS was faster. Microseconds against cuBLAS bf16 and dequantize +
-# cuBLAS at 32 / 64 / 128 / 256 rows:
-# * qkv_proj  6144 x 4096:  23.2 / 26.8 / 40.5 / -      (cuBLAS 15.6-20.7; dequantize 41.3 / 42.5 / 44.0 / 48.9)
-# * o_proj    4096 x 4096:  20.4 / 23.4 / - / -         (12.8-16.6; 28.8 / 27.3 / 31.3 / 32.9)
-# * gate_up  28672 x 4096:  59.6 / 63.8 / 82.5 / 158.1  (58.3 / 62.4 / 67.1 / 92.1; 173.7 / 175.6 / 179.9 / 200.7)
-# * down      4096 x 14336: 51.5 / 55.4 / 70.5 / 93.8   (33.4 / 36.2 / 37.5 / 49.0; 93.4 / 96.4 / 98.9 / 107.1)
-# (Mistral-7B has the same shapes.) Other shapes take int4_gemm_tiles' rule, which follows these.
+# Tiles read off benchmarks/int4_gemm_sweep_gpu.py at Llama-3-8B's (and Mistral-7B's) shapes, group 128
+# (docs/benchmarks.md), by weight shape: {(n, k): ((max_rows, tile or None), ...)}, the first bucket holding
+# the row count wins, None where dequantize + cuBLAS was faster. Other shapes take int4_gemm_tiles' rule.
 INT4_GEMM_TILES: dict = {
     (6144, 4096): ((64, _gemm_tile(64, 64, 128, 4, True, 4)), (128, _gemm_tile(64, 64, 128, 2, True, 4)),
                    (256, None)),

@@ -6,9 +6,8 @@ import torch
 
 
 # --------------------------------------------------------------------------------------------------
-# PyTorch's int4 decode GEMM (tinygemm, ``torch._weight_int4pack_mm``): the fastest of all at one row on
-# an H200 (1.6-1.8x bf16's time at Llama-3-8B's shapes), and collapsing beyond a few rows, so it is one
-# more candidate for decode rows, kept as a second layout made at load beside the K-packed one.
+# PyTorch's int4 decode GEMM (tinygemm, ``torch._weight_int4pack_mm``): among the fastest at one row and slow
+# beyond a few rows, so one more candidate for decode rows, in a second layout made at load.
 # --------------------------------------------------------------------------------------------------
 TINYGEMM_GROUPS = (32, 64, 128, 256)
 

@@ -6,8 +6,8 @@ and online quantization of a dense checkpoint (per-channel weight scales, dynami
 Where the GPU has FP8 matmuls (Ada, Hopper and later) the layer runs W8A8 through ``torch._scaled_mm``
 with row-wise scales (fast accumulation), and decode-sized batches (up to 16 rows) W8A8 or one of two
 weight-only Triton FP8 GEMVs (bf16 activations: reading the FP8 weight is the whole cost there), by the
-rule ``kvloom.kernels.quant.dispatch.fp8_linear_path`` measured on an H200; elsewhere (the CPU, older GPUs) and for block-wise scales, weight-only: the FP8
-weight is dequantized at load, so its rounding is kept and the matmul is dense.
+rule ``kvloom.kernels.quant.dispatch.fp8_linear_path``; elsewhere (the CPU, older GPUs) and for block-wise
+scales, weight-only: the FP8 weight is dequantized at load, so its rounding is kept and the matmul is dense.
 """
 
 from __future__ import annotations
@@ -59,8 +59,7 @@ def fp8_w8a8_linear(x: torch.Tensor | FP8Rows, weight: torch.Tensor, weight_scal
             if pad:
                 xq = F.pad(xq.view(torch.uint8), (0, 0, 0, pad)).view(FP8_DTYPE)
                 scale = F.pad(scale, (0, 0, 0, pad), value=1.0)
-    # Hopper's fast accumulation: 1.05-1.15x the GEMM at 256-4096 rows of Llama-3-8B (H200,
-    # benchmarks/quant_kernels_gpu.py), within the tolerance of tests/kernels' W8A8 test.
+    # Hopper's fast accumulation: faster (docs/benchmarks.md) and within the tolerance of tests/kernels' W8A8 test.
     out = torch._scaled_mm(xq, weight.t(), scale_a=scale.contiguous(), scale_b=weight_scale.reshape(1, -1),
                            out_dtype=dtype, use_fast_accum=xq.is_cuda)[:rows]
     if bias is not None:
