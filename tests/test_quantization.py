@@ -271,9 +271,9 @@ def test_engine_plan_sizes_each_format_from_the_engines_layers(tmp_path, capsys)
     int4 = linear // 2 + linear // 128 * 3
     # on Hopper the weights are held once, in the Gluon GEMM's MMA row layout, and tinygemm's copy only for
     # the weights whose one row it runs (o_proj's 4096 x 4096)
-    from kvloom.kernels import gluon_quant as gq
+    from kvloom.kernels.quant import dispatch
 
-    hopper = torch.cuda.is_available() and gq.mma_layout_wanted(torch.device("cuda"), 4096, 128, torch.bfloat16)
+    hopper = torch.cuda.is_available() and dispatch.mma_layout_wanted(torch.device("cuda"), 4096, 128, torch.bfloat16)
     copied = 32 * 4096 * 4096 if hopper else linear
     tinygemm = copied // 2 + copied // 128 * 4
     assert sizes[None] - sizes["awq"] == linear * 2 - (int4 + tinygemm) == sizes[None] - sizes["gptq"]

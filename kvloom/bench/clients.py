@@ -26,7 +26,7 @@ STREAMS_PER_CLIENT = 64  # streams one client process times faithfully (the defa
 MAX_CLIENT_PROCESSES = 256
 SATURATED_BUSY = 0.9  # a client using more than this fraction of a core is the bottleneck of its own timings
 # A client whose event loop wakes this late (90th percentile) stamps its chunks that late: with many streams a
-# loop can be far behind while its process still idles part of the time (58% busy at 0.03 ms ITL on an H200).
+# loop can be far behind while its process still idles part of the time (docs/benchmarks.md).
 SATURATED_LAG_MS = 2.0
 LAG_PROBE_S = 0.005  # how often the loop-lag probe asks to be woken
 READY_TIMEOUT_S = 120.0  # a spawned client imports httpx and numpy: seconds on a loaded machine

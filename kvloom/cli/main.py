@@ -56,7 +56,7 @@ def add_config_flags(group, cls, skip: tuple[str, ...] = (), shown_defaults: dic
         elif f.name == "plugins":
             kw["type"] = _split_names
             kw["metavar"] = "A,B"
-        elif f.name in ("hf_overrides", "plugin_options", "api_keys"):
+        elif f.name in ("hf_overrides", "kernel_options", "plugin_options", "api_keys"):
             kw["type"] = json.loads
             kw["metavar"] = "JSON"
         else:

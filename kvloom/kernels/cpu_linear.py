@@ -3,10 +3,8 @@
 ``F.linear`` on the CPU hands a plain row-major weight to the BLAS on every call, which re-blocks it
 for its micro-kernel each time; for the small-M matmuls of decoding that re-blocking costs as much as
 the product. oneDNN can take the weight already laid out in its blocked format, once, after loading
-(the pass PyTorch's own inductor runs under ``freezing``, and vLLM's CPU backend runs too). Measured on
-this project's 2-core AVX-512 CPU, SmolLM2 shapes, malloc tuned as the engine runs: decode (M=32)
-1.2-1.5x faster in both dtypes and 2.7x for float32's output projection; prefill-sized calls (M=2048)
-mostly 1.05-1.5x (``python benchmarks/cpu_linear.py``).
+(the pass PyTorch's own inductor runs under ``freezing``, and vLLM's CPU backend runs too), faster at decode
+and prefill sizes alike (``python benchmarks/cpu_linear.py``, docs/benchmarks.md).
 Numerics stay those of the dtype (float32 accumulates in float32, in another order than MKL).
 """
 

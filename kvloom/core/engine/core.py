@@ -94,12 +94,13 @@ class EngineCore:
             self.tp_driver = TPDriver(config, self.device, tp_worker_module)
         tp = self.tp_driver.tp if self.tp_driver is not None else None
         t0 = time.perf_counter()
-        self.attention_backend = get_attention_backend(self.device)
+        kernels = config.kernels()
+        self.attention_backend = get_attention_backend(self.device, kernels)
         self.quantization = self.plugins.make_quantization(self.hf_config, config)  # None: dense
         self.model = build_model(
             self.model_path, self.hf_config, load_format=config.load_format, device=self.device,
             dtype=self.dtype, backend=self.attention_backend, max_positions=self.max_model_len, seed=config.seed,
-            quantization=self.quantization, tp=tp,
+            quantization=self.quantization, tp=tp, kernels=kernels,
         )
         logger.info("Loaded %s (%s, %s) in %.1fs", config.model, self.dtype, self.device, time.perf_counter() - t0)
         if self.thread_governor is not None:
@@ -120,7 +121,7 @@ class EngineCore:
         if draft_kv is not None:  # the draft model's weights and forward count in the memory profile below
             proposer.load(device=self.device, dtype=self.dtype, load_format=config.load_format,
                           max_model_len=self.max_model_len, seed=config.seed,
-                          max_num_batched_tokens=config.max_num_batched_tokens)
+                          max_num_batched_tokens=config.max_num_batched_tokens, kernels=kernels)
         self.capacity = self._kv_capacity()
         if tp is not None:  # every rank holds every block: the group's capacity is its smallest rank's
             self.capacity = self.tp_driver.group_capacity(self.capacity, self.hf_config, self.dtype, self.quantization)

@@ -19,6 +19,7 @@ from tqdm.auto import tqdm
 from kvloom.core.model.attention.base import AttentionBackend
 from kvloom.core.model.cpu_packing import pack_layer, pack_tied_output
 from kvloom.core.model.families.llama import SUPPORTED_ARCHITECTURES, DecoderLM
+from kvloom.kernels.options import DEFAULT_KERNELS, KernelOptions
 from kvloom.core.model.linear import LinearBase
 
 logger = logging.getLogger("kvloom")
@@ -256,11 +257,13 @@ def weight_bytes(hf_config, dtype: torch.dtype, method, device_type: str, tp=Non
     return total
 
 
-def make_model(config, backend: AttentionBackend, dtype: torch.dtype, quantization=None, tp=None) -> DecoderLM:
+def make_model(config, backend: AttentionBackend, dtype: torch.dtype, quantization=None, tp=None,
+               kernels: KernelOptions = DEFAULT_KERNELS) -> DecoderLM:
     """The model on the meta device, its layers in the quantization method's format, holding tensor-parallel
-    rank ``tp``'s share (``engine plan`` sizes weights from exactly this)."""
+    rank ``tp``'s share (``engine plan`` sizes weights from exactly this); ``kernels``: its CUDA kernels' options."""
     with torch.device("meta"), default_dtype(dtype):
-        return SUPPORTED_ARCHITECTURES[check_architecture(config)](config, backend, quantization, tp=tp)
+        return SUPPORTED_ARCHITECTURES[check_architecture(config)](config, backend, quantization, tp=tp,
+                                                                   kernels=kernels)
 
 
 def build_model(
@@ -276,11 +279,12 @@ def build_model(
     quantization=None,
     pack_cpu_weights: bool = True,
     tp=None,
+    kernels: KernelOptions = DEFAULT_KERNELS,
 ) -> DecoderLM:
     """Create the model on ``device`` (its linear layers in ``quantization``'s format, or dense), fill its
     weights from ``path`` (or randomly for ``dummy``), then process them once: the format's repacking,
     then on the CPU oneDNN packing of dense weights unless ``pack_cpu_weights`` is false."""
-    model = _materialize(make_model(config, backend, dtype, quantization, tp), device)
+    model = _materialize(make_model(config, backend, dtype, quantization, tp, kernels), device)
     if load_format == "dummy":
         _init_dummy(model, seed)
     else:

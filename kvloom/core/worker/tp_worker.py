@@ -45,13 +45,14 @@ class TPWorker:
         self.hf_config = load_hf_config(resolve_model(config.model), config.hf_overrides)
         self.dtype = resolve_dtype(config.dtype, device, self.hf_config)
         self.max_model_len = capacity.resolve_max_model_len(self.hf_config, config.max_model_len)
-        self.attention_backend = get_attention_backend(device)
+        kernels = config.kernels()
+        self.attention_backend = get_attention_backend(device, kernels)
         # What the shared memory profile (EngineCore._profile_free_gpu_memory) counts from.
         self._gpu_start = capacity.gpu_memory_snapshot(device) if device.type == "cuda" else None
         self.model = build_model(
             resolve_model(config.model), self.hf_config, load_format=config.load_format, device=device,
             dtype=self.dtype, backend=self.attention_backend, max_positions=self.max_model_len, seed=config.seed,
-            quantization=parts.make_quantization(self.hf_config, config), tp=tp,
+            quantization=parts.make_quantization(self.hf_config, config), tp=tp, kernels=kernels,
         )
         profile = self._profile if device.type == "cuda" else None
         cap = capacity.kv_capacity(config, self.hf_config, self.dtype, self.max_model_len, profile, size)

@@ -55,22 +55,27 @@ PLAN_DEFAULTS = {
 }
 
 
-def make_method(name: str, hf_config, *, plan_defaults: bool = False) -> "QuantizationMethod":
+def make_method(name: str, hf_config, *, plan_defaults: bool = False, kernels=None) -> "QuantizationMethod":
     """The method ``name`` for this checkpoint, from its ``quantization_config`` (checked key by key).
-    ``plan_defaults``: size an unquantized checkpoint as if quantized with the usual settings."""
+    ``plan_defaults``: size an unquantized checkpoint as if quantized with the usual settings; ``kernels``
+    (``KernelOptions``): what its CUDA kernels run with (default: the engine's defaults)."""
     qc = checkpoint_quantization_config(hf_config)
     if qc is None and plan_defaults and name in PLAN_DEFAULTS:
         qc = dict(PLAN_DEFAULTS[name])
     if name == "awq":
         from kvloom.core.model.quantization.awq import AWQMethod
 
-        return AWQMethod.from_config(qc or {})
-    if name == "gptq":
+        method = AWQMethod.from_config(qc or {})
+    elif name == "gptq":
         from kvloom.core.model.quantization.gptq import GPTQMethod
 
-        return GPTQMethod.from_config(qc or {})
-    if name == "fp8":
+        method = GPTQMethod.from_config(qc or {})
+    elif name == "fp8":
         from kvloom.core.model.quantization.fp8 import FP8Method
 
-        return FP8Method.from_config(qc)
-    raise ConfigError(f"quantization={name!r} is not one of {list(QUANTIZATIONS)}")
+        method = FP8Method.from_config(qc)
+    else:
+        raise ConfigError(f"quantization={name!r} is not one of {list(QUANTIZATIONS)}")
+    if kernels is not None:
+        method.kernels = kernels
+    return method

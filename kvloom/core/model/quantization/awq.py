@@ -75,7 +75,7 @@ class AWQLinearMethod:
             set_dense_weight(layer, weight)
             return
         qweight, zeros = repack_awq(layer.qweight.data, layer.qzeros.data)
-        set_packed_weight(layer, qweight, zeros, layer.scales.data, m.group_size, 4)
+        set_packed_weight(layer, qweight, zeros, layer.scales.data, m.group_size, 4, kernels=m.kernels)
         m.kernel = INT_KERNELS[4, layer.method.layout] + " (AWQ repacked at load)"
 
     def apply(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
@@ -86,7 +86,7 @@ class AWQLinearMethod:
             return dense_bytes(layer)
         zeros = layer.qzeros.numel() * 8  # unpacked to a uint8 each
         return (param_bytes(layer) - layer.qzeros.numel() * 4 + zeros
-                + tinygemm_bytes(layer, 4, self.method.group_size, device_type))
+                + tinygemm_bytes(layer, 4, self.method.group_size, device_type, self.method.kernels))
 
     @torch.no_grad()
     def init_dummy(self, layer: LinearBase, gen: torch.Generator) -> None:

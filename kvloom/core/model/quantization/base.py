@@ -8,6 +8,7 @@ import torch
 
 from kvloom.core.config import ConfigError
 from kvloom.core.model.linear import LinearMethod, UnquantizedLinearMethod
+from kvloom.kernels.options import DEFAULT_KERNELS, KernelOptions
 
 
 def param_bytes(layer) -> int:
@@ -30,9 +31,11 @@ def check_choice(qc: dict, key: str, supported: Sequence, method: str, default: 
 
 class QuantizationMethod:
     """A weight format: makes each linear layer's ``LinearMethod`` (which declares its parameters, loads
-    and repacks them, and runs the matmul). Layers named in ``modules_to_not_convert`` stay dense."""
+    and repacks them, and runs the matmul). Layers named in ``modules_to_not_convert`` stay dense.
+    ``kernels``: the options its CUDA kernels run with (the engine's ``kernel_options``)."""
 
     name = "?"
+    kernels: KernelOptions = DEFAULT_KERNELS
 
     def __init__(self, modules_to_not_convert: Sequence[str] = ()) -> None:
         self.modules_to_not_convert = tuple(modules_to_not_convert or ())
