@@ -60,6 +60,24 @@ def test_missing_model_or_busy_port_fail_at_once(tiny_llama, capsys):
     assert "cannot listen on 127.0.0.1" in capsys.readouterr().err
 
 
+def test_a_port_held_by_a_server_still_loading_fails_before_any_model_loads(tiny_llama, capsys, monkeypatch):
+    # The first server's launcher holds the port while its model loads (no worker is serving yet); a
+    # second one on that port must stop at once, not bind too and serve nothing.
+    from kvloom.launcher import Launcher, bind_http_socket
+
+    spawned = []
+    monkeypatch.setattr(Launcher, "_spawn", lambda self, module, *a, **k: spawned.append(module) or 1 / 0)
+    first = bind_http_socket("127.0.0.1", 0)
+    port = first.getsockname()[1]
+    try:
+        assert main(["--port", str(port), "--model", str(tiny_llama)]) == 2
+    finally:
+        first.close()
+    err = capsys.readouterr().err
+    assert spawned == []  # no engine process was started, so no model was loaded
+    assert err.count("\n") == 1 and f"cannot listen on 127.0.0.1:{port}" in err and f"port {port}" in err, err
+
+
 def test_generate_from_a_prompts_file(tiny_llama, tmp_path):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text('Hello there\n{"prompt": "Paris is"}\n')
