@@ -53,10 +53,12 @@ from kvloom.frontends.openai_requests import (
     chat_messages,
     chat_template_options,
     check_echo,
+    echoed_message,
     prompt_logprobs,
     sampling_params,
     split_prompts,
     structured_output,
+    truncate_prompt,
 )
 from kvloom.frontends.openai_responses import CompletionEcho, ResponseBuilder, UsageCounter
 from kvloom.frontends.output import TextDelta, fan_out
@@ -146,9 +148,10 @@ class OpenAIServer:
         """The served model a request names (no name: the first model), or 404 naming those served."""
         return core_for(self.cores, model)
 
-    def _request_id(self, request: Request, prefix: str) -> str:
-        # Echoed back only: the engine gets ids this frontend makes, so a reused id cannot mix outputs.
-        return request.headers.get("x-request-id") or f"{prefix}-{uuid.uuid4().hex}"
+    def _request_id(self, request: Request, prefix: str, given: str | None = None) -> str:
+        """The header's X-Request-Id, else the body's request_id (vLLM's field), else a new one. Echoed
+        back only: the engine gets ids this frontend makes, so a reused id cannot mix outputs."""
+        return request.headers.get("x-request-id") or given or f"{prefix}-{uuid.uuid4().hex}"
 
     def _start(self, core: FrontendCore, prepared: list[PreparedRequest]) -> AsyncIterator[tuple[int, TextDelta]]:
         model = core.ready.model_name
@@ -190,7 +193,11 @@ class OpenAIServer:
         core = self.core_for(req.model)
         responses = self.builders[core.ready.model_name]
         texts = split_prompts(req.prompt)
-        prompts = [core.check_token_ids(p) if isinstance(p, list) else await core.tokenize_text(p) for p in texts]
+        special = req.add_special_tokens is not False
+        truncating = req.truncate_prompt_tokens is not None
+        prompts = [truncate_prompt(core.check_token_ids(p) if isinstance(p, list) else
+                                   await core.tokenize_text(p, add_special_tokens=special, truncated=truncating),
+                                   req, core.max_model_len) for p in texts]
         check_echo(req)
         # max_tokens=0 (echo only): the engine generates one token, which the response leaves out.
         sp = sampling_params(req, 1 if req.max_tokens == 0 else req.max_tokens, req.logprobs,
@@ -199,11 +206,12 @@ class OpenAIServer:
                     for ids in prompts for choice in fan_out(sp, req.n)]
         echo = None
         if req.echo or req.prompt_logprobs is not None:
-            shown = [(t if isinstance(t, str) else responses.tokenizer.decode(ids, skip_special_tokens=False), ids)
-                     for t, ids in zip(texts, prompts)]
+            shown = [(t if isinstance(t, str) and not truncating else
+                      responses.tokenizer.decode(ids, skip_special_tokens=False), ids) for t, ids in zip(texts, prompts)]
             echo = CompletionEcho([p for p in shown for _ in range(req.n)], req.echo, req.logprobs,
                                   req.prompt_logprobs, generate=req.max_tokens != 0)
-        rid = self._request_id(request, "cmpl")
+        rid = self._request_id(request, "cmpl", req.request_id)
+        responses = responses.view(req.return_tokens_as_token_ids)
         usage = UsageCounter([len(p) for p in prompts], req.n)
         return await self._respond(request, core, prepared, req.stream, rid,
                                    lambda merged: responses.collect_completion(rid, merged, usage, len(prepared), echo),
@@ -228,19 +236,23 @@ class OpenAIServer:
                 # Compact JSON: a call's arguments never wander into whitespace until max_tokens.
                 constraint = StructuredOutputSpec(kind="json", spec=msgspec.json.encode(tools.schema).decode(),
                                                   any_whitespace=False)
-        ids = await core.tokenize_chat(chat_messages(req.messages), **options)
+        ids = await core.tokenize_chat(chat_messages(req.messages), add_special_tokens=bool(req.add_special_tokens),
+                                       truncated=req.truncate_prompt_tokens is not None, **options)
+        ids = truncate_prompt(ids, req, core.max_model_len)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-        sp = sampling_params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None, constraint)
+        sp = sampling_params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None, constraint,
+                             prompt_logprobs=req.prompt_logprobs)
         prepared = [core.prepare(ids, choice, priority=req.priority, max_tokens_param=param, prompt_param="messages")
                     for choice in fan_out(sp, req.n)]
-        rid = self._request_id(request, "chatcmpl")
+        rid = self._request_id(request, "chatcmpl", req.request_id)
+        responses = responses.view(req.return_tokens_as_token_ids)
         usage = UsageCounter([len(ids)], req.n)
+        echo, parser = echoed_message(req), self.config.tool_call_parser
         return await self._respond(request, core, prepared, req.stream, rid,
-                                   lambda merged: responses.collect_chat(rid, merged, usage, req.n, tools,
-                                                                              self.config.tool_call_parser),
-                                   lambda merged: responses.chat_events(req, rid, merged, usage, tools,
-                                                                             self.config.tool_call_parser))
+                                   lambda merged: responses.collect_chat(rid, merged, usage, req.n, tools, parser,
+                                                                         echo, req.prompt_logprobs),
+                                   lambda merged: responses.chat_events(req, rid, merged, usage, tools, parser, echo))
 
     # --- the rest ----------------------------------------------------------------------------------
     async def models(self, request: Request):

@@ -3,6 +3,7 @@ streams (with usage chunks and a final error event), and logprobs in the complet
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable
 
@@ -17,12 +18,15 @@ from kvloom.frontends.tool_parsers import ToolCall, ToolPlan, make_parser
 
 class ToolOutput:
     """One choice's tool calls: read from its text (auto, by the server's parser) or the forced JSON
-    (required, named). ``feed`` returns the content that can be streamed now."""
+    (required, named). ``feed`` returns the content that can be streamed now. A named call is the whole
+    output, so it streams as argument deltas as they come, and one cut short (max_tokens) is still a
+    call, with the raw text so far as its arguments (as vLLM returns it), never content."""
 
     def __init__(self, plan: ToolPlan, parser: str | None) -> None:
         self.plan = plan
         self.parser = make_parser(parser) if plan.mode == "auto" else None
         self.text = ""
+        self.named = ToolCall(plan.name, "") if plan.mode == "named" else None
 
     def feed(self, text: str) -> str:
         self.text += text
@@ -35,6 +39,8 @@ class ToolOutput:
         try:
             return "", self.plan.forced_calls(self.text)
         except (ValueError, KeyError, TypeError):  # cut short by max_tokens: not a whole call
+            if self.named is not None:
+                return "", [ToolCall(self.named.name, self.text, self.named.id)]
             return self.text, []
 
     def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
@@ -77,6 +83,7 @@ class UsageCounter:
     """Token counts of one HTTP request across its choices."""
 
     def __init__(self, prompt_lens: list[int], n: int) -> None:
+        self.prompt_lens = prompt_lens
         self.prompt_tokens = sum(prompt_lens)
         self.n = n
         self.completion: dict[int, int] = {}
@@ -86,6 +93,12 @@ class UsageCounter:
         self.completion[index] = delta.num_output_tokens
         if index % self.n == 0:
             self.cached[index] = delta.num_cached_tokens
+
+    def choice_info(self, index: int, delta: TextDelta | None) -> api.UsageInfo:
+        """vLLM's continuous usage stats: one choice's prompt and its tokens so far."""
+        prompt = self.prompt_lens[index // self.n]
+        done = delta.num_output_tokens if delta is not None else 0
+        return api.UsageInfo(prompt, done, prompt + done)
 
     def info(self) -> api.UsageInfo:
         completion = sum(self.completion.values())
@@ -102,8 +115,20 @@ class ResponseBuilder:
         self.model_name = model_name
         self._token_text: dict[int, str] = {}
         self._token_bytes: dict[int, bytes] = {}
+        self.tokens_as_ids = False
+
+    def view(self, tokens_as_ids: bool | None) -> "ResponseBuilder":
+        """This builder for one request: with ``tokens_as_ids`` (vLLM's return_tokens_as_token_ids),
+        logprobs name each token ``token_id:N``. The caches stay shared."""
+        if not tokens_as_ids:
+            return self
+        view = copy.copy(self)
+        view.tokens_as_ids = True
+        return view
 
     def token_text(self, token_id: int) -> str:
+        if self.tokens_as_ids:
+            return f"token_id:{token_id}"
         text = self._token_text.get(token_id)
         if text is None:
             text = self._token_text[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False)
@@ -169,8 +194,10 @@ class ResponseBuilder:
                     choice = self._with_prompt(choice, echo, index, delta.prompt_logprobs, delta.logprobs)
                     if echo.echo and choice.logprobs is not None:
                         offsets[index] = sum(len(t) for t in choice.logprobs.tokens)
-                yield sse(api.CompletionResponse(id=rid, choices=[choice], model=self.model_name))
+                yield sse(api.CompletionResponse(id=rid, choices=[choice], model=self.model_name,
+                                                 usage=usage.choice_info(index, delta) if every_chunk else None))
 
+        every_chunk = req.stream_options is not None and req.stream_options.usage_every_chunk
         include_usage = req.stream_options is not None and req.stream_options.include_usage
         usage_chunk = (lambda: api.CompletionResponse(id=rid, choices=[], model=self.model_name,
                                                       usage=usage.info())) if include_usage else None
@@ -223,12 +250,15 @@ class ResponseBuilder:
         return api.CompletionLogprobs(tokens, [lp.logprob for lp in lps], tops, text_offset)
 
     async def collect_chat(self, rid: str, merged, usage: UsageCounter, n: int, tools: ToolPlan | None = None,
-                           parser: str | None = None) -> api.ChatCompletionResponse:
+                           parser: str | None = None, echo: str = "",
+                           prompt_logprobs: int | None = None) -> api.ChatCompletionResponse:
         texts = [""] * n
         lps: list[list[api.TokenLogprobOut] | None] = [None] * n
         finals: list[TextDelta | None] = [None] * n
+        prompt_lps: list[TokenLogprobs] | None = None
         async for index, delta in merged:
             texts[index] += delta.text
+            prompt_lps = prompt_lps or delta.prompt_logprobs
             if delta.logprobs:
                 lps[index] = (lps[index] or []) + self.chat_logprobs(delta.logprobs).content
             if delta.finish_reason is not None:
@@ -236,7 +266,7 @@ class ResponseBuilder:
                 usage.add(index, delta)
         choices = []
         for i in range(n):
-            message, reason = api.ChatMessageOut(texts[i]), finals[i].finish_reason
+            message, reason = api.ChatMessageOut(echo + texts[i]), finals[i].finish_reason
             out = _tool_output(tools, parser)
             if out is not None:
                 content, calls = out.parse(texts[i])
@@ -247,22 +277,37 @@ class ResponseBuilder:
             choices.append(api.ChatChoice(index=i, message=message, finish_reason=reason,
                                           logprobs=api.ChatLogprobs(lps[i]) if lps[i] is not None else None,
                                           stop_reason=finals[i].stop_reason))
-        return api.ChatCompletionResponse(id=rid, choices=choices, model=self.model_name, usage=usage.info())
+        response = api.ChatCompletionResponse(id=rid, choices=choices, model=self.model_name, usage=usage.info())
+        if prompt_logprobs is not None:
+            response.prompt_logprobs = [None] + [self._vllm_prompt_logprob(lp, prompt_logprobs)
+                                                 for lp in prompt_lps or ()]
+        return response
 
     def chat_events(self, req: api.ChatCompletionRequest, rid: str, merged, usage: UsageCounter,
-                    tools: ToolPlan | None = None, parser: str | None = None):
+                    tools: ToolPlan | None = None, parser: str | None = None, echo: str = ""):
         model = self.model_name
         outs = {i: _tool_output(tools, parser) for i in range(req.n)}
+        every_chunk = req.stream_options is not None and req.stream_options.usage_every_chunk
+        latest: dict[int, TextDelta] = {}
 
         def chunk(index: int, delta: api.DeltaMessage, **kw) -> str:
             return sse(api.ChatCompletionChunk(id=rid, model=model, choices=[
-                api.ChatChunkChoice(index=index, delta=delta, **kw)]))
+                api.ChatChunkChoice(index=index, delta=delta, **kw)],
+                usage=usage.choice_info(index, latest.get(index)) if every_chunk else None))
 
         async def events():
-            yield sse(api.ChatCompletionChunk(id=rid, model=model, choices=[
-                api.ChatChunkChoice(index=i, delta=api.DeltaMessage(role="assistant", content=""))
-                for i in range(req.n)]))
+            for i in range(req.n):
+                if every_chunk:  # vLLM's continuous usage: every chunk has its choice's, the first too
+                    yield chunk(i, api.DeltaMessage(role="assistant", content=""))
+            if not every_chunk:
+                yield sse(api.ChatCompletionChunk(id=rid, model=model, choices=[
+                    api.ChatChunkChoice(index=i, delta=api.DeltaMessage(role="assistant", content=""))
+                    for i in range(req.n)]))
+            if echo:
+                for i in range(req.n):
+                    yield chunk(i, api.DeltaMessage(content=echo))
             async for index, delta in merged:
+                latest[index] = delta
                 if delta.finish_reason is not None:
                     usage.add(index, delta)
                 lp = self.chat_logprobs(delta.logprobs) if delta.logprobs else None
@@ -270,6 +315,19 @@ class ResponseBuilder:
                 if out is None:
                     yield chunk(index, api.DeltaMessage(content=delta.text), logprobs=lp,
                                 finish_reason=delta.finish_reason, stop_reason=delta.stop_reason)
+                    continue
+                if out.named is not None:  # the output is the call's arguments: stream them as they come
+                    first = not out.text
+                    out.feed(delta.text)
+                    if delta.text or lp is not None or (first and delta.finish_reason is not None):
+                        call = api.DeltaToolCall(0, function=api.DeltaFunctionCall(arguments=delta.text))
+                        if first:  # as OpenAI streams a call: its id, type and name come first
+                            call = api.DeltaToolCall(0, out.named.id, "function",
+                                                     api.DeltaFunctionCall(name=out.named.name, arguments=delta.text))
+                        yield chunk(index, api.DeltaMessage(tool_calls=[call]), logprobs=lp)
+                    if delta.finish_reason is not None:
+                        yield chunk(index, api.DeltaMessage(), finish_reason=delta.finish_reason,
+                                    stop_reason=delta.stop_reason)
                     continue
                 content = out.feed(delta.text)
                 if delta.finish_reason is None:
