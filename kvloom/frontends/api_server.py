@@ -156,7 +156,10 @@ class OpenAIServer:
     def _start(self, core: FrontendCore, prepared: list[PreparedRequest]) -> AsyncIterator[tuple[int, TextDelta]]:
         model = core.ready.model_name
         self.metrics.count_prompt_tokens(sum(len(p.prompt_token_ids) for p in prepared), model)
-        return merge_streams([self.metrics.observe(core.generate(p), model) for p in prepared])
+        merged = merge_streams([self.metrics.observe(core.generate(p), model) for p in prepared])
+        prompts: dict[int, int] = {}  # the n choices of one prompt share its token list
+        groups = [prompts.setdefault(id(p.prompt_token_ids), len(prompts)) for p in prepared]
+        return self.metrics.observe_prompts(merged, groups, model)
 
     async def _respond(self, request: Request, core: FrontendCore, prepared: list[PreparedRequest], stream: bool,
                        rid: str, collect: Callable, events: Callable) -> Any:
