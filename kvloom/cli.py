@@ -202,6 +202,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="Most tokens per reply (default: %(default)s).")
     chat.add_argument("--temperature", type=float, default=0.7,
                       help="Sampling temperature; 0 is greedy (default: %(default)s).")
+    chat.add_argument("--log-file", help="Where the engine's log goes while you chat, so it never lands inside a "
+                                         "reply (default: chat.log in kvloom's cache folder); warnings and "
+                                         "errors still show on the terminal.")
     add_engine_flags(chat)
 
     plugins = sub.add_parser("plugins", help="List every available plugin: kind, origin and options "
@@ -260,7 +263,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     reject_unknown_flags(parser, argv)
     args = parser.parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    if args.command == "chat":
+        _chat_logging(args)
+    else:
+        logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     from kvloom.plugins.manager import PluginManager
 
     try:
@@ -362,9 +368,30 @@ def _generate(args, config: EngineConfig) -> int:
     if args.output:
         with open(args.output, "w") as f:
             f.write("\n".join(lines) + "\n")
+        tokens = sum(len(out.token_ids) for out in outs)
+        print(f"engine generate: wrote {len(lines)} result(s) ({tokens} generated tokens) to {args.output}")
     else:
         print("\n".join(lines))
     return 0
+
+
+def _chat_logging(args) -> None:
+    """A chat screen shows the conversation only: the log goes to a file, and the terminal gets
+    warnings and errors alone (an engine's INFO line would land in the middle of a streamed reply)."""
+    from pathlib import Path
+
+    from kvloom.core.model_files import cache_dir
+
+    path = Path(args.log_file) if args.log_file else cache_dir() / "chat.log"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fmt = logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
+    to_file = logging.FileHandler(path)
+    to_file.setFormatter(fmt)
+    to_terminal = logging.StreamHandler()
+    to_terminal.setLevel(logging.WARNING)
+    to_terminal.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=args.log_level.upper(), handlers=[to_file, to_terminal])
+    print(f"kvloom chat: the engine's log goes to {path}", file=sys.stderr)
 
 
 def _chat(args, config: EngineConfig) -> int:
