@@ -180,6 +180,31 @@ def test_chat_echo_documents_reasoning_effort_and_prompt_logprobs(server):
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_logprobs"
 
 
+def test_return_token_ids_stream_interval_and_prompt_text(server):
+    prompt_ids = post(server, "/tokenize", {"prompt": "The quick brown fox"}).json()["tokens"]
+    base = {"prompt": "The quick brown fox", "max_tokens": 7, "ignore_eos": True, "temperature": 0,
+            "return_token_ids": True}
+    whole = post(server, "/v1/completions", base).json()["choices"][0]
+    assert whole["prompt_token_ids"] == prompt_ids and len(whole["token_ids"]) == 7
+    chunks = [c["choices"][0] for c in events(server, "/v1/completions", {**base, "stream": True, "stream_interval": 3})
+              if c["choices"]]
+    assert chunks[0]["prompt_token_ids"] == prompt_ids and all(c["prompt_token_ids"] is None for c in chunks[1:])
+    assert [t for c in chunks for t in c["token_ids"]] == whole["token_ids"]
+    assert all(len(c["token_ids"]) >= 3 for c in chunks[1:-1]) and len(chunks) < 7  # joined, 3 tokens at least
+    # chat: the prompt's tokens and the rendered chat, whole and streamed
+    chat_ids = post(server, "/tokenize", {"messages": ASK}).json()["tokens"]
+    rendered = post(server, "/detokenize", {"tokens": chat_ids}).json()["prompt"]
+    body = {"messages": ASK, "max_tokens": 5, "ignore_eos": True, "temperature": 0, "return_token_ids": True,
+            "return_prompt_text": True}
+    reply = post(server, "/v1/chat/completions", body).json()
+    assert reply["prompt_token_ids"] == chat_ids and reply["prompt_text"] == rendered
+    assert len(reply["choices"][0]["token_ids"]) == reply["usage"]["completion_tokens"] == 5
+    streamed = events(server, "/v1/chat/completions", {**body, "stream": True})
+    assert streamed[0]["prompt_token_ids"] == chat_ids and streamed[0]["prompt_text"] == rendered
+    assert [t for c in streamed if c["choices"] for t in c["choices"][0]["token_ids"] or ()] == \
+        reply["choices"][0]["token_ids"]
+
+
 # --- named tool calls cut short by max_tokens ---------------------------------------------------------
 def test_named_tool_call_cut_by_max_tokens_is_still_a_tool_call(client):
     kw = dict(model=SERVED, messages=ASK, tools=[WEATHER], tool_choice=NAMED, max_tokens=4, temperature=0)

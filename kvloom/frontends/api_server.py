@@ -60,8 +60,8 @@ from kvloom.frontends.openai_requests import (
     structured_output,
     truncate_prompt,
 )
-from kvloom.frontends.openai_responses import CompletionEcho, ResponseBuilder, UsageCounter
-from kvloom.frontends.output import TextDelta, fan_out
+from kvloom.frontends.openai_responses import ChatPrompt, CompletionEcho, ResponseBuilder, UsageCounter
+from kvloom.frontends.output import TextDelta, coalesce, fan_out
 from kvloom.frontends.request_fields import CHAT_RULES, COMPLETION_RULES, check_fields
 from kvloom.frontends.text import load_chat_template
 from kvloom.frontends.tokenize_routes import routes as tokenize_routes
@@ -162,7 +162,7 @@ class OpenAIServer:
         return self.metrics.observe_prompts(merged, groups, model)
 
     async def _respond(self, request: Request, core: FrontendCore, prepared: list[PreparedRequest], stream: bool,
-                       rid: str, collect: Callable, events: Callable) -> Any:
+                       rid: str, collect: Callable, events: Callable, stream_interval: int | None = None) -> Any:
         key, given = request.state.api_key, request.state.timeout
         timeout = check_timeout(given, self.config.request_timeout)
         prepared = [replace_prepared(p, key, timeout, given is not None) for p in prepared]
@@ -181,6 +181,8 @@ class OpenAIServer:
                 await merged.aclose()
                 admission.release()
             return json_response(body, headers=headers)
+        if stream_interval is not None and stream_interval > 1:
+            merged = coalesce(merged, stream_interval)
         try:
             # Wait for the first output before answering, so a rejected request still gets its status.
             first = await cancel_on_disconnect(request.receive, anext(merged))
@@ -216,9 +218,12 @@ class OpenAIServer:
         rid = self._request_id(request, "cmpl", req.request_id)
         responses = responses.view(req.return_tokens_as_token_ids)
         usage = UsageCounter([len(p) for p in prompts], req.n)
+        token_ids = [p for p in prompts for _ in range(req.n)] if req.return_token_ids else None
         return await self._respond(request, core, prepared, req.stream, rid,
-                                   lambda merged: responses.collect_completion(rid, merged, usage, len(prepared), echo),
-                                   lambda merged: responses.completion_events(req, rid, merged, usage, echo))
+                                   lambda merged: responses.collect_completion(rid, merged, usage, len(prepared), echo,
+                                                                               token_ids),
+                                   lambda merged: responses.completion_events(req, rid, merged, usage, echo, token_ids),
+                                   req.stream_interval)
 
     # --- /v1/chat/completions ----------------------------------------------------------------------
     async def chat_completions(self, request: Request):
@@ -239,8 +244,9 @@ class OpenAIServer:
                 # Compact JSON: a call's arguments never wander into whitespace until max_tokens.
                 constraint = StructuredOutputSpec(kind="json", spec=msgspec.json.encode(tools.schema).decode(),
                                                   any_whitespace=False)
-        ids = await core.tokenize_chat(chat_messages(req.messages), add_special_tokens=bool(req.add_special_tokens),
-                                       truncated=req.truncate_prompt_tokens is not None, **options)
+        text = await core.render_chat(chat_messages(req.messages), **options)
+        ids = await core.encode_chat(text, add_special_tokens=bool(req.add_special_tokens),
+                                     truncated=req.truncate_prompt_tokens is not None)
         ids = truncate_prompt(ids, req, core.max_model_len)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
@@ -251,11 +257,13 @@ class OpenAIServer:
         rid = self._request_id(request, "chatcmpl", req.request_id)
         responses = responses.view(req.return_tokens_as_token_ids)
         usage = UsageCounter([len(ids)], req.n)
-        echo, parser = echoed_message(req), self.config.tool_call_parser
+        shown = ChatPrompt(echoed_message(req), ids if req.return_token_ids else None,
+                           text if req.return_prompt_text else None, req.prompt_logprobs)
+        parser = self.config.tool_call_parser
         return await self._respond(request, core, prepared, req.stream, rid,
-                                   lambda merged: responses.collect_chat(rid, merged, usage, req.n, tools, parser,
-                                                                         echo, req.prompt_logprobs),
-                                   lambda merged: responses.chat_events(req, rid, merged, usage, tools, parser, echo))
+                                   lambda merged: responses.collect_chat(rid, merged, usage, req.n, tools, parser, shown),
+                                   lambda merged: responses.chat_events(req, rid, merged, usage, tools, parser, shown),
+                                   req.stream_interval)
 
     # --- the rest ----------------------------------------------------------------------------------
     async def models(self, request: Request):

@@ -71,6 +71,8 @@ class _GenerationRequest(Struct, kw_only=True):
     truncation_side: Literal["left", "right"] | None = None
     return_tokens_as_token_ids: bool | None = None  # logprobs name tokens "token_id:N" (vLLM's)
     add_special_tokens: bool | None = None  # None: completions add them, a chat's template places them
+    return_token_ids: bool | None = None  # vLLM's: the prompt's and each choice's token ids in the response
+    stream_interval: Annotated[int, Meta(ge=1)] | None = None  # vLLM's: tokens per streamed chunk, at least
 
     def __post_init__(self) -> None:
         for name, default in _NULL_MEANS_DEFAULT.items():
@@ -118,6 +120,7 @@ class ChatCompletionRequest(_GenerationRequest, kw_only=True):
     echo: bool | None = False  # vLLM's: the reply starts with the last message when it has the reply's role
     documents: list[dict[str, Any]] | None = None  # for templates that render retrieval documents
     reasoning_effort: str | None = None  # given to the chat template, as vLLM does
+    return_prompt_text: bool | None = None  # vLLM's: the rendered chat in the response (the first chunk)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -172,6 +175,8 @@ class CompletionChoice(_Choice, kw_only=True):
     logprobs: CompletionLogprobs | None = None
     # vLLM's prompt_logprobs: per prompt token (None for the first), token id (as text) -> its entry
     prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
+    token_ids: list[int] | None = None  # with return_token_ids: this choice's (a stream chunk's) tokens
+    prompt_token_ids: list[int] | None = None  # with return_token_ids (a stream: its first chunk)
 
 
 class CompletionResponse(_Completion, kw_only=True):
@@ -215,12 +220,15 @@ class ChatMessageOut(Struct):
 class ChatChoice(_Choice, kw_only=True):
     message: ChatMessageOut
     logprobs: ChatLogprobs | None = None
+    token_ids: list[int] | None = None  # with return_token_ids
 
 
 class ChatCompletionResponse(_Completion, kw_only=True):
     choices: list[ChatChoice]
     object: str = "chat.completion"
     prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None  # vLLM's, as a completion choice's
+    prompt_token_ids: list[int] | None = None  # with return_token_ids
+    prompt_text: str | None = None  # with return_prompt_text: the chat as the template rendered it
 
 
 class DeltaFunctionCall(Struct, omit_defaults=True):
@@ -246,11 +254,14 @@ class DeltaMessage(Struct, omit_defaults=True):
 class ChatChunkChoice(_Choice, kw_only=True):
     delta: DeltaMessage
     logprobs: ChatLogprobs | None = None
+    token_ids: list[int] | None = None  # with return_token_ids: this chunk's tokens
 
 
 class ChatCompletionChunk(_Completion, kw_only=True):
     choices: list[ChatChunkChoice]
     object: str = "chat.completion.chunk"
+    prompt_token_ids: list[int] | None = None  # with return_token_ids, on the first chunk
+    prompt_text: str | None = None  # with return_prompt_text, on the first chunk
 
 
 class ModelCard(Struct):

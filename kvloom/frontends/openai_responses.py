@@ -79,6 +79,18 @@ class CompletionEcho:
                          delta.num_prompt_tokens, delta.num_cached_tokens, 0, delta.prompt_logprobs)
 
 
+@dataclass
+class ChatPrompt:
+    """What a chat response shows of its request beyond the reply: vLLM's ``echo`` text (the reply
+    starts with it), the prompt's token ids (``return_token_ids``), the rendered chat
+    (``return_prompt_text``) and how many alternatives ``prompt_logprobs`` lists."""
+
+    echo: str = ""
+    token_ids: list[int] | None = None
+    text: str | None = None
+    prompt_logprobs: int | None = None
+
+
 class UsageCounter:
     """Token counts of one HTTP request across its choices."""
 
@@ -153,8 +165,11 @@ class ResponseBuilder:
         yield SSE_DONE
 
     async def collect_completion(self, rid: str, merged, usage: UsageCounter, count: int,
-                                 echo: CompletionEcho | None = None) -> api.CompletionResponse:
+                                 echo: CompletionEcho | None = None,
+                                 prompt_ids: list[list[int]] | None = None) -> api.CompletionResponse:
+        """``prompt_ids`` (each choice's prompt): vLLM's return_token_ids, the prompt's and the output's."""
         texts = [""] * count
+        ids: list[list[int]] = [[] for _ in range(count)]
         lps: list[list[TokenLogprobs] | None] = [None] * count
         prompt_lps: list[list[TokenLogprobs] | None] = [None] * count
         finals: list[TextDelta | None] = [None] * count
@@ -163,6 +178,7 @@ class ResponseBuilder:
                 delta = echo.output(delta)
                 prompt_lps[index] = prompt_lps[index] or delta.prompt_logprobs
             texts[index] += delta.text
+            ids[index] += delta.token_ids
             if delta.logprobs:
                 lps[index] = (lps[index] or []) + delta.logprobs
             if delta.finish_reason is not None:
@@ -172,11 +188,13 @@ class ResponseBuilder:
         for i in range(count):
             choice = api.CompletionChoice(index=i, text=texts[i], logprobs=self.completion_logprobs(lps[i], 0),
                                           finish_reason=finals[i].finish_reason, stop_reason=finals[i].stop_reason)
+            if prompt_ids is not None:
+                choice.token_ids, choice.prompt_token_ids = ids[i], list(prompt_ids[i])
             choices.append(self._with_prompt(choice, echo, i, prompt_lps[i], lps[i]) if echo is not None else choice)
         return api.CompletionResponse(id=rid, choices=choices, model=self.model_name, usage=usage.info())
 
     def completion_events(self, req: api.CompletionRequest, rid: str, merged, usage: UsageCounter,
-                          echo: CompletionEcho | None = None):
+                          echo: CompletionEcho | None = None, prompt_ids: list[list[int]] | None = None):
         async def events():
             offsets: dict[int, int] = {}
             async for index, delta in merged:
@@ -190,6 +208,9 @@ class ResponseBuilder:
                     usage.add(index, delta)
                 choice = api.CompletionChoice(index=index, text=delta.text, logprobs=lp,
                                               finish_reason=delta.finish_reason, stop_reason=delta.stop_reason)
+                if prompt_ids is not None:
+                    choice.token_ids = list(delta.token_ids)
+                    choice.prompt_token_ids = list(prompt_ids[index]) if first else None
                 if echo is not None and first:  # the prompt comes with the choice's first chunk
                     choice = self._with_prompt(choice, echo, index, delta.prompt_logprobs, delta.logprobs)
                     if echo.echo and choice.logprobs is not None:
@@ -250,14 +271,16 @@ class ResponseBuilder:
         return api.CompletionLogprobs(tokens, [lp.logprob for lp in lps], tops, text_offset)
 
     async def collect_chat(self, rid: str, merged, usage: UsageCounter, n: int, tools: ToolPlan | None = None,
-                           parser: str | None = None, echo: str = "",
-                           prompt_logprobs: int | None = None) -> api.ChatCompletionResponse:
+                           parser: str | None = None, prompt: ChatPrompt | None = None) -> api.ChatCompletionResponse:
+        prompt = prompt or ChatPrompt()
         texts = [""] * n
+        ids: list[list[int]] = [[] for _ in range(n)]
         lps: list[list[api.TokenLogprobOut] | None] = [None] * n
         finals: list[TextDelta | None] = [None] * n
         prompt_lps: list[TokenLogprobs] | None = None
         async for index, delta in merged:
             texts[index] += delta.text
+            ids[index] += delta.token_ids
             prompt_lps = prompt_lps or delta.prompt_logprobs
             if delta.logprobs:
                 lps[index] = (lps[index] or []) + self.chat_logprobs(delta.logprobs).content
@@ -266,7 +289,7 @@ class ResponseBuilder:
                 usage.add(index, delta)
         choices = []
         for i in range(n):
-            message, reason = api.ChatMessageOut(echo + texts[i]), finals[i].finish_reason
+            message, reason = api.ChatMessageOut(prompt.echo + texts[i]), finals[i].finish_reason
             out = _tool_output(tools, parser)
             if out is not None:
                 content, calls = out.parse(texts[i])
@@ -276,38 +299,51 @@ class ResponseBuilder:
                     reason = out.finish_reason(reason, calls)
             choices.append(api.ChatChoice(index=i, message=message, finish_reason=reason,
                                           logprobs=api.ChatLogprobs(lps[i]) if lps[i] is not None else None,
-                                          stop_reason=finals[i].stop_reason))
-        response = api.ChatCompletionResponse(id=rid, choices=choices, model=self.model_name, usage=usage.info())
-        if prompt_logprobs is not None:
-            response.prompt_logprobs = [None] + [self._vllm_prompt_logprob(lp, prompt_logprobs)
+                                          stop_reason=finals[i].stop_reason,
+                                          token_ids=ids[i] if prompt.token_ids is not None else None))
+        response = api.ChatCompletionResponse(id=rid, choices=choices, model=self.model_name, usage=usage.info(),
+                                              prompt_token_ids=prompt.token_ids, prompt_text=prompt.text)
+        if prompt.prompt_logprobs is not None:
+            response.prompt_logprobs = [None] + [self._vllm_prompt_logprob(lp, prompt.prompt_logprobs)
                                                  for lp in prompt_lps or ()]
         return response
 
     def chat_events(self, req: api.ChatCompletionRequest, rid: str, merged, usage: UsageCounter,
-                    tools: ToolPlan | None = None, parser: str | None = None, echo: str = ""):
+                    tools: ToolPlan | None = None, parser: str | None = None, prompt: ChatPrompt | None = None):
         model = self.model_name
+        prompt = prompt or ChatPrompt()
         outs = {i: _tool_output(tools, parser) for i in range(req.n)}
         every_chunk = req.stream_options is not None and req.stream_options.usage_every_chunk
         latest: dict[int, TextDelta] = {}
+        # return_token_ids: each chunk carries the tokens that arrived since its choice's last chunk
+        pending: dict[int, list[int]] | None = {i: [] for i in range(req.n)} if prompt.token_ids is not None else None
 
         def chunk(index: int, delta: api.DeltaMessage, **kw) -> str:
+            ids = None
+            if pending is not None:
+                ids, pending[index] = pending[index], []
             return sse(api.ChatCompletionChunk(id=rid, model=model, choices=[
-                api.ChatChunkChoice(index=index, delta=delta, **kw)],
+                api.ChatChunkChoice(index=index, delta=delta, token_ids=ids, **kw)],
                 usage=usage.choice_info(index, latest.get(index)) if every_chunk else None))
 
         async def events():
-            for i in range(req.n):
-                if every_chunk:  # vLLM's continuous usage: every chunk has its choice's, the first too
-                    yield chunk(i, api.DeltaMessage(role="assistant", content=""))
-            if not every_chunk:
+            first = dict(prompt_token_ids=prompt.token_ids, prompt_text=prompt.text)
+            if every_chunk:  # vLLM's continuous usage: every chunk has its choice's, the first too
+                for i in range(req.n):
+                    yield sse(api.ChatCompletionChunk(id=rid, model=model, choices=[api.ChatChunkChoice(
+                        index=i, delta=api.DeltaMessage(role="assistant", content=""))],
+                        usage=usage.choice_info(i, None), **(first if i == 0 else {})))
+            else:
                 yield sse(api.ChatCompletionChunk(id=rid, model=model, choices=[
                     api.ChatChunkChoice(index=i, delta=api.DeltaMessage(role="assistant", content=""))
-                    for i in range(req.n)]))
-            if echo:
+                    for i in range(req.n)], **first))
+            if prompt.echo:
                 for i in range(req.n):
-                    yield chunk(i, api.DeltaMessage(content=echo))
+                    yield chunk(i, api.DeltaMessage(content=prompt.echo))
             async for index, delta in merged:
                 latest[index] = delta
+                if pending is not None:
+                    pending[index] += delta.token_ids
                 if delta.finish_reason is not None:
                     usage.add(index, delta)
                 lp = self.chat_logprobs(delta.logprobs) if delta.logprobs else None

@@ -5,6 +5,7 @@ match), and the ``n`` completions of one prompt fanned out with one seed rule.""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import AsyncIterator
 
 import msgspec
 
@@ -85,3 +86,29 @@ class CompletionText:
         self._held = []
         self.finish_reason = finish
         return out
+
+
+async def coalesce(merged: AsyncIterator[tuple[int, TextDelta]], tokens: int) -> AsyncIterator[tuple[int, TextDelta]]:
+    """vLLM's ``stream_interval``: each choice's deltas joined until they hold ``tokens`` tokens; a
+    choice's first delta and its last go out at once."""
+    held: dict[int, TextDelta] = {}
+    seen: set[int] = set()
+    try:
+        async for index, delta in merged:
+            if index in held:
+                delta = _joined(held.pop(index), delta)
+            if index not in seen or delta.finish_reason is not None or len(delta.token_ids) >= tokens:
+                seen.add(index)
+                yield index, delta
+            else:
+                held[index] = delta
+    finally:
+        await merged.aclose()
+
+
+def _joined(a: TextDelta, b: TextDelta) -> TextDelta:
+    """``a`` then ``b`` as one delta: the texts, tokens and logprobs of both, ``b``'s counts and ending."""
+    logprobs = (a.logprobs or []) + (b.logprobs or []) if a.logprobs or b.logprobs else None
+    return TextDelta(a.text + b.text, a.token_ids + b.token_ids, logprobs, b.finish_reason, b.stop_reason,
+                     b.num_prompt_tokens, b.num_cached_tokens, b.num_output_tokens,
+                     a.prompt_logprobs or b.prompt_logprobs, a.prefill_time or b.prefill_time)

@@ -43,9 +43,6 @@ _COMMON: dict[str, Rule] = {
                               lambda v, b: v in (None, -1)),
     "spaces_between_special_tokens": ("only spaces_between_special_tokens=true is supported",
                                       lambda v, b: v in (None, True)),
-    "return_token_ids": ("returning token ids in the response is not supported yet", lambda v, b: _off(v)),
-    "stream_interval": ("stream_interval is not supported yet: every step's tokens are sent as they come",
-                        lambda v, b: v in (None, 1)),
     "routed_experts_prompt_start": ("routed-expert data is not returned", lambda v, b: v in (None, 0)),
     "cache_salt": ("per-request prefix-cache salts are not supported", lambda v, b: _off(v)),
     "kv_transfer_params": ("KV transfer between engines is not supported", lambda v, b: _off(v)),
@@ -79,8 +76,6 @@ CHAT_RULES: dict[str, Rule] = {
     "prediction": ("predicted outputs are not supported", lambda v, b: _off(v)),
     "verbosity": ("verbosity is not supported", lambda v, b: v is None),
     "web_search_options": ("web search is not supported", lambda v, b: _off(v)),
-    "return_prompt_text": ("returning the rendered prompt is not supported yet; POST /tokenize with the "
-                           "messages and /detokenize give it", lambda v, b: _off(v)),
 }
 MESSAGE_FIELDS = {"role", "content", "name", "tool_calls", "tool_call_id"}
 MESSAGE_RULES = {"function_call": _FUNCTIONS, "audio": "audio is not supported", "refusal": None,
