@@ -27,7 +27,7 @@ from shapes import SHAPES  # noqa: E402
 def tiles(rows: int) -> list[dict]:
     """The configs timed at ``rows`` rows: BLOCK_M the rows' bucket (8 to 256), a few N/K tiles and K splits."""
     bm = min(max(rows, 8), 256)
-    if rows <= 16:  # deeper rings too: at one row the kernel streams the weight at 1.5-2.2 TB/s (session 18)
+    if rows <= 16:  # deeper rings too: at one row the kernel streams the weight at 1.5-2.2 TB/s (H200, f413cad)
         return [dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, STAGES=st, num_warps=nw, SPLIT_K=split)
                 for bn, nw in ((64, 4), (128, 8)) for bk, st in ((128, 4), (128, 6), (128, 8), (256, 3), (256, 4))
                 for split in (1, 2, 4, 8)]

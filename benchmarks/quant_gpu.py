@@ -64,7 +64,7 @@ def run_format(args, model: str, fmt: str, vocab: int) -> dict:
               "weight_gb": weight_bytes_read_per_token(engine.model) / 1e9, "kv_cache": engine.capacity.describe()}
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     # warm-up: the whole workload's prefill and a few decode steps (the first format's first pass still
-    # compiled one kernel on the H200 in session 18: ``kernels_compiled``)
+    # compiled one kernel on the H200 at f413cad: ``kernels_compiled``)
     llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False)
     passes = []
     for _ in range(args.offline_passes):

@@ -44,8 +44,8 @@ def model_for_benchmark(model: str | None, shape: str | None) -> tuple[str, str,
     if shape:
         return str(shape_folder(shape)), "dummy", SHAPES[shape]["vocab_size"]
     from kvloom.core.config import DEFAULT_MODEL
-    from kvloom.core.loader import load_hf_config
-    from kvloom.core.model_files import resolve_model
+    from kvloom.core.model.files import resolve_model
+    from kvloom.core.model.loader import load_hf_config
 
     model = model or DEFAULT_MODEL
     return model, "auto", load_hf_config(resolve_model(model)).vocab_size
@@ -57,8 +57,8 @@ def load_transformers_model(model: str, load_format: str, dtype_name: str = "aut
     import torch
     from transformers import AutoModelForCausalLM
 
-    from kvloom.core.loader import load_hf_config
-    from kvloom.core.model_files import resolve_model
+    from kvloom.core.model.files import resolve_model
+    from kvloom.core.model.loader import load_hf_config
 
     path = resolve_model(model)
     device = "cuda" if torch.cuda.is_available() else "cpu"

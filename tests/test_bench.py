@@ -8,20 +8,18 @@ import json
 import math
 import time
 
-import numpy as np
-
 import httpx
+import numpy as np
 import pytest
-
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvloom.bench.ab import ServerProcess
 from kvloom.bench.clients import ClientLoad, LoopLag, RequestCounter, client_count, split_level
+from kvloom.bench.metrics import LATENCIES, PERCENTILES, SLO, RequestResult, summarize
 from kvloom.bench.report import comparison_table, sweep_table
 from kvloom.bench.serve import client_report
-from kvloom.bench.metrics import LATENCIES, PERCENTILES, SLO, RequestResult, summarize
 from kvloom.bench.workloads import Workload
-from kvloom.cli import build_parser, config_flags, config_from_args, main
+from kvloom.cli.main import build_parser, config_flags, config_from_args, main
 from kvloom.core.config import EngineConfig, default_block_size
 
 TINY_TOKENS = "3:320"  # prompt token ids inside the tiny model's vocabulary, clear of its special tokens

@@ -8,7 +8,7 @@ import socket
 
 import pytest
 
-from kvloom.cli import build_parser, config_from_args, main, server_config_from_args
+from kvloom.cli.main import build_parser, config_from_args, main, server_config_from_args
 from kvloom.core.config import EngineConfig
 from kvloom.frontends.config import ServerConfig
 
@@ -63,7 +63,7 @@ def test_missing_model_or_busy_port_fail_at_once(tiny_llama, capsys):
 def test_a_port_held_by_a_server_still_loading_fails_before_any_model_loads(tiny_llama, capsys, monkeypatch):
     # The first server's launcher holds the port while its model loads (no worker is serving yet); a
     # second one on that port must stop at once, not bind too and serve nothing.
-    from kvloom.launcher import Launcher, bind_http_socket
+    from kvloom.launch.launcher import Launcher, bind_http_socket
 
     spawned = []
     monkeypatch.setattr(Launcher, "_spawn", lambda self, module, *a, **k: spawned.append(module) or 1 / 0)

@@ -19,7 +19,8 @@ from typing import Any, Callable
 import httpx
 
 from kvloom.bench.metrics import RequestResult
-from kvloom.core.cpu_threads import available_cores
+from kvloom.bench.request import timed_request
+from kvloom.core.worker.cpu_threads import available_cores
 
 STREAMS_PER_CLIENT = 64  # streams one client process times faithfully (the default split)
 MAX_CLIENT_PROCESSES = 256
@@ -199,8 +200,6 @@ async def drive(spec, endpoint: str, bodies: Bodies, share: ClientShare, counter
                 on_done: Callable[[], None] | None = None) -> tuple[list[RequestResult], ClientLoad]:
     """Send this client's part of a level, timed against the shared start ``t0`` (time.monotonic(), which
     is one clock for every process of the machine); requests still running at the deadline are cut off."""
-    from kvloom.bench.serve import timed_request
-
     deadline = t0 + spec.max_duration_s
     results: list[RequestResult] = []
     await asyncio.sleep(max(0.0, t0 - time.monotonic()))

@@ -7,10 +7,10 @@ from pathlib import Path
 from typing import Any
 
 from kvloom.bench.clients import SATURATED_BUSY, SATURATED_LAG_MS
-from kvloom.core.cpu_threads import available_cores
 from kvloom.bench.metrics import BURST_GAP_S, LATENCIES, PERCENTILES
 from kvloom.bench.serve import level_name
-from kvloom.text_table import format_table
+from kvloom.cli.text_table import format_table
+from kvloom.core.worker.cpu_threads import available_cores
 
 BURST_WARN_SHARE = 0.1  # more than this share of ITL gaps in bursts and ITL no longer shows the step time
 LABELS = {"ttft": "TTFT", "tpot": "TPOT", "itl": "ITL", "e2e": "E2E"}

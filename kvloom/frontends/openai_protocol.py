@@ -100,6 +100,7 @@ class ChatMessageIn(Struct, kw_only=True):
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls
     tool_call_id: str | None = None  # a tool message: which call it answers
+    reasoning_content: str | None = None  # an assistant's earlier reasoning, for templates that show it
 
 
 class ChatCompletionRequest(_GenerationRequest, kw_only=True):
@@ -121,6 +122,7 @@ class ChatCompletionRequest(_GenerationRequest, kw_only=True):
     documents: list[dict[str, Any]] | None = None  # for templates that render retrieval documents
     reasoning_effort: str | None = None  # given to the chat template, as vLLM does
     return_prompt_text: bool | None = None  # vLLM's: the rendered chat in the response (the first chunk)
+    include_reasoning: bool = True  # vLLM's: false leaves the reasoning out (--reasoning-parser)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -215,6 +217,7 @@ class ChatMessageOut(Struct):
     content: str | None
     role: str = "assistant"
     tool_calls: list[ToolCallOut] | None = None
+    reasoning_content: str | msgspec.UnsetType = msgspec.UNSET  # with --reasoning-parser only
 
 
 class ChatChoice(_Choice, kw_only=True):
@@ -248,6 +251,7 @@ class DeltaToolCall(Struct, omit_defaults=True):
 class DeltaMessage(Struct, omit_defaults=True):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
 
 

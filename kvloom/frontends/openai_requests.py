@@ -128,6 +128,8 @@ def chat_messages(messages: list[api.ChatMessageIn]) -> list[dict[str, Any]]:
             message["tool_calls"] = template_messages_tool_calls(m.tool_calls, i)
         if m.tool_call_id is not None:
             message["tool_call_id"] = m.tool_call_id
+        if m.reasoning_content is not None:
+            message["reasoning_content"] = m.reasoning_content
         out.append(message)
     return out
 

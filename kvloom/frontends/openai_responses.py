@@ -10,53 +10,10 @@ from typing import Any, AsyncIterator, Callable
 from kvloom.core.messages import TokenLogprobs
 from kvloom.frontends import openai_protocol as api
 from kvloom.frontends.asgi import ERROR_TYPES, SSE_DONE, sse
+from kvloom.frontends.chat_output import ChatReading, ChoiceStream
 from kvloom.frontends.errors import RequestError
 from kvloom.frontends.output import TextDelta
 from kvloom.frontends.text import token_bytes
-from kvloom.frontends.tool_parsers import ToolCall, ToolPlan, make_parser
-
-
-class ToolOutput:
-    """One choice's tool calls: read from its text (auto, by the server's parser) or the forced JSON
-    (required, named). ``feed`` returns the content that can be streamed now. A named call is the whole
-    output, so it streams as argument deltas as they come, and one cut short (max_tokens) is still a
-    call, with the raw text so far as its arguments (as vLLM returns it), never content."""
-
-    def __init__(self, plan: ToolPlan, parser: str | None) -> None:
-        self.plan = plan
-        self.parser = make_parser(parser) if plan.mode == "auto" else None
-        self.text = ""
-        self.named = ToolCall(plan.name, "") if plan.mode == "named" else None
-
-    def feed(self, text: str) -> str:
-        self.text += text
-        return self.parser.feed(text) if self.parser is not None else ""
-
-    def finish(self) -> tuple[str, list[ToolCall]]:
-        """Content not streamed yet, and the calls."""
-        if self.parser is not None:
-            return self.parser.finish()
-        try:
-            return "", self.plan.forced_calls(self.text)
-        except (ValueError, KeyError, TypeError):  # cut short by max_tokens: not a whole call
-            if self.named is not None:
-                return "", [ToolCall(self.named.name, self.text, self.named.id)]
-            return self.text, []
-
-    def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
-        if self.parser is not None:
-            return self.parser.parse(text)
-        self.text = text
-        rest, calls = self.finish()
-        return (rest or None) if calls else text, calls
-
-    def finish_reason(self, reason: str | None, calls: list[ToolCall]) -> str | None:
-        # OpenAI ends a call the model chose (auto, required) with "tool_calls", a named one with "stop".
-        return "tool_calls" if calls and reason == "stop" and self.plan.mode != "named" else reason
-
-
-def _tool_output(plan: ToolPlan | None, parser: str | None) -> ToolOutput | None:
-    return ToolOutput(plan, parser) if plan is not None and plan.mode != "none" else None
 
 
 @dataclass
@@ -270,8 +227,8 @@ class ResponseBuilder:
             tops.append(entry)
         return api.CompletionLogprobs(tokens, [lp.logprob for lp in lps], tops, text_offset)
 
-    async def collect_chat(self, rid: str, merged, usage: UsageCounter, n: int, tools: ToolPlan | None = None,
-                           parser: str | None = None, prompt: ChatPrompt | None = None) -> api.ChatCompletionResponse:
+    async def collect_chat(self, rid: str, merged, usage: UsageCounter, n: int, reading: ChatReading,
+                           prompt: ChatPrompt | None = None) -> api.ChatCompletionResponse:
         prompt = prompt or ChatPrompt()
         texts = [""] * n
         ids: list[list[int]] = [[] for _ in range(n)]
@@ -289,15 +246,15 @@ class ResponseBuilder:
                 usage.add(index, delta)
         choices = []
         for i in range(n):
-            message, reason = api.ChatMessageOut(prompt.echo + texts[i]), finals[i].finish_reason
-            out = _tool_output(tools, parser)
-            if out is not None:
-                content, calls = out.parse(texts[i])
-                if calls:
-                    message = api.ChatMessageOut(content, tool_calls=[
-                        api.ToolCallOut(c.id, api.FunctionCallOut(c.name, c.arguments)) for c in calls])
-                    reason = out.finish_reason(reason, calls)
-            choices.append(api.ChatChoice(index=i, message=message, finish_reason=reason,
+            reasoning, content, calls = reading.whole(texts[i])
+            if prompt.echo and not calls:  # vLLM's echo: the reply's text starts with the last message
+                content = prompt.echo + (content or "")
+            message = api.ChatMessageOut(content, tool_calls=[
+                api.ToolCallOut(c.id, api.FunctionCallOut(c.name, c.arguments)) for c in calls] or None)
+            if reasoning is not None:
+                message.reasoning_content = reasoning
+            choices.append(api.ChatChoice(index=i, message=message,
+                                          finish_reason=reading.finish_reason(finals[i].finish_reason, calls),
                                           logprobs=api.ChatLogprobs(lps[i]) if lps[i] is not None else None,
                                           stop_reason=finals[i].stop_reason,
                                           token_ids=ids[i] if prompt.token_ids is not None else None))
@@ -309,10 +266,11 @@ class ResponseBuilder:
         return response
 
     def chat_events(self, req: api.ChatCompletionRequest, rid: str, merged, usage: UsageCounter,
-                    tools: ToolPlan | None = None, parser: str | None = None, prompt: ChatPrompt | None = None):
+                    reading: ChatReading, prompt: ChatPrompt | None = None):
         model = self.model_name
         prompt = prompt or ChatPrompt()
-        outs = {i: _tool_output(tools, parser) for i in range(req.n)}
+        outs = {i: reading.stream() for i in range(req.n)}
+        called: set[int] = set()  # choices whose named call has shown its id and name
         every_chunk = req.stream_options is not None and req.stream_options.usage_every_chunk
         latest: dict[int, TextDelta] = {}
         # return_token_ids: each chunk carries the tokens that arrived since its choice's last chunk
@@ -325,6 +283,10 @@ class ResponseBuilder:
             return sse(api.ChatCompletionChunk(id=rid, model=model, choices=[
                 api.ChatChunkChoice(index=index, delta=delta, token_ids=ids, **kw)],
                 usage=usage.choice_info(index, latest.get(index)) if every_chunk else None))
+
+        def text_delta(reasoning: str, content: str) -> api.DeltaMessage:
+            return api.DeltaMessage(content=content if content or not reasoning else None,
+                                    reasoning_content=reasoning or None)
 
         async def events():
             first = dict(prompt_token_ids=prompt.token_ids, prompt_text=prompt.text)
@@ -348,31 +310,24 @@ class ResponseBuilder:
                     usage.add(index, delta)
                 lp = self.chat_logprobs(delta.logprobs) if delta.logprobs else None
                 out = outs[index]
-                if out is None:
-                    yield chunk(index, api.DeltaMessage(content=delta.text), logprobs=lp,
+                reasoning, content = out.feed(delta.text)
+                if out.named is not None:  # the output is the call's arguments: stream them as they come
+                    for piece in self._named_call_chunks(chunk, out, index, delta, reasoning, lp, called):
+                        yield piece
+                    continue
+                if delta.finish_reason is None:
+                    if reasoning or content or lp is not None:
+                        yield chunk(index, text_delta(reasoning, content), logprobs=lp)
+                    continue
+                more, rest, calls = out.finish()
+                reasoning, content = reasoning + more, content + rest
+                if out.tools is None and out.splitter is None:
+                    # Plain text: the last piece and the finish share one chunk, as before tools existed.
+                    yield chunk(index, api.DeltaMessage(content=content), logprobs=lp,
                                 finish_reason=delta.finish_reason, stop_reason=delta.stop_reason)
                     continue
-                if out.named is not None:  # the output is the call's arguments: stream them as they come
-                    first = not out.text
-                    out.feed(delta.text)
-                    if delta.text or lp is not None or (first and delta.finish_reason is not None):
-                        call = api.DeltaToolCall(0, function=api.DeltaFunctionCall(arguments=delta.text))
-                        if first:  # as OpenAI streams a call: its id, type and name come first
-                            call = api.DeltaToolCall(0, out.named.id, "function",
-                                                     api.DeltaFunctionCall(name=out.named.name, arguments=delta.text))
-                        yield chunk(index, api.DeltaMessage(tool_calls=[call]), logprobs=lp)
-                    if delta.finish_reason is not None:
-                        yield chunk(index, api.DeltaMessage(), finish_reason=delta.finish_reason,
-                                    stop_reason=delta.stop_reason)
-                    continue
-                content = out.feed(delta.text)
-                if delta.finish_reason is None:
-                    if content or lp is not None:
-                        yield chunk(index, api.DeltaMessage(content=content), logprobs=lp)
-                    continue
-                rest, calls = out.finish()
-                if content + rest or lp is not None:
-                    yield chunk(index, api.DeltaMessage(content=content + rest), logprobs=lp)
+                if reasoning or content or lp is not None:
+                    yield chunk(index, text_delta(reasoning, content), logprobs=lp)
                 for k, call in enumerate(calls):  # as OpenAI streams a call: id and name, then arguments
                     yield chunk(index, api.DeltaMessage(tool_calls=[api.DeltaToolCall(
                         k, call.id, "function", api.DeltaFunctionCall(name=call.name, arguments=""))]))
@@ -385,6 +340,32 @@ class ResponseBuilder:
         usage_chunk = (lambda: api.ChatCompletionChunk(id=rid, choices=[], model=model,
                                                        usage=usage.info())) if include_usage else None
         return self.stream_end(events(), usage_chunk)
+
+    @staticmethod
+    def _named_call_chunks(chunk: Callable[..., str], out: ChoiceStream, index: int, delta: TextDelta,
+                           reasoning: str, lp: api.ChatLogprobs | None, called: set[int]) -> list[str]:
+        """One delta of a choice whose output is a named call: its argument text as tool-call deltas (the
+        first with the call's id, type and name, as OpenAI streams a call), and the finish."""
+        calls = []
+        if delta.finish_reason is not None:
+            more, _, calls = out.finish()
+            reasoning += more
+        arguments = out.new_arguments()
+        call = None
+        if arguments or (index not in called and (lp is not None or delta.finish_reason is not None)):
+            call = api.DeltaToolCall(0, function=api.DeltaFunctionCall(arguments=arguments))
+            if index not in called:
+                called.add(index)
+                call = api.DeltaToolCall(0, out.named.id, "function",
+                                         api.DeltaFunctionCall(name=out.named.name, arguments=arguments))
+        pieces = []
+        if reasoning or call is not None or lp is not None:
+            pieces.append(chunk(index, api.DeltaMessage(reasoning_content=reasoning or None,
+                                                        tool_calls=[call] if call is not None else None), logprobs=lp))
+        if delta.finish_reason is not None:
+            pieces.append(chunk(index, api.DeltaMessage(), finish_reason=out.finish_reason(delta.finish_reason, calls),
+                                stop_reason=delta.stop_reason))
+        return pieces
 
     def chat_logprobs(self, lps: list[TokenLogprobs]) -> api.ChatLogprobs:
         def entry(token_id: int, logprob: float) -> tuple[str, float, list[int]]:

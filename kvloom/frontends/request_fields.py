@@ -39,7 +39,8 @@ _COMMON: dict[str, Rule] = {
     "watermarking": ("watermarking is not supported", lambda v, b: _off(v)),
     "repetition_detection": ("repetition detection is not supported; use stop strings or max_tokens",
                              lambda v, b: _off(v)),
-    "thinking_token_budget": ("a thinking budget needs a reasoning parser, which kvloom does not have",
+    "thinking_token_budget": ("thinking budgets are not supported: the reasoning parser splits the reasoning off, "
+                              "it does not end it early",
                               lambda v, b: v in (None, -1)),
     "spaces_between_special_tokens": ("only spaces_between_special_tokens=true is supported",
                                       lambda v, b: v in (None, True)),
@@ -56,7 +57,7 @@ _COMMON: dict[str, Rule] = {
 }
 # Taken and not acted on, as OpenAI's docs and vLLM allow: identifiers and hints with no effect on the
 # output; return_token_offsets and return_mm_kwargs only act on vLLM's render endpoints; include_reasoning
-# needs a reasoning parser, without which vLLM too leaves a model's reasoning in the content.
+# acts on chats (a field there), while a completion's text is never split into reasoning.
 _HINTS = {"user", "metadata", "safety_identifier", "prompt_cache_key", "session_id", "return_token_offsets",
           "return_mm_kwargs", "include_reasoning"}
 
@@ -77,9 +78,9 @@ CHAT_RULES: dict[str, Rule] = {
     "verbosity": ("verbosity is not supported", lambda v, b: v is None),
     "web_search_options": ("web search is not supported", lambda v, b: _off(v)),
 }
-MESSAGE_FIELDS = {"role", "content", "name", "tool_calls", "tool_call_id"}
+MESSAGE_FIELDS = {"role", "content", "name", "tool_calls", "tool_call_id", "reasoning_content"}
 MESSAGE_RULES = {"function_call": _FUNCTIONS, "audio": "audio is not supported", "refusal": None,
-                 "reasoning_content": None, "reasoning": None, "annotations": None}
+                 "reasoning": None, "annotations": None}
 STREAM_OPTIONS = {"include_usage", "continuous_usage_stats"}
 
 
@@ -93,9 +94,47 @@ def answer(name: str, struct: type, rules: dict[str, Rule]) -> str:
     return "no effect" if name in _HINTS else "unknown"
 
 
-def check_fields(body: Any, struct: type, rules: dict[str, Rule]) -> None:
+# Anthropic's Messages API (/v1/messages and its count_tokens)
+ANTHROPIC_RULES: dict[str, Rule] = {
+    "service_tier": ("service tiers are not supported", lambda v, b: v in (None, "auto", "standard_only")),
+    "container": ("code-execution containers are not supported", lambda v, b: _off(v)),
+    "mcp_servers": ("MCP servers are not supported: give the tools as tools", lambda v, b: _off(v)),
+    "context_management": ("context management is not supported", lambda v, b: _off(v)),
+    "speed": ("only the standard speed is served", lambda v, b: v in (None, "standard")),
+    "diagnostics": ("prompt-cache diagnostics are not supported", lambda v, b: v is None),
+    "inference_geo": ("kvloom serves where it runs: no inference_geo", lambda v, b: v is None),
+    # identifiers and hints with no effect on the output (prefix caching is automatic)
+    "cache_control": ("", lambda v, b: True),
+    "user_profile_id": ("", lambda v, b: True),
+    "workspace_id": ("", lambda v, b: True),
+}
+# OpenAI's Responses API (/v1/responses)
+RESPONSES_RULES: dict[str, Rule] = {
+    "background": ("background responses are not supported", lambda v, b: _off(v)),
+    "conversation": ("conversations are not supported: chain responses with previous_response_id",
+                     lambda v, b: _off(v)),
+    "include": ("extra output data (include) is not supported", lambda v, b: _off(v)),
+    "prompt": ("stored prompt templates are not supported", lambda v, b: _off(v)),
+    "reasoning": ("reasoning effort and summaries are not supported (with --reasoning-parser the model's "
+                  "reasoning comes as a reasoning item)",
+                  lambda v, b: _off(v) or isinstance(v, dict) and all(x is None for x in v.values())),
+    "truncation": ("only truncation='disabled' is supported: send a shorter input",
+                   lambda v, b: v in (None, "disabled")),
+    "top_logprobs": ("logprobs are not supported on /v1/responses yet", lambda v, b: v in (None, 0)),
+    "max_tool_calls": ("max_tool_calls is not supported", lambda v, b: v is None),
+    "stream_options": ("stream options are not supported", lambda v, b: _off(v)),
+    "prompt_cache_retention": ("prompt cache retention is not supported (prefix caching is automatic)",
+                               lambda v, b: v is None),
+    "service_tier": _COMMON["service_tier"],
+    "request_id": ("send the id as the X-Request-Id header instead", lambda v, b: _off(v)),
+    "cache_salt": _COMMON["cache_salt"],
+    "mm_processor_kwargs": _COMMON["mm_processor_kwargs"],
+}
+
+
+def check_fields(body: Any, struct: type, rules: dict[str, Rule], api: str = "OpenAI's or vLLM's") -> None:
     """Raise a 400 RequestError naming the first field of ``body`` (the request's JSON object) that
-    kvloom does not implement, or that neither OpenAI nor vLLM defines."""
+    kvloom does not implement, or that the API (``api``: whose request it is) does not define."""
     if not isinstance(body, dict):
         return  # the typed decode has refused it already
     known = set(struct.__struct_fields__)
@@ -106,7 +145,7 @@ def check_fields(body: Any, struct: type, rules: dict[str, Rule]) -> None:
             if not accepted(value, body):
                 raise RequestError(400, f"'{name}' is not supported: {reason}", name)
         elif name not in known and name not in _HINTS:
-            raise RequestError(400, f"unknown field '{name}': not a field of OpenAI's or vLLM's request "
+            raise RequestError(400, f"unknown field '{name}': not a field of {api} request "
                                "(see docs/compat.md for what kvloom takes)", name)
     options = body.get("stream_options")
     for name in (options if isinstance(options, dict) else ()):

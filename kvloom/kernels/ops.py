@@ -2,7 +2,7 @@
 elsewhere. Model code calls these functions only; it never picks an implementation itself.
 
 Attention is not dispatched here: the engine picks an attention backend per device
-(``kvloom.core.attention.get_attention_backend``), which owns its KV-cache layout and kernels.
+(``kvloom.core.model.attention.selector.get_attention_backend``), which owns its KV-cache layout and kernels.
 """
 
 from __future__ import annotations

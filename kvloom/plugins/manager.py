@@ -18,8 +18,8 @@ from kvloom.plugins.hookspecs import FACTORY_HOOKS
 from kvloom.plugins.info import KINDS, PluginInfo, PluginOption
 
 if TYPE_CHECKING:
-    from kvloom.core.kv_cache import BlockAllocator, PrefixCache
-    from kvloom.core.scheduler import SchedulingPolicy
+    from kvloom.core.engine.kv_cache import BlockAllocator, PrefixCache
+    from kvloom.core.engine.scheduler import SchedulingPolicy
     from kvloom.plugins.interfaces import DraftProposer, QuantizationMethod
 
 logger = logging.getLogger("kvloom")

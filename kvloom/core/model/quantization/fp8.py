@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from kvloom.core.config import ConfigError
 from kvloom.core.model.linear import LinearBase, set_dense_weight
-from kvloom.core.model.quantization import QuantizationMethod, dense_bytes
+from kvloom.core.model.quantization.base import QuantizationMethod, dense_bytes
 from kvloom.kernels.quant_reference import (FP8_DTYPE, FP8Rows, fp8_dequantize_blocks, fp8_quantize,
                                             fp8_scale_per_row)
 

@@ -9,7 +9,7 @@ import torch
 
 from kvloom.core.config import ConfigError
 from kvloom.core.model.linear import LinearBase, set_dense_weight
-from kvloom.core.model.quantization import (QuantizationMethod, check_choice, dense_bytes, dequantized_kernel,
+from kvloom.core.model.quantization.base import (QuantizationMethod, check_choice, dense_bytes, dequantized_kernel,
                                             param_bytes)
 from kvloom.core.model.quantization.packed_int import INT_KERNELS, keep_packed, set_packed_weight, tinygemm_bytes
 from kvloom.kernels.quant_reference import dequantize_gptq, repack_gptq
