@@ -112,7 +112,7 @@ def test_chat_screen_shows_the_conversation_and_logs_go_to_a_file(tiny_llama, tm
                          timeout=300)
     assert run.returncode == 0, run.stderr
     screen = run.stdout + run.stderr
-    assert "you> assistant> " in screen
+    assert "you> assistant> " in screen and f"(the engine's log: {log})." in run.stdout
     assert not [line for line in screen.splitlines() if "INFO" in line], screen  # not a single log line
     assert "torch_dtype" not in screen and "torch_dtype" not in log.read_text()
     assert "INFO kvloom: Loaded" in log.read_text()  # the engine's log is kept, in the file

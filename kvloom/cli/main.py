@@ -265,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
     reject_unknown_flags(parser, argv)
     args = parser.parse_args(argv)
     if args.command == "chat":
-        _chat_logging(args)
+        args.log_file = _chat_logging(args)
     else:
         logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     from kvloom.plugins.manager import PluginManager
@@ -376,9 +376,9 @@ def _generate(args, config: EngineConfig) -> int:
     return 0
 
 
-def _chat_logging(args) -> None:
-    """A chat screen shows the conversation only: the log goes to a file, and the terminal gets
-    warnings and errors alone (an engine's INFO line would land in the middle of a streamed reply)."""
+def _chat_logging(args) -> str:
+    """A chat screen shows the conversation only: the log goes to a file (its path returned), and the
+    terminal gets warnings and errors alone (an engine's INFO line would land in a streamed reply)."""
     from pathlib import Path
 
     from kvloom.core.model.files import cache_dir
@@ -392,7 +392,7 @@ def _chat_logging(args) -> None:
     to_terminal.setLevel(logging.WARNING)
     to_terminal.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
     logging.basicConfig(level=args.log_level.upper(), handlers=[to_file, to_terminal])
-    print(f"kvloom chat: the engine's log goes to {path}", file=sys.stderr)
+    return str(path)
 
 
 def _chat(args, config: EngineConfig) -> int:
@@ -405,7 +405,9 @@ def _chat(args, config: EngineConfig) -> int:
         llm = LLM(config=config)
         history = [{"role": "system", "content": args.system}] if args.system else []
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
-        print("kvloom chat: type a message, an empty line, Ctrl-D or Ctrl-C to quit.")
+        # Named once the engine is up, in the one greeting line: a bad flag's error stays a single line.
+        print(f"kvloom chat: type a message, an empty line, Ctrl-D or Ctrl-C to quit (the engine's log: "
+              f"{args.log_file}).")
         while True:
             try:
                 line = input("you> ").strip()
