@@ -146,6 +146,22 @@ def test_required_tool_call_streamed(claude):
     jsonschema.validate(use.input, SCHEMAS[use.name])
 
 
+def test_named_tool_use_cut_by_max_tokens_is_text(claude, oai):
+    # Chat completions answer it as a call holding the text so far (as vLLM); a tool_use block needs a
+    # whole input object, so Messages answers that text as text, with stop_reason max_tokens.
+    ask = [{"role": "user", "content": "What is the weather in Paris?"}]
+    kw = dict(model=SERVED, messages=ask, tools=CLAUDE_TOOLS, max_tokens=4, extra_body=GREEDY,
+              tool_choice={"type": "tool", "name": "get_weather"})
+    (call,) = _chat(oai, ask, tools=TOOLS, max_tokens=4,
+                    tool_choice={"type": "function", "function": {"name": "get_weather"}}).choices[0].message.tool_calls
+    message = claude.messages.create(**kw)
+    with claude.messages.stream(**kw) as stream:
+        streamed = stream.get_final_message()
+    for answer in (message, streamed):
+        assert answer.stop_reason == "max_tokens"
+        assert [(b.type, b.text) for b in answer.content] == [("text", call.function.arguments)]
+
+
 def test_output_config_is_chats_json_schema_response_format(claude, oai):
     schema = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}}, "required": ["city"],
               "additionalProperties": False}

@@ -9,6 +9,7 @@ import json
 import re
 
 import anthropic
+import httpx
 import openai
 import pytest
 
@@ -120,6 +121,43 @@ def test_chat_splits_reasoning_whole_and_streamed(client):
     again = client.chat.completions.create(model=SERVED, temperature=0, max_tokens=2, messages=ASK + [
         message.model_dump(exclude_none=True), {"role": "user", "content": "And?"}])
     assert again.choices[0].finish_reason == "length"
+
+
+def _stream(server, body: dict) -> list[dict]:
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=120) as r:
+        assert r.status_code == 200, r.read()
+        return [json.loads(line[6:]) for line in r.iter_lines()
+                if line.startswith("data: ") and line != "data: [DONE]"]
+
+
+def test_reasoning_split_with_vllms_chat_fields(client, server):
+    """One chat path serves the reasoning split and vLLM's other chat fields together: token ids, the
+    rendered prompt, usage on every chunk and chunks joined by stream_interval, whole and streamed."""
+    body = {"model": SERVED, "messages": ASK, "temperature": 0, "max_tokens": 80, **FORCED,
+            "return_token_ids": True, "return_prompt_text": True}
+    whole = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=120).json()
+    choice = whole["choices"][0]
+    reasoning, content = choice["message"]["reasoning_content"], choice["message"]["content"]
+    assert re.fullmatch(THINK_REGEX, f"<think>{reasoning}</think>{content}")
+    assert len(choice["token_ids"]) == whole["usage"]["completion_tokens"]
+    assert whole["prompt_text"].endswith("<think>") and whole["prompt_token_ids"]
+    chunks = _stream(server, {**body, "stream": True, "stream_interval": 2,
+                              "stream_options": {"include_usage": True, "continuous_usage_stats": True}})
+    assert chunks[0]["prompt_text"] == whole["prompt_text"]
+    assert chunks[0]["prompt_token_ids"] == whole["prompt_token_ids"]
+    deltas = [c["choices"][0] for c in chunks if c["choices"]]
+    assert "".join(d["delta"].get("reasoning_content") or "" for d in deltas) == reasoning
+    assert "".join(d["delta"].get("content") or "" for d in deltas) == content
+    assert [t for d in deltas for t in d.get("token_ids") or ()] == choice["token_ids"]
+    done = [c["usage"]["completion_tokens"] for c in chunks]  # every chunk has usage, the last the total
+    assert done == sorted(done) and done[-1] == whole["usage"]["completion_tokens"]
+    # reasoning_effort "none" turns thinking off in the template: under qwen3 the output is the answer.
+    off = client.chat.completions.create(model=SERVED, messages=ASK, temperature=0, max_tokens=6,
+                                         reasoning_effort="none").choices[0].message
+    if server.parser == "qwen3":
+        assert off.content and getattr(off, "reasoning_content", None) is None
+    else:
+        assert off.content is None and off.reasoning_content
 
 
 def test_enable_thinking_reaches_the_template(client, server):

@@ -87,6 +87,18 @@ def test_stream_events_add_up_to_the_whole_response(client):
     assert events[-1].response.usage.output_tokens == whole.usage.output_tokens == 10
 
 
+def test_named_call_cut_by_max_output_tokens_is_text(client):
+    # Chat completions answer it as a call holding the text so far (as vLLM); a function_call item here
+    # would claim arguments that are not JSON, so the response is that text, incomplete.
+    ask = "What is the weather in Paris?"
+    (call,) = _chat(client, [{"role": "user", "content": ask}], tools=TOOLS, max_tokens=4, temperature=0,
+                    tool_choice={"type": "function", "function": {"name": "get_weather"}}).choices[0].message.tool_calls
+    r = client.responses.create(model=SERVED, input=ask, tools=FUNCTIONS, temperature=0, max_output_tokens=4,
+                                tool_choice={"type": "function", "name": "get_weather"})
+    assert r.status == "incomplete" and [o.type for o in r.output] == ["message"]
+    assert r.output_text == call.function.arguments
+
+
 def test_function_tool_round_trip_through_previous_response_id(client, server):
     ask = "What is the weather in Paris?"
     named = {"type": "function", "name": "get_weather"}

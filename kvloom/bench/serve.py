@@ -172,7 +172,9 @@ def client_report(loads: list[ClientLoad]) -> dict[str, Any]:
     return {"client_processes": len(loads), "clients": [c.as_dict() for c in loads],
             "client_busy_max": round(max(c.busy for c in loads), 3),
             "client_lag_p90_ms": max(c.lag_p90_ms for c in loads),
-            "client_saturated": any(c.saturated for c in loads)}
+            "client_saturated": any(c.saturated for c in loads),
+            "client_cpu_wait_max": max((c.cpu_wait_share or 0.0 for c in loads), default=0.0),
+            "host_busy": any(c.host_busy for c in loads)}
 
 
 def run_sweep(spec: LoadSpec, workload: Workload, on_level=None) -> dict[str, Any]:

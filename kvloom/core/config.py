@@ -177,7 +177,8 @@ def resolve_dtype(name: str, device: "torch.device", hf_config=None) -> "torch.d
         return getattr(torch, name)  # validate() allows float32, bfloat16 and float16
     if device.type == "cuda":
         return torch.bfloat16
-    checkpoint = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    # transformers 5 names it dtype and warns on every read of torch_dtype; older ones have only torch_dtype.
+    checkpoint = getattr(hf_config, "dtype" if hasattr(hf_config, "dtype") else "torch_dtype", None)
     if checkpoint in (torch.float32, "float32"):
         return torch.float32
     return torch.bfloat16 if device.type == "cpu" and cpu_has_native_bf16() else torch.float32

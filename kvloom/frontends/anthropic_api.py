@@ -385,7 +385,7 @@ async def count_tokens(server: "OpenAIServer", request: Request):
     chat = chat_request(req)
     if chat.tools and chat.tool_choice is None:
         chat.tool_choice = "none"  # counting renders the tools alike, and needs no auto tool choice
-    _, _, _, ids = await server.render_chat(chat, chat_messages(req))
+    *_, ids = await server.render_chat(chat, chat_messages(req))
     return json_response({"input_tokens": len(ids)})
 
 

@@ -16,7 +16,7 @@ import signal
 import socket
 import sys
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, AsyncIterator, Awaitable, Callable
 
 import msgspec
@@ -53,13 +53,15 @@ from kvloom.frontends.openai_requests import (
     chat_messages,
     chat_template_options,
     check_echo,
+    echoed_message,
     prompt_logprobs,
     sampling_params,
     split_prompts,
     structured_output,
+    truncate_prompt,
 )
-from kvloom.frontends.openai_responses import CompletionEcho, ResponseBuilder, UsageCounter
-from kvloom.frontends.output import TextDelta, fan_out
+from kvloom.frontends.openai_responses import ChatPrompt, CompletionEcho, ResponseBuilder, UsageCounter
+from kvloom.frontends.output import TextDelta, coalesce, fan_out
 from kvloom.frontends.reasoning import starts_in_reasoning
 from kvloom.frontends.request_fields import CHAT_RULES, COMPLETION_RULES, check_fields
 from kvloom.frontends.responses_store import open_response_store
@@ -79,6 +81,7 @@ class ChatPlan:
     core: FrontendCore
     builder: ResponseBuilder
     prepared: list[PreparedRequest]
+    prompt_text: str  # the chat as the template rendered it
     prompt_token_ids: list[int]
     usage: UsageCounter
     reading: ChatReading
@@ -177,17 +180,21 @@ class OpenAIServer:
         """The served model a request names (no name: the first model), or 404 naming those served."""
         return core_for(self.cores, model)
 
-    def _request_id(self, request: Request, prefix: str) -> str:
-        # Echoed back only: the engine gets ids this frontend makes, so a reused id cannot mix outputs.
-        return request.headers.get("x-request-id") or f"{prefix}-{uuid.uuid4().hex}"
+    def _request_id(self, request: Request, prefix: str, given: str | None = None) -> str:
+        """The header's X-Request-Id, else the body's request_id (vLLM's field), else a new one. Echoed
+        back only: the engine gets ids this frontend makes, so a reused id cannot mix outputs."""
+        return request.headers.get("x-request-id") or given or f"{prefix}-{uuid.uuid4().hex}"
 
     def _start(self, core: FrontendCore, prepared: list[PreparedRequest]) -> AsyncIterator[tuple[int, TextDelta]]:
         model = core.ready.model_name
         self.metrics.count_prompt_tokens(sum(len(p.prompt_token_ids) for p in prepared), model)
-        return merge_streams([self.metrics.observe(core.generate(p), model) for p in prepared])
+        merged = merge_streams([self.metrics.observe(core.generate(p), model) for p in prepared])
+        prompts: dict[int, int] = {}  # the n choices of one prompt share its token list
+        groups = [prompts.setdefault(id(p.prompt_token_ids), len(prompts)) for p in prepared]
+        return self.metrics.observe_prompts(merged, groups, model)
 
     async def _respond(self, request: Request, core: FrontendCore, prepared: list[PreparedRequest], stream: bool,
-                       rid: str, collect: Callable, events: Callable) -> Any:
+                       rid: str, collect: Callable, events: Callable, stream_interval: int | None = None) -> Any:
         key, given = request.state.api_key, request.state.timeout
         timeout = check_timeout(given, self.config.request_timeout)
         prepared = [replace_prepared(p, key, timeout, given is not None) for p in prepared]
@@ -206,6 +213,8 @@ class OpenAIServer:
                 await merged.aclose()
                 admission.release()
             return json_response(body, headers=headers)
+        if stream_interval is not None and stream_interval > 1:
+            merged = coalesce(merged, stream_interval)
         try:
             # Wait for the first output before answering, so a rejected request still gets its status.
             first = await cancel_on_disconnect(request.receive, anext(merged))
@@ -221,7 +230,11 @@ class OpenAIServer:
         core = self.core_for(req.model)
         responses = self.builders[core.ready.model_name]
         texts = split_prompts(req.prompt)
-        prompts = [core.check_token_ids(p) if isinstance(p, list) else await core.tokenize_text(p) for p in texts]
+        special = req.add_special_tokens is not False
+        truncating = req.truncate_prompt_tokens is not None
+        prompts = [truncate_prompt(core.check_token_ids(p) if isinstance(p, list) else
+                                   await core.tokenize_text(p, add_special_tokens=special, truncated=truncating),
+                                   req, core.max_model_len) for p in texts]
         check_echo(req)
         # max_tokens=0 (echo only): the engine generates one token, which the response leaves out.
         sp = sampling_params(req, 1 if req.max_tokens == 0 else req.max_tokens, req.logprobs,
@@ -230,47 +243,56 @@ class OpenAIServer:
                     for ids in prompts for choice in fan_out(sp, req.n)]
         echo = None
         if req.echo or req.prompt_logprobs is not None:
-            shown = [(t if isinstance(t, str) else responses.tokenizer.decode(ids, skip_special_tokens=False), ids)
-                     for t, ids in zip(texts, prompts)]
+            shown = [(t if isinstance(t, str) and not truncating else
+                      responses.tokenizer.decode(ids, skip_special_tokens=False), ids) for t, ids in zip(texts, prompts)]
             echo = CompletionEcho([p for p in shown for _ in range(req.n)], req.echo, req.logprobs,
                                   req.prompt_logprobs, generate=req.max_tokens != 0)
-        rid = self._request_id(request, "cmpl")
+        rid = self._request_id(request, "cmpl", req.request_id)
+        responses = responses.view(req.return_tokens_as_token_ids)
         usage = UsageCounter([len(p) for p in prompts], req.n)
+        token_ids = [p for p in prompts for _ in range(req.n)] if req.return_token_ids else None
         return await self._respond(request, core, prepared, req.stream, rid,
-                                   lambda merged: responses.collect_completion(rid, merged, usage, len(prepared), echo),
-                                   lambda merged: responses.completion_events(req, rid, merged, usage, echo))
+                                   lambda merged: responses.collect_completion(rid, merged, usage, len(prepared), echo,
+                                                                               token_ids),
+                                   lambda merged: responses.completion_events(req, rid, merged, usage, echo, token_ids),
+                                   req.stream_interval)
 
     # --- /v1/chat/completions ----------------------------------------------------------------------
     async def chat_completions(self, request: Request):
         req: api.ChatCompletionRequest = await self._parse_generation(request, api.ChatCompletionRequest)
         plan = await self.plan_chat(req)
-        builder, usage, reading = plan.builder, plan.usage, plan.reading
-        rid = self._request_id(request, "chatcmpl")
+        builder, usage = plan.builder.view(req.return_tokens_as_token_ids), plan.usage
+        reading = replace(plan.reading, cut_calls=True)  # as vLLM: a named call cut short is a call
+        rid = self._request_id(request, "chatcmpl", req.request_id)
+        shown = ChatPrompt(echoed_message(req), plan.prompt_token_ids if req.return_token_ids else None,
+                           plan.prompt_text if req.return_prompt_text else None, req.prompt_logprobs)
         return await self.respond(request, plan, req.stream, rid,
-                                  lambda merged: builder.collect_chat(rid, merged, usage, req.n, reading),
-                                  lambda merged: builder.chat_events(req, rid, merged, usage, reading))
+                                  lambda merged: builder.collect_chat(rid, merged, usage, req.n, reading, shown),
+                                  lambda merged: builder.chat_events(req, rid, merged, usage, reading, shown),
+                                  req.stream_interval)
 
     async def plan_chat(self, req: api.ChatCompletionRequest, messages: list[dict[str, Any]] | None = None, *,
                         prompt_param: str = "messages", max_tokens_param: str | None = None) -> ChatPlan:
         """A chat request, or another API's request translated into one, checked, rendered and tokenized:
         the one pipeline of every chat-shaped API. ``messages``: the chat as templates take it, when the
         translator has built it already; the params name the caller's fields in errors."""
-        core, tools, constraint, ids = await self.render_chat(req, messages, prompt_param)
+        core, tools, constraint, text, ids = await self.render_chat(req, messages, prompt_param)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         if max_tokens_param is None:
             max_tokens_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-        sp = sampling_params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None, constraint)
+        sp = sampling_params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None, constraint,
+                             prompt_logprobs=req.prompt_logprobs)
         prepared = [core.prepare(ids, choice, priority=req.priority, max_tokens_param=max_tokens_param,
                                  prompt_param=prompt_param)
                     for choice in fan_out(sp, req.n)]
         reading = self._reading(core, ids, tools, constrained=constraint is not None, show=req.include_reasoning)
-        return ChatPlan(core, self.builders[core.ready.model_name], prepared, ids, UsageCounter([len(ids)], req.n),
-                        reading)
+        return ChatPlan(core, self.builders[core.ready.model_name], prepared, text, ids,
+                        UsageCounter([len(ids)], req.n), reading)
 
     async def render_chat(self, req: api.ChatCompletionRequest, messages: list[dict[str, Any]] | None = None,
                           prompt_param: str = "messages"
-                          ) -> tuple[FrontendCore, ToolPlan | None, StructuredOutputSpec | None, list[int]]:
-        """The served model, tool plan, output constraint and prompt tokens of a chat request."""
+                          ) -> tuple[FrontendCore, ToolPlan | None, StructuredOutputSpec | None, str, list[int]]:
+        """The served model, tool plan, output constraint, rendered prompt and prompt tokens of a chat request."""
         core = self.core_for(req.model)
         tools = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls, self.config.tool_call_parser,
                            self.config.enable_auto_tool_choice)
@@ -288,7 +310,10 @@ class OpenAIServer:
                                                   any_whitespace=False)
         if messages is None:
             messages = chat_messages(req.messages)
-        return core, tools, constraint, await core.tokenize_chat(messages, prompt_param, **options)
+        text = await core.render_chat(messages, prompt_param, **options)
+        ids = await core.encode_chat(text, prompt_param, add_special_tokens=bool(req.add_special_tokens),
+                                     truncated=req.truncate_prompt_tokens is not None)
+        return core, tools, constraint, text, truncate_prompt(ids, req, core.max_model_len)
 
     def _reading(self, core: FrontendCore, ids: list[int], tools: ToolPlan | None, constrained: bool,
                  show: bool) -> ChatReading:
@@ -300,10 +325,10 @@ class OpenAIServer:
         return ChatReading(tools, self.config.tool_call_parser, parser is not None, in_reasoning, show)
 
     async def respond(self, request: Request, plan: ChatPlan, stream: bool, rid: str, collect: Callable,
-                      events: Callable) -> Any:
+                      events: Callable, stream_interval: int | None = None) -> Any:
         """Run a planned chat through admission and the engine; ``collect`` makes the whole response,
         ``events`` the stream (each in its API's shape)."""
-        return await self._respond(request, plan.core, plan.prepared, stream, rid, collect, events)
+        return await self._respond(request, plan.core, plan.prepared, stream, rid, collect, events, stream_interval)
 
     # --- the rest ----------------------------------------------------------------------------------
     async def models(self, request: Request):

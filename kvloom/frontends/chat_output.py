@@ -12,12 +12,16 @@ from kvloom.frontends.tool_parsers import ToolCall, ToolPlan, make_parser
 
 class ToolOutput:
     """One choice's tool calls: read from its text (auto, by the server's parser) or the forced JSON
-    (required, named). ``feed`` returns the content that can be streamed now."""
+    (required, named). ``feed`` returns the content that can be streamed now. With ``cut_calls`` a named
+    call cut short (max_tokens) is still a call, with the raw text so far as its arguments (as vLLM
+    returns it), never content."""
 
-    def __init__(self, plan: ToolPlan, parser: str | None) -> None:
+    def __init__(self, plan: ToolPlan, parser: str | None, cut_calls: bool = False) -> None:
         self.plan = plan
         self.parser = make_parser(parser) if plan.mode == "auto" else None
         self.text = ""
+        self.named = ToolCall(plan.name, "") if plan.mode == "named" else None  # its id, fixed from the start
+        self.cut_calls = cut_calls
 
     def feed(self, text: str) -> str:
         self.text += text
@@ -30,6 +34,8 @@ class ToolOutput:
         try:
             return "", self.plan.forced_calls(self.text)
         except (ValueError, KeyError, TypeError):  # cut short by max_tokens: not a whole call
+            if self.named is not None and self.cut_calls:
+                return "", [ToolCall(self.named.name, self.text, self.named.id)]
             return self.text, []
 
     def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
@@ -54,10 +60,15 @@ class ChatReading:
     reasoning: bool = False
     in_reasoning: bool = False
     show_reasoning: bool = True  # False (include_reasoning=false): split off, then left out
+    # Chat completions (as vLLM): a named call cut short by max_tokens is a call with the text so far as
+    # its arguments. The other APIs keep such text as content: their call blocks need whole arguments.
+    cut_calls: bool = False
 
     def tool_output(self) -> ToolOutput | None:
         tools = self.tools
-        return ToolOutput(tools, self.tool_parser) if tools is not None and tools.mode != "none" else None
+        if tools is None or tools.mode == "none":
+            return None
+        return ToolOutput(tools, self.tool_parser, self.cut_calls)
 
     def whole(self, text: str) -> tuple[str | None, str | None, list[ToolCall]]:
         """A whole output as (reasoning, content, tool calls); reasoning None when there is none, content
@@ -87,6 +98,8 @@ class ChoiceStream:
         self.reading = reading
         self.splitter = ReasoningSplitter(reading.in_reasoning) if reading.reasoning else None
         self.tools = reading.tool_output()
+        self.named = self.tools.named if self.tools is not None else None
+        self._arguments_shown = 0
 
     def feed(self, text: str) -> tuple[str, str]:
         reasoning, content = self.splitter.feed(text) if self.splitter is not None else ("", text)
@@ -103,6 +116,13 @@ class ChoiceStream:
 
     def finish_reason(self, reason: str | None, calls: list[ToolCall]) -> str | None:
         return self.tools.finish_reason(reason, calls) if self.tools is not None else reason
+
+    def new_arguments(self) -> str:
+        """A named call's arguments (the whole output) that came since the last ask: a stream can show
+        them as they come, since the call's name is known from the start."""
+        text = self.tools.text
+        new, self._arguments_shown = text[self._arguments_shown:], len(text)
+        return new
 
     def _shown(self, reasoning: str) -> str:
         return reasoning if self.reading.show_reasoning else ""

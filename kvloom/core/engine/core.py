@@ -432,8 +432,10 @@ class EngineCore:
         if self.structured.has_matchers:
             self.structured.accept_step(plan.step_id, {u.request.request_id: u.new_token_ids for u in updates})
         logprobs, prompt_logprobs = out.logprobs, self._prompt_logprobs
+        now = self.scheduler.clock()
         for u in updates:
             req = u.request
+            first = u.new_token_ids and len(req.output_token_ids) == len(u.new_token_ids)
             if u.finished:
                 self.structured.remove([req.request_id])
             prompt_lps = prompt_logprobs.pop(req.request_id, None) if prompt_logprobs else None
@@ -446,6 +448,7 @@ class EngineCore:
                 prompt_logprobs=prompt_lps,
                 num_prompt_tokens=len(req.prompt_token_ids), num_cached_tokens=req.num_cached_tokens,
                 num_draft_tokens=req.num_draft_tokens, num_accepted_tokens=req.num_accepted_tokens,
+                prefill_time=now - req.first_scheduled_time if first and req.first_scheduled_time else None,
             ))
         return deltas
 
