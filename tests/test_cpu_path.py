@@ -7,10 +7,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvloom.core.model.attention.base import AttentionBackend, AttentionMetadata
+from kvloom.core.model.attention.base import AttentionMetadata, TorchAttentionBackend
 from kvloom.core.model.attention.cpu import CPUAttentionBackend
+from kvloom.core.model.cpu_packing import pack_linear_layers
 from kvloom.kernels import reference as ref
-from kvloom.kernels.cpu_linear import PackedLinear, pack_linear_layers, packing_supported
+from kvloom.kernels.cpu_linear import PackedLinear, packing_supported
 
 BS, HKV, GROUP, D = 4, 2, 3, 16
 
@@ -52,7 +53,7 @@ def test_cpu_backend_matches_the_reference_layout(query_lens, seq_lens, dtype):
     num_blocks = 40
     gen = torch.Generator().manual_seed(1)
     history = {}  # the K/V both caches hold before the step, keyed by slot
-    cpu, reference = CPUAttentionBackend(), AttentionBackend()
+    cpu, reference = CPUAttentionBackend(), TorchAttentionBackend()
     caches = {
         "cpu": [tuple(torch.zeros(cpu.kv_cache_shape(num_blocks, BS, HKV, D), dtype=dtype) for _ in range(2))
                 for _ in range(2)],

@@ -1,13 +1,15 @@
 """LoRA adapters through the real server (engine process, two HTTP workers, the ZMQ gateway): a request picks
 an adapter by ``model`` (openai client and gateway), adapters load and unload at run time through vLLM's
 routes behind the API key while another adapter's request streams, an in-use adapter's unload is refused
-without harming its stream, ``/v1/models`` lists adapters with their base, and metrics and the access log
-name the adapter."""
+without harming its stream, ``/v1/models`` lists adapters with their base, metrics and the access log
+name the adapter, and the chat-shaped APIs (chat completions, Responses, Anthropic Messages) run an adapter
+by name alike."""
 
 from __future__ import annotations
 
 import time
 
+import anthropic
 import httpx
 import openai
 import pytest
@@ -122,3 +124,27 @@ def test_adapters_load_and_unload_while_another_streams(setup):
     assert "kvloom_lora_adapters_loaded" in metrics and "kvloom_lora_slot_loads_total" in metrics
     log = srv.log()
     assert '"POST /v1/completions" 200 model=b ' in log
+
+
+def test_chat_responses_and_messages_run_an_adapter_by_name(setup):
+    srv, base, adapters, ps, expected, pieces = setup
+    name = "chat-a"
+    assert _post(srv, "/v1/load_lora_adapter", {"lora_name": name, "lora_path": adapters["a"]}).status_code == 200
+    client = _client(srv)
+    turns = [{"role": "user", "content": "Name a colour."}]
+    ids = _post(srv, "/tokenize", {"model": name, "messages": turns}).json()["tokens"]
+    (want,) = peft_greedy(base, {name: adapters["a"]}, [ids], [name], MAX_NEW)
+    chat = client.chat.completions.create(model=name, messages=turns, max_tokens=MAX_NEW, temperature=0,
+                                          extra_body={"ignore_eos": True, "return_token_ids": True})
+    assert chat.model == name and chat.choices[0].token_ids == want  # the adapter's tokens, as PEFT's
+    plain = client.chat.completions.create(model=name, messages=turns, max_tokens=MAX_NEW, temperature=0)
+    text = plain.choices[0].message.content
+    resp = client.responses.create(model=name, input=turns, max_output_tokens=MAX_NEW, temperature=0)
+    assert resp.model == name and resp.output_text == text
+    claude = anthropic.Anthropic(base_url=srv.url, api_key=API_KEY, max_retries=0, timeout=120)
+    message = claude.messages.create(model=name, messages=turns, max_tokens=MAX_NEW, extra_body={"temperature": 0})
+    assert message.model == name and "".join(b.text for b in message.content if b.type == "text") == text
+    assert message.usage.input_tokens == len(ids)
+    log = srv.log()
+    assert f'"POST /v1/responses" 200 model={name} ' in log and f'"POST /v1/messages" 200 model={name} ' in log
+    assert _post(srv, "/v1/unload_lora_adapter", {"lora_name": name}).status_code == 200

@@ -28,6 +28,7 @@ from kvloom.core.model.linear import (
     UnquantizedLinearMethod,
 )
 from kvloom.kernels import ops
+from kvloom.kernels.options import DEFAULT_KERNELS, KernelOptions
 from kvloom.kernels.quant_reference import num_rows
 
 if TYPE_CHECKING:
@@ -42,16 +43,17 @@ def linear_method(quantization: "QuantizationMethod | None", prefix: str, checkp
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
+    def __init__(self, dim: int, eps: float, kernels: KernelOptions = DEFAULT_KERNELS) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.kernels = kernels
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, fp8: bool = False):
         """``fp8``: the next layer takes FP8 rows (``LinearBase.takes_fp8_rows``), quantized here where a
         kernel does it."""
-        out = ops.rms_norm_fp8(x, self.weight, self.eps, residual) if fp8 else None
-        return ops.rms_norm(x, self.weight, self.eps, residual) if out is None else out
+        out = ops.rms_norm_fp8(x, self.weight, self.eps, residual, self.kernels) if fp8 else None
+        return ops.rms_norm(x, self.weight, self.eps, residual, self.kernels) if out is None else out
 
 
 def rope_cos_sin_cache(config, head_dim: int, max_positions: int) -> torch.Tensor:
@@ -107,8 +109,9 @@ class VocabParallelEmbedding(nn.Module):
 
 class Attention(nn.Module):
     def __init__(self, config, layer_idx: int, backend: AttentionBackend, quantization=None,
-                 tp: TensorParallel | None = None) -> None:
+                 tp: TensorParallel | None = None, kernels: KernelOptions = DEFAULT_KERNELS) -> None:
         super().__init__()
+        self.kernels = kernels
         tp = tp or TensorParallel()
         self.tp = tp
         heads = config.num_attention_heads
@@ -128,8 +131,8 @@ class Attention(nn.Module):
                                 method=linear_method(quantization, f"{prefix}.o_proj", [f"{prefix}.o_proj"]), **ranks)
         self.qk_norm = config.model_type == "qwen3"
         if self.qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, kernels)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, kernels)
         self.layer_idx = layer_idx
         self.backend = backend
         # Per-tensor scales of an fp8 KV cache (stored x / scale): 1.0, or the checkpoint's k_scale/v_scale
@@ -161,7 +164,7 @@ class Attention(nn.Module):
         elif getattr(self.backend, "fuses_rotary", False):  # rotated where the backend writes the cache
             fused["rope"] = rope
         else:
-            q, k = ops.apply_rotary(rope, q, k)
+            q, k = ops.apply_rotary(rope, q, k, self.kernels)
         if fp8_cache and (self.k_scale, self.v_scale) != (1.0, 1.0):
             fused.update(k_scale=self.k_scale, v_scale=self.v_scale)
         out = self.backend.forward(q, k, v, kv_cache, meta, self.scale, **fused)
@@ -169,8 +172,10 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config, layer_idx: int, quantization=None, tp: TensorParallel | None = None) -> None:
+    def __init__(self, config, layer_idx: int, quantization=None, tp: TensorParallel | None = None,
+                 kernels: KernelOptions = DEFAULT_KERNELS) -> None:
         super().__init__()
+        self.kernels = kernels
         self.tp = tp = tp or TensorParallel()
         prefix = f"model.layers.{layer_idx}.mlp"
         inter = config.intermediate_size
@@ -187,18 +192,19 @@ class MLP(nn.Module):
             raise ValueError(f"hidden_act={act!r} is not supported; supported: silu")
 
     def forward(self, h) -> torch.Tensor:
-        act = self.gate_up_proj.forward_silu_and_mul(h, fp8=self.down_proj.takes_fp8_rows(num_rows(h)))
+        act = self.gate_up_proj.forward_silu_and_mul(h, fp8=self.down_proj.takes_fp8_rows(num_rows(h)),
+                                                     kernels=self.kernels)
         return self.tp.all_reduce(self.down_proj(act))
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, config, layer_idx: int, backend: AttentionBackend, quantization=None,
-                 tp: TensorParallel | None = None) -> None:
+                 tp: TensorParallel | None = None, kernels: KernelOptions = DEFAULT_KERNELS) -> None:
         super().__init__()
-        self.self_attn = Attention(config, layer_idx, backend, quantization, tp)
-        self.mlp = MLP(config, layer_idx, quantization, tp)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, layer_idx, backend, quantization, tp, kernels)
+        self.mlp = MLP(config, layer_idx, quantization, tp, kernels)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
 
     def forward(self, rope, h, residual, meta, kv_cache, keep=None):
         # Where the next layer runs W8A8 on these rows, the norm hands it FP8 rows (one kernel less).
@@ -229,15 +235,16 @@ class DecoderLM(nn.Module):
     }
 
     def __init__(self, config, backend: AttentionBackend, quantization: "QuantizationMethod | None" = None,
-                 tp: TensorParallel | None = None) -> None:
+                 tp: TensorParallel | None = None, kernels: KernelOptions = DEFAULT_KERNELS) -> None:
+        """``kernels``: the CUDA kernels' options (the engine's ``kernel_options``)."""
         super().__init__()
         self.config = config
         self.tp = tp = tp or TensorParallel()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, i, backend, quantization, tp) for i in range(config.num_hidden_layers)
+            DecoderLayer(config, i, backend, quantization, tp, kernels) for i in range(config.num_hidden_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         # Tied: the embedding table is the output projection, unless a packed copy is set after loading.
         # The output projection stays dense, as in the usual AWQ/GPTQ/FP8 checkpoints.
