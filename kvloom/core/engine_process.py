@@ -322,11 +322,6 @@ class EngineServer:
         if self.draining:
             self.outbox[ident].append(_error_delta(msg.request_id, "the engine is shutting down", "unavailable"))
             return
-        if msg.request_id in self.owners:
-            # Never let a second request take over the first one's outputs.
-            self.outbox[ident].append(_error_delta(msg.request_id, f"request id {msg.request_id!r} is already "
-                                                   "in use", "rejected"))
-            return
         try:
             self.core.add_request(msg)
         except RequestRejected as e:

@@ -190,7 +190,7 @@ class OpenAIServer:
         core = self.core_for(req.model)
         responses = self.builders[core.ready.model_name]
         texts = split_prompts(req.prompt)
-        prompts = [core.check_token_ids(p) if isinstance(p, list) else await core.tokenize_text(p) for p in texts]
+        prompts = [p if isinstance(p, list) else await core.tokenize_text(p) for p in texts]
         check_echo(req)
         # max_tokens=0 (echo only): the engine generates one token, which the response leaves out.
         sp = sampling_params(req, 1 if req.max_tokens == 0 else req.max_tokens, req.logprobs,
