@@ -127,6 +127,9 @@ class ServerConfig:
                           "docs/admission.md. As a flag, JSON (keep keys out of the process list: prefer the file).")
     gateway_require_api_key: bool = _opt(False, "Make the ZMQ gateway require an API key (Generate.api_key) "
                                          "from api_key/api_keys, as the HTTP server does.")
+    gateway_max_unread: int = _opt(100_000, "Replies the ZMQ gateway queues for a client that does not read "
+                                   "them; past that, the client's requests are stopped and each ends with "
+                                   "RequestFailed (429) once it reads again.")
     drain_timeout: float = _opt(60.0, "Seconds SIGTERM waits for in-flight requests before stopping them.")
     engine_start_timeout: float = _opt(900.0, "Seconds frontends wait for the engine to load the model.")
     engine_heartbeat_timeout: float | None = _opt(30.0, "Seconds frontends wait for a sign of life from the "
@@ -156,7 +159,7 @@ class ServerConfig:
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"port={self.port} must be in [0, 65535]")
         for name in ("api_workers", "max_pending_requests", "data_parallel_size", "max_queued_requests",
-                     "max_queued_tokens"):
+                     "max_queued_tokens", "gateway_max_unread"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ConfigError(f"{name}={getattr(self, name)} must be >= 1")
         from kvloom.frontends.admission import parse_api_keys
