@@ -78,11 +78,12 @@ _ids = itertools.count()
 
 
 def _generate_message(prompt: str | None, messages: list[dict[str, str]] | None, prompt_token_ids: list[int] | None,
-                      request_id: str | None, priority: int, model: str | None, sampling: dict[str, Any]) -> Generate:
+                      request_id: str | None, priority: int, model: str | None, sampling: dict[str, Any],
+                      api_key: str | None) -> Generate:
     return Generate(
         request_id=request_id or f"{os.getpid()}-{next(_ids)}", model=model, prompt=prompt,
         messages=None if messages is None else [ChatMessage(role=m["role"], content=m["content"]) for m in messages],
-        prompt_token_ids=prompt_token_ids, sampling=SamplingParams(**sampling), priority=priority,
+        prompt_token_ids=prompt_token_ids, sampling=SamplingParams(**sampling), priority=priority, api_key=api_key,
     )
 
 
@@ -113,11 +114,13 @@ def _socket(ctx: zmq.Context, address: str) -> zmq.Socket:
 
 class Client:
     """A blocking client. One thread at a time; several streams may be open and read in turn.
-    ``timeout`` is the longest wait for the next reply (None: forever)."""
+    ``timeout`` is the longest wait for the next reply (None: forever); ``api_key`` goes with every
+    request (a gateway of a server with API keys requires one)."""
 
-    def __init__(self, address: str, *, timeout: float | None = 300.0) -> None:
+    def __init__(self, address: str, *, timeout: float | None = 300.0, api_key: str | None = None) -> None:
         self.address = address
         self.timeout = timeout
+        self.api_key = api_key
         self._ctx = zmq.Context()
         self._sock = _socket(self._ctx, address)
         self._inbox: dict[str, deque] = {}
@@ -128,7 +131,8 @@ class Client:
                model: str | None = None, **sampling: Any) -> Iterator[TextChunk]:
         """Yield the request's text chunks; the last has ``finish_reason`` and ``usage``. Stopping early
         cancels the request. ``model``: a served model's name (``ping().models``); None: the first."""
-        msg = _generate_message(prompt, messages, prompt_token_ids, request_id, priority, model, sampling)
+        msg = _generate_message(prompt, messages, prompt_token_ids, request_id, priority, model, sampling,
+                                self.api_key)
         rid = _claim(self._inbox, msg.request_id)
         self._inbox[rid] = deque()
         finished = False
@@ -185,11 +189,12 @@ class Client:
 
 
 class AsyncClient:
-    """An asyncio client: any number of concurrent streams over one connection."""
+    """An asyncio client: any number of concurrent streams over one connection (arguments as ``Client``'s)."""
 
-    def __init__(self, address: str, *, timeout: float | None = 300.0) -> None:
+    def __init__(self, address: str, *, timeout: float | None = 300.0, api_key: str | None = None) -> None:
         self.address = address
         self.timeout = timeout
+        self.api_key = api_key
         self._ctx = zmq.asyncio.Context()
         self._sock = _socket(self._ctx, address)
         self._inbox: dict[str, asyncio.Queue] = {}
@@ -199,7 +204,8 @@ class AsyncClient:
     async def stream(self, prompt: str | None = None, *, messages: list[dict[str, str]] | None = None,
                      prompt_token_ids: list[int] | None = None, request_id: str | None = None, priority: int = 0,
                      model: str | None = None, **sampling: Any) -> AsyncIterator[TextChunk]:
-        msg = _generate_message(prompt, messages, prompt_token_ids, request_id, priority, model, sampling)
+        msg = _generate_message(prompt, messages, prompt_token_ids, request_id, priority, model, sampling,
+                                self.api_key)
         rid = _claim(self._inbox, msg.request_id)
         self._start_reader()
         queue = self._inbox[rid] = asyncio.Queue()

@@ -1,6 +1,7 @@
 """The ZMQ gateway keeps the HTTP server's promises (issue 39), on the real server and a real gateway
 socket: a client that disconnects or stops reading has its requests stopped at once, nothing it is
-sent is silently lost or miscounted, and every door refuses a request over a limit with the same 400."""
+sent is silently lost or miscounted, every door refuses a request over a limit with the same 400, and
+the gateway asks for the server's API keys."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import msgspec
 import pytest
 import zmq
 
-from tests.server_utils import EngineServer, kv_blocks
+from tests.server_utils import EngineServer, free_port, kv_blocks
 
 NUM_BLOCKS = 512
 LONG = {"max_tokens": 500, "ignore_eos": True, "temperature": 0.0}
@@ -87,10 +88,12 @@ def test_a_disconnecting_client_has_its_requests_aborted_and_blocks_freed_within
 # --- a client that stops reading -------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def unread_server(tiny_llama, tmp_path_factory):
-    """A gateway that keeps 64 unread replies per client (the default is 100,000)."""
+    """A gateway that keeps 64 unread replies per client (the default is 100,000), with an HTTP API key
+    the gateway is told not to require (on ipc://, a file only this user reaches)."""
     tmp = tmp_path_factory.mktemp("gateway-unread")
     srv = EngineServer(["--model", str(tiny_llama), "--num-kv-blocks", str(NUM_BLOCKS), "--gateway",
-                        f"ipc://{tmp}/gw.sock", "--gateway-max-unread", "64"], tmp)
+                        f"ipc://{tmp}/gw.sock", "--gateway-max-unread", "64", "--api-key", "k",
+                        "--no-gateway-require-api-key"], tmp, api_key="k")
     srv.gateway = f"ipc://{tmp}/gw.sock"
     with srv:
         yield srv
@@ -141,6 +144,7 @@ def test_a_client_that_stops_reading_is_stopped_and_gets_every_request_whole_or_
 
 
 def test_the_ipc_socket_file_is_removed_when_the_gateway_stops(unread_server):
+    # Keys are configured, and this gateway was told not to ask for them.
     sock = gateway_socket(unread_server.gateway)
     send(sock, generate("open", prompt_token_ids=[5], sampling={"max_tokens": 1}))
     assert recv(sock)["finish_reason"] == "length"
@@ -181,10 +185,10 @@ def http_error(server, body: dict) -> tuple[int, str]:
     return r.status_code, r.json()["error"]["message"]
 
 
-def gateway_error(server, msg: dict) -> tuple[int, str]:
+def gateway_error(server, msg: dict, api_key: str | None = None) -> tuple[int, str]:
     sock = gateway_socket(server.gateway)
     try:
-        send(sock, msg)
+        send(sock, {**msg, "api_key": api_key} if api_key else msg)
         reply = recv(sock)
     finally:
         sock.close()
@@ -274,3 +278,19 @@ def test_the_last_chunk_always_has_stop_reason_and_every_usage_count(server):
 def test_a_numeric_request_id_is_400_naming_the_field_under_its_text(server):
     status, message = gateway_error(server, generate(7, prompt="hi"))  # request_id 7: answered as "7"
     assert status == 400 and message.startswith("request_id=7 must be a string")
+
+
+# --- API keys on every door --------------------------------------------------------------------------
+def test_a_tcp_gateway_of_a_server_with_api_keys_requires_them(tiny_llama, tmp_path):
+    gateway = f"tcp://127.0.0.1:{free_port()}"
+    with EngineServer(["--model", str(tiny_llama), "--num-kv-blocks", "64", "--gateway", gateway,
+                       "--api-key", "sk-both"], tmp_path, api_key="sk-both") as srv:
+        srv.gateway = gateway
+        msg = generate("k", prompt_token_ids=[5], sampling={"max_tokens": 1})
+        assert gateway_error(srv, msg)[0] == 401
+        assert gateway_error(srv, msg, api_key="wrong")[0] == 401
+        sock = gateway_socket(gateway)
+        send(sock, {**msg, "api_key": "sk-both"})
+        assert recv(sock)["finish_reason"] == "length"
+        sock.close()
+        assert "API key required" in srv.log()

@@ -33,7 +33,7 @@ from kvloom.core.messages import (
 )
 from kvloom.core.peer_warnings import PeerWarnings
 from kvloom.frontends.admission import KeyRing, effective_priority, parse_api_keys
-from kvloom.frontends.config import ServerConfig
+from kvloom.frontends.config import ServerConfig, zmq_address_is_loopback
 from kvloom.frontends.frontend_core import FrontendCore, PreparedRequest, RequestError
 from kvloom.frontends.model_cores import close_cores, core_for, start_model_cores
 from kvloom.frontends.validation import check_sampling
@@ -409,7 +409,8 @@ class Gateway:
     async def _stream(self, peer: _Peer, stream: _Stream, msg: Generate) -> None:
         request_id = msg.request_id
         try:
-            api_key = self.keys.authenticate(msg.api_key) if self.keys.required else None
+            api_key = self.keys.authenticate(msg.api_key, "send it as Generate.api_key") if self.keys.required \
+                else None
             core = core_for(self.cores, msg.model)
             check_sampling(msg.sampling, core.ready.vocab_size)  # before tokenizing: a cheap refusal stays cheap
             prompt_param = "prompt_token_ids" if msg.prompt_token_ids is not None else "prompt"
@@ -491,6 +492,19 @@ class _Undelivered(Exception):
     """A reply of a running request could not be sent; ``_Stream.ended`` says why."""
 
 
+def gateway_keys(server: ServerConfig, address: str) -> KeyRing:
+    """The keys the gateway requires: the HTTP server's, unless ``gateway_require_api_key = false``
+    turns them off (warned about on TCP, where any local user, or the network, can connect)."""
+    keys = parse_api_keys(server.api_keys, server.api_key)
+    if server.gateway_keys_required:
+        return KeyRing(keys)
+    if keys and address.startswith("tcp://"):
+        logger.warning("The ZMQ gateway on %s serves without an API key (gateway_require_api_key = false) although "
+                       "the HTTP server requires one: anyone who can connect%s bypasses the keys and their "
+                       "quotas", address, " from this machine" if zmq_address_is_loopback(address) else "")
+    return KeyRing([])
+
+
 async def run_gateway(engine_address: str | list[str], address: str, engine: EngineConfig, server: ServerConfig,
                       engine_secret: str | None = None, models: list[dict[str, Any]] | None = None) -> int:
     """``models``: several served models (``{"name", "engine", "addresses"}`` each), all served here."""
@@ -499,8 +513,8 @@ async def run_gateway(engine_address: str | list[str], address: str, engine: Eng
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     # Bind before waiting for the engine: an address that cannot be bound fails now, not after the model loads.
-    keys = KeyRing(parse_api_keys(server.api_keys, server.api_key) if server.gateway_require_api_key else [])
-    gateway = Gateway(None, address, server.max_request_body_bytes, keys, server.gateway_max_unread)
+    gateway = Gateway(None, address, server.max_request_body_bytes, gateway_keys(server, address),
+                      server.gateway_max_unread)
     try:
         gateway.cores = await start_model_cores(engine_address, engine, server, engine_secret, models)
     except BaseException:
