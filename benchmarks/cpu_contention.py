@@ -5,7 +5,7 @@ one core, alternated pass by pass, per OpenMP wait setting; prints JSON with bot
     python benchmarks/cpu_contention.py --variants kvloom,spin --repeat 5
 
 Each variant is one engine process (OpenMP reads its settings when torch loads it): ``kvloom`` is the
-engine as it starts by default (a bounded spin, kvloom/core/cpu_threads.py), ``spin`` is GNU OpenMP's
+engine as it starts by default (a bounded spin, kvloom/core/worker/cpu_threads.py), ``spin`` is GNU OpenMP's
 own default (threads spin about 300,000 polls at a barrier before sleeping), ``passive`` sleeps at
 once, ``active`` spins without end. Losing one of two
 cores should cost at most half the throughput (ratio >= 0.5; the issue's goal is >= 0.45).

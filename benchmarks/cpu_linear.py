@@ -1,5 +1,5 @@
 """The CPU's linear layers: ``F.linear`` against the oneDNN-packed weights kvloom uses on the CPU
-(``kvloom.core.cpu_linear.PackedLinear``), per projection of a model, at decode and prefill row counts.
+(``kvloom.kernels.cpu_linear.PackedLinear``), per projection of a model, at decode and prefill row counts.
 Prints JSON: milliseconds per call and GFLOP/s for each.
 
     python benchmarks/cpu_linear.py                          # SmolLM2-135M shapes, float32 and bfloat16
@@ -15,8 +15,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from kvloom.core.cpu_linear import PackedLinear, packing_supported
-from kvloom.core.cpu_malloc import keep_freed_memory
+from kvloom.core.worker.cpu_malloc import keep_freed_memory
+from kvloom.kernels.cpu_linear import PackedLinear, packing_supported
 
 # (out_features, in_features) of SmolLM2-135M's projections, q/k/v and gate/up fused as kvloom runs them
 SMOLLM2 = {"qkv_proj": (960, 576), "o_proj": (576, 576), "gate_up_proj": (3072, 576), "down_proj": (576, 1536),

@@ -21,7 +21,7 @@ def export(folder: Path, dtype_name: str = "bfloat16", gguf: str | None = None) 
     import torch
     from transformers import AutoModelForCausalLM
 
-    from kvloom.core.model_files import default_model_path
+    from kvloom.core.model.files import default_model_path
     from kvloom.frontends.text import load_tokenizer
 
     path = Path(gguf) if gguf else default_model_path()

@@ -70,7 +70,7 @@ def mask_fill_only(llm: LLM, prompts: list[str], modes: list[str], args) -> dict
     import xgrammar
 
     from kvloom.core.engine.step import ScheduledSeq
-    from kvloom.core.structured_output import StructuredOutputManager
+    from kvloom.core.engine.structured_output import StructuredOutputManager
 
     engine = llm.engine
     result = {}

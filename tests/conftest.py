@@ -84,7 +84,7 @@ def tiny_llama(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def smollm2_path() -> Path:
-    from kvloom.core.model_files import default_model_path
+    from kvloom.core.model.files import default_model_path
 
     return default_model_path()
 

@@ -10,18 +10,12 @@ import pytest
 
 from kvloom.core.config import ConfigError
 from kvloom.core.engine.gate import AdmissionGate, KeyQuota, Refusal
-from kvloom.core.kv_cache import KVCacheManager
+from kvloom.core.engine.kv_cache import KVCacheManager
+from kvloom.core.engine.request import Request, RequestStatus
+from kvloom.core.engine.scheduler import Scheduler
 from kvloom.core.messages import RateLimitInfo, TokenDelta
-from kvloom.core.request import Request, RequestStatus
 from kvloom.core.sampling_params import SamplingParams
-from kvloom.core.scheduler import Scheduler
-from kvloom.frontends.admission import (
-    KeyRing,
-    check_timeout,
-    effective_priority,
-    engine_refusal,
-    parse_api_keys,
-)
+from kvloom.frontends.admission import KeyRing, check_timeout, effective_priority, engine_refusal, parse_api_keys
 from kvloom.frontends.config import ServerConfig
 from kvloom.frontends.errors import RequestError
 from kvloom.plugins.builtin.fcfs import FCFSPolicy

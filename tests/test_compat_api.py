@@ -11,8 +11,8 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvloom.cli import build_parser, config_from_args, server_config_from_args
-from kvloom.vllm_flags import apply_vllm_flags
+from kvloom.cli.main import build_parser, config_from_args, server_config_from_args
+from kvloom.cli.vllm_flags import apply_vllm_flags
 from tests.server_utils import EngineServer, free_port
 
 SERVED = "my-vllm-model"
@@ -46,7 +46,7 @@ def test_a_vllm_launch_line_parses_to_kvloom_options(tmp_path):
 
 
 def test_a_chat_template_that_is_neither_file_nor_template_fails_at_once(tiny_llama, capsys):
-    from kvloom.cli import main
+    from kvloom.cli.main import main
 
     assert main(["--model", str(tiny_llama), "--chat-template", "no-such.jinja"]) == 2
     assert "chat_template='no-such.jinja' is neither a file nor a Jinja template" in capsys.readouterr().err

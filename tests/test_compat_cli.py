@@ -6,11 +6,11 @@ commands' dependencies installed by the plain install."""
 from __future__ import annotations
 
 import re
-import tomllib
 
 import pytest
+import tomllib
 
-from kvloom.cli import build_parser, main
+from kvloom.cli.main import build_parser, main
 from tests.server_utils import REPO_ROOT
 
 

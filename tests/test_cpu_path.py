@@ -7,10 +7,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvloom.core.attention import AttentionBackend, AttentionMetadata
-from kvloom.core.cpu_attention import CPUAttentionBackend
-from kvloom.core.cpu_linear import PackedLinear, pack_linear_layers, packing_supported
+from kvloom.core.model.attention.base import AttentionMetadata, TorchAttentionBackend
+from kvloom.core.model.attention.cpu import CPUAttentionBackend
+from kvloom.core.model.cpu_packing import pack_linear_layers
 from kvloom.kernels import reference as ref
+from kvloom.kernels.cpu_linear import PackedLinear, packing_supported
 
 BS, HKV, GROUP, D = 4, 2, 3, 16
 
@@ -52,7 +53,7 @@ def test_cpu_backend_matches_the_reference_layout(query_lens, seq_lens, dtype):
     num_blocks = 40
     gen = torch.Generator().manual_seed(1)
     history = {}  # the K/V both caches hold before the step, keyed by slot
-    cpu, reference = CPUAttentionBackend(), AttentionBackend()
+    cpu, reference = CPUAttentionBackend(), TorchAttentionBackend()
     caches = {
         "cpu": [tuple(torch.zeros(cpu.kv_cache_shape(num_blocks, BS, HKV, D), dtype=dtype) for _ in range(2))
                 for _ in range(2)],
@@ -107,7 +108,7 @@ def test_packed_linear_matches_f_linear(dtype, rows):
 
 @pytest.mark.skipif(not packing_supported(torch.float32), reason="this PyTorch build has no oneDNN packed linear")
 def test_packing_replaces_every_linear_and_ties_the_output(tiny_llama):
-    from kvloom.core.loader import build_model, load_hf_config
+    from kvloom.core.model.loader import build_model, load_hf_config
 
     config = load_hf_config(tiny_llama)
     common = dict(load_format="safetensors", device=torch.device("cpu"), dtype=torch.float32,
@@ -150,7 +151,7 @@ def test_rotary_tables_match_the_oracle(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_softmax_in_the_model_dtype_is_float32_softmax_rounded_once(dtype):
-    from kvloom.core.cpu_attention import _softmax
+    from kvloom.core.model.attention.cpu import _softmax
 
     scores = (torch.randn(4, 3, 40, 70, generator=torch.Generator().manual_seed(0)) * 8).to(dtype)
     scores[..., -9:] = float("-inf")  # masked keys, as the causal and padding biases make them
@@ -172,7 +173,7 @@ def test_rotary_of_adjacent_q_k_views_is_the_separate_rotation(dtype):
 
 def test_kept_rows_give_the_same_hidden_states(tiny_llama):
     """``keep`` (the rows a step samples from) skips the last layer's MLP for the other rows only."""
-    from kvloom.core.loader import build_model, load_hf_config
+    from kvloom.core.model.loader import build_model, load_hf_config
 
     config = load_hf_config(tiny_llama)
     backend = CPUAttentionBackend()
@@ -195,7 +196,7 @@ def test_kept_rows_give_the_same_hidden_states(tiny_llama):
 
 
 def test_malloc_settings_are_applied_once():
-    from kvloom.core import cpu_malloc
+    from kvloom.core.worker import cpu_malloc
 
     first = cpu_malloc.keep_freed_memory()
     assert cpu_malloc.keep_freed_memory() == first
@@ -206,9 +207,9 @@ def test_malloc_settings_are_applied_once():
 
 
 def test_auto_dtype_follows_the_checkpoint_on_cpu(tiny_llama):
-    from kvloom.core.cpu_linear import cpu_has_native_bf16
-    from kvloom.core.engine_core import resolve_dtype
-    from kvloom.core.loader import load_hf_config
+    from kvloom.core.engine.core import resolve_dtype
+    from kvloom.core.model.loader import load_hf_config
+    from kvloom.kernels.cpu_linear import cpu_has_native_bf16
 
     cpu = torch.device("cpu")
     assert resolve_dtype("auto", cpu, load_hf_config(tiny_llama)) == torch.float32  # a float32 checkpoint

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from kvloom.cli import main
+from kvloom.cli.main import main
 from kvloom.core.config import ConfigError, EngineConfig
 from tests.server_utils import EngineServer, server_env
 
@@ -87,7 +87,7 @@ class FakeMachine:
         self.niced += niced * seconds
 
     def governor(self, max_threads: int = 2, cores=(0, 1), niced_compete: bool = False):
-        from kvloom.core.cpu_threads import ThreadGovernor
+        from kvloom.core.worker.cpu_threads import ThreadGovernor
 
         self.set_calls: list[int] = []
         return ThreadGovernor(max_threads, cores, interval_s=0.5, clock=lambda: self.now,

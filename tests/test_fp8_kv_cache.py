@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from kvloom import LLM, SamplingParams
-from kvloom.cli import main
-from kvloom.core.attention import AttentionMetadata
+from kvloom.cli.main import main
 from kvloom.core.config import ConfigError, EngineConfig
+from kvloom.core.model.attention.base import AttentionMetadata
 
 # Share of teacher-forced positions whose greedy token with the fp8 cache equals the float32 cache's, on
 # the tiny random Llama (whose logits are close together, so this is a hard case for rounding). Measured

@@ -13,9 +13,10 @@ import msgspec
 import pytest
 import zmq
 
+from kvloom.builder import build_engine
 from kvloom.core import messages as m
 from kvloom.core.config import EngineConfig
-from kvloom.core.engine_process import EngineServer as EngineLoop
+from kvloom.core.engine.process import EngineServer as EngineLoop
 from kvloom.core.sampling_params import SamplingParams
 from tests.server_utils import EngineServer, raw_socket
 
@@ -38,7 +39,8 @@ def server(tiny_llama, tmp_path_factory):
 def engine(tiny_llama, tmp_path):
     """The engine process's loop in a thread, on an ipc:// socket the test can write raw messages to."""
     address = f"ipc://{tmp_path}/e.sock"
-    loop = EngineLoop(EngineConfig(model=str(tiny_llama), num_kv_blocks=64), address, model_name="tiny")
+    loop = EngineLoop(EngineConfig(model=str(tiny_llama), num_kv_blocks=64), address, model_name="tiny",
+                     build=build_engine)
     loop.load()
     thread = threading.Thread(target=loop.run, daemon=True)
     thread.start()
@@ -464,7 +466,7 @@ def test_engine_over_tcp_ignores_unauthenticated_peers(tiny_llama, tmp_path):
 
 def test_binds_beyond_loopback_are_warned_about():
     from kvloom.frontends.config import ServerConfig
-    from kvloom.launcher import exposed_binds
+    from kvloom.launch.launcher import exposed_binds
 
     assert exposed_binds(ServerConfig(engine_address="tcp://127.0.0.1:5555", gateway="ipc:///tmp/g.sock")) == []
     warnings = exposed_binds(ServerConfig(host="0.0.0.0", engine_address="tcp://0.0.0.0:5555",
@@ -517,7 +519,7 @@ def test_half_sent_requests_are_closed_after_the_header_and_body_timeouts(tiny_l
     ('gateway = "tcp://127.0.0.1:notaport"\n', "gateway='tcp://127.0.0.1:notaport' must be ipc://PATH or tcp://"),
 ])
 def test_config_file_type_errors_name_the_key(tmp_path, capsys, toml, needle):
-    from kvloom.cli import main
+    from kvloom.cli.main import main
 
     config = tmp_path / "serve.toml"
     config.write_text(toml)
@@ -532,7 +534,7 @@ def test_config_file_type_errors_name_the_key(tmp_path, capsys, toml, needle):
     (["--engine-address", "udp://127.0.0.1:5"], "engine_address='udp://127.0.0.1:5' must be"),
 ])
 def test_invalid_addresses_fail_before_any_process_starts(tiny_llama, capsys, flags, needle):
-    from kvloom.cli import main
+    from kvloom.cli.main import main
 
     # With a real model: main() would start the engine if the address got past validation.
     assert main(["--model", str(tiny_llama), *flags]) == 2
@@ -544,7 +546,7 @@ def test_invalid_addresses_fail_before_any_process_starts(tiny_llama, capsys, fl
     (["--api-workers", "1.5"], "argument --api-workers: invalid int value: '1.5'"),
 ])
 def test_cli_type_errors_name_the_flag(capsys, flags, needle):
-    from kvloom.cli import main
+    from kvloom.cli.main import main
 
     with pytest.raises(SystemExit) as exit_:
         main(flags)

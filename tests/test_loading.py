@@ -58,7 +58,7 @@ def test_max_model_len_over_the_model_limit_is_rejected(tiny_llama):
 
 
 def test_gguf_metadata_becomes_a_llama_config(smollm2_path):
-    from kvloom.core.loader import load_hf_config
+    from kvloom.core.model.loader import load_hf_config
 
     cfg = load_hf_config(smollm2_path)
     assert cfg.architectures == ["LlamaForCausalLM"]

@@ -196,7 +196,7 @@ def test_plan_rows_for_data_parallel_replicas(tmp_path, capsys):
     import json
 
     from benchmarks.shapes import SHAPES
-    from kvloom.cli import main
+    from kvloom.cli.main import main
 
     path = tmp_path / "config.json"
     path.write_text(json.dumps(SHAPES["llama-2-7b"]))

@@ -10,10 +10,10 @@ import asyncio
 import httpx
 import pytest
 
-from kvloom.cli import build_parser, config_from_args, server_config_from_args, served_models_from_args
+from kvloom.cli.main import build_parser, config_from_args, served_models_from_args, server_config_from_args
 from kvloom.client import AsyncClient, Client, GatewayError
 from kvloom.core.config import ConfigError, EngineConfig
-from kvloom.served_models import ServedModel, check_memory_shares
+from kvloom.launch.served_models import ServedModel, check_memory_shares
 from tests.conftest import make_tiny_model
 from tests.server_utils import EngineServer, free_port
 
@@ -241,7 +241,7 @@ def test_memory_shares_are_checked_before_anything_loads():
 
 
 def test_the_cli_refuses_two_models_for_one_model_commands(tmp_path, capsys):
-    from kvloom.cli import main
+    from kvloom.cli.main import main
 
     assert main(["generate", "--model", "a=/m/a", "--model", "b=/m/b", "--prompt", "hi"]) == 2
     assert "runs one model: give --model once" in capsys.readouterr().err

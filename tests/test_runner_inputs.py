@@ -11,7 +11,7 @@ import torch
 
 from kvloom import LLM, SamplingParams
 from kvloom.core.engine.step import ScheduledSeq
-from kvloom.core.model_runner import BlockTables, ModelRunner
+from kvloom.core.worker.model_runner import BlockTables, ModelRunner
 from tests.conftest import hf_greedy
 
 SP = SamplingParams(temperature=0.0, max_tokens=4)

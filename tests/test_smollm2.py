@@ -71,7 +71,7 @@ def test_chat_answers_paris(which, request):
 
 
 def test_auto_dtype_on_this_cpu(llm_auto):
-    from kvloom.core.cpu_linear import cpu_has_native_bf16
+    from kvloom.kernels.cpu_linear import cpu_has_native_bf16
 
     expect = torch.bfloat16 if cpu_has_native_bf16() else torch.float32
     assert llm_auto.engine.dtype == expect

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kvloom import LLM, SamplingParams
-from kvloom.core.attention import AttentionMetadata
+from kvloom.core.model.attention.base import AttentionMetadata
 
 pytestmark = pytest.mark.slow
 

@@ -288,8 +288,8 @@ def test_single_query_rows_with_chunked_prefill_and_preemption(llama_reference):
 
 
 def test_graph_sizes_cover_verify_batches():
-    from kvloom.core.model_runner import decode_layout, graph_batch_sizes
     from kvloom.core.engine.step import ScheduledSeq
+    from kvloom.core.worker.model_runner import decode_layout, graph_batch_sizes
 
     assert graph_batch_sizes(8) == [1, 2, 4, 8]
     assert graph_batch_sizes(8, 5, 32) == [1, 2, 4, 5, 8, 10, 20, 40]  # b * (k + 1) for b up to 8

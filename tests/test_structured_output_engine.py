@@ -14,10 +14,10 @@ import torch
 
 from kvloom import LLM, SamplingParams
 from kvloom.core.engine.step import ScheduledSeq
+from kvloom.core.engine.structured_output import choice_grammar
 from kvloom.core.messages import AddRequest
-from kvloom.core.sampler import Sampler
 from kvloom.core.sampling_params import StructuredOutputSpec
-from kvloom.core.structured_output import choice_grammar
+from kvloom.core.worker.sampler import Sampler
 
 PROMPTS = ["The quick brown fox", "Paris is the capital", "Numbers: 0 1 2"]
 

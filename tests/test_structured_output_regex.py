@@ -10,7 +10,7 @@ import random
 import pytest
 import torch
 
-from kvloom.core.structured_output import regex_automaton_grammar
+from kvloom.core.engine.structured_output import regex_automaton_grammar
 
 REGEXES = [
     r"([A-Z][a-z]{2,9} [0-9]{1,4}(, )?)+",  # benchmarks/structured_output.py's

@@ -16,9 +16,9 @@ import torch
 
 from kvloom import LLM, SamplingParams
 from kvloom.core.engine.step import ScheduledSeq
-from kvloom.core.sampler import Sampler
+from kvloom.core.engine.structured_output import StructuredOutputManager
 from kvloom.core.sampling_params import StructuredOutputSpec
-from kvloom.core.structured_output import StructuredOutputManager
+from kvloom.core.worker.sampler import Sampler
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
                                            "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]},

@@ -71,8 +71,8 @@ def test_tp2_greedy_parity_with_chunked_prefill_and_prefix_cache(family_model, c
         llm.engine.shutdown()
 
     # `engine plan` for the same settings prints what the engine logged: rank 0's weights and its KV cache.
-    from kvloom.core.loader import load_hf_config
-    from kvloom.plan import make_plan
+    from kvloom.cli.plan import make_plan
+    from kvloom.core.model.loader import load_hf_config
 
     plan = make_plan(config, load_hf_config(path), family)
     row = plan.rows[0]
@@ -154,9 +154,10 @@ def test_sizes_that_do_not_divide_the_model_are_refused(tiny_llama):
 
 
 def test_a_quantized_layer_whose_groups_do_not_split_is_a_start_up_error():
+    from transformers import LlamaConfig
+
     from kvloom.core.model.linear import RowLinear
     from kvloom.core.model.quantization import make_method
-    from transformers import LlamaConfig
 
     hf = LlamaConfig(quantization_config={"quant_method": "gptq", "bits": 4, "group_size": 128,
                                           "desc_act": False, "sym": True})
@@ -190,7 +191,7 @@ def test_dense_layers_narrow_by_rank():
 
 def _worker_pid(server: EngineServer) -> int:
     for pid in server.descendants():
-        if "kvloom.core.worker.tp_worker" in cmdline(pid):
+        if "kvloom.launch.tp_worker" in cmdline(pid):
             return pid
     raise LookupError("no tensor-parallel worker process")
 

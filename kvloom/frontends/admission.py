@@ -104,7 +104,8 @@ class KeyRing:
     def required(self) -> bool:
         return bool(self.keys)
 
-    def authenticate(self, token: str | None, how: str = "send 'Authorization: Bearer KEY'") -> ApiKey | None:
+    def authenticate(self, token: str | None,
+                     how: str = "send 'Authorization: Bearer KEY' (or 'x-api-key: KEY')") -> ApiKey | None:
         """The key ``token`` is, or RequestError(401); ``how`` tells a client without one how to send it.
         Every key is compared (in constant time, on sha256 digests of equal length), so neither a key's
         bytes nor its position in the list show in the answer's timing."""
@@ -123,6 +124,18 @@ class KeyRing:
     def authenticate_header(self, authorization: str | None) -> ApiKey | None:
         scheme, _, token = (authorization or "").partition(" ")
         return self.authenticate(token.strip() if scheme.lower() == "bearer" and token.strip() else None)
+
+    def authenticate_headers(self, headers) -> ApiKey | None:
+        """An HTTP request's key: ``Authorization: Bearer KEY`` (OpenAI's clients) or ``x-api-key: KEY``
+        (Anthropic's); one request giving both must give the same key."""
+        bearer, api_key = headers.get("authorization"), headers.get("x-api-key")
+        if api_key is None:
+            return self.authenticate_header(bearer)
+        key = self.authenticate(api_key.strip() or None)
+        if bearer is not None and self.authenticate_header(bearer) != key:
+            raise RequestError(401, "the Authorization and x-api-key headers name different keys",
+                               reason="unauthorized")
+        return key
 
 
 def effective_priority(key: ApiKey | None, requested: int) -> int:

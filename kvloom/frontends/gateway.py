@@ -531,7 +531,7 @@ async def run_gateway(engine_address: str | list[str], address: str, engine: Eng
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m kvloom.frontends.gateway --engine-address ADDR --address GW``, settings as JSON on stdin."""
-    from kvloom.child_process import start_child
+    from kvloom.launch.child_process import start_child
 
     parser = argparse.ArgumentParser(prog="kvloom-gateway")
     parser.add_argument("--engine-address", required=True, action="append",

@@ -28,8 +28,8 @@ from kvloom.plugins import _PROJECT
 
 if TYPE_CHECKING:
     from kvloom.core.config import EngineConfig
-    from kvloom.core.kv_cache import BlockAllocator, PrefixCache
-    from kvloom.core.scheduler import SchedulingPolicy
+    from kvloom.core.engine.kv_cache import BlockAllocator, PrefixCache
+    from kvloom.core.engine.scheduler import SchedulingPolicy
     from kvloom.plugins.info import PluginInfo
     from kvloom.plugins.interfaces import DraftProposer, QuantizationMethod
 
@@ -67,7 +67,7 @@ def kvloom_scheduler_policy(config: EngineConfig, options: dict[str, Any]) -> Sc
 
     :param config: the engine configuration (read-only).
     :param options: this plugin's options, every declared option present (defaults filled in).
-    :return: an object with the ``kvloom.core.scheduler.SchedulingPolicy`` methods: ``waiting_order``,
+    :return: an object with the ``kvloom.core.engine.scheduler.SchedulingPolicy`` methods: ``waiting_order``,
         ``select_victim`` and, optionally, ``may_preempt``.
     """
 
@@ -83,7 +83,7 @@ def kvloom_kv_allocator(num_blocks: int, config: EngineConfig, options: dict[str
         ``num_kv_blocks``).
     :param config: the engine configuration (read-only).
     :param options: this plugin's options, defaults filled in.
-    :return: a ``kvloom.core.kv_cache.BlockAllocator``; its ``on_evict`` attribute is set afterwards by
+    :return: a ``kvloom.core.engine.kv_cache.BlockAllocator``; its ``on_evict`` attribute is set afterwards by
         the engine when a prefix cache is enabled.
     """
 
@@ -98,7 +98,7 @@ def kvloom_prefix_cache(block_size: int, config: EngineConfig, options: dict[str
     :param block_size: tokens per KV block; only full blocks are cached.
     :param config: the engine configuration (read-only).
     :param options: this plugin's options, defaults filled in.
-    :return: a ``kvloom.core.kv_cache.PrefixCache``.
+    :return: a ``kvloom.core.engine.kv_cache.PrefixCache``.
     """
 
 

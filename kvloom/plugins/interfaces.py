@@ -1,8 +1,8 @@
 """The interfaces of the quantization and speculative-decoding plugin kinds (docs/plugins.md).
 
 The other three kinds have their interfaces beside the code that uses them:
-``kvloom.core.scheduler.SchedulingPolicy``, ``kvloom.core.kv_cache.BlockAllocator`` and
-``kvloom.core.kv_cache.PrefixCache``.
+``kvloom.core.engine.scheduler.SchedulingPolicy``, ``kvloom.core.engine.kv_cache.BlockAllocator`` and
+``kvloom.core.engine.kv_cache.PrefixCache``.
 """
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Protocol, Sequence
 
 if TYPE_CHECKING:
+    from kvloom.core.engine.request import Request
     from kvloom.core.model.linear import LinearMethod
-    from kvloom.core.request import Request
 
 
 class QuantizationMethod(Protocol):

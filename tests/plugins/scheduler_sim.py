@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
+from kvloom.core.engine.kv_cache import KVCacheManager
+from kvloom.core.engine.request import Request
+from kvloom.core.engine.scheduler import Scheduler
 from kvloom.core.engine.step import RunnerOutput, SchedulerOutput
-from kvloom.core.kv_cache import KVCacheManager
-from kvloom.core.request import Request
 from kvloom.core.sampling_params import SamplingParams
-from kvloom.core.scheduler import Scheduler
 from kvloom.plugins.builtin.free_list import FreeListAllocator
 
 

@@ -10,9 +10,9 @@ from collections import Counter
 import pytest
 
 from kvloom import LLM, SamplingParams
-from kvloom.core.kv_cache import KVCacheManager
-from kvloom.core.request import Request
-from kvloom.core.scheduler import Scheduler
+from kvloom.core.engine.kv_cache import KVCacheManager
+from kvloom.core.engine.request import Request
+from kvloom.core.engine.scheduler import Scheduler
 from kvloom.plugins.builtin.fcfs import FCFSPolicy
 from kvloom.plugins.builtin.free_list import FreeListAllocator
 from kvloom.plugins.builtin.prefix_cache import HashPrefixCache

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvloom.core.request import Request
+from kvloom.core.engine.request import Request
 
 MAX_BACKOFF_DOUBLINGS = 6  # a request that keeps missing probes every 64 * retry_after_steps at most
 

@@ -16,9 +16,9 @@ from typing import Sequence
 
 import torch
 
-from kvloom.core import capacity
+from kvloom.core.engine import capacity
+from kvloom.core.engine.request import PLACEHOLDER
 from kvloom.core.engine.step import ScheduledSeq, SchedulerOutput
-from kvloom.core.request import PLACEHOLDER
 from kvloom.core.sampling_params import SamplingParams
 
 logger = logging.getLogger("kvloom")
@@ -45,8 +45,8 @@ class DraftModelProposer:
     # --- set-up (EngineCore calls these in order) ----------------------------------------------------
     def check_vocabulary(self, target_hf_config) -> None:
         """Raise DraftVocabularyError when the draft cannot propose the target's token ids."""
-        from kvloom.core.loader import load_hf_config
-        from kvloom.core.model_files import resolve_model
+        from kvloom.core.model.files import resolve_model
+        from kvloom.core.model.loader import load_hf_config
 
         self.path = resolve_model(self.draft_model)
         self.hf_config = load_hf_config(self.path)
@@ -57,24 +57,27 @@ class DraftModelProposer:
                 f"vocab_size={theirs}: the draft model must share the target's tokenizer and vocabulary")
 
     def load(self, *, device: torch.device, dtype: torch.dtype, load_format: str, max_model_len: int,
-             seed: int, max_num_batched_tokens: int | None = None) -> None:
-        from kvloom.core.attention import get_attention_backend
-        from kvloom.core.engine_core import resolve_dtype
-        from kvloom.core.loader import build_model
+             seed: int, max_num_batched_tokens: int | None = None, kernels=None) -> None:
+        from kvloom.core.engine.core import resolve_dtype
+        from kvloom.core.model.attention.selector import get_attention_backend
+        from kvloom.core.model.loader import build_model
 
         self.dtype = dtype if self.draft_dtype == "auto" else resolve_dtype(self.draft_dtype, device)
         self.device = device
-        self.backend = get_attention_backend(device)  # its own (backends keep per-shape workspaces)
+        from kvloom.kernels.options import DEFAULT_KERNELS
+
+        kernels = kernels or DEFAULT_KERNELS
+        self.backend = get_attention_backend(device, kernels)  # its own (backends keep per-shape workspaces)
         self.model = build_model(self.path, self.hf_config, load_format="dummy" if load_format == "dummy" else "auto",
                                  device=device, dtype=self.dtype, backend=self.backend, max_positions=max_model_len,
-                                 seed=seed + 1)
+                                 seed=seed + 1, kernels=kernels)
         self.max_model_len = max_model_len
         # The draft's forwards stay within the target's step budget (what the memory profile measured).
         self.max_num_batched_tokens = max_num_batched_tokens or max_model_len
         self.kv_bytes_per_token = capacity.kv_bytes_per_token(self.hf_config, self.dtype)
 
     def allocate_kv(self, num_blocks: int, block_size: int, seed: int) -> None:
-        from kvloom.core.model_runner import ModelRunner
+        from kvloom.core.worker.model_runner import ModelRunner
 
         layers, kv_heads, head_dim = capacity.model_dims(self.hf_config)
         shape = self.backend.kv_cache_shape(num_blocks, block_size, kv_heads, head_dim)

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from kvloom.core.request import Request
-from kvloom.core.scheduler import RankedPolicy
+from kvloom.core.engine.request import Request
+from kvloom.core.engine.scheduler import RankedPolicy
 from kvloom.plugins import hookimpl
 from kvloom.plugins.info import PluginInfo
 

@@ -17,7 +17,7 @@ from typing import Any, Callable, Hashable, Sequence
 
 import msgspec
 
-from kvloom.core.request import Request
+from kvloom.core.engine.request import Request
 from kvloom.plugins import hookimpl
 from kvloom.plugins.info import PluginInfo, PluginOption
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 from kvloom.core.config import ConfigError
-from kvloom.core.request import Request
-from kvloom.core.scheduler import RankedPolicy
+from kvloom.core.engine.request import Request
+from kvloom.core.engine.scheduler import RankedPolicy
 from kvloom.plugins import hookimpl
 from kvloom.plugins.info import PluginInfo, PluginOption
 

@@ -1,0 +1,3 @@
+from kvloom.cli.main import main
+
+raise SystemExit(main())

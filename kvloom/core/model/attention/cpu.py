@@ -1,0 +1,217 @@
+"""Attention on the CPU: the paged cache laid out head-major, and the per-step index work done once.
+
+The reference backend (``kvloom.core.model.attention.base.TorchAttentionBackend``) keeps the GPU kernels' layout,
+``[num_blocks, block_size, num_kv_heads, head_dim]``; gathering a sequence's blocks from it yields
+``[L, Hkv, D]``, which every matmul then has to copy into ``[Hkv, L, D]``. Here a block is
+``[num_kv_heads, block_size, head_dim]``, so one ``index_select`` over ``(block, head)`` rows yields
+``[B, Hkv, L, D]`` already contiguous, and decode attention is two batched matmuls (the query heads
+that share a KV head are that head's rows: no K/V expansion for GQA). The indices (cache rows to
+write, blocks to gather, the padding mask) depend only on the step, so they are built at the first
+layer and reused by the other layers.
+
+In bf16/fp16, attention is batched matmuls (scores in the model dtype, softmax in float32, as
+transformers' eager attention does), faster there than PyTorch's fused CPU kernel; in float32 the
+fused kernel (``scaled_dot_product_attention``) is the faster one and is used. Prompts of equal length
+are batched together (as views when they are adjacent in the batch), and a prompt's fresh K/V are read
+directly when nothing is cached before it. A chunk after a cached prefix goes through the same formula
+as a whole prompt, so in bf16 prefix caching changes outputs only as far as its smaller matmuls round
+differently (1 of 32 greedy sequences in ``benchmarks/prefix_cache_ab.py``, 15 with two formulas).
+
+An fp8 cache (``kv_cache_dtype="fp8"``) is quantized on write and dequantized on read: the gathers move
+half the bytes, then one conversion per gathered tensor gives the model dtype; a prompt with nothing
+cached before it attends to its fresh, unquantized K/V.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kvloom.core.model.attention.base import AttentionMetadata
+from kvloom.kernels.reference import dequantize_kv, is_fp8, quantize_kv
+
+
+@dataclass
+class _StepIndex:
+    write_rows: torch.Tensor  # [T * Hkv] rows of the cache viewed as [num_blocks * Hkv * block_size, D]
+    decode_rows: torch.Tensor | None  # [nd * Hkv * nblk] rows of the cache viewed as [num_blocks * Hkv, bs, D]
+    decode_blocks: int
+    decode_bias: torch.Tensor | None  # [nd, 1, 1, nblk * bs] 0 where attended, -inf on padding
+    prefill_groups: list[tuple[list[int], int, int, int | None]]  # (sequences, q_len, s_len, first row if
+    # their queries are one contiguous run of the flat batch, else None), equal shapes grouped
+    starts: list[int]  # each sequence's first query in the flat batch
+
+
+def _softmax(scores: torch.Tensor) -> torch.Tensor:
+    """Softmax over the last dim, in the scores' dtype. For bf16/fp16 PyTorch's CPU kernel computes in float32
+    and rounds once: the same values as ``softmax(dtype=float32).to(dtype)``, without the float32 copy."""
+    return torch.softmax(scores, dim=-1)
+
+
+def _block_rows(block_tables: torch.Tensor, num_blocks: int, num_kv_heads: int) -> torch.Tensor:
+    """Rows ``block * Hkv + head`` of each table's first ``num_blocks`` blocks, ordered ``[seq, head, block]``."""
+    heads = torch.arange(num_kv_heads, device=block_tables.device)
+    rows = block_tables[:, None, :num_blocks].long() * num_kv_heads + heads[None, :, None]
+    return rows.reshape(-1)
+
+
+class CPUAttentionBackend:
+    name = "cpu"
+
+    @staticmethod
+    def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
+        return (num_blocks, num_kv_heads, block_size, head_dim)
+
+    def _index(self, meta: AttentionMetadata, k_cache: torch.Tensor, dtype: torch.dtype) -> _StepIndex:
+        _, num_kv_heads, bs, _ = k_cache.shape
+        slots = meta.slot_mapping.long()
+        heads = torch.arange(num_kv_heads, device=slots.device)
+        # token at slot s, head h -> row ((s // bs) * Hkv + h) * bs + s % bs
+        write_rows = (((slots // bs) * num_kv_heads)[:, None] + heads[None, :]) * bs + (slots % bs)[:, None]
+        nd = meta.num_decodes
+        decode_rows = decode_bias = None
+        nblk = 0
+        if nd:
+            max_len = max(meta.seq_lens_cpu[:nd])
+            nblk = -(-max_len // bs)
+            decode_rows = _block_rows(meta.block_tables[:nd], nblk, num_kv_heads)
+            pad = torch.arange(nblk * bs, device=slots.device)[None, :] >= meta.seq_lens[:nd, None]
+            decode_bias = torch.zeros(pad.shape, dtype=dtype, device=slots.device)
+            decode_bias.masked_fill_(pad, float("-inf"))
+            decode_bias = decode_bias[:, None, None, :]
+        groups: dict[tuple[int, int], list[int]] = {}
+        for i in range(nd, meta.num_seqs):
+            groups.setdefault((meta.query_lens_cpu[i], meta.seq_lens_cpu[i]), []).append(i)
+        starts = [0]
+        for n in meta.query_lens_cpu[:-1]:
+            starts.append(starts[-1] + n)
+        prefill_groups = []
+        for (q_len, s_len), seqs in groups.items():
+            contiguous = all(starts[i] == starts[seqs[0]] + j * q_len for j, i in enumerate(seqs))
+            prefill_groups.append((seqs, q_len, s_len, starts[seqs[0]] if contiguous else None))
+        return _StepIndex(write_rows.reshape(-1), decode_rows, nblk, decode_bias, prefill_groups, starts)
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+        scale: float,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
+    ) -> torch.Tensor:
+        k_cache, v_cache = kv_cache
+        kv_scales = (k_scale, v_scale)
+        index = meta.backend_data
+        if index is None:  # first layer of the step
+            index = meta.backend_data = self._index(meta, k_cache, q.dtype)
+        head_dim = k_cache.shape[-1]
+        if is_fp8(k_cache.dtype):  # index_copy_ has no float8 kernels: copy the quantized bytes
+            for x, cache, s in ((k, k_cache, k_scale), (v, v_cache, v_scale)):
+                rows = quantize_kv(x.reshape(-1, head_dim), cache.dtype, s).view(torch.uint8)
+                cache.view(torch.uint8).view(-1, head_dim).index_copy_(0, index.write_rows, rows)
+        else:
+            k_cache.view(-1, head_dim).index_copy_(0, index.write_rows, k.reshape(-1, head_dim))
+            v_cache.view(-1, head_dim).index_copy_(0, index.write_rows, v.reshape(-1, head_dim))
+        nd = meta.num_decodes
+        if nd == meta.num_seqs:
+            return self._decode(q, k_cache, v_cache, index, scale, kv_scales)
+        num_tokens, num_heads, _ = q.shape
+        if nd == 0 and len(index.prefill_groups) == 1 and index.prefill_groups[0][3] == 0:
+            out = None  # one group of prompts covering the whole batch: its result is the output
+        else:
+            out = q.new_empty(num_tokens, num_heads, head_dim)
+        if nd:
+            out[:nd] = self._decode(q[:nd], k_cache, v_cache, index, scale, kv_scales)
+        starts = index.starts
+        for seqs, q_len, s_len, first in index.prefill_groups:
+            n = len(seqs)
+            if first is not None:  # one run of the flat batch: views, no copies
+                qs = q[first: first + n * q_len].unflatten(0, (n, q_len))  # [n, Q, Hq, D]
+            else:
+                qs = torch.stack([q[starts[i]: starts[i] + q_len] for i in seqs])
+            if q_len == s_len:  # nothing cached before: attend to the fresh K/V
+                if first is not None:
+                    ks = k[first: first + n * q_len].unflatten(0, (n, q_len))
+                    vs = v[first: first + n * q_len].unflatten(0, (n, q_len))
+                else:
+                    ks = torch.stack([k[starts[i]: starts[i] + q_len] for i in seqs])
+                    vs = torch.stack([v[starts[i]: starts[i] + q_len] for i in seqs])
+                keys, values = ks.transpose(1, 2), vs.transpose(1, 2)  # [n, Hkv, Q, D] views
+            else:  # a chunk after a cached prefix: gather the sequence's whole history
+                keys, values = self._gather_prefix(k_cache, v_cache, meta.block_tables[seqs], s_len, q.dtype, kv_scales)
+            if q.dtype != torch.float32:
+                o = self._prefill_grouped(qs, keys, values, scale)
+            elif q_len == s_len:
+                o = F.scaled_dot_product_attention(qs.transpose(1, 2), keys, values, is_causal=True, scale=scale,
+                                                   enable_gqa=True).transpose(1, 2)
+            else:
+                q_pos = torch.arange(s_len - q_len, s_len, device=q.device)
+                mask = torch.arange(s_len, device=q.device)[None, :] <= q_pos[:, None]
+                o = F.scaled_dot_product_attention(qs.transpose(1, 2), keys, values, attn_mask=mask, scale=scale,
+                                                   enable_gqa=True).transpose(1, 2)
+            if out is None:
+                return o.flatten(0, 1)
+            if first is not None:
+                out[first: first + n * q_len] = o.flatten(0, 1)
+            else:
+                for j, i in enumerate(seqs):
+                    out[starts[i]: starts[i] + q_len] = o[j]
+        return out
+
+    @staticmethod
+    def _decode(q, k_cache, v_cache, index: _StepIndex, scale: float, kv_scales=(1.0, 1.0)) -> torch.Tensor:
+        _, num_kv_heads, bs, head_dim = k_cache.shape
+        batch, num_heads, _ = q.shape
+        length = index.decode_blocks * bs
+        keys = k_cache.view(-1, bs, head_dim).index_select(0, index.decode_rows).view(batch, num_kv_heads, length, head_dim)
+        values = v_cache.view(-1, bs, head_dim).index_select(0, index.decode_rows).view(batch, num_kv_heads, length, head_dim)
+        keys, values = dequantize_kv(keys, q.dtype, kv_scales[0]), dequantize_kv(values, q.dtype, kv_scales[1])
+        grouped = q.view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
+        if q.dtype == torch.float32:
+            # float32 batched matmuls this small run in MKL at a fraction of the fused kernel's speed
+            out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=index.decode_bias, scale=scale)
+            return out.view(batch, num_heads, head_dim)
+        scores = torch.matmul(grouped, keys.transpose(-1, -2))  # [B, Hkv, G, L]
+        scores.mul_(scale).add_(index.decode_bias)
+        return torch.matmul(_softmax(scores), values).view(batch, num_heads, head_dim)
+
+    @staticmethod
+    def _prefill_grouped(q, keys, values, scale: float) -> torch.Tensor:
+        """Causal attention of prompt chunks, ``q`` ``[n, Q, Hq, D]`` at the last ``Q`` of ``S`` positions, over
+        ``keys``/``values`` ``[n, Hkv, S, D]`` (the fresh K/V, or the gathered history of a chunk after a
+        cached prefix: one formula for both), as two batched matmuls per KV head with its query heads
+        stacked along the rows. For bf16/fp16, where it beats the fused CPU kernel (docs/benchmarks.md);
+        scores in the model dtype, softmax in float32, as in decode."""
+        n, length, num_heads, head_dim = q.shape
+        num_kv_heads, total = keys.shape[1], keys.shape[2]
+        group = num_heads // num_kv_heads
+        grouped = q.view(n, length, num_kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
+        grouped = grouped.reshape(n * num_kv_heads, group * length, head_dim) * scale
+        keys_t = keys.transpose(-1, -2).reshape(n * num_kv_heads, head_dim, total)
+        # the causal mask as an additive bias the matmul starts from (-inf where a key comes after the
+        # query), one copy per query head of the group: cheaper than masking the scores afterwards
+        causal = torch.zeros(length, total, dtype=q.dtype, device=q.device)
+        future = torch.ones(length, total, dtype=torch.bool, device=q.device).triu_(total - length + 1)
+        causal.masked_fill_(future, float("-inf"))
+        scores = torch.baddbmm(causal.repeat(group, 1), grouped, keys_t)  # [n * Hkv, G * Q, S]
+        out = torch.matmul(_softmax(scores).view(n, num_kv_heads, group * length, total), values)
+        return out.view(n, num_kv_heads, group, length, head_dim).permute(0, 3, 1, 2, 4).reshape(
+            n, length, num_heads, head_dim)
+
+    @staticmethod
+    def _gather_prefix(k_cache, v_cache, block_tables: torch.Tensor, length: int, dtype: torch.dtype,
+                       kv_scales=(1.0, 1.0)):
+        """K and V of the first ``length`` cached tokens of each table row: ``[n, Hkv, length, D]``."""
+        _, num_kv_heads, bs, head_dim = k_cache.shape
+        nblk = -(-length // bs)
+        rows = _block_rows(block_tables, nblk, num_kv_heads)
+        n = block_tables.shape[0]
+        keys = k_cache.view(-1, bs, head_dim).index_select(0, rows).view(n, num_kv_heads, nblk * bs, head_dim)
+        values = v_cache.view(-1, bs, head_dim).index_select(0, rows).view(n, num_kv_heads, nblk * bs, head_dim)
+        return (dequantize_kv(keys[:, :, :length], dtype, kv_scales[0]),
+                dequantize_kv(values[:, :, :length], dtype, kv_scales[1]))

@@ -1,0 +1,59 @@
+"""Pre-packed linear layers for the CPU.
+
+``F.linear`` on the CPU hands a plain row-major weight to the BLAS on every call, which re-blocks it
+for its micro-kernel each time; for the small-M matmuls of decoding that re-blocking costs as much as
+the product. oneDNN can take the weight already laid out in its blocked format, once, after loading
+(the pass PyTorch's own inductor runs under ``freezing``, and vLLM's CPU backend runs too), faster at decode
+and prefill sizes alike (``python benchmarks/cpu_linear.py``, docs/benchmarks.md).
+Numerics stay those of the dtype (float32 accumulates in float32, in another order than MKL).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+logger = logging.getLogger("kvloom")
+
+PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def cpu_has_native_bf16() -> bool:
+    """AVX-512 BF16 or AMX: bfloat16 matmuls at twice float32's rate (elsewhere oneDNN emulates them)."""
+    get = getattr(getattr(torch._C, "_cpu", None), "_get_cpu_capability", None)
+    if get is None:
+        return False
+    caps = get()
+    return bool(caps.get("avx512_bf16") or caps.get("amx_bf16"))
+
+
+def packing_supported(dtype: torch.dtype) -> bool:
+    """Whether this PyTorch build and CPU can run oneDNN packed linears in ``dtype``."""
+    if dtype not in PACKABLE_DTYPES or not torch.backends.mkldnn.is_available():
+        return False
+    ops = torch.ops.mkldnn
+    if not (hasattr(ops, "_reorder_linear_weight") and hasattr(ops, "_linear_pointwise")):
+        return False
+    if dtype == torch.bfloat16 and not ops._is_mkldnn_bf16_supported():
+        return False
+    return True
+
+
+class PackedLinear(nn.Module):
+    """``x @ W.T + b`` with ``W`` held in oneDNN's blocked layout (an opaque tensor: CPU only, not
+    a parameter; the plain weight is dropped)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, batch_hint: int) -> None:
+        super().__init__()
+        self.in_features, self.out_features = weight.shape[1], weight.shape[0]
+        self.register_buffer("packed_weight", torch.ops.mkldnn._reorder_linear_weight(weight.detach(), batch_hint),
+                             persistent=False)
+        self.register_buffer("bias", None if bias is None else bias.detach().clone(), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
