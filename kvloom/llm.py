@@ -17,6 +17,7 @@ from kvloom.core.messages import AddRequest, TokenLogprobs
 from kvloom.core.sampling_params import SamplingParams
 from kvloom.frontends.output import CompletionText, fan_out
 from kvloom.frontends.text import apply_chat_template, has_tokenizer, load_tokenizer
+from kvloom.frontends.validation import ModelLimits, validate_request
 
 logger = logging.getLogger("kvloom")
 
@@ -86,6 +87,9 @@ class LLM:
         self.tokenizer = (load_tokenizer(self.config.model, self.config.tokenizer)
                           if self.config.tokenizer or has_tokenizer(self.config.model) else None)
         self._ids = itertools.count()
+        # Requests are checked as the HTTP server and the gateway check them (validation.py): same limits,
+        # same messages, raised as ValueError.
+        self.limits = ModelLimits(self.engine.max_model_len, self.engine.vocab_size)
 
     def generate(
         self,
@@ -137,6 +141,7 @@ class LLM:
         if sp.n != 1:
             raise ValueError(f"stream_chat makes one reply; got n={sp.n}")
         ids = apply_chat_template(self._require_tokenizer(), list(messages))
+        sp = validate_request(ids, sp, self.limits, prompt_param="messages").sampling
         rid = str(next(self._ids))
         self.engine.add_request(AddRequest(request_id=rid, prompt_token_ids=ids, sampling=sp, arrival_time=time.time()))
         completion = CompletionText(self.tokenizer, sp, len(ids))
@@ -193,6 +198,7 @@ class LLM:
                 out = RequestOutput(str(next(self._ids)), text, ids, [])
                 for i, choice in enumerate(fan_out(sp, sp.n)):
                     rid = out.request_id if sp.n == 1 else f"{out.request_id}-{i}"
+                    choice = validate_request(ids, choice, self.limits, priority=prio).sampling
                     engine.add_request(AddRequest(request_id=rid, prompt_token_ids=ids, sampling=choice,
                                                   priority=prio, arrival_time=out.metrics.arrival_time,
                                                   lora_name=adapter or ""))

@@ -55,7 +55,7 @@ def add_config_flags(group, cls, skip: tuple[str, ...] = (), shown_defaults: dic
         kw: dict[str, Any] = {"dest": f.name, "default": argparse.SUPPRESS, "help": help_text}
         if f.metadata.get("choices"):
             kw["choices"] = f.metadata["choices"]
-        if hint is bool:
+        if hint is bool or set(typing.get_args(hint)) == {bool, type(None)}:
             kw["action"] = argparse.BooleanOptionalAction
         elif f.name == "model":  # serving takes several: --model NAME=PATH, repeated
             kw["action"] = "append"

@@ -245,7 +245,9 @@ GatewayRequest = Union[Generate, Cancel, Ping]
 
 
 # ZMQ gateway -> service (streamed text out) -------------------------------------------------------
-class Usage(msgspec.Struct, omit_defaults=True, kw_only=True):
+class Usage(msgspec.Struct, kw_only=True):
+    """Every count is sent, 0 included, so a client in any language reads a defined value."""
+
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
@@ -253,7 +255,8 @@ class Usage(msgspec.Struct, omit_defaults=True, kw_only=True):
 
 class TextChunk(_Msg):
     """New text of a request. The last chunk has ``finish_reason`` (``stop``, ``length`` or
-    ``abort``), ``stop_reason`` (the stop string or token id that ended it, if any) and ``usage``.
+    ``abort``), ``stop_reason`` (the stop string or token id that ended it; null, but present, when
+    none did) and ``usage``; the other chunks leave those three out.
     With ``sampling.prompt_logprobs`` the first chunk has ``prompt_logprobs``: prompt tokens 1.. (the
     first has no context), each with its rank and top-n."""
 
@@ -263,7 +266,7 @@ class TextChunk(_Msg):
     logprobs: list[TokenLogprobs] | None = None
     prompt_logprobs: list[TokenLogprobs] | None = None
     finish_reason: str | None = None
-    stop_reason: str | int | None = None
+    stop_reason: str | int | None | msgspec.UnsetType = msgspec.UNSET  # left out of all but the last chunk
     usage: Usage | None = None
 
 

@@ -21,6 +21,7 @@ from kvloom.frontends.openai_responses import UsageCounter
 from kvloom.frontends.output import TextDelta
 from kvloom.frontends.request_fields import ANTHROPIC_RULES
 from kvloom.frontends.tool_parsers import ToolCall, template_messages_tool_calls
+from kvloom.frontends.validation import MAX_STOP_STRINGS
 
 if TYPE_CHECKING:
     from kvloom.frontends.api_server import OpenAIServer
@@ -51,7 +52,7 @@ class CountTokensRequest(Struct, kw_only=True):
 
 class MessagesRequest(CountTokensRequest, kw_only=True):
     max_tokens: Annotated[int, Meta(ge=1)]
-    stop_sequences: Annotated[list[str], Meta(max_length=api.MAX_STOP_STRINGS)] | None = None
+    stop_sequences: Annotated[list[str], Meta(max_length=MAX_STOP_STRINGS)] | None = None
     stream: bool = False
     temperature: Annotated[float, Meta(ge=0.0, le=1.0)] | None = None
     top_p: Annotated[float, Meta(gt=0.0, le=1.0)] | None = None

@@ -34,8 +34,8 @@ class ResponsesRequest(Struct, kw_only=True):
     input: str | list[dict[str, Any]]
     instructions: str | None = None
     max_output_tokens: Annotated[int, Meta(ge=1)] | None = None
-    temperature: Annotated[float, Meta(ge=0.0, le=2.0)] | None = None
-    top_p: Annotated[float, Meta(gt=0.0, le=1.0)] | None = None
+    temperature: float | None = None  # sampling values are checked by the one validation (validation.py)
+    top_p: float | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
@@ -46,13 +46,13 @@ class ResponsesRequest(Struct, kw_only=True):
     metadata: dict[str, str] | None = None
     user: str | None = None
     # vLLM's sampling extensions, as on chat completions
-    top_k: Annotated[int, Meta(ge=-1)] = 0
-    min_p: Annotated[float, Meta(ge=0.0, le=1.0)] = 0.0
-    repetition_penalty: Annotated[float, Meta(gt=0.0, le=10.0)] = 1.0
-    presence_penalty: api.Penalty | None = None
-    frequency_penalty: api.Penalty | None = None
-    seed: api.Int64 | None = None
-    stop: str | Annotated[list[str], Meta(max_length=api.MAX_STOP_STRINGS)] | None = None
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
     structured_outputs: dict[str, Any] | None = None  # vLLM's constraints (regex, choice, grammar, json)
     chat_template_kwargs: dict[str, Any] | None = None
     priority: int = 0

@@ -272,7 +272,9 @@ class EngineCore:
         self.scheduler.on_finish = lambda req: gate.release(req.request_id, req.num_tokens)
 
     def add_request(self, msg: AddRequest) -> Request:
-        """Admit a request or raise RequestRejected naming the value and the limit."""
+        """Admit a request or raise RequestRejected naming the value and the limit. Requests are validated
+        by the frontends (frontends/validation.py); these are the checks of what crosses the engine's
+        socket, whatever sent it: nothing here may crash or corrupt the loop."""
         prompt = msg.prompt_token_ids
         n = len(prompt)
         if n == 0:
@@ -290,7 +292,8 @@ class EngineCore:
             check_priority(msg.priority)
         except ValueError as e:
             raise RequestRejected(str(e)) from None
-        if msg.request_id in self.scheduler.requests:
+        # The one check of engine-wide id uniqueness: a live id never gets a second request's outputs.
+        if msg.request_id in self.scheduler.requests or self.structured.is_pending(msg.request_id):
             raise RequestRejected(f"request id {msg.request_id!r} is already in use")
         limit = self.max_model_len
         max_tokens = msg.sampling.max_tokens

@@ -39,6 +39,7 @@ from kvloom.core.messages import (
     decode_frontend_message,
     encode,
 )
+from kvloom.core.peer_warnings import PeerWarnings
 
 logger = logging.getLogger("kvloom.engine")
 
@@ -60,7 +61,7 @@ class EngineServer:
         self.build = build
         self.gate = gate  # engine-wide caps and per-key quotas (core/engine/gate.py), set on the core at load
         self.secret = secret  # when set, only frontends that registered with it are heard
-        self._refused: set[bytes] = set()
+        self.warnings = PeerWarnings(logger)  # per peer: junk in a loop must not flood the log
         self.heartbeat_interval = heartbeat_interval
         self._next_beat = 0.0
         self.model_name = model_name or config.model
@@ -234,8 +235,8 @@ class EngineServer:
             except zmq.Again:
                 return
             if len(frames) != 2:  # [identity, message] is the whole protocol; anything else is not ours
-                logger.warning("Dropped a message of %d frames from %r (expected one frame)", len(frames) - 1,
-                               frames[0])
+                self.warnings.warning(frames[0], "Dropped a message of %d frames from %r (expected one frame)",
+                                      len(frames) - 1, frames[0])
                 continue
             ident, data = frames
             try:
@@ -258,8 +259,8 @@ class EngineServer:
         gate, core = self.gate, self.core
         if gate is None or core is None or gate.max_queued_requests is None or self.draining:
             return False
-        if self.secret is not None and ident not in self.frontends:
-            return False  # the loop decides about strangers
+        if ident not in self.frontends:
+            return False  # the loop decides about strangers (it never answers them)
         if self.heartbeat_interval is not None and time.monotonic() - self._loop_seen > 2 * self.heartbeat_interval:
             return False
         with self._pending_lock:
@@ -277,23 +278,23 @@ class EngineServer:
         return True
 
     def _reject_malformed(self, ident: bytes, data: bytes, error: Exception) -> None:
-        """A message that fails validation is dropped; if it was an AddRequest its sender is told, so the
-        request ends (and frees its admission slot) instead of waiting for outputs that never come."""
-        request_id = _add_request_id(data)
+        """A message that fails validation is dropped; if it was an AddRequest of a registered frontend,
+        the frontend is told, so the request ends (and frees its admission slot) instead of waiting for
+        outputs that never come. A peer that has not registered is never answered."""
+        request_id = _add_request_id(data) if ident in self.frontends else None
         if request_id is None:
-            logger.warning("Dropped a malformed message from frontend %r: %s", ident, error)
+            self.warnings.warning(ident, "Dropped a malformed message from %s %r: %s", "frontend"
+                                  if ident in self.frontends else "unregistered peer", ident, error)
             return
-        logger.warning("Rejected request %r from frontend %r: %s", request_id, ident, error)
+        self.warnings.warning(ident, "Rejected request %r from frontend %r: %s", request_id, ident, error)
         self.outbox[ident].append(_error_delta(request_id, f"invalid request: {error}", "rejected"))
 
     def _handle(self, ident: bytes, msg) -> None:
         if isinstance(msg, RegisterFrontend):
             self._register(ident, msg)
             return
-        if self.secret is not None and ident not in self.frontends:
-            if ident not in self._refused and len(self._refused) < 1000:  # log each stranger once
-                self._refused.add(ident)
-                logger.warning("Ignored %s from %r: not a registered frontend", type(msg).__name__, ident)
+        if ident not in self.frontends:  # never obeyed, never answered
+            self.warnings.warning(ident, "Ignored %s from %r: not a registered frontend", type(msg).__name__, ident)
             return
         if isinstance(msg, AddRequest):
             self._add(ident, msg)
@@ -322,11 +323,6 @@ class EngineServer:
 
         if self.draining:
             self.outbox[ident].append(_error_delta(msg.request_id, "the engine is shutting down", "unavailable"))
-            return
-        if msg.request_id in self.owners:
-            # Never let a second request take over the first one's outputs.
-            self.outbox[ident].append(_error_delta(msg.request_id, f"request id {msg.request_id!r} is already "
-                                                   "in use", "rejected"))
             return
         try:
             self.core.add_request(msg)
