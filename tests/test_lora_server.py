@@ -112,7 +112,7 @@ def test_adapters_load_and_unload_while_another_streams(setup):
     assert _greedy(client, "tiny", ps[2]) == pieces[None]  # the base model served all along
 
     # The gateway picks an adapter by model name too.
-    with Client(srv.gateway, timeout=60) as gw:
+    with Client(srv.gateway, timeout=60, api_key=API_KEY) as gw:
         out = gw.generate(prompt_token_ids=ps[1], model="b", max_tokens=MAX_NEW, temperature=0, ignore_eos=True)
         assert out.token_ids == expected["b"]
         with pytest.raises(GatewayError, match="`a` does not exist") as err:
