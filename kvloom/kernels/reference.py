@@ -131,9 +131,11 @@ def paged_prefill_attention(
 
 
 def rms_norm(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+    scale_in_float32: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """RMSNorm as Hugging Face computes it (float32 statistics, cast back, then scale).
+    """RMSNorm as Hugging Face computes it (float32 statistics, cast back, then scale); with
+    ``scale_in_float32`` (Gemma's form) scaled in float32 first and cast back once.
 
     With ``residual``, first adds it (``x + residual``) and returns ``(normed, x + residual)``.
     """
@@ -142,7 +144,10 @@ def rms_norm(
         new_residual = x
     h = x.float()
     h = h * h.pow(2).mean(-1, keepdim=True).add_(eps).rsqrt_()
-    out = h.to(x.dtype).mul_(weight)  # a fresh tensor in any dtype: scaling it in place is safe
+    if scale_in_float32:
+        out = h.mul_(weight.float()).to(x.dtype)
+    else:
+        out = h.to(x.dtype).mul_(weight)  # a fresh tensor in any dtype: scaling it in place is safe
     return (out, new_residual) if residual is not None else out
 
 
@@ -191,6 +196,12 @@ def _adjacent_heads(q: torch.Tensor, k: torch.Tensor) -> bool:
             and q.stride() == k.stride() and q.stride(2) == 1 and q.stride(1) == head_dim
             and k.untyped_storage().data_ptr() == q.untyped_storage().data_ptr()
             and k.storage_offset() == q.storage_offset() + q.shape[1] * head_dim)
+
+
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """``gelu_tanh(x[:, :I]) * x[:, I:]`` for ``x`` of ``[T, 2I]`` (GeGLU, as Gemma's MLP computes it)."""
+    half = x.shape[-1] // 2
+    return F.gelu(x[..., :half], approximate="tanh").mul_(x[..., half:])
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

@@ -11,13 +11,15 @@ import logging
 import math
 import re
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Iterator
 
 import torch
 from tqdm.auto import tqdm
 
 from kvloom.core.model.attention.base import AttentionBackend
-from kvloom.core.model.families.llama import SUPPORTED_ARCHITECTURES, DecoderLM
+from kvloom.core.model.families import architecture_of, model_class
+from kvloom.core.model.families.decoder import DecoderLM
 from kvloom.kernels.cpu_linear import pack_layer, pack_tied_output
 
 logger = logging.getLogger("kvloom")
@@ -51,6 +53,10 @@ def load_hf_config(path: Path, overrides: dict | None = None):
     else:
         from transformers import AutoConfig
 
+        file = path / "config.json"
+        listed = json.loads(file.read_text()).get("architectures") if file.is_file() else None
+        if listed:  # fails naming it before transformers reads a config whose model type it may not know
+            architecture_of(SimpleNamespace(architectures=listed))
         config = AutoConfig.from_pretrained(str(path))
         _attach_quantize_config(path, config)
     for key, value in (overrides or {}).items():
@@ -73,13 +79,8 @@ def _attach_quantize_config(path: Path, config) -> None:
 
 
 def check_architecture(config) -> str:
-    archs = list(getattr(config, "architectures", None) or [])
-    arch = archs[0] if archs else None
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise ValueError(
-            f"unsupported model architecture {arch!r}; supported: {sorted(SUPPORTED_ARCHITECTURES)}"
-        )
-    return arch
+    """The config's architecture, or ValueError naming it and the supported ones (``families``' registry)."""
+    return architecture_of(config)
 
 
 def _gguf_config(path: Path):
@@ -243,7 +244,7 @@ def make_model(config, backend: AttentionBackend, dtype: torch.dtype, quantizati
     """The model on the meta device, its layers in the quantization method's format, holding tensor-parallel
     rank ``tp``'s share (``engine plan`` sizes weights from exactly this)."""
     with torch.device("meta"), default_dtype(dtype):
-        return SUPPORTED_ARCHITECTURES[check_architecture(config)](config, backend, quantization, tp=tp)
+        return model_class(config)(config, backend, quantization, tp=tp)
 
 
 def build_model(
@@ -299,6 +300,7 @@ def _weight_name(name: str, shard) -> str:
 def process_weights_after_loading(model: DecoderLM, pack_cpu: bool = True) -> None:
     """Each layer's steps after loading: its format's own (repack, dequantize), then oneDNN packing of
     a dense CPU weight; a tied output projection gets a packed copy of the embedding table."""
+    model.process_weights_after_loading()
     for layer in model.linear_layers():
         layer.process_weights_after_loading()
         if pack_cpu:
