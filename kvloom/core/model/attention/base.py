@@ -64,8 +64,14 @@ class AttentionBackend:
         scale: float,
         k_scale: float = 1.0,
         v_scale: float = 1.0,
+        window: int | None = None,
+        softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """``k_scale``/``v_scale``: the per-tensor scales of an fp8 cache (stored ``x / scale``)."""
+        """``k_scale``/``v_scale``: the per-tensor scales of an fp8 cache (stored ``x / scale``). A layer's
+        variant: ``window`` (a query sees its last ``window`` positions), ``softcap`` (scores become
+        ``softcap * tanh(scores / softcap)``), ``sinks`` (``[Hq]`` logits in each softmax denominator)."""
+        variant = dict(window=window, softcap=softcap, sinks=sinks)
         k_cache, v_cache = kv_cache
         reference.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
         nd = meta.num_decodes
@@ -73,7 +79,7 @@ class AttentionBackend:
             max_len = max(meta.seq_lens_cpu[:nd])
             decoded = reference.paged_decode_attention(
                 q[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens[:nd], max_len, scale,
-                workspace=self._decode_workspace(k_cache, nd, max_len), k_scale=k_scale, v_scale=v_scale,
+                workspace=self._decode_workspace(k_cache, nd, max_len), k_scale=k_scale, v_scale=v_scale, **variant,
             )
             if nd == meta.num_seqs:
                 return decoded
@@ -82,7 +88,7 @@ class AttentionBackend:
             out[:nd] = decoded
         out[nd:] = reference.paged_prefill_attention(
             q[nd:], k_cache, v_cache, meta.block_tables[nd:], meta.query_lens_cpu[nd:],
-            meta.seq_lens_cpu[nd:], scale, k_scale, v_scale,
+            meta.seq_lens_cpu[nd:], scale, k_scale, v_scale, **variant,
         )
         return out
 
