@@ -94,19 +94,9 @@ def blocks_for_memory(memory_bytes: int, block_size: int, bytes_per_token: int) 
 def resolve_max_model_len(hf_config, wanted: int | None) -> int:
     """``wanted`` (default: the model's max_position_embeddings), checked against the model's limit."""
     model_max = getattr(hf_config, "max_position_embeddings", None) or 4096
-    asked = wanted
     wanted = wanted or model_max
     if wanted > model_max:
         raise ConfigError(f"max_model_len={wanted} exceeds the model's max_position_embeddings={model_max}")
-    # Sliding-window attention is not implemented: stay inside the window, where it equals full attention.
-    window = getattr(hf_config, "sliding_window", None)
-    uses_window = hf_config.model_type == "mistral" or getattr(hf_config, "use_sliding_window", False)
-    if window and uses_window and wanted > window:
-        if asked:
-            raise ConfigError(f"max_model_len={wanted} exceeds the model's sliding_window={window}, "
-                              "and sliding-window attention is not supported")
-        logger.warning("Capping max_model_len at the model's sliding_window=%d", window)
-        wanted = window
     return wanted
 
 

@@ -18,7 +18,7 @@ import torch
 from tqdm.auto import tqdm
 
 from kvloom.core.model.attention.base import AttentionBackend
-from kvloom.core.model.families import architecture_of, model_class
+from kvloom.core.model.families import architecture_of, decoder_config, model_class
 from kvloom.core.model.families.decoder import DecoderLM
 from kvloom.kernels.cpu_linear import pack_layer, pack_tied_output
 
@@ -57,7 +57,7 @@ def load_hf_config(path: Path, overrides: dict | None = None):
         listed = json.loads(file.read_text()).get("architectures") if file.is_file() else None
         if listed:  # fails naming it before transformers reads a config whose model type it may not know
             architecture_of(SimpleNamespace(architectures=listed))
-        config = AutoConfig.from_pretrained(str(path))
+        config = decoder_config(AutoConfig.from_pretrained(str(path)))
         _attach_quantize_config(path, config)
     for key, value in (overrides or {}).items():
         setattr(config, key, value)

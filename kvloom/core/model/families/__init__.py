@@ -6,7 +6,7 @@ from __future__ import annotations
 import importlib
 
 # The family files, imported on first use of the registry.
-FAMILY_MODULES = ("llama", "mistral", "qwen2", "qwen3")
+FAMILY_MODULES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3")
 
 _REGISTRY: dict[str, type] = {}
 _loaded = False
@@ -51,3 +51,9 @@ def architecture_of(config) -> str:
 
 def model_class(config) -> type:
     return registry()[architecture_of(config)]
+
+
+def decoder_config(config):
+    """The config the decoder is built from: the text model's of a multimodal checkpoint whose family serves
+    its text part (``decoder_config`` of the family), else ``config`` itself."""
+    return model_class(config).decoder_config(config)

@@ -219,7 +219,7 @@ class Attention(nn.Module):
             self.q_norm = family.norm_class(self.head_dim, config.rms_norm_eps)
             self.k_norm = family.norm_class(self.head_dim, config.rms_norm_eps)
         if spec.sinks:
-            self.sinks = nn.Parameter(torch.empty(self.num_heads), requires_grad=False)
+            self.sinks = nn.Parameter(torch.empty(self.num_heads, dtype=torch.float32), requires_grad=False)
             self.sinks.weight_loader = head_parallel_loader(tp)
         else:
             self.sinks = None
@@ -231,6 +231,8 @@ class Attention(nn.Module):
         # What the backend is told besides q/k/v: only what this layer uses, so backends without it still serve
         # the others.
         self.variant = {}
+        if spec.sliding_window is not None:
+            self.variant["window"] = spec.sliding_window
         if spec.softcap is not None:
             self.variant["softcap"] = float(spec.softcap)
         # The kernels that rotate q/k while writing the cache rotate whole heads of un-normalized q/k.
@@ -360,6 +362,11 @@ class DecoderLM(nn.Module):
 
     # --- what a family may state ---------------------------------------------------------------------
     @classmethod
+    def decoder_config(cls, config):
+        """The config this decoder is built from (a multimodal checkpoint's text config)."""
+        return config
+
+    @classmethod
     def checkpoint_names(cls, fused: str) -> list[str]:
         """The checkpoint modules that make up fused layer ``fused`` (what a quantization config names)."""
         if fused in cls.fused_in_checkpoint:
@@ -441,7 +448,7 @@ class DecoderLM(nn.Module):
         self.num_kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim
         self.softcap = type(self).final_logit_softcap(config)
         # rounded to the model dtype first, as transformers scales
-        self.embed_scale = (float(torch.tensor(math.sqrt(config.hidden_size)).to(torch.get_default_dtype()))
+        self.embed_scale = (float(torch.tensor(math.sqrt(config.hidden_size), device="cpu").to(torch.get_default_dtype()))
                             if self.scale_embeddings else None)
         self.rope_keys = sorted({s.rope for s in self.specs}, key=str)
         self.register_buffer("cos_sin", torch.empty(0), persistent=False)
