@@ -41,6 +41,8 @@ class ScheduledSeq:
     # Prompt logprobs (sampling.prompt_logprobs): the prompt tokens that follow this step's first fed
     # positions, one per position whose logits score the prompt (filled by the engine after scheduling).
     prompt_targets: list[int] | None = None
+    # A hybrid KV cache's other layer groups' whole block tables (copies), after ``block_ids`` (the first's)
+    extra_block_ids: list[list[int]] = field(default_factory=list)
 
     @property
     def num_new_tokens(self) -> int:

@@ -453,6 +453,8 @@ class DecoderLM(nn.Module):
         self.rope_keys = sorted({s.rope for s in self.specs}, key=str)
         self.register_buffer("cos_sin", torch.empty(0), persistent=False)
         self.rope_tables: dict[str | None, torch.Tensor] = {}
+        # Each layer's group of a hybrid KV cache (set by the engine); forward then takes one metadata a group.
+        self.kv_groups: list[int] | None = None
 
     def init_rope(self, max_positions: int) -> None:
         """(Re)build the rotary tables on the model's device; call after weights are materialized."""
@@ -461,11 +463,12 @@ class DecoderLM(nn.Module):
                             for key in self.rope_keys}
         self.cos_sin = self.rope_tables[self.rope_keys[0]]
 
-    def forward(self, input_ids, positions, meta: AttentionMetadata, kv_caches,
+    def forward(self, input_ids, positions, meta: AttentionMetadata | list[AttentionMetadata], kv_caches,
                 keep: torch.Tensor | None = None) -> torch.Tensor:
         """Final hidden states ``[T, hidden]``; with ``keep`` (row indices), only those rows': the last layer
         still caches every row's K/V but runs its output projection and MLP on the kept rows alone (a
-        prefill step needs logits for one row per prompt)."""
+        prefill step needs logits for one row per prompt). ``meta``: one for every layer, or (a hybrid KV
+        cache) a list of one per layer group, ``kv_groups`` saying which layer reads which."""
         h = self.embed_tokens(input_ids)
         if self.embed_scale is not None:
             h = h * self.embed_scale
@@ -473,8 +476,10 @@ class DecoderLM(nn.Module):
         # once per step, for every layer
         ropes = {key: ops.rotary_tables(positions, table, h.dtype) for key, table in self.rope_tables.items()}
         last = len(self.layers) - 1
+        groups = self.kv_groups if isinstance(meta, (list, tuple)) else None
         for i, (layer, kv) in enumerate(zip(self.layers, kv_caches)):
-            h, residual = layer(ropes[self.specs[i].rope], h, residual, meta, kv, keep if i == last else None)
+            m = meta if groups is None else meta[groups[i]]  # a hybrid cache: the layer's group's block tables
+            h, residual = layer(ropes[self.specs[i].rope], h, residual, m, kv, keep if i == last else None)
         if h.shape[0] == 0:
             return h
         h, _ = self.norm(h, residual)
