@@ -30,6 +30,8 @@ _GGUF_ARCHS = {
     "mistral": ("MistralConfig", "MistralForCausalLM"),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
 }
 
 _GGUF_LAYER_NAMES = {
@@ -39,6 +41,10 @@ _GGUF_LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
 }
 _GGUF_GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+# Gemma's norms on both sides of attention and MLP; llama.cpp stores each norm's 1 + w (taken back at load).
+_GGUF_GEMMA_LAYER_NAMES = {**_GGUF_LAYER_NAMES, "ffn_norm": "pre_feedforward_layernorm",
+                           "post_attention_norm": "post_attention_layernorm",
+                           "post_ffw_norm": "post_feedforward_layernorm"}
 
 
 def is_gguf(path: Path) -> bool:
@@ -111,6 +117,8 @@ def _gguf_config(path: Path):
     head_dim = a("attention.key_length")
     if head_dim:
         kwargs["head_dim"] = head_dim
+    if a("attention.sliding_window"):  # Gemma: the window of its local layers (the layer pattern is the default)
+        kwargs["sliding_window"] = a("attention.sliding_window")
     config = getattr(transformers, cls_name)(**kwargs)
     config.gguf_architecture = arch
     return config
@@ -144,17 +152,24 @@ def iter_gguf(path: Path, config) -> Iterator[tuple[str, torch.Tensor]]:
     from gguf.quants import dequantize
 
     reader = GGUFReader(str(path))
-    permute = getattr(config, "gguf_architecture", "llama") in ("llama", "mistral")
+    arch = getattr(config, "gguf_architecture", "llama")
+    permute = arch in ("llama", "mistral")
+    gemma = arch in ("gemma2", "gemma3")
+    layer_names = _GGUF_GEMMA_LAYER_NAMES if gemma else _GGUF_LAYER_NAMES
     for t in tqdm(reader.tensors, desc="Loading GGUF (dequantizing)", unit="tensor"):
         stem, _, kind = t.name.rpartition(".")
         parts = stem.split(".")
         if parts[0] == "blk":
-            name = f"model.layers.{parts[1]}.{_GGUF_LAYER_NAMES[parts[2]]}.{kind}"
+            if parts[2] not in layer_names:
+                raise ValueError(f"GGUF tensor {t.name!r} ({arch}) has no place in the model")
+            name = f"model.layers.{parts[1]}.{layer_names[parts[2]]}.{kind}"
         elif stem in _GGUF_GLOBAL_NAMES:
             name = f"{_GGUF_GLOBAL_NAMES[stem]}.{kind}"
         else:
             continue  # e.g. rope_freqs: recomputed from the config
         tensor = torch.from_numpy(dequantize(t.data, t.tensor_type).copy())
+        if gemma and stem.endswith("norm"):
+            tensor = tensor - 1
         if permute and stem.endswith("attn_q"):
             tensor = _reverse_llama_permute(tensor, config.num_attention_heads)
         elif permute and stem.endswith("attn_k"):
