@@ -53,7 +53,8 @@ def paged(seqs, num_blocks=24, seed=0):
     return k_cache, v_cache, torch.tensor(tables, dtype=torch.int32), dense
 
 
-VARIANTS = [dict(window=3), dict(window=7), dict(softcap=1.5), dict(sinks=True), dict(window=5, softcap=2.0, sinks=True)]
+VARIANTS = [dict(window=3), dict(window=7), dict(softcap=1.5), dict(sinks=True),
+            dict(window=5, softcap=2.0, sinks=True)]
 
 
 @pytest.mark.parametrize("variant", VARIANTS, ids=str)
@@ -63,7 +64,8 @@ def test_prefill_variants_match_attention_written_out(variant):
     query_lens, seq_lens = [6, 13, 1, 4], [6, 17, 9, 4]  # a prompt, a chunk past a window, one query, a short one
     k_cache, v_cache, tables, dense = paged(seq_lens)
     q = torch.randn(sum(query_lens), HKV * GROUP, D)
-    got = ref.paged_prefill_attention(q, k_cache, v_cache, tables, query_lens, seq_lens, D**-0.5, sinks=sinks, **variant)
+    got = ref.paged_prefill_attention(q, k_cache, v_cache, tables, query_lens, seq_lens, D**-0.5, sinks=sinks,
+                                      **variant)
     start = 0
     for b, (q_len, s_len) in enumerate(zip(query_lens, seq_lens)):
         want = naive(q[start: start + q_len], *dense[b], range(s_len - q_len, s_len), D**-0.5, sinks=sinks, **variant)

@@ -75,7 +75,8 @@ def attend(
     """Attention written out, as transformers' eager attention computes it: ``q`` ``[..., H, Q, D]`` against
     ``keys``/``values`` ``[..., H, S, D]`` where ``mask`` (bool, broadcast to ``[..., H, Q, S]``) is True;
     scores ``q @ k.T * scale``, then ``softcap * tanh(scores / softcap)``; ``sinks`` (one logit per head,
-    broadcast to ``[..., H, Q, 1]``) join each row's softmax denominator; softmax in float32, probabilities cast back to ``q``'s dtype."""
+    broadcast to ``[..., H, Q, 1]``) join each row's softmax denominator; softmax in float32, probabilities
+    cast back to ``q``'s dtype."""
     scores = torch.matmul(q, keys.transpose(-1, -2)) * scale
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap

@@ -19,7 +19,8 @@ def register(*architectures: str):
         cls.architectures = tuple(architectures)
         for arch in architectures:
             if arch in _REGISTRY:
-                raise ValueError(f"architecture {arch!r} is registered twice ({_REGISTRY[arch].__name__}, {cls.__name__})")
+                raise ValueError(f"architecture {arch!r} is registered twice "
+                                 f"({_REGISTRY[arch].__name__}, {cls.__name__})")
             _REGISTRY[arch] = cls
         return cls
 

@@ -129,7 +129,8 @@ def rope_cos_sin_cache(config, head_dim: int, max_positions: int, layer_type: st
         inv_freq = torch.where(positions < original, short.float()[None, :], long.float()[None, :])
         freqs = positions * inv_freq
     else:
-        raise ValueError(f"rope type {rope_type!r} is not supported; supported: default, linear, llama3, yarn, longrope")
+        raise ValueError(f"rope type {rope_type!r} is not supported; "
+                         "supported: default, linear, llama3, yarn, longrope")
     return torch.cat([freqs.cos() * scaling, freqs.sin() * scaling], dim=-1)
 
 
@@ -443,13 +444,14 @@ class DecoderLM(nn.Module):
             **({} if tp.size == 1 else dict(tp_rank=tp.rank, tp_size=tp.size)))
         shapes = {(s.num_kv_heads, s.head_dim) for s in self.specs}
         if len(shapes) != 1:
-            raise ValueError(f"layers with different KV shapes (kv heads, head size) {sorted(shapes)} are not supported")
+            raise ValueError(f"layers with different KV shapes (kv heads, head size) {sorted(shapes)} "
+                             "are not supported")
         attn = self.layers[0].self_attn
         self.num_kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim
         self.softcap = type(self).final_logit_softcap(config)
         # rounded to the model dtype first, as transformers scales
-        self.embed_scale = (float(torch.tensor(math.sqrt(config.hidden_size), device="cpu").to(torch.get_default_dtype()))
-                            if self.scale_embeddings else None)
+        scale = torch.tensor(math.sqrt(config.hidden_size), device="cpu")
+        self.embed_scale = float(scale.to(torch.get_default_dtype())) if self.scale_embeddings else None
         self.rope_keys = sorted({s.rope for s in self.specs}, key=str)
         self.register_buffer("cos_sin", torch.empty(0), persistent=False)
         self.rope_tables: dict[str | None, torch.Tensor] = {}

@@ -14,7 +14,8 @@ from kvloom.core.model.families.gemma2 import Gemma2ForCausalLM
 logger = logging.getLogger("kvloom")
 
 _VISION = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
-_TEXT = (("language_model.model.", "model."), ("model.language_model.", "model."), ("language_model.lm_head.", "lm_head."))
+_TEXT = (("language_model.model.", "model."), ("model.language_model.", "model."),
+         ("language_model.lm_head.", "lm_head."))
 
 
 @register("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration")
