@@ -7,10 +7,10 @@ charges each with the time from the previous kernel's end (or its own start, if 
 its share of the step's critical path. Summed by kernel name per step, with the gaps where no kernel ran.
 
     python benchmarks/decode_profile_gpu.py --shape llama-3-8b --formats bf16,fp8,awq
-    python benchmarks/decode_profile_gpu.py --formats awq --set kvloom.kernels.triton_quant.INT4_ROW_MIN_WEIGHT=0
+    python benchmarks/decode_profile_gpu.py --formats awq --kernel-option int4_row_min_weight=0
 
-``--set MODULE.NAME=VALUE`` (a Python expression of literals and ``dict(...)``, evaluated with no builtins) replaces a module constant before the engines start, to
-compare kernel routings or tiles.
+``--kernel-option NAME=VALUE`` (VALUE in JSON; kvloom/kernels/options.py) sets a kernel choice of the engines,
+to compare kernel routings or tiles.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from shapes import apply_overrides, model_for_benchmark  # noqa: E402
+from shapes import kernel_options, model_for_benchmark  # noqa: E402
 
 
 def kernel_spans(prof) -> list[tuple[float, float, str]]:
@@ -89,14 +89,16 @@ def main(argv=None) -> dict:
     p.add_argument("--steps", type=int, default=64)
     p.add_argument("--top", type=int, default=16)
     p.add_argument("--output", default=None)
-    p.add_argument("--set", action="append", default=[], metavar="MODULE.NAME=VALUE")
+    p.add_argument("--kernel-option", action="append", default=[], metavar="NAME=VALUE",
+                   help="A kernel choice for the engines (kvloom/kernels/options.py), VALUE in JSON, e.g. "
+                        "int4_fused_silu_mul=true; repeatable.")
     args = p.parse_args(argv)
-    apply_overrides(args.set)
+    options = kernel_options(args.kernel_option)
     model, _, _ = model_for_benchmark(None, args.shape)
-    out = {"shape": args.shape, "steps": args.steps, "set": args.set, "runs": []}
+    out = {"shape": args.shape, "steps": args.steps, "kernel_options": options, "runs": []}
     for fmt in args.formats.split(","):
         llm = LLM(model, load_format="dummy", quantization=None if fmt == "bf16" else fmt, max_num_seqs=4,
-                  max_model_len=2048)
+                  max_model_len=2048, kernel_options=options)
         prompt = [[100 + i for i in range(512)]]
         llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
         params = SamplingParams(temperature=0.0, max_tokens=args.steps + 1, ignore_eos=True)

@@ -1,5 +1,6 @@
-"""Fuzz a kvloom server (started here, with the gateway): seeded random bodies for /v1/completions and
-/v1/chat/completions and random msgpack messages for the ZMQ gateway, mostly malformed, some valid.
+"""Fuzz a kvloom server (started here, with the gateway): seeded random bodies for /v1/completions,
+/v1/chat/completions, /v1/responses and /v1/messages and random msgpack messages for the ZMQ gateway,
+mostly malformed, some valid.
 Every answer must be 2xx/4xx within a bound (no 5xx, no hang); the server must not lose a process;
 afterwards its greedy output must be unchanged and every KV block free. tests/test_fuzz.py runs 2,000
 messages of it; by hand, 20,000:
@@ -104,6 +105,69 @@ _VALID = {
 }
 
 
+# The chat body's fields each other chat-shaped API takes, and the fields a broken body of it breaks.
+_DOORS = {
+    "/v1/messages": ({"temperature", "top_p", "top_k", "stream", "model", "priority"},
+                     ["messages", "max_tokens", "system", "tools", "tool_choice", "thinking", "stop_sequences",
+                      "output_config", "temperature", "metadata", "unknown_field"]),
+    "/v1/responses": ({"temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
+                       "repetition_penalty", "stop", "priority", "stream", "user", "model"},
+                      ["input", "max_output_tokens", "instructions", "tools", "tool_choice", "text",
+                       "previous_response_id", "store", "reasoning", "unknown_field"]),
+}
+# The last event of each route's named-event stream (OpenAI's chat and completions end with [DONE]).
+LAST_EVENTS = {"/v1/responses": {"response.completed", "response.incomplete", "error"},
+               "/v1/messages": {"message_stop", "error"}}
+
+
+def stream_ended(path: str, body: bytes) -> bool:
+    if path not in LAST_EVENTS:
+        return b"data: [DONE]" in body
+    names = [line[len(b"event: "):].decode() for line in body.splitlines() if line.startswith(b"event: ")]
+    return bool(names) and names[-1] in LAST_EVENTS[path]
+_BLOCKS = ["text", "tool_use", "tool_result", "thinking", "image", "input_text", "function_call",
+           "function_call_output", "reasoning", "message", None]
+
+
+def _block(rng: random.Random) -> dict[str, Any]:
+    block = {"type": rng.choice(_BLOCKS)}
+    for name in rng.sample(["text", "id", "name", "input", "tool_use_id", "content", "call_id", "arguments", "output",
+                            "role", "thinking"], rng.randint(0, 4)):
+        block[name] = _text(rng) if rng.random() < 0.5 else _any_value(rng)
+    return block
+
+
+def _other_door(rng: random.Random, path: str, chat: dict[str, Any]) -> dict[str, Any]:
+    """The chat body as a /v1/messages or /v1/responses body, perhaps with odd content blocks or items."""
+    fields, breakable = _DOORS[path]
+    body = {k: v for k, v in chat.items() if k in fields}
+    turns = [m for m in chat["messages"] if m.get("role") != "system"] or [{"role": "user", "content": "hi"}]
+    if path == "/v1/messages":
+        body["messages"], body["max_tokens"] = turns, chat["max_tokens"]
+        if isinstance(body.get("temperature"), float) and body["temperature"] > 1:
+            body["temperature"] = 1.0
+        if rng.random() < 0.3:
+            body["system"] = _text(rng)
+        if rng.random() < 0.2:
+            body["messages"] = [{"role": rng.choice(["user", "assistant"]),
+                                 "content": [_block(rng) for _ in range(rng.randint(1, 3))]}]
+    else:
+        body["input"] = turns if rng.random() < 0.5 else _text(rng)
+        body["max_output_tokens"] = chat["max_tokens"]
+        if rng.random() < 0.3:
+            body["instructions"] = _text(rng)
+        if rng.random() < 0.2:
+            body["input"] = [_block(rng) for _ in range(rng.randint(1, 3))]
+    if rng.random() < 0.65:
+        for _ in range(rng.randint(1, 3)):
+            name = rng.choice(breakable)
+            value = _any_value(rng)
+            if name in ("max_tokens", "max_output_tokens") and (value is None or isinstance(value, bool)):
+                value = rng.choice(HUGE_INTS)  # null would mean "the whole context": slow, not invalid
+            body[name] = value
+    return body
+
+
 def http_body(rng: random.Random, model: str) -> tuple[str, bytes]:
     """One request: (path, raw body). About a third are valid requests; the rest break one or more rules."""
     chat = rng.random() < 0.5
@@ -134,6 +198,11 @@ def http_body(rng: random.Random, model: str) -> tuple[str, bytes]:
         body["logprobs"], body["top_logprobs"] = True, rng.randint(0, 5)
     elif not chat and rng.random() < 0.3:
         body["logprobs"] = rng.randint(0, 5)
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    if chat and isinstance(body.get("messages"), list) and all(isinstance(m, dict) for m in body["messages"]) \
+            and isinstance(body.get("max_tokens"), int) and rng.random() < 0.4:
+        path = rng.choice(sorted(_DOORS))
+        body = _other_door(rng, path, body)
     raw = json.dumps(body).encode()
     roll = rng.random()
     if roll < 0.04:
@@ -144,7 +213,7 @@ def http_body(rng: random.Random, model: str) -> tuple[str, bytes]:
         raw = b'{"prompt":' + b"[" * rng.randint(65, 3000) + b"]" * rng.randint(0, 3000) + b"}"
     elif roll < 0.09:
         raw = raw.replace(b"1", b"NaN", 1)
-    return ("/v1/chat/completions" if chat else "/v1/completions"), raw
+    return path, raw
 
 
 def gateway_message(rng: random.Random, request_id: str) -> tuple[list[bytes], bool]:
@@ -238,9 +307,9 @@ async def fuzz_http(url: str, model: str, bodies: int, seed: int, result: FuzzRe
                     result.failures.append(f"{r.status_code}: POST {path} {raw[:300]!r} -> {body[:300]!r}")
                 elif r.status_code == 200 and b'"stream": true' not in raw and not body.startswith(b"{"):
                     result.failures.append(f"200 without a JSON body: {raw[:200]!r} -> {body[:200]!r}")
-                elif r.status_code == 200 and b"data: [DONE]" not in body and b"text/event-stream" in \
-                        r.headers.get("content-type", "").encode():
-                    result.failures.append(f"stream without [DONE]: {raw[:200]!r}")
+                elif r.status_code == 200 and b"text/event-stream" in r.headers.get("content-type", "").encode() \
+                        and not stream_ended(path, body):
+                    result.failures.append(f"stream without its last event: POST {path} {raw[:200]!r}")
 
         await asyncio.gather(*(worker() for _ in range(concurrency)))
 

@@ -6,7 +6,7 @@ microseconds per call and bf16's time over each path's (> 1 is faster than bf16)
     python benchmarks/gemlite_gpu.py --shape llama-3-8b --rows 1,2,4,8,16,64,256
 
 Paths: ``bf16`` (cuBLAS), ``tinygemm`` (``torch._weight_int4pack_mm``), ``int4_kvloom`` (kvloom's
-rule for 4-bit layers, ``triton_quant.int_linear``), ``gemlite_w4`` (GemLite A16W4, group 128,
+rule for 4-bit layers, ``quant.dispatch.int_linear``), ``gemlite_w4`` (GemLite A16W4, group 128,
 ``(q - z) * s``), ``gemlite_bf16`` (GemLite's 16-bit kernels on the bf16 weight), ``fp8_kvloom`` (kvloom's FP8 rule),
 ``gemlite_fp8`` (GemLite A16W8 with e4m3 weights
 and per-channel scales). Also each GemLite path's largest error against the dequantized weight's
@@ -44,7 +44,7 @@ def main(argv=None):
 
     from kvloom.core.model.quantization.fp8 import fp8_linear
     from kvloom.kernels import quant_reference as qr
-    from kvloom.kernels import triton_quant as tq
+    from kvloom.kernels.quant import dispatch, tinygemm
 
     cfg_file = args.config or str(Path(gemlite.__file__).parent / "configs" / "h100.json")
     print(json.dumps({"gemlite": gemlite.__version__, "config": cfg_file,
@@ -63,7 +63,7 @@ def main(argv=None):
         zeros_k, scales_k = z.t().contiguous(), s.t().contiguous()
         int4_bytes = qweight.numel() * 4 + zeros_k.numel() + scales_k.numel() * 2
         nc = copies(int4_bytes, True)
-        kv_int4 = [(qweight, zeros_k, scales_k, tq.tinygemm_pack(qweight, zeros_k, scales_k, g))]
+        kv_int4 = [(qweight, zeros_k, scales_k, tinygemm.tinygemm_pack(qweight, zeros_k, scales_k, g))]
         kv_int4 += [(a.clone(), b.clone(), c.clone(), tuple(t.clone() for t in d)) for a, b, c, d in kv_int4 * (nc - 1)]
         gl_w4 = []
         if "w4" in formats:
@@ -95,9 +95,9 @@ def main(argv=None):
         for rows in [int(r) for r in args.rows.split(",")]:
             x = (torch.randn(rows, k, device=dev, generator=gen)).to(dtype)
             paths = {"bf16": (lambda t: F.linear(x, t), bf16_w),
-                     "int4_kvloom": (lambda t: tq.int_linear(x, t[0], t[1], t[2], g, 4, None, t[3]), kv_int4)}
+                     "int4_kvloom": (lambda t: dispatch.int_linear(x, t[0], t[1], t[2], g, 4, None, t[3]), kv_int4)}
             if rows <= 8:
-                paths["tinygemm"] = (lambda t: tq.tinygemm_linear(x, *t[3], g), kv_int4)
+                paths["tinygemm"] = (lambda t: tinygemm.tinygemm_linear(x, *t[3], g), kv_int4)
             if gl_w4:
                 paths["gemlite_w4"] = (lambda t: t(x), gl_w4)
             paths["fp8_kvloom"] = (lambda t: fp8_linear(x, t[0], t[1], None, None), kv_fp8)

@@ -1,4 +1,4 @@
-"""Tile sweep of kvloom's FMA GEMV (``triton_quant.fp8_gemv``'s kernel, no tensor cores) at one row, on
+"""Tile sweep of kvloom's FMA GEMV (``quant.fp8_weight_only.fp8_gemv``'s kernel, no tensor cores) at one row, on
 bf16 and FP8 weights, against cuBLAS (``F.linear`` on the bf16 weight) and the FP8 layer's current rule,
 at a model's projection shapes and its LM head. Timed like ``quant_kernels_gpu.py``: a CUDA graph of
 many calls with the weights rotated past L2. Prints one JSON line per shape and weight dtype: cuBLAS's
@@ -32,7 +32,7 @@ def main(argv=None):
     args = p.parse_args(argv)
     from kvloom.core.model.quantization.fp8 import fp8_linear
     from kvloom.kernels import quant_reference as qr
-    from kvloom.kernels import triton_quant as tq
+    from kvloom.kernels.quant import dispatch, fp8_weight_only
 
     cfg = SHAPES[args.shape]
     shapes = dict(projection_shapes(cfg))
@@ -61,12 +61,12 @@ def main(argv=None):
                 wq = qr.fp8_quantize(w, ws)
                 ws_list = [(wq, ws)] + [(wq.clone(), ws.clone()) for _ in range(copies(wq.numel(), True) - 1)]
                 want = F.linear(x.float(), wq.float() * ws.float().reshape(n, 1))
-                rule = {"path": tq.fp8_linear_path(1, n, k),
+                rule = {"path": dispatch.fp8_linear_path(1, n, k),
                         "us": round(timed(lambda t: fp8_linear(x, t[0], t[1], None, None), ws_list, True), 2)}
             timings = []
             for c in grid:
                 try:
-                    us = timed(lambda t: tq.fp8_gemv(x, *t, config=c), ws_list, True)
+                    us = timed(lambda t: fp8_weight_only.fp8_gemv(x, *t, config=c), ws_list, True)
                 except Exception as e:  # noqa: BLE001 - a config that does not compile: skip it
                     timings.append((float("inf"), c, f"{type(e).__name__}"))
                     continue
@@ -74,7 +74,7 @@ def main(argv=None):
             timings.sort(key=lambda t: t[0])
             best = []
             for us, c, err in timings[:5]:
-                got = tq.fp8_gemv(x, *ws_list[0], config=c).float()
+                got = fp8_weight_only.fp8_gemv(x, *ws_list[0], config=c).float()
                 best.append({"us": round(us, 2), "x_cublas": round(cublas / us, 3), "cfg": c,
                              "max_rel_err": float((got - want).abs().max() / want.abs().max())})
             r = {"proj": name, "n": n, "k": k, "weights": dt, "cublas_bf16_us": round(cublas, 2), "rule": rule,

@@ -15,7 +15,7 @@ for part in $parts; do
     tests) timeout 240 python3 -m pytest -q tests/kernels tests/test_gpu.py 2>&1 | tail -15 ;;
     gputests) timeout 120 python3 -m pytest -q tests/test_gpu.py 2>&1 | tail -15 ;;
     # The native 4-bit and FP8 kernel tests, and the quantized models' GPU tests: together about 9 minutes on
-    # a fresh H200 in session 19 (compiles included), more than one device call may take, so two parts.
+    # a fresh H200 (2026-12-04, compiles included), more than one device call may take, so two parts.
     quanttests) timeout 570 python3 -m pytest -q --durations=10 tests/kernels/test_gluon_quant.py \
         tests/kernels/test_quant_kernels.py > "$out/quant_tests.txt" 2>&1
         tail -15 "$out/quant_tests.txt" ;;

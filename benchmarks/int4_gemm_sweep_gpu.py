@@ -1,4 +1,4 @@
-"""Tile sweep of kvloom's many-row 4-bit GEMM (``triton_quant.int4_row_gemm``: the row layout dequantized
+"""Tile sweep of kvloom's many-row 4-bit GEMM (``quant.int4_row.int4_row_gemm``: the row layout dequantized
 tile by tile in registers into the tensor cores) against cuBLAS on the bf16 weight and against what the
 engine ran before at 17 rows and more (dequantize into a scratch buffer, then cuBLAS), at a model's
 projection shapes, group 128. Timed like ``quant_kernels_gpu.py``: a CUDA graph of many calls with the
@@ -54,12 +54,12 @@ def main(argv=None):
     p.add_argument("--group", type=int, default=128)
     p.add_argument("--projs", default="qkv,o,gate_up,down")
     p.add_argument("--output", default=None)
-    p.add_argument("--table", default=None, help="Write triton_quant.INT4_GEMM_TILES's value read off the sweep "
+    p.add_argument("--table", default=None, help="Write quant.int4_row.INT4_GEMM_TILES's value read off the sweep "
                                                  "(the best tile per shape and row count, None where dequantize + "
                                                  "cuBLAS is faster) to this file.")
     args = p.parse_args(argv)
     from kvloom.kernels import quant_reference as qr
-    from kvloom.kernels import triton_quant as tq
+    from kvloom.kernels.quant import dispatch, int4_row
 
     dev, g = "cuda", args.group
     grid = tile_grid()
@@ -72,7 +72,7 @@ def main(argv=None):
         q = torch.randint(0, 16, (k, n), device=dev, generator=gen)
         zeros = torch.randint(4, 12, (k // g, n), device=dev, generator=gen).to(torch.uint8)
         scales = (torch.rand(k // g, n, device=dev, generator=gen) * 0.004 + 0.002).half()
-        packed = tq.int4_row_pack(qr.pack_int32(q, 4, 0))
+        packed = int4_row.int4_row_pack(qr.pack_int32(q, 4, 0))
         dense = ((q.float() - zeros.float().repeat_interleave(g, 0)) * scales.float().repeat_interleave(g, 0))
         nbytes = packed.numel() * 4
         bf16_w = [w] + [w.clone() for _ in range(copies(w.numel() * 2, True) - 1)]
@@ -82,17 +82,17 @@ def main(argv=None):
             x = torch.randn(rows, k, device=dev, generator=gen).to(torch.bfloat16)
             want = x.float() @ dense
             cublas = timed(lambda t: F.linear(x, t), bf16_w, True)
-            deq = timed(lambda t: tq.int4_row_matmul_dequantized(x, *t, g), rows_w, True)
+            deq = timed(lambda t: dispatch.int4_row_matmul_dequantized(x, *t, g), rows_w, True)
             timings = []
             for c in (c for c in grid if fits(c, rows)):
                 try:
-                    timings.append((timed(lambda t: tq.int4_row_gemm(x, *t, g, config=c), rows_w, True), c))
+                    timings.append((timed(lambda t: int4_row.int4_row_gemm(x, *t, g, config=c), rows_w, True), c))
                 except Exception as e:  # noqa: BLE001 - a tile that does not compile or fit: skip it
                     print(json.dumps({"proj": name, "cfg": c, "error": f"{type(e).__name__}: {e}"[:200]}), flush=True)
             timings.sort(key=lambda t: t[0])
             best = []
             for us, c in timings[:5]:
-                got = tq.int4_row_gemm(x, packed, zeros, scales, g, config=c).float()
+                got = int4_row.int4_row_gemm(x, packed, zeros, scales, g, config=c).float()
                 best.append({"us": round(us, 2), "x_cublas": round(cublas / us, 3), "x_dequantize": round(deq / us, 3),
                              "cfg": c, "max_rel_err": float((got - want).abs().max() / want.abs().max())})
             r = {"proj": name, "n": n, "k": k, "rows": rows, "group": g, "cublas_bf16_us": round(cublas, 2),

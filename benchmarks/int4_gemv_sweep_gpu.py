@@ -1,4 +1,4 @@
-"""Tile sweep of kvloom's 4-bit decode kernels, ``--kernel row`` (``triton_quant.int4_row_gemv``: nibbles
+"""Tile sweep of kvloom's 4-bit decode kernels, ``--kernel row`` (``quant.int4_row.int4_row_gemv``: nibbles
 turned into floats by bit patterns, one FMA each) or ``--kernel mma`` (``int4_mma_gemm``: bf16 from bit
 patterns into the tensor cores, output-major), against cuBLAS on the bf16 weight, PyTorch's int4 GEMM
 (tinygemm) and the K-packed tensor-core kernel (``int_matmul``), at a model's projection shapes, group 128. Timed like
@@ -36,19 +36,19 @@ def main(argv=None):
     p.add_argument("--output", default=None)
     args = p.parse_args(argv)
     from kvloom.kernels import quant_reference as qr
-    from kvloom.kernels import triton_quant as tq
+    from kvloom.kernels.quant import dispatch, int4_row, int_kpacked
 
     rows_list = [int(r) for r in args.rows.split(",")]
     grid = [dict(BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=sp, num_warps=w, num_stages=st)
             for bn, bk, sp, w, st in itertools.product((16, 32, 64, 128), (256, 512, 1024), (1, 2, 4), (4, 8), (2, 3))
             if 2048 <= bn * bk <= 65536 and (not args.quick or (bk >= 512 and bn <= 64))]
-    grid.append(dict(tq.INT4_ROW_TILE))
-    grid.append(dict(tq.INT4_ROW_LONG_K))
+    grid.append(dict(int4_row.INT4_ROW_TILE))
+    grid.append(dict(int4_row.INT4_ROW_LONG_K))
     if args.kernel == "mma":
         grid = [dict(BLOCK_N=bn, SPLIT_K=sp, num_warps=w, num_stages=st)
                 for bn, sp, w, st in itertools.product((32, 64, 128), (1, 2, 4), (2, 4, 8), (2, 3, 4))
-                if bn // w >= 8] + [dict(tq.INT4_MMA_TILE)]
-    run = tq.int4_row_gemv if args.kernel == "row" else tq.int4_mma_gemm
+                if bn // w >= 8] + [dict(int4_row.INT4_MMA_TILE)]
+    run = int4_row.int4_row_gemv if args.kernel == "row" else int4_row.int4_mma_gemm
     dev, g = "cuda", args.group
     results = []
     for name, (k, n) in projection_shapes(SHAPES[args.shape]).items():
@@ -58,7 +58,7 @@ def main(argv=None):
         zeros = torch.randint(4, 12, (k // g, n), device=dev, generator=gen).to(torch.uint8)
         scales = (torch.rand(k // g, n, device=dev, generator=gen) * 0.004 + 0.002).half()
         qweight = qr.pack_int32(q, 4, 0)
-        packed = tq.int4_row_pack(qweight)  # both kernels read the row layout
+        packed = int4_row.int4_row_pack(qweight)  # both kernels read the row layout
         dense = ((q.float() - zeros.float().repeat_interleave(g, 0)) * scales.float().repeat_interleave(g, 0))  # [K, N]
         tiny = tinygemm_pack(q, zeros, scales)
         nbytes = packed.numel() * 4
@@ -93,18 +93,18 @@ def main(argv=None):
                 best.append({"us": round(us, 2), "x_cublas": round(cublas / us, 3), "x_tinygemm": round(tinygemm / us, 3),
                              "tb_s": round(nbytes / us / 1e6, 2), "cfg": c,
                              "max_rel_err": float((got - want).abs().max() / want.abs().max())})
-            engine_cfg = tq.int4_row_tiles(n, k) if args.kernel == "row" else tq.int4_mma_tiles(rows, n)
+            engine_cfg = int4_row.int4_row_tiles(n, k) if args.kernel == "row" else int4_row.int4_mma_tiles(rows, n)
             engine_us = timed(lambda t: run(x, *t, g, config=engine_cfg), rows_w, True)
             kq = [(qweight, zeros, scales)] + [(qweight.clone(), zeros.clone(), scales.clone())
                                               for _ in range(copies(nbytes, True) - 1)]
-            tc_us = timed(lambda t: tq.int_matmul(x, *t, g, 4), kq, True)
+            tc_us = timed(lambda t: int_kpacked.int_matmul(x, *t, g, 4), kq, True)
             del kq
             r = {"proj": name, "n": n, "k": k, "rows": rows, "group": g, "cublas_bf16_us": round(cublas, 2),
                  "kernel": args.kernel, "tensor_core_kpacked_us": round(tc_us, 2),
                  "engine": {"tiles": engine_cfg, "us": round(engine_us, 2),
-                            "int4_linear_us": round(timed(lambda t: tq.int4_linear(x, *t, g, tinygemm=tiny), rows_w,
+                            "int4_linear_us": round(timed(lambda t: dispatch.int4_linear(x, *t, g, tinygemm=tiny), rows_w,
                                                           True), 2),
-                            "dequantize_cublas_us": round(timed(lambda t: tq.int4_row_matmul_dequantized(x, *t, g),
+                            "dequantize_cublas_us": round(timed(lambda t: dispatch.int4_row_matmul_dequantized(x, *t, g),
                                                                 rows_w, True), 2)},
                  "tinygemm_us": round(tinygemm, 2), "tinygemm_x_cublas": round(cublas / tinygemm, 3),
                  "tinygemm_max_rel_err": tiny_err, "best": best,

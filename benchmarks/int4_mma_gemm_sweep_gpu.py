@@ -1,6 +1,6 @@
-"""Tile sweep of the Gluon W4A16 GEMM (``gluon_quant.int4_mma_gemm``: the weight dequantized into wgmma's register
+"""Tile sweep of the Gluon W4A16 GEMM (``quant.gluon_int4.int4_mma_gemm``: the weight dequantized into wgmma's register
 operand, from the MMA row layout) at a model's projection shapes, group 128, on an sm90 GPU, against cuBLAS on the
-bf16 weight and against what the engine runs without it (``triton_quant.int4_linear``: the row GEMV or tinygemm at
+bf16 weight and against what the engine runs without it (``quant.dispatch.int4_linear``: the row GEMV or tinygemm at
 1-4 rows, the Triton tensor-core GEMMs, dequantize + cuBLAS). Timed like ``quant_kernels_gpu.py``: a CUDA graph of
 many calls with the weights rotated past L2. Writes one JSON line per projection and row count: the times, each
 config's ``(us, largest error against the float32 product over the largest output)`` under ``swap``, and the
@@ -27,7 +27,7 @@ from shapes import SHAPES  # noqa: E402
 def tiles(rows: int) -> list[dict]:
     """The configs timed at ``rows`` rows: BLOCK_M the rows' bucket (8 to 256), a few N/K tiles and K splits."""
     bm = min(max(rows, 8), 256)
-    if rows <= 16:  # deeper rings too: at one row the kernel streams the weight at 1.5-2.2 TB/s (session 18)
+    if rows <= 16:  # deeper rings too: at one row the kernel streams the weight at 1.5-2.2 TB/s (H200, f413cad)
         return [dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, STAGES=st, num_warps=nw, SPLIT_K=split)
                 for bn, nw in ((64, 4), (128, 8)) for bk, st in ((128, 4), (128, 6), (128, 8), (256, 3), (256, 4))
                 for split in (1, 2, 4, 8)]
@@ -50,9 +50,9 @@ def main(argv=None):
     p.add_argument("--projs", default="gate_up,down,qkv,o")
     p.add_argument("--output", default="int4_mma_gemm_sweep.jsonl", help="One JSON line per projection and row count.")
     args = p.parse_args(argv)
-    from kvloom.kernels import gluon_quant as gq
+    from kvloom.kernels.quant import gluon_int4 as gq
     from kvloom.kernels import quant_reference as qr
-    from kvloom.kernels import triton_quant as tq
+    from kvloom.kernels.quant import dispatch, int4_row, tinygemm
 
     dev, g = "cuda", 128
     for name, (k, n) in projection_shapes(SHAPES[args.shape]).items():
@@ -63,8 +63,8 @@ def main(argv=None):
         zeros = torch.randint(4, 12, (k // g, n), device=dev, generator=gen).to(torch.uint8)
         scales = (torch.rand(k // g, n, device=dev, generator=gen) * 0.004 + 0.002).half()
         qweight = qr.pack_int32(q, 4, 0)
-        packed, mpacked = tq.int4_row_pack(qweight), gq.int4_mma_pack(q)
-        tiny = tq.tinygemm_pack(qweight, zeros, scales, g)
+        packed, mpacked = int4_row.int4_row_pack(qweight), gq.int4_mma_pack(q)
+        tiny = tinygemm.tinygemm_pack(qweight, zeros, scales, g)
         dense = (q.float() - zeros.float().repeat_interleave(g, 0)) * scales.float().repeat_interleave(g, 0)
         w = dense.t().contiguous().to(torch.bfloat16)
         nc = copies(packed.numel() * 4, True)
@@ -77,8 +77,8 @@ def main(argv=None):
             want = x.float() @ dense
             err = lambda got: float((got.float() - want).abs().max() / want.abs().max())  # noqa: E731
             r = {"proj": name, "rows": rows, "cublas": timed(lambda t: F.linear(x, t), bf16_w, True),
-                 "int4_linear": timed(lambda t: tq.int4_linear(x, *t[:3], g, tinygemm=t[3]), row_w, True),
-                 "int4_err": err(tq.int4_linear(x, packed, zeros, scales, g, tinygemm=tiny)), "swap": {}}
+                 "int4_linear": timed(lambda t: dispatch.int4_linear(x, *t[:3], g, tinygemm=t[3]), row_w, True),
+                 "int4_err": err(dispatch.int4_linear(x, packed, zeros, scales, g, tinygemm=tiny)), "swap": {}}
             for c in tiles(rows):
                 if not gq.int4_mma_gemm_ok(n, k, g, x.dtype, c):
                     continue

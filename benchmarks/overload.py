@@ -159,7 +159,7 @@ def main() -> int:
                                 "--no-log-requests"], Path(tmp) / "server.log")
         try:
             url = server.wait_ready(600)
-            engine = descendant_running(server.proc.pid, "kvloom.core.engine.process")
+            engine = descendant_running(server.proc.pid, "kvloom.launch.engine_process")
             workload = Workload(input_len=(args.input_len, args.input_len),
                                 output_len=(args.max_tokens, args.max_tokens), seed=args.seed,
                                 token_range=tuple(int(x) for x in args.random_token_range.split(":")))

@@ -17,7 +17,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from shapes import apply_overrides, model_for_benchmark  # noqa: E402
+from shapes import kernel_options, model_for_benchmark  # noqa: E402
 
 
 def main() -> None:
@@ -33,17 +33,18 @@ def main() -> None:
                    help="Before the profile, 4 requests (short) or the whole workload once (full: compiles out).")
     p.add_argument("--gaps", type=int, default=0, metavar="N",
                    help="Also print the N largest sums of idle device time, by the kernels before and after each gap.")
-    p.add_argument("--set", action="append", default=[], metavar="MODULE.NAME=VALUE",
-                   help="Replace a module constant before the engine starts (e.g. a kernel switch).")
+    p.add_argument("--kernel-option", action="append", default=[], metavar="NAME=VALUE",
+                   help="A kernel choice for the engines (kvloom/kernels/options.py), VALUE in JSON, e.g. "
+                        "int4_fused_silu_mul=true; repeatable.")
     args = p.parse_args()
-    apply_overrides(args.set)
+    options = kernel_options(args.kernel_option)
     from kvloom import LLM, SamplingParams
 
     model, load_format, vocab = model_for_benchmark(None, args.shape)
     rng = random.Random(0)
     prompts = [[rng.randrange(10, vocab - 10) for _ in range(args.prompt_len)] for _ in range(args.num_requests)]
     llm = LLM(model, load_format=load_format, max_num_seqs=256, max_num_batched_tokens=args.max_num_batched_tokens,
-              quantization=args.quantization)
+              quantization=args.quantization, kernel_options=options)
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     t0 = time.perf_counter()
     llm.generate(prompts if args.warmup == "full" else prompts[:4], params, use_tqdm=False)

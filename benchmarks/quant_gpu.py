@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from shapes import apply_overrides, model_for_benchmark  # noqa: E402
+from shapes import kernel_options, model_for_benchmark  # noqa: E402
 
 TINY = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=128, intermediate_size=256,
             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=512,
@@ -58,13 +58,13 @@ def run_format(args, model: str, fmt: str, vocab: int) -> dict:
     llm = LLM(model, load_format="dummy", dtype=args.dtype, device=args.device, quantization=quantization,
               kv_cache_dtype="fp8" if fmt == "kvfp8" else "auto",
               max_num_seqs=args.num_requests, max_model_len=args.prompt_len + max(args.output_len, args.decode_tokens) + 16,
-              enforce_eager=args.enforce_eager)
+              enforce_eager=args.enforce_eager, kernel_options=args.kernel_options)
     engine = llm.engine
     result = {"format": fmt, "kernel": engine.quantization.describe() if engine.quantization else "dense",
               "weight_gb": weight_bytes_read_per_token(engine.model) / 1e9, "kv_cache": engine.capacity.describe()}
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     # warm-up: the whole workload's prefill and a few decode steps (the first format's first pass still
-    # compiled one kernel on the H200 in session 18: ``kernels_compiled``)
+    # compiled one kernel on the H200 at f413cad: ``kernels_compiled``)
     llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False)
     passes = []
     for _ in range(args.offline_passes):
@@ -102,7 +102,7 @@ def kernel_times(hf_config: dict, rows_list=(1, 16, 256, 2048), group_size: int 
 
     from kvloom.core.model.quantization.fp8 import fp8_w8a8_linear
     from kvloom.kernels import quant_reference as qr
-    from kvloom.kernels import triton_quant
+    from kvloom.kernels.quant import dispatch, fp8_weight_only, int_kpacked
 
     h, inter = hf_config["hidden_size"], hf_config["intermediate_size"]
     heads, kv = hf_config["num_attention_heads"], hf_config["num_key_value_heads"]
@@ -121,11 +121,11 @@ def kernel_times(hf_config: dict, rows_list=(1, 16, 256, 2048), group_size: int 
             x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
             r = {"proj": name, "rows": rows, "n": n, "k": k,
                  "bf16_us": triton.testing.do_bench(lambda: x @ w.t()) * 1e3,
-                 "int4_us": triton.testing.do_bench(lambda: triton_quant.int_matmul(x, qweight, zeros, scales,
+                 "int4_us": triton.testing.do_bench(lambda: int_kpacked.int_matmul(x, qweight, zeros, scales,
                                                                                    group_size, 4)) * 1e3,
                  "fp8_w8a8_us": triton.testing.do_bench(lambda: fp8_w8a8_linear(x, wq, ws, None, None)) * 1e3}
-            if rows <= triton_quant.FP8_GEMV_MAX_ROWS:
-                r["fp8_gemv_us"] = triton.testing.do_bench(lambda: triton_quant.fp8_weight_only_linear(x, wq, ws)) * 1e3
+            if rows <= dispatch.FP8_GEMV_MAX_ROWS:
+                r["fp8_gemv_us"] = triton.testing.do_bench(lambda: fp8_weight_only.fp8_weight_only_linear(x, wq, ws)) * 1e3
             for key in ("int4_us", "fp8_w8a8_us", "fp8_gemv_us"):
                 if key in r:
                     r[key.replace("_us", "_speedup")] = round(r["bf16_us"] / r[key], 3)
@@ -177,13 +177,13 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output", default=None, help="Also write the JSON here.")
-    p.add_argument("--set", action="append", default=[], metavar="MODULE.NAME=VALUE",
-                   help="Replace a module constant first (kernel tiles, routing), e.g. "
-                        "kvloom.kernels.triton_quant.INT4_FUSED_SILU_MUL=True.")
+    p.add_argument("--kernel-option", action="append", default=[], metavar="NAME=VALUE",
+                   help="A kernel choice for the engines (kvloom/kernels/options.py), VALUE in JSON, e.g. "
+                        "int4_fused_silu_mul=true; repeatable.")
     p.add_argument("--kernels", action="store_true", help="Also time the GEMMs alone first (CUDA).")
     p.add_argument("--kernels-only", action="store_true", help="Only time the GEMMs alone (CUDA).")
     args = p.parse_args(argv)
-    apply_overrides(args.set)
+    args.kernel_options = kernel_options(args.kernel_option)
     kernels = None
     if args.kernels or args.kernels_only:
         from shapes import SHAPES
@@ -215,7 +215,7 @@ def main(argv: list[str] | None = None) -> dict:
               for fmt, r in runs.items() if fmt != formats[0]}
     result = {"benchmark": "quant_gpu", "shape": args.shape,
               "device": torch.cuda.get_device_name() if torch.cuda.is_available() and args.device != "cpu" else "cpu",
-              "baseline": formats[0], "set": args.set, "runs": runs, "ratios_to_baseline": ratios, "kernels": kernels}
+              "baseline": formats[0], "kernel_options": args.kernel_options, "runs": runs, "ratios_to_baseline": ratios, "kernels": kernels}
     text = json.dumps(result, indent=2)
     print(text)
     if args.output:

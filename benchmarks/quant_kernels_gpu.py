@@ -95,7 +95,7 @@ def tinygemm_pack(q: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor):
 def bench_shape(name: str, k: int, n: int, rows_list, group: int, dtype, dev: str, on_result=None) -> list[dict]:
     from kvloom.core.model.quantization.fp8 import fp8_w8a8_linear
     from kvloom.kernels import quant_reference as qr
-    from kvloom.kernels import triton_quant as tq
+    from kvloom.kernels.quant import fp8_rows, fp8_weight_only, int4_row, int_kpacked
 
     cuda = dev == "cuda"
     gen = torch.Generator(device=dev).manual_seed(0)
@@ -110,7 +110,7 @@ def bench_shape(name: str, k: int, n: int, rows_list, group: int, dtype, dev: st
     int4_bytes = qweight.numel() * 4 + zeros.numel() + scales.numel() * 2
     int4_w = [(qweight, zeros, scales)] + [(qweight.clone(), zeros.clone(), scales.clone())
                                            for _ in range(copies(int4_bytes, cuda) - 1)]
-    packed = tq.int4_row_pack(qweight)  # the row GEMV's layout (what the engine's 4-bit layers hold on CUDA)
+    packed = int4_row.int4_row_pack(qweight)  # the row GEMV's layout (what the engine's 4-bit layers hold on CUDA)
     row_w = [(packed, zeros, scales)] + [(packed.clone(), zeros.clone(), scales.clone())
                                         for _ in range(copies(int4_bytes, cuda) - 1)]
     fp8_w = [(wq, ws)] + [(wq.clone(), ws.clone()) for _ in range(copies(wq.numel(), cuda) - 1)]
@@ -124,16 +124,16 @@ def bench_shape(name: str, k: int, n: int, rows_list, group: int, dtype, dev: st
     results = []
     for rows in rows_list:
         x = torch.randn(rows, k, device=dev, generator=gen).to(dtype)
-        xq, xs = tq.fp8_quantize_rows(x) if cuda else (None, None)
+        xq, xs = fp8_rows.fp8_quantize_rows(x) if cuda else (None, None)
         paths = {
             "bf16": (lambda t: F.linear(x, t), bf16_w, w.numel() * 2),
-            "int4": (lambda t: tq.int_matmul(x, *t, group, 4), int4_w, int4_bytes),
-            "int4_deq": (lambda t: tq.int_matmul_dequantized(x, *t, group, 4), int4_w, int4_bytes),
+            "int4": (lambda t: int_kpacked.int_matmul(x, *t, group, 4), int4_w, int4_bytes),
+            "int4_deq": (lambda t: int_kpacked.int_matmul_dequantized(x, *t, group, 4), int4_w, int4_bytes),
         }
         if rows <= 16:
-            paths["int4_gemv"] = (lambda t: tq.int4_row_gemv(x, *t, group), row_w, int4_bytes)
-            paths["fp8_gemv_dot"] = (lambda t: tq.fp8_weight_only_linear(x, *t), fp8_w, wq.numel() + 4 * n)
-            paths["fp8_gemv"] = (lambda t: tq.fp8_gemv(x, *t), fp8_w, wq.numel() + 4 * n)
+            paths["int4_gemv"] = (lambda t: int4_row.int4_row_gemv(x, *t, group), row_w, int4_bytes)
+            paths["fp8_gemv_dot"] = (lambda t: fp8_weight_only.fp8_weight_only_linear(x, *t), fp8_w, wq.numel() + 4 * n)
+            paths["fp8_gemv"] = (lambda t: fp8_weight_only.fp8_gemv(x, *t), fp8_w, wq.numel() + 4 * n)
         if cuda:
             paths["fp8_w8a8"] = (lambda t: fp8_w8a8_linear(x, t[0], t[1], None, None), fp8_w, wq.numel() + 4 * n)
             paths["fp8_w8a8_fast"] = (lambda t: _w8a8_fast(x, t[0], t[1]), fp8_w, wq.numel() + 4 * n)
@@ -156,9 +156,9 @@ def bench_shape(name: str, k: int, n: int, rows_list, group: int, dtype, dev: st
             if base and isinstance(r.get(path), dict) and path != "bf16":
                 r[path]["x_bf16"] = round(base / r[path]["us"], 3)
         if cuda and tiny is not None and rows <= 256:  # how far each int4 path is from the reference product
-            want = tq.int_matmul_dequantized(x, qweight, zeros, scales, group, 4).float()
-            for path, fn in (("int4", lambda: tq.int_matmul(x, qweight, zeros, scales, group, 4)),
-                             ("int4_gemv", lambda: tq.int4_row_gemv(x, *row_w[0], group) if rows <= 16 else None),
+            want = int_kpacked.int_matmul_dequantized(x, qweight, zeros, scales, group, 4).float()
+            for path, fn in (("int4", lambda: int_kpacked.int_matmul(x, qweight, zeros, scales, group, 4)),
+                             ("int4_gemv", lambda: int4_row.int4_row_gemv(x, *row_w[0], group) if rows <= 16 else None),
                              ("int4_tinygemm", lambda: torch._weight_int4pack_mm(x, tiny[0][0], group, tiny[0][1]))):
                 try:
                     got = fn()
@@ -200,9 +200,9 @@ def fp8_mm_swapped(xq, xs, wq, ws, dtype):
 
 
 def _quantized(x):
-    from kvloom.kernels import triton_quant as tq
+    from kvloom.kernels.quant import fp8_rows
 
-    return tq.fp8_quantize_rows(x)
+    return fp8_rows.fp8_quantize_rows(x)
 
 
 def _w8a8_fast(x, wq, ws):

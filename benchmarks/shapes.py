@@ -76,12 +76,23 @@ def load_transformers_model(model: str, load_format: str, dtype_name: str = "aut
     return hf, device
 
 
-def apply_overrides(items: list[str]) -> None:
-    """``MODULE.NAME=VALUE`` each (a Python expression of literals and ``dict(...)``, evaluated with no
-    builtins): replace a module constant, e.g. a kernel's tiles, before an engine starts (``--set``)."""
-    import importlib
+def kernel_options(items: list[str]) -> dict:
+    """``NAME=VALUE`` each, VALUE in JSON (``pdl=false``, ``int4_row_min_weight=0``,
+    ``fp8_row_tiles=[[16777216, {"BLOCK_N": 8, ...}]]``): the engine's ``kernel_options``
+    (kvloom/kernels/options.py) for ``--kernel-option``; a bad name or value exits naming it."""
+    from kvloom.kernels.options import KernelOptions
 
+    options = {}
     for item in items:
-        target, value = item.split("=", 1)
-        module, name = target.rsplit(".", 1)
-        setattr(importlib.import_module(module), name, eval(value, {"__builtins__": {}}, {"dict": dict}))
+        name, sep, value = item.partition("=")
+        try:
+            options[name] = json.loads(value) if sep else None
+            if not sep:
+                raise ValueError("expected NAME=VALUE")
+        except ValueError as e:
+            raise SystemExit(f"--kernel-option {item!r}: {e}") from None
+    try:
+        KernelOptions.from_mapping(options)
+    except ValueError as e:
+        raise SystemExit(f"--kernel-option: {e}") from None
+    return options

@@ -1,5 +1,5 @@
-"""Python client of the ZMQ gateway (``engine --gateway ADDRESS``): ``Client`` blocks, ``AsyncClient``
-is for asyncio. Both stream text chunks or return a whole completion::
+"""Python client of the ZMQ gateway (``engine --gateway ADDRESS``): ``AsyncClient`` is for asyncio, and
+``Client``, which blocks, runs one on a loop of its own. Both stream text chunks or return a whole completion::
 
     with Client("ipc:///tmp/kvloom.sock") as client:
         print(client.generate("The capital of France is", max_tokens=16, temperature=0).text)
@@ -16,6 +16,8 @@ from __future__ import annotations
 import asyncio
 import itertools
 import os
+import threading
+import weakref
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Iterator
@@ -111,77 +113,96 @@ def _socket(ctx: zmq.Context, address: str) -> zmq.Socket:
     return sock
 
 
+def _no_reply(address: str, timeout: float | None) -> TimeoutError:
+    return TimeoutError(f"no reply from the kvloom gateway at {address} within {timeout:g}s")
+
+
 class Client:
-    """A blocking client. One thread at a time; several streams may be open and read in turn.
-    ``timeout`` is the longest wait for the next reply (None: forever)."""
+    """A blocking client: an ``AsyncClient`` on an event loop of its own, in a background thread. One thread
+    at a time; several streams may be open and read in turn. ``timeout`` is the longest wait for the next
+    reply (None: forever)."""
 
     def __init__(self, address: str, *, timeout: float | None = 300.0) -> None:
-        self.address = address
-        self.timeout = timeout
-        self._ctx = zmq.Context()
-        self._sock = _socket(self._ctx, address)
-        self._inbox: dict[str, deque] = {}
-        self._pongs: deque[Pong] = deque()
+        self._loop = asyncio.new_event_loop()
+        thread = threading.Thread(target=self._loop.run_forever, name="kvloom-client", daemon=True)
+        thread.start()
+
+        async def connect() -> AsyncClient:  # its sockets belong to the loop that uses them
+            return AsyncClient(address, timeout=timeout)
+
+        self._client = asyncio.run_coroutine_threadsafe(connect(), self._loop).result()
+        # close(), or the collection of a client never closed, closes the connection and ends the thread
+        self._finalizer = weakref.finalize(self, _shut_down, self._loop, thread, self._client)
+
+    @property
+    def address(self) -> str:
+        return self._client.address
+
+    @property
+    def timeout(self) -> float | None:
+        return self._client.timeout
+
+    @timeout.setter
+    def timeout(self, value: float | None) -> None:
+        self._client.timeout = value
 
     def stream(self, prompt: str | None = None, *, messages: list[dict[str, str]] | None = None,
                prompt_token_ids: list[int] | None = None, request_id: str | None = None, priority: int = 0,
                model: str | None = None, **sampling: Any) -> Iterator[TextChunk]:
         """Yield the request's text chunks; the last has ``finish_reason`` and ``usage``. Stopping early
         cancels the request. ``model``: a served model's name (``ping().models``); None: the first."""
-        msg = _generate_message(prompt, messages, prompt_token_ids, request_id, priority, model, sampling)
-        rid = _claim(self._inbox, msg.request_id)
-        self._inbox[rid] = deque()
-        finished = False
+        chunks = self._client.stream(prompt, messages=messages, prompt_token_ids=prompt_token_ids,
+                                     request_id=request_id, priority=priority, model=model, **sampling)
         try:
-            self._sock.send(encode(msg))
-            while not finished:
-                chunk = _check(self._next(rid))
-                finished = chunk.finish_reason is not None
+            while True:
+                try:
+                    chunk = self._run(_next(chunks))
+                except StopAsyncIteration:
+                    return
                 yield chunk
         finally:
-            _end_stream(self._sock, self._inbox, rid, finished)
+            if self._finalizer.alive:
+                self._run(chunks.aclose())  # a stream left early cancels its request
 
     def generate(self, prompt: str | None = None, **kwargs: Any) -> Completion:
         """The whole completion (see ``stream`` for the arguments)."""
-        out = None
-        for chunk in self.stream(prompt, **kwargs):
-            out = out or Completion(chunk.request_id)
-            out.add(chunk)
-        return out
+        return self._run(self._client.generate(prompt, **kwargs))
 
     def ping(self) -> Pong:
-        self._sock.send(encode(Ping()))
-        while not self._pongs:
-            self._receive_one()
-        return self._pongs.popleft()
+        return self._run(self._client.ping())
 
-    def _next(self, rid: str):
-        box = self._inbox[rid]
-        while not box:
-            self._receive_one()
-        return box.popleft()
-
-    def _receive_one(self) -> None:
-        timeout_ms = None if self.timeout is None else int(self.timeout * 1000)
-        if not self._sock.poll(timeout_ms):
-            raise TimeoutError(f"no reply from the kvloom gateway at {self.address} within {self.timeout:g}s")
-        reply = decode_gateway_reply(self._sock.recv())
-        if isinstance(reply, Pong):
-            self._pongs.append(reply)
-        elif reply.request_id in self._inbox:
-            self._inbox[reply.request_id].append(reply)
-        elif isinstance(reply, RequestFailed) and not reply.request_id:
-            raise GatewayError(reply.message, reply.status)
+    def _run(self, coro):
+        if not self._finalizer.alive:
+            coro.close()
+            raise RuntimeError("the client is closed")
+        future = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        try:
+            return future.result()
+        except BaseException:
+            if future.cancel():  # interrupted (Ctrl-C): stop the call in the loop too, and let it unwind there
+                asyncio.run_coroutine_threadsafe(asyncio.sleep(0), self._loop).result()
+            raise
 
     def close(self) -> None:
-        self._sock.close(linger=0)
-        self._ctx.term()
+        self._finalizer()
 
     def __enter__(self) -> "Client":
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+async def _next(chunks: AsyncIterator[TextChunk]) -> TextChunk:
+    return await chunks.__anext__()
+
+
+def _shut_down(loop: asyncio.AbstractEventLoop, thread: threading.Thread, client: "AsyncClient") -> None:
+    if thread.is_alive():
+        asyncio.run_coroutine_threadsafe(client.close(), loop).result()
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join()
+    loop.close()
 
 
 class AsyncClient:
@@ -199,6 +220,8 @@ class AsyncClient:
     async def stream(self, prompt: str | None = None, *, messages: list[dict[str, str]] | None = None,
                      prompt_token_ids: list[int] | None = None, request_id: str | None = None, priority: int = 0,
                      model: str | None = None, **sampling: Any) -> AsyncIterator[TextChunk]:
+        """Yield the request's text chunks; the last has ``finish_reason`` and ``usage``. Stopping early
+        cancels the request. ``model``: a served model's name (``ping().models``); None: the first."""
         msg = _generate_message(prompt, messages, prompt_token_ids, request_id, priority, model, sampling)
         rid = _claim(self._inbox, msg.request_id)
         self._start_reader()
@@ -210,8 +233,7 @@ class AsyncClient:
                 try:
                     reply = await asyncio.wait_for(queue.get(), self.timeout)
                 except asyncio.TimeoutError:
-                    raise TimeoutError(f"no reply from the kvloom gateway at {self.address} within "
-                                       f"{self.timeout:g}s") from None
+                    raise _no_reply(self.address, self.timeout) from None
                 chunk = _check(reply)
                 finished = chunk.finish_reason is not None
                 yield chunk
@@ -219,6 +241,7 @@ class AsyncClient:
             _end_stream(self._sock, self._inbox, rid, finished)
 
     async def generate(self, prompt: str | None = None, **kwargs: Any) -> Completion:
+        """The whole completion (see ``stream`` for the arguments)."""
         out = None
         async for chunk in self.stream(prompt, **kwargs):
             out = out or Completion(chunk.request_id)
@@ -230,7 +253,10 @@ class AsyncClient:
         future = asyncio.get_running_loop().create_future()
         self._pongs.append(future)
         await self._sock.send(encode(Ping()))
-        return await asyncio.wait_for(future, self.timeout)
+        try:
+            return await asyncio.wait_for(future, self.timeout)
+        except asyncio.TimeoutError:
+            raise _no_reply(self.address, self.timeout) from None
 
     def _start_reader(self) -> None:
         if self._reader is None:
@@ -247,6 +273,15 @@ class AsyncClient:
                         break
             elif reply.request_id in self._inbox:
                 self._inbox[reply.request_id].put_nowait(reply)
+            elif isinstance(reply, RequestFailed) and not reply.request_id:
+                # a refusal the gateway could not tie to a request (an oversized or unreadable message):
+                # every caller waiting on this connection gets it rather than a timeout
+                for queue in self._inbox.values():
+                    queue.put_nowait(reply)
+                while self._pongs:
+                    future = self._pongs.popleft()
+                    if not future.done():
+                        future.set_exception(GatewayError(reply.message, reply.status))
 
     async def close(self) -> None:
         if self._reader is not None:

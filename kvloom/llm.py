@@ -11,8 +11,8 @@ from typing import Any, Iterator, Sequence
 
 from tqdm.auto import tqdm
 
+from kvloom.builder import build_engine
 from kvloom.core.config import DEFAULT_MODEL, OFFLINE_MAX_NUM_BATCHED_TOKENS, EngineConfig
-from kvloom.core.engine.core import EngineCore
 from kvloom.core.messages import AddRequest, TokenLogprobs
 from kvloom.core.sampling_params import SamplingParams
 from kvloom.frontends.output import CompletionText, fan_out
@@ -81,7 +81,7 @@ class LLM:
         if config is None:
             options.setdefault("max_num_batched_tokens", OFFLINE_MAX_NUM_BATCHED_TOKENS)
         self.config = config or EngineConfig(model=model, **options)
-        self.engine = EngineCore(self.config)
+        self.engine = build_engine(self.config)
         # Without a tokenizer (a config-only folder for dummy weights) prompts must be token ids.
         self.tokenizer = (load_tokenizer(self.config.model, self.config.tokenizer)
                           if self.config.tokenizer or has_tokenizer(self.config.model) else None)

@@ -188,6 +188,18 @@ def metric_samples(url: str) -> dict[str, float]:
     return {key[0]: value for key, value in summed.items()}
 
 
+def wait_engine_requests(url: str, count: int, timeout: float = 60.0) -> None:
+    """Wait until the server's engine holds ``count`` requests (running or waiting): they reached it."""
+    deadline = time.monotonic() + timeout
+    while True:
+        values = metric_samples(url)
+        held = values.get("kvloom_num_requests_running", 0) + values.get("kvloom_num_requests_waiting", 0)
+        if held >= count:
+            return
+        assert time.monotonic() < deadline, f"the engine holds {held:g} requests, not {count}, after {timeout:g}s"
+        time.sleep(0.05)
+
+
 def kv_blocks(url: str) -> tuple[float, float]:
     """(free, total) KV blocks of the server's engine."""
     values = metric_samples(url)

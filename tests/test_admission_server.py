@@ -240,7 +240,7 @@ def test_restart_engine_brings_a_killed_or_hung_engine_back_and_the_frontends_se
             assert before.status_code == 200
             # kill -9 (dead), then SIGSTOP (hung: silent past the heartbeat timeout, killed and restarted).
             for fault, noticed_within in ((signal.SIGKILL, 10), (signal.SIGSTOP, 5.0 + 10)):
-                engine = server.child_running("kvloom.core.engine.process")
+                engine = server.child_running("kvloom.launch.engine_process")
                 os.kill(engine, fault)
                 hit = time.monotonic()
                 while http.get("/health").status_code == 200:
@@ -250,7 +250,7 @@ def test_restart_engine_brings_a_killed_or_hung_engine_back_and_the_frontends_se
                     assert time.monotonic() - hit < start_up + 60, f"not back within the start-up time:\n{server.log()}"
                     assert server.proc.poll() is None, server.log()
                     time.sleep(0.2)
-                assert server.child_running("kvloom.core.engine.process") != engine
+                assert server.child_running("kvloom.launch.engine_process") != engine
                 # Both workers serve again (separate connections land on either).
                 for _ in range(6):
                     with httpx.Client(base_url=server.url, timeout=60) as fresh:

@@ -190,7 +190,50 @@ def test_loop_lag_probe_sees_a_blocked_event_loop():
 
     blocked = asyncio.run(run(0.02))
     assert blocked["lag_p90_ms"] > 10  # woken about 20 ms late, whatever the machine's noise
-    assert ClientLoad(0, 1, 1, 0.1, 1.0, **blocked).saturated
+    # Late of its own doing: it never waited for a CPU.
+    assert ClientLoad(0, 1, 1, 0.1, 1.0, **blocked, cpu_wait_s=0.0).saturated
+
+
+def test_a_busy_host_is_named_as_the_cause_not_the_client():
+    level = {"level": {"concurrency": 4}, "completed": 1, "failed": 0, "request_throughput": 1.0,
+             "output_throughput": 1.0, "goodput": None, "itl_burst_share": 0.0, "host_load_average": 5.3,
+             **{f"{m}_ms": {"p50": 1.0, "p99": 1.0} for m in LATENCIES}}
+    # 2% of a core, its loop 6 ms late, and 40% of the level spent waiting for a CPU others held.
+    idle = ClientLoad(0, 4, 10, cpu_s=0.2, wall_s=10.0, lag_p90_ms=6.0, cpu_wait_s=4.0)
+    assert idle.host_busy and not idle.saturated
+    table = sweep_table([{**level, **client_report([idle])}])
+    assert "the host was busy (load average 5.3" in table and "waited for a CPU 40% of the time" in table
+    assert "2% of a core" in table and "was not saturated" in table
+    assert "a load-generator process was saturated" not in table
+    # Where the OS does not say how long it waited: that late while that idle is not its own work either.
+    assert ClientLoad(0, 4, 10, 0.2, 10.0, lag_p90_ms=6.0).host_busy
+    # A client busy with its own streams stays "saturated", whatever the host.
+    assert ClientLoad(0, 4, 10, 9.7, 10.0, lag_p90_ms=6.0, cpu_wait_s=0.0).saturated
+
+
+def test_cpu_wait_is_measured_while_another_process_holds_the_core():
+    import os
+    import subprocess
+    import sys
+
+    from kvloom.bench.clients import cpu_wait_seconds
+
+    core = min(os.sched_getaffinity(0))
+    spinner = subprocess.Popen([sys.executable, "-c", f"import os; os.sched_setaffinity(0, {{{core}}}); "
+                                "print('spinning', flush=True)\nwhile True: pass"], stdout=subprocess.PIPE, text=True)
+    mask = os.sched_getaffinity(0)
+    try:
+        assert spinner.stdout.readline().strip() == "spinning"
+        os.sched_setaffinity(0, {core})  # this thread now shares one core with the spinner
+        before, end = cpu_wait_seconds(), time.monotonic() + 0.6
+        while time.monotonic() < end:
+            pass
+        waited = cpu_wait_seconds() - before
+    finally:
+        os.sched_setaffinity(0, mask)
+        spinner.kill()
+        spinner.wait()
+    assert waited > 0.1  # about half of the 0.6 s went to the spinner
 
 
 def test_bursts_count_gaps_under_the_burst_gap():

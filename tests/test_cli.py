@@ -60,7 +60,25 @@ def test_missing_model_or_busy_port_fail_at_once(tiny_llama, capsys):
     assert "cannot listen on 127.0.0.1" in capsys.readouterr().err
 
 
-def test_generate_from_a_prompts_file(tiny_llama, tmp_path):
+def test_a_port_held_by_a_server_still_loading_fails_before_any_model_loads(tiny_llama, capsys, monkeypatch):
+    # The first server's launcher holds the port while its model loads (no worker is serving yet); a
+    # second one on that port must stop at once, not bind too and serve nothing.
+    from kvloom.launch.launcher import Launcher, bind_http_socket
+
+    spawned = []
+    monkeypatch.setattr(Launcher, "_spawn", lambda self, module, *a, **k: spawned.append(module) or 1 / 0)
+    first = bind_http_socket("127.0.0.1", 0)
+    port = first.getsockname()[1]
+    try:
+        assert main(["--port", str(port), "--model", str(tiny_llama)]) == 2
+    finally:
+        first.close()
+    err = capsys.readouterr().err
+    assert spawned == []  # no engine process was started, so no model was loaded
+    assert err.count("\n") == 1 and f"cannot listen on 127.0.0.1:{port}" in err and f"port {port}" in err, err
+
+
+def test_generate_from_a_prompts_file(tiny_llama, tmp_path, capsys):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text('Hello there\n{"prompt": "Paris is"}\n')
     out = tmp_path / "out.jsonl"
@@ -69,6 +87,35 @@ def test_generate_from_a_prompts_file(tiny_llama, tmp_path):
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["prompt"] for r in rows] == ["Hello there", "Paris is"]
     assert all(r["num_tokens"] == 3 or r["finish_reason"] == "stop" for r in rows)
+    tokens = sum(r["num_tokens"] for r in rows)
+    assert f"wrote 2 result(s) ({tokens} generated tokens) to {out}" in capsys.readouterr().out
+
+
+def test_chat_screen_shows_the_conversation_and_logs_go_to_a_file(tiny_llama, tmp_path):
+    import shutil
+    import subprocess
+    import sys
+
+    from tests.server_utils import REPO_ROOT, server_env
+
+    # A config without "dtype" (a GGUF's, or one saved by older transformers): reading the old
+    # torch_dtype name made transformers warn on every start.
+    model = tmp_path / "model"
+    shutil.copytree(tiny_llama, model)
+    config = json.loads((model / "config.json").read_text())
+    config.pop("dtype", None), config.pop("torch_dtype", None)
+    (model / "config.json").write_text(json.dumps(config))
+    log = tmp_path / "chat.log"
+    run = subprocess.run([sys.executable, "-m", "kvloom.cli", "chat", "--model", str(model), "--num-kv-blocks", "32",
+                          "--max-tokens", "4", "--temperature", "0", "--log-file", str(log)],
+                         input="Hello there\n\n", capture_output=True, text=True, env=server_env(), cwd=REPO_ROOT,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr
+    screen = run.stdout + run.stderr
+    assert "you> assistant> " in screen and f"(the engine's log: {log})." in run.stdout
+    assert not [line for line in screen.splitlines() if "INFO" in line], screen  # not a single log line
+    assert "torch_dtype" not in screen and "torch_dtype" not in log.read_text()
+    assert "INFO kvloom: Loaded" in log.read_text()  # the engine's log is kept, in the file
 
 
 @pytest.mark.parametrize("flags,expect", [([], 4096), (["--max-num-batched-tokens", "64"], 64)])

@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvloom.builder import build_engine
 from kvloom.core.config import EngineConfig
-from kvloom.core.engine.core import EngineCore
 from kvloom.core.messages import AddRequest
 from kvloom.core.sampling_params import SamplingParams
 
@@ -27,7 +27,7 @@ def hf_prompt_logprobs(path, prompt: list[int]) -> torch.Tensor:
     return torch.log_softmax(logits, dim=-1)
 
 
-def run(engine: EngineCore, requests: list[AddRequest]) -> dict[str, list]:
+def run(engine, requests: list[AddRequest]) -> dict[str, list]:
     for r in requests:
         engine.add_request(r)
     deltas: dict[str, list] = {r.request_id: [] for r in requests}
@@ -45,7 +45,7 @@ def expected(tiny_llama):
 @pytest.mark.parametrize("budget,async_scheduling", [(2048, "off"), (16, "off"), (7, "on")],
                          ids=["whole-prefill", "chunks-of-16", "chunks-of-7-async"])
 def test_prompt_logprobs_equal_transformers(tiny_llama, expected, budget, async_scheduling):
-    engine = EngineCore(EngineConfig(model=str(tiny_llama), device="cpu", dtype="float32", num_kv_blocks=64,
+    engine = build_engine(EngineConfig(model=str(tiny_llama), device="cpu", dtype="float32", num_kv_blocks=64,
                                      max_num_batched_tokens=budget, plugins=["prefix_cache"], block_size=16,
                                      async_scheduling=async_scheduling))
     wants = SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=TOP)
@@ -74,7 +74,7 @@ def test_prompt_logprobs_equal_transformers(tiny_llama, expected, budget, async_
 
 
 def test_prompt_logprobs_zero_gives_the_prompt_tokens_own_only(tiny_llama, expected):
-    engine = EngineCore(EngineConfig(model=str(tiny_llama), device="cpu", dtype="float32", num_kv_blocks=64))
+    engine = build_engine(EngineConfig(model=str(tiny_llama), device="cpu", dtype="float32", num_kv_blocks=64))
     out = run(engine, [AddRequest(request_id="z", prompt_token_ids=PROMPT[:10],
                                   sampling=SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0))])
     lps = out["z"][0].prompt_logprobs

@@ -7,10 +7,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvloom.core.model.attention.base import AttentionBackend, AttentionMetadata
+from kvloom.core.model.attention.base import AttentionMetadata, TorchAttentionBackend
 from kvloom.core.model.attention.cpu import CPUAttentionBackend
+from kvloom.core.model.cpu_packing import pack_linear_layers
 from kvloom.kernels import reference as ref
-from kvloom.kernels.cpu_linear import PackedLinear, pack_linear_layers, packing_supported
+from kvloom.kernels.cpu_linear import PackedLinear, packing_supported
 
 BS, HKV, GROUP, D = 4, 2, 3, 16
 
@@ -56,7 +57,7 @@ def test_cpu_backend_matches_the_reference_layout(query_lens, seq_lens, dtype, v
     num_blocks = 40
     gen = torch.Generator().manual_seed(1)
     history = {}  # the K/V both caches hold before the step, keyed by slot
-    cpu, reference = CPUAttentionBackend(), AttentionBackend()
+    cpu, reference = CPUAttentionBackend(), TorchAttentionBackend()
     caches = {
         "cpu": [tuple(torch.zeros(cpu.kv_cache_shape(num_blocks, BS, HKV, D), dtype=dtype) for _ in range(2))
                 for _ in range(2)],
@@ -244,7 +245,7 @@ def test_window_reads_no_block_before_it():
     window = 6
     query_lens, seq_lens = [1, 1, 5], [23, 9, 30]
     meta_cpu, meta_ref = _step(query_lens, seq_lens), _step(query_lens, seq_lens)
-    cpu, reference = CPUAttentionBackend(), AttentionBackend()
+    cpu, reference = CPUAttentionBackend(), TorchAttentionBackend()
     gen = torch.Generator().manual_seed(2)
     k_ref = torch.randn(40, BS, HKV, D, generator=gen)
     v_ref = torch.randn(40, BS, HKV, D, generator=gen)

@@ -9,6 +9,7 @@ import threading
 
 import pytest
 
+from kvloom.builder import build_engine
 from kvloom.core import messages as m
 from kvloom.core.config import EngineConfig
 from kvloom.core.engine.process import EngineServer
@@ -23,7 +24,7 @@ GREEDY = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
 @pytest.fixture
 def engine(tiny_llama, tmp_path):
     server = EngineServer(EngineConfig(model=str(tiny_llama), num_kv_blocks=BLOCKS), f"ipc://{tmp_path}/e.sock",
-                          model_name="tiny")
+                          model_name="tiny", build=build_engine)
     server.load()
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()

@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 
-from tests.server_utils import EngineServer, alive, free_port, kv_blocks
+from tests.server_utils import EngineServer, alive, free_port, kv_blocks, wait_engine_requests
 
 
 def start_server(model, tmp_path, extra: str = "", workers: int = 1) -> EngineServer:
@@ -48,16 +48,16 @@ LONG = {"prompt": "Once upon a time", "max_tokens": 400, "ignore_eos": True}
 def test_sigterm_with_an_expiring_drain_ends_every_request_cleanly(tiny_llama, tmp_path):
     server = start_server(tiny_llama, tmp_path, "drain_timeout = 2.0\n")
     children = server.descendants()
-    engine = server.child_running("kvloom.core.engine.process")
+    engine = server.child_running("kvloom.launch.engine_process")
     try:
         with httpx.Client(timeout=60) as http, ThreadPoolExecutor(4) as pool:
             started = threading.Semaphore(0)
             streams = [pool.submit(stream_events, server, http, LONG, started) for _ in range(2)]
             for _ in streams:
                 assert started.acquire(timeout=30)
-            os.kill(engine, signal.SIGSTOP)  # nothing in flight can finish before the drain runs out
             plain = [pool.submit(http.post, server.url + "/v1/completions", json=LONG) for _ in range(2)]
-            time.sleep(1.0)
+            wait_engine_requests(server.url, 4)  # every request reached the engine
+            os.kill(engine, signal.SIGSTOP)  # nothing in flight can finish before the drain runs out
             t0 = time.monotonic()
             server.proc.send_signal(signal.SIGTERM)
             answers = [f.result(timeout=30) for f in plain]
@@ -94,14 +94,14 @@ def test_sigstop_of_the_engine_is_noticed_and_sigcont_recovers(tiny_llama, tmp_p
 
     gateway = f"ipc://{tmp_path}/gw.sock"
     server = start_server(tiny_llama, tmp_path, f'engine_heartbeat_timeout = 2.0\ngateway = "{gateway}"\n')
-    engine = server.child_running("kvloom.core.engine.process")
+    engine = server.child_running("kvloom.launch.engine_process")
     try:
         with httpx.Client(timeout=60) as http, ThreadPoolExecutor(2) as pool:
             started = threading.Semaphore(0)
             stream = pool.submit(stream_events, server, http, LONG, started)
             assert started.acquire(timeout=30)
             waiting = pool.submit(http.post, server.url + "/v1/completions", json=LONG)
-            time.sleep(0.3)
+            wait_engine_requests(server.url, 2)
             os.kill(engine, signal.SIGSTOP)
             t0 = time.monotonic()
             events = stream.result(timeout=30)
@@ -136,7 +136,7 @@ def test_max_pending_requests_is_exact_under_300_simultaneous_requests(tiny_llam
     import asyncio
 
     server = start_server(tiny_llama, tmp_path, "max_pending_requests = 50\nengine_heartbeat_timeout = 300.0\n")
-    engine = server.child_running("kvloom.core.engine.process")
+    engine = server.child_running("kvloom.launch.engine_process")
     body = {"prompt": "hi", "max_tokens": 2, "ignore_eos": True}
 
     async def burst():
@@ -147,7 +147,8 @@ def test_max_pending_requests_is_exact_under_300_simultaneous_requests(tiny_llam
             deadline = time.monotonic() + 60
             while sum(t.done() for t in tasks) < 250 and time.monotonic() < deadline:
                 await asyncio.sleep(0.1)
-            await asyncio.sleep(1.0)  # anything admitted beyond the cap would show up as more 429s... or fewer
+            # A window for wrong answers: anything admitted beyond the cap would show up as more 429s... or fewer.
+            await asyncio.sleep(1.0)
             early = [t.result().status_code for t in tasks if t.done()]
             os.kill(engine, signal.SIGCONT)
             return early, [r.status_code for r in await asyncio.gather(*tasks)]
@@ -167,7 +168,7 @@ def test_kill_9_of_the_engine_ends_requests_and_the_server_exits_non_zero_at_onc
     gateway = f"ipc://{tmp_path}/gw.sock"
     server = start_server(tiny_llama, tmp_path, f'gateway = "{gateway}"\ndrain_timeout = 60.0\n', workers=2)
     children = server.descendants()
-    engine = server.child_running("kvloom.core.engine.process")
+    engine = server.child_running("kvloom.launch.engine_process")
     try:
         with httpx.Client(timeout=60) as http, ThreadPoolExecutor(1) as pool:
             started = threading.Semaphore(0)

@@ -70,7 +70,7 @@ def test_bf16_greedy_parity_with_transformers_on_gpu(tiny_llama):
             assert abs(top.logprob - ref[top.token_id].item()) < 0.1
 
 
-def test_programmatic_dependent_launch_changes_no_output_on_gpu(tiny_llama, monkeypatch):
+def test_programmatic_dependent_launch_changes_no_output_on_gpu(tiny_llama):
     """The decode step's kernels launched with PDL (each waits for its predecessor inside the kernel)
     give the same tokens and logprobs, bit for bit, as launched one after another: a missing wait would
     show up as a race between a kernel and the one before it."""
@@ -82,15 +82,15 @@ def test_programmatic_dependent_launch_changes_no_output_on_gpu(tiny_llama, monk
     prompts = _prompts()
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=3)
     runs = {}
-    for flag in ("1", "0"):
-        monkeypatch.setenv("KVLOOM_PDL", flag)
-        llm = LLM(str(tiny_llama), dtype="bfloat16", device="cuda", max_num_seqs=16, kv_cache_memory_gib=0.25)
+    for pdl in (True, False):
+        llm = LLM(str(tiny_llama), dtype="bfloat16", device="cuda", max_num_seqs=16, kv_cache_memory_gib=0.25,
+                  kernel_options={"pdl": pdl})
         assert llm.engine.runner.graphs, "CUDA graphs were not captured"
         outs = llm.generate(prompts, params, use_tqdm=False)
-        runs[flag] = [(o.token_ids, [[(t.token_id, t.logprob) for t in lp.top] for lp in o.outputs[0].logprobs])
-                      for o in outs]
+        runs[pdl] = [(o.token_ids, [[(t.token_id, t.logprob) for t in lp.top] for lp in o.outputs[0].logprobs])
+                     for o in outs]
         del llm
-    assert runs["1"] == runs["0"]
+    assert runs[True] == runs[False]
 
 
 @pytest.mark.parametrize("name", ["awq-llama-g32", "ct-fp8-llama-tensor"])
@@ -103,9 +103,6 @@ def test_silu_and_mul_fused_into_quantized_one_row_decode_changes_no_token_on_gp
     from tests.quant_checkpoints import write_checkpoint
     from tests.test_quantization import CASES
 
-    from kvloom.kernels import triton_quant
-
-    monkeypatch.setattr(triton_quant, "INT4_FUSED_SILU_MUL", True)  # off by default (docs/benchmarks.md)
     family, fmt, settings = CASES[name]
     quant, _ = write_checkpoint(tmp_path, family, fmt, **settings)
     cls = FP8LinearMethod if "fp8" in fmt else PackedIntLinearMethod
@@ -121,7 +118,8 @@ def test_silu_and_mul_fused_into_quantized_one_row_decode_changes_no_token_on_gp
     runs = []
     for patch in (counted, lambda self, layer, x: None):
         monkeypatch.setattr(cls, "apply_silu_and_mul", patch)
-        llm = LLM(str(quant), dtype="float32", device="cuda", max_num_seqs=4, kv_cache_memory_gib=0.25)
+        llm = LLM(str(quant), dtype="float32", device="cuda", max_num_seqs=4, kv_cache_memory_gib=0.25,
+                  kernel_options={"int4_fused_silu_mul": True})  # off by default (docs/benchmarks.md)
         runs.append([llm.generate([p], params, use_tqdm=False)[0].token_ids for p in _prompts()[:3]])
         del llm
     assert any(fused), "the fused GEMV never ran"
@@ -131,12 +129,11 @@ def test_silu_and_mul_fused_into_quantized_one_row_decode_changes_no_token_on_gp
 @pytest.mark.parametrize("name,kv_dtype", [("ct-fp8-llama-tensor", "auto"), ("ct-fp8-qwen2-channel", "auto"),
                                            ("fp8-llama-tensor-static", "fp8")])
 def test_rotary_and_cache_write_in_the_fp8_qkv_gemv_change_no_token_on_gpu(name, kv_dtype, tmp_path, monkeypatch):
-    """Decoding one request at a time with ``FP8_QKV_ROPE`` (on by default since session 15 timed it), the
+    """Decoding one request at a time with ``fp8_qkv_rope`` (on by default since session 15 timed it), the
     qkv GEMV rotates q/k and writes the KV cache in its epilogue, the rotary + cache-write kernel gone: in
     float32 the same tokens and logprobs as without, for Llama, Qwen2 (qkv bias) and an fp8 cache."""
     from kvloom import LLM, SamplingParams
     from kvloom.core.model.quantization.fp8 import FP8LinearMethod
-    from kvloom.kernels import triton_quant
     from tests.quant_checkpoints import write_checkpoint
     from tests.test_quantization import CASES
 
@@ -154,9 +151,8 @@ def test_rotary_and_cache_write_in_the_fp8_qkv_gemv_change_no_token_on_gpu(name,
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2)
     runs = {}
     for on in (True, False):
-        monkeypatch.setattr(triton_quant, "FP8_QKV_ROPE", on)
         llm = LLM(str(path), dtype="float32", device="cuda", max_num_seqs=4, kv_cache_memory_gib=0.25,
-                  kv_cache_dtype=kv_dtype)
+                  kv_cache_dtype=kv_dtype, kernel_options={"fp8_qkv_rope": on})
         outs = [llm.generate([p], params, use_tqdm=False)[0] for p in _prompts()[:3]]
         runs[on] = ([o.token_ids for o in outs], [t.logprob for o in outs for lp in o.outputs[0].logprobs for t in lp.top])
         del llm
@@ -168,10 +164,9 @@ def test_rotary_and_cache_write_in_the_fp8_qkv_gemv_change_no_token_on_gpu(name,
 @pytest.mark.parametrize("name", ["ct-fp8-llama-tensor", "ct-fp8-qwen2-channel"])
 def test_fp8_activations_quantized_by_the_norm_and_silu_kernels_change_no_token_on_gpu(name, tmp_path, monkeypatch):
     """Where a W8A8 layer takes more rows than the GEMVs do (batched prefill here), RMSNorm and SiLU-and-mul
-    hand it FP8 rows (``FP8_FUSED_QUANT``): the same tokens and logprobs as the layer quantizing its input."""
+    hand it FP8 rows (``fp8_fused_quant``): the same tokens and logprobs as the layer quantizing its input."""
     from kvloom import LLM, SamplingParams
     from kvloom.core.model.quantization import fp8
-    from kvloom.kernels import triton_quant
     from tests.quant_checkpoints import write_checkpoint
     from tests.test_quantization import CASES
 
@@ -190,8 +185,8 @@ def test_fp8_activations_quantized_by_the_norm_and_silu_kernels_change_no_token_
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=2)
     runs = {}
     for on in (True, False):
-        monkeypatch.setattr(triton_quant, "FP8_FUSED_QUANT", on)
-        llm = LLM(str(path), dtype="float32", device="cuda", max_num_seqs=8, kv_cache_memory_gib=0.25)
+        llm = LLM(str(path), dtype="float32", device="cuda", max_num_seqs=8, kv_cache_memory_gib=0.25,
+                  kernel_options={"fp8_fused_quant": on})
         outs = llm.generate(_prompts(), params, use_tqdm=False)
         runs[on] = ([o.token_ids for o in outs], [t.logprob for o in outs for lp in o.outputs[0].logprobs for t in lp.top])
         del llm
@@ -211,11 +206,11 @@ def test_the_mma_row_layout_gives_the_row_layouts_tokens_on_hopper(tmp_path, mon
     prefill dequantized); in fp16 its dequantized values are the row layout's, so the tokens of the 8
     prompts, one at a time and batched, are the row layout's and the logprobs within fp16 sums' noise."""
     from kvloom import LLM, SamplingParams
-    from kvloom.kernels import gluon_quant
+    from kvloom.kernels.quant import gluon_int4
     from tests import quant_checkpoints
     from tests.quant_checkpoints import write_checkpoint
 
-    if not gluon_quant.AVAILABLE:
+    if not gluon_int4.AVAILABLE:
         pytest.skip("this Triton has no Gluon")
     monkeypatch.setitem(quant_checkpoints.QUANT_COMMON, "hidden_size", 256)
     monkeypatch.setitem(quant_checkpoints.QUANT_COMMON, "intermediate_size", 512)
@@ -223,8 +218,8 @@ def test_the_mma_row_layout_gives_the_row_layouts_tokens_on_hopper(tmp_path, mon
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=1)
     runs = {}
     for on in (True, False):
-        monkeypatch.setattr(gluon_quant, "ENABLED", on)
-        llm = LLM(str(path), dtype="float16", device="cuda", max_num_seqs=8, kv_cache_memory_gib=0.25)
+        llm = LLM(str(path), dtype="float16", device="cuda", max_num_seqs=8, kv_cache_memory_gib=0.25,
+                  kernel_options={"int4_mma_layout": on})
         layouts = {layer.method.layout for layer in llm.engine.model.linear_layers()
                    if hasattr(layer.method, "layout")}
         assert layouts == ({"mma"} if on else {"row"}), layouts

@@ -12,6 +12,7 @@ import msgspec
 import pytest
 import zmq
 
+from kvloom.builder import build_engine
 from kvloom.core import messages as m
 from kvloom.core.config import EngineConfig
 from kvloom.core.engine.process import EngineServer as EngineLoop
@@ -37,7 +38,8 @@ def server(tiny_llama, tmp_path_factory):
 def engine(tiny_llama, tmp_path):
     """The engine process's loop in a thread, on an ipc:// socket the test can write raw messages to."""
     address = f"ipc://{tmp_path}/e.sock"
-    loop = EngineLoop(EngineConfig(model=str(tiny_llama), num_kv_blocks=64), address, model_name="tiny")
+    loop = EngineLoop(EngineConfig(model=str(tiny_llama), num_kv_blocks=64), address, model_name="tiny",
+                     build=build_engine)
     loop.load()
     thread = threading.Thread(target=loop.run, daemon=True)
     thread.start()

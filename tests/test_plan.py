@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from benchmarks.shapes import SHAPES
+from kvloom.builder import build_engine
 from kvloom.cli.main import main
 from kvloom.cli.plan import count_parameters, make_plan, valid_tp_sizes
 from kvloom.core.config import EngineConfig
-from kvloom.core.engine.core import EngineCore
 from kvloom.core.model.loader import load_hf_config
 
 
@@ -68,7 +68,7 @@ def test_parameter_count_is_the_models(tiny_model):
 ])
 def test_cpu_plan_equals_the_engines_capacity(tiny_llama, flags, capsys):
     config = EngineConfig(model=str(tiny_llama), device="cpu", **flags)
-    engine = EngineCore(config)
+    engine = build_engine(config)
     argv = [f"--{k.replace('_', '-')}={v}" for k, v in flags.items()]
     plan = plan_json(capsys, "--model", str(tiny_llama), "--device", "cpu", *argv)
     assert plan["rows"][0]["kv_cache_line"] == engine.capacity.describe()
@@ -80,7 +80,7 @@ def test_smollm2_plan_prints_the_line_the_engine_logs(capsys, caplog):
     assert main(["plan", "--model", "SmolLM2-135M-Instruct", "--device", "cpu"]) == 0
     printed = capsys.readouterr().out
     with caplog.at_level(logging.INFO, logger="kvloom"):
-        engine = EngineCore(EngineConfig(device="cpu"))
+        engine = build_engine(EngineConfig(device="cpu"))
     logged = [r.getMessage() for r in caplog.records if r.getMessage().startswith("KV cache:")]
     assert logged == [engine.capacity.describe()]
     assert logged[0] in printed.splitlines()

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import logging
 import random
-import shutil
 
 import pytest
 import torch
@@ -229,7 +228,7 @@ def test_dummy_weights_in_each_format_run_and_are_deterministic(tmp_path, tiny_l
 def test_the_gpu_layout_repacked_at_load_computes_the_dequantized_product(name, tmp_path):
     """The GPU path (AWQ and GPTQ repacked into one K-packed layout, desc_act inputs sorted by group, the
     in-kernel dequantizing GEMM) run here through its PyTorch reference: each layer equals the CPU path's."""
-    from kvloom.core.model.attention.base import AttentionBackend
+    from kvloom.core.model.attention.base import TorchAttentionBackend
     from kvloom.core.model.loader import build_model, load_hf_config
     from kvloom.core.model.quantization import make_method
     from kvloom.core.model.quantization.packed_int import PackedIntLinearMethod
@@ -242,7 +241,7 @@ def test_the_gpu_layout_repacked_at_load_computes_the_dequantized_product(name, 
         method = make_method(fmt, config)
         method.keep_packed = packed
         models.append(build_model(quant, config, load_format="safetensors", device=torch.device("cpu"),
-                                  dtype=torch.float32, backend=AttentionBackend(), max_positions=64,
+                                  dtype=torch.float32, backend=TorchAttentionBackend(), max_positions=64,
                                   quantization=method, pack_cpu_weights=False))
         if packed:
             assert "dequantizing in the kernel" in method.describe()
@@ -278,9 +277,9 @@ def test_engine_plan_sizes_each_format_from_the_engines_layers(tmp_path, capsys)
     int4 = linear // 2 + linear // 128 * 3
     # on Hopper the weights are held once, in the Gluon GEMM's MMA row layout, and tinygemm's copy only for
     # the weights whose one row it runs (o_proj's 4096 x 4096)
-    from kvloom.kernels import gluon_quant as gq
+    from kvloom.kernels.quant import dispatch
 
-    hopper = torch.cuda.is_available() and gq.mma_layout_wanted(torch.device("cuda"), 4096, 128, torch.bfloat16)
+    hopper = torch.cuda.is_available() and dispatch.mma_layout_wanted(torch.device("cuda"), 4096, 128, torch.bfloat16)
     copied = 32 * 4096 * 4096 if hopper else linear
     tinygemm = copied // 2 + copied // 128 * 4
     assert sizes[None] - sizes["awq"] == linear * 2 - (int4 + tinygemm) == sizes[None] - sizes["gptq"]

@@ -18,7 +18,7 @@ def test_two_ray_replicas_serve_behind_the_router(tiny_llama, tmp_path):
     try:
         server.wait_ready(timeout=400)
         children = server.descendants()
-        engines = [pid for pid in children if "kvloom.core.engine.process" in open(f"/proc/{pid}/cmdline").read()]
+        engines = [pid for pid in children if "kvloom.launch.engine_process" in open(f"/proc/{pid}/cmdline").read()]
         assert len(engines) == 2  # under the Ray actors, in this server's process tree
         body = {"prompt": "Once upon a time", "max_tokens": 10, "temperature": 1.0, "seed": 5, "ignore_eos": True}
         texts = [httpx.post(server.url + "/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]

@@ -118,7 +118,7 @@ def replica_engines(server: EngineServer) -> dict[int, int]:
     engines = {}
     for pid in server.descendants():
         line = cmdline(pid)
-        if "kvloom.core.engine.process" in line:
+        if "kvloom.launch.engine_process" in line:
             engines[0 if "engine-0.sock" in line else 1] = pid
     return engines
 

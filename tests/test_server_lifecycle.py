@@ -10,10 +10,9 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
-import pytest
 
 from kvloom.client import Client
-from tests.server_utils import EngineServer, alive, free_port
+from tests.server_utils import EngineServer, alive, free_port, wait_engine_requests
 
 
 def start_server(model, tmp_path, extra: str = "") -> EngineServer:
@@ -31,6 +30,18 @@ def long_stream(server: EngineServer, http: httpx.Client, max_tokens: int = 400)
     return http.stream("POST", server.url + "/v1/completions", json=body)
 
 
+def refused_within(url: str, timeout: float) -> None:
+    """Wait until a new connection to ``url`` is refused (the server stopped listening)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            httpx.get(url, timeout=5)
+        except httpx.ConnectError:
+            return
+        assert time.monotonic() < deadline, f"{url} still accepted connections after {timeout:g}s"
+        time.sleep(0.05)
+
+
 def data_lines(lines, count: int | None = None) -> list[str]:
     out = []
     for line in lines:
@@ -46,14 +57,14 @@ def test_engine_death_fails_requests_and_stops_the_server(tiny_llama, tmp_path):
     server = start_server(tiny_llama, tmp_path, f'engine_address = "tcp://127.0.0.1:{free_port()}"\n')
     children = server.descendants()
     try:
-        engine_pid = server.child_running("kvloom.core.engine.process")
+        engine_pid = server.child_running("kvloom.launch.engine_process")
         with httpx.Client(timeout=60) as http, ThreadPoolExecutor(1) as pool:
             with long_stream(server, http) as r:
                 lines = r.iter_lines()
                 assert len(data_lines(lines, 2)) == 2
                 waiting = pool.submit(http.post, server.url + "/v1/completions",
                                       json={"prompt": "Hello", "max_tokens": 400, "ignore_eos": True})
-                time.sleep(0.5)  # let the non-streaming request reach the engine
+                wait_engine_requests(server.url, 2)  # the non-streaming request reached the engine
                 os.kill(engine_pid, signal.SIGKILL)
                 t0 = time.monotonic()
                 rest = data_lines(lines)
@@ -86,9 +97,7 @@ def test_sigterm_drains_in_flight_requests_and_leaves_no_process(tiny_llama, tmp
                 first = data_lines(lines, 1)
                 server.proc.send_signal(signal.SIGTERM)
                 gw_rest = pool.submit(list, gw_stream)
-                time.sleep(0.5)
-                with pytest.raises(httpx.ConnectError):  # no new connections while draining
-                    httpx.get(server.url + "/health", timeout=5)
+                refused_within(server.url + "/health", 30)  # no new connections while draining
                 rest = data_lines(lines)
             gw_chunks = gw_rest.result(timeout=60)
         events = [json.loads(e) for e in first + rest[:-1]]

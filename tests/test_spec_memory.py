@@ -98,15 +98,15 @@ def test_gpu_profile_runs_the_draft_models_largest_forward_too(draft_engine, mon
 
 
 def test_plan_counts_the_draft_models_weights_and_kv_per_token(tiny_llama, tmp_path, capsys):
+    from kvloom.builder import build_engine
     from kvloom.core.config import EngineConfig
-    from kvloom.core.engine.core import EngineCore
     from tests.test_plan import checkpoint_bytes, plan_json
 
     draft = _make_draft(tmp_path / "small", "llama")
     options = {"spec_decode": {"method": "draft", "draft_model": str(draft)}}
     spec = ["--plugins", "spec_decode", "--plugin-options", json.dumps(options)]
     # CPU: the plan prints the KV line the engine logs, with both models' bytes per token in it.
-    engine = EngineCore(EngineConfig(model=str(tiny_llama), device="cpu", plugins=["spec_decode"],
+    engine = build_engine(EngineConfig(model=str(tiny_llama), device="cpu", plugins=["spec_decode"],
                                      plugin_options=options))
     plan = plan_json(capsys, "--model", str(tiny_llama), "--device", "cpu", *spec)
     plain = plan_json(capsys, "--model", str(tiny_llama), "--device", "cpu")

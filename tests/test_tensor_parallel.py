@@ -191,7 +191,7 @@ def test_dense_layers_narrow_by_rank():
 
 def _worker_pid(server: EngineServer) -> int:
     for pid in server.descendants():
-        if "kvloom.core.worker.tp_worker" in cmdline(pid):
+        if "kvloom.launch.tp_worker" in cmdline(pid):
             return pid
     raise LookupError("no tensor-parallel worker process")
 

@@ -19,14 +19,19 @@ from typing import Any, Callable
 import httpx
 
 from kvloom.bench.metrics import RequestResult
+from kvloom.bench.request import timed_request
 from kvloom.core.worker.cpu_threads import available_cores
 
 STREAMS_PER_CLIENT = 64  # streams one client process times faithfully (the default split)
 MAX_CLIENT_PROCESSES = 256
 SATURATED_BUSY = 0.9  # a client using more than this fraction of a core is the bottleneck of its own timings
 # A client whose event loop wakes this late (90th percentile) stamps its chunks that late: with many streams a
-# loop can be far behind while its process still idles part of the time (58% busy at 0.03 ms ITL on an H200).
+# loop can be far behind while its process still idles part of the time (docs/benchmarks.md).
 SATURATED_LAG_MS = 2.0
+# A late loop that waited this share of the level for a CPU was held up by other processes (a busy host),
+# not by its own work; without that figure, one that late while this idle cannot be late of its own doing.
+HOST_WAIT_SHARE = 0.1
+SELF_LAG_MIN_BUSY = 0.25
 LAG_PROBE_S = 0.005  # how often the loop-lag probe asks to be woken
 READY_TIMEOUT_S = 120.0  # a spawned client imports httpx and numpy: seconds on a loaded machine
 START_DELAY_S = 0.05  # the shared start time lies this far after the last client is ready
@@ -105,10 +110,20 @@ class RequestCounter:
         return i
 
 
+def cpu_wait_seconds() -> float | None:
+    """Seconds this thread has spent runnable but waiting for a CPU (Linux's schedstat), None elsewhere."""
+    try:
+        with open("/proc/thread-self/schedstat") as f:
+            return int(f.read().split()[1]) / 1e9
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 @dataclass
 class ClientLoad:
-    """How busy one client process was over the level: CPU seconds against wall seconds, and how late its
-    event loop woke for a timer (each chunk it timed was stamped up to that late)."""
+    """How busy one client process was over the level: CPU seconds against wall seconds, how late its
+    event loop woke for a timer (each chunk it timed was stamped up to that late), and how long the loop
+    waited for a CPU that other processes held (``cpu_wait_s``; None where the OS does not say)."""
 
     index: int
     streams: int | None
@@ -118,17 +133,39 @@ class ClientLoad:
     lag_p50_ms: float = 0.0
     lag_p90_ms: float = 0.0
     lag_max_ms: float = 0.0
+    cpu_wait_s: float | None = None
 
     @property
     def busy(self) -> float:
         return self.cpu_s / self.wall_s if self.wall_s > 0 else 0.0
 
     @property
+    def cpu_wait_share(self) -> float | None:
+        return None if self.cpu_wait_s is None or self.wall_s <= 0 else self.cpu_wait_s / self.wall_s
+
+    @property
+    def late_cause(self) -> str | None:
+        """Why this client's timings are not the server's alone: "client" (its own work: more client
+        processes help), "host" (other processes held the CPUs: they would not), or None."""
+        if self.busy > SATURATED_BUSY:
+            return "client"
+        if self.lag_p90_ms <= SATURATED_LAG_MS:
+            return None
+        if self.cpu_wait_share is not None:
+            return "host" if self.cpu_wait_share >= HOST_WAIT_SHARE else "client"
+        return "host" if self.busy < SELF_LAG_MIN_BUSY else "client"
+
+    @property
     def saturated(self) -> bool:
-        return self.busy > SATURATED_BUSY or self.lag_p90_ms > SATURATED_LAG_MS
+        return self.late_cause == "client"
+
+    @property
+    def host_busy(self) -> bool:
+        return self.late_cause == "host"
 
     def as_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "busy": round(self.busy, 3), "saturated": self.saturated}
+        return {**asdict(self), "busy": round(self.busy, 3), "saturated": self.saturated,
+                "host_busy": self.host_busy}
 
 
 class LoopLag:
@@ -163,12 +200,10 @@ async def drive(spec, endpoint: str, bodies: Bodies, share: ClientShare, counter
                 on_done: Callable[[], None] | None = None) -> tuple[list[RequestResult], ClientLoad]:
     """Send this client's part of a level, timed against the shared start ``t0`` (time.monotonic(), which
     is one clock for every process of the machine); requests still running at the deadline are cut off."""
-    from kvloom.bench.serve import timed_request
-
     deadline = t0 + spec.max_duration_s
     results: list[RequestResult] = []
     await asyncio.sleep(max(0.0, t0 - time.monotonic()))
-    cpu0 = time.process_time()
+    cpu0, wait0 = time.process_time(), cpu_wait_seconds()
     lag = LoopLag()
     lag.start()
 
@@ -214,8 +249,9 @@ async def drive(spec, endpoint: str, bodies: Bodies, share: ClientShare, counter
             for task in pending:
                 task.cancel()
             await asyncio.gather(*pending, return_exceptions=True)
+    wait1 = cpu_wait_seconds()
     load = ClientLoad(share.index, share.streams, len(results), time.process_time() - cpu0, time.monotonic() - t0,
-                      **await lag.stop())
+                      **await lag.stop(), cpu_wait_s=None if wait0 is None or wait1 is None else round(wait1 - wait0, 4))
     return results, load
 
 

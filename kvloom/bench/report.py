@@ -10,6 +10,7 @@ from kvloom.bench.clients import SATURATED_BUSY, SATURATED_LAG_MS
 from kvloom.bench.metrics import BURST_GAP_S, LATENCIES, PERCENTILES
 from kvloom.bench.serve import level_name
 from kvloom.cli.text_table import format_table
+from kvloom.core.worker.cpu_threads import available_cores
 
 BURST_WARN_SHARE = 0.1  # more than this share of ITL gaps in bursts and ITL no longer shows the step time
 LABELS = {"ttft": "TTFT", "tpot": "TPOT", "itl": "ITL", "e2e": "E2E"}
@@ -54,9 +55,19 @@ def level_detail(summary: dict[str, Any]) -> str:
 
 
 def level_warnings(s: dict[str, Any]) -> list[str]:
-    """Why a level's latencies may not be the server's: a saturated load-generator process, or tokens that
-    reached the client in bursts."""
+    """Why a level's latencies may not be the server's: a saturated load-generator process, a busy host
+    (other processes held the CPUs the load generator waited for), or tokens that reached the client in
+    bursts."""
     warnings = []
+    if s.get("host_busy"):
+        load = s.get("host_load_average")
+        host = f"load average {load:g} on {available_cores()} cores" if load is not None else "its CPUs taken"
+        warnings.append(
+            f"the host was busy ({host}): a load-generator process waited for a CPU "
+            f"{s.get('client_cpu_wait_max', 0.0):.0%} of the time while using only {s['client_busy_max']:.0%} of "
+            f"a core, so its event loop woke late by {s.get('client_lag_p90_ms', 0.0):.1f} ms at p90 and its "
+            "TTFT/ITL/TPOT include those waits; the client itself was not saturated (more --client-processes "
+            "would not help): rerun on a quieter host, or with the server on other cores")
     if s.get("client_saturated"):
         warnings.append(
             f"a load-generator process was saturated (busiest {s['client_busy_max']:.0%} of a core, event loop "

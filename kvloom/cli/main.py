@@ -56,7 +56,7 @@ def add_config_flags(group, cls, skip: tuple[str, ...] = (), shown_defaults: dic
         elif f.name == "plugins":
             kw["type"] = _split_names
             kw["metavar"] = "A,B"
-        elif f.name in ("hf_overrides", "plugin_options", "api_keys"):
+        elif f.name in ("hf_overrides", "kernel_options", "plugin_options", "api_keys"):
             kw["type"] = json.loads
             kw["metavar"] = "JSON"
         else:
@@ -203,6 +203,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="Most tokens per reply (default: %(default)s).")
     chat.add_argument("--temperature", type=float, default=0.7,
                       help="Sampling temperature; 0 is greedy (default: %(default)s).")
+    chat.add_argument("--log-file", help="Where the engine's log goes while you chat, so it never lands inside a "
+                                         "reply (default: chat.log in kvloom's cache folder); warnings and "
+                                         "errors still show on the terminal.")
     add_engine_flags(chat)
 
     plugins = sub.add_parser("plugins", help="List every available plugin: kind, origin and options "
@@ -265,7 +268,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     reject_unknown_flags(parser, argv)
     args = parser.parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    if args.command == "chat":
+        args.log_file = _chat_logging(args)
+    else:
+        logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     from kvloom.plugins.manager import PluginManager
 
     try:
@@ -404,9 +410,30 @@ def _generate(args, config: EngineConfig) -> int:
     if args.output:
         with open(args.output, "w") as f:
             f.write("\n".join(lines) + "\n")
+        tokens = sum(len(out.token_ids) for out in outs)
+        print(f"engine generate: wrote {len(lines)} result(s) ({tokens} generated tokens) to {args.output}")
     else:
         print("\n".join(lines))
     return 0
+
+
+def _chat_logging(args) -> str:
+    """A chat screen shows the conversation only: the log goes to a file (its path returned), and the
+    terminal gets warnings and errors alone (an engine's INFO line would land in a streamed reply)."""
+    from pathlib import Path
+
+    from kvloom.core.model.files import cache_dir
+
+    path = Path(args.log_file) if args.log_file else cache_dir() / "chat.log"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fmt = logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
+    to_file = logging.FileHandler(path)
+    to_file.setFormatter(fmt)
+    to_terminal = logging.StreamHandler()
+    to_terminal.setLevel(logging.WARNING)
+    to_terminal.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=args.log_level.upper(), handlers=[to_file, to_terminal])
+    return str(path)
 
 
 def _chat(args, config: EngineConfig) -> int:
@@ -419,7 +446,9 @@ def _chat(args, config: EngineConfig) -> int:
         llm = LLM(config=config)
         history = [{"role": "system", "content": args.system}] if args.system else []
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
-        print("kvloom chat: type a message, an empty line, Ctrl-D or Ctrl-C to quit.")
+        # Named once the engine is up, in the one greeting line: a bad flag's error stays a single line.
+        print(f"kvloom chat: type a message, an empty line, Ctrl-D or Ctrl-C to quit (the engine's log: "
+              f"{args.log_file}).")
         while True:
             try:
                 line = input("you> ").strip()

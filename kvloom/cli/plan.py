@@ -13,6 +13,7 @@ import torch
 from kvloom.cli.text_table import format_table
 from kvloom.core.config import ConfigError, EngineConfig
 from kvloom.core.engine import capacity
+from kvloom.core.model.loader import weight_bytes
 
 GiB = capacity.GiB
 CUDA_CONTEXT_GIB = 0.5  # memory a CUDA process holds outside PyTorch's allocator (context, cuBLAS workspaces)
@@ -35,10 +36,10 @@ class ParameterCount:
 
 def count_parameters(hf_config) -> ParameterCount:
     """Build the engine's own model on the meta device (no memory) and count what it holds."""
-    from kvloom.core.model.attention.base import AttentionBackend
+    from kvloom.core.model.attention.base import TorchAttentionBackend
     from kvloom.core.model.loader import make_model
 
-    model = make_model(hf_config, AttentionBackend(), torch.float32)
+    model = make_model(hf_config, TorchAttentionBackend(), torch.float32)
     count = ParameterCount()
     for layer in model.linear_layers():
         if layer.prefix != "lm_head":  # the projections a quantization method replaces
@@ -58,24 +59,6 @@ def quantization_method(hf_config, quantization: str | None):
     elif quantization is not None and quantization not in ("fp8", "awq", "gptq"):
         raise ConfigError(f"quantization={quantization!r} is not one of ['fp8', 'awq', 'gptq']")
     return None if quantization is None else make_method(quantization, hf_config, plan_defaults=True)
-
-
-def weight_bytes(hf_config, dtype: torch.dtype, method, device_type: str, tp=None) -> int:
-    """The bytes the engine's model holds on ``device_type`` after loading: the same layers, built on the
-    meta device, each sized by its format (a format dequantized at load counts as dense). With ``tp`` (a
-    ``TensorParallel``), rank ``tp.rank``'s share: its heads, MLP and vocabulary, and the replicated norms."""
-    from kvloom.core.model.attention.base import AttentionBackend
-    from kvloom.core.model.linear import LinearBase
-    from kvloom.core.model.loader import make_model
-
-    model = make_model(hf_config, AttentionBackend(), dtype, method, tp)
-    total = 0
-    for module in model.modules():
-        if isinstance(module, LinearBase):
-            total += module.method.held_bytes(module, device_type)
-        else:
-            total += sum(p.numel() * p.element_size() for p in module.parameters(recurse=False))
-    return total
 
 
 def activation_bytes(hf_config, config: EngineConfig, dtype: torch.dtype, max_model_len: int,

@@ -5,14 +5,18 @@ from __future__ import annotations
 import dataclasses
 import tomllib
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from kvloom.kernels.options import KernelOptions
+
+if TYPE_CHECKING:
+    import torch
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 
 # Offline batches want throughput, not inter-token latency: a step budget twice the server's default
-# prefills more prompts per step, so their decodes run in lockstep (vLLM makes the same split).
-# On this project's CPU: 7.6 -> 7.2 s on the offline benchmark (docs/benchmarks.md). Here, not in
-# llm.py, so that `engine generate --help` can show it without importing torch.
+# prefills more prompts per step, so their decodes run in lockstep (vLLM makes the same split). Here, not
+# in llm.py, so that `engine generate --help` can show it without importing torch.
 OFFLINE_MAX_NUM_BATCHED_TOKENS = 4096
 
 
@@ -76,6 +80,8 @@ class EngineConfig:
     plugin_options: dict[str, dict[str, Any]] = _opt({}, "Per-plugin options, e.g. {\"sjf\": {\"aging_tokens_per_s\": 50}} "
                                                      "([plugins.NAME] tables in the config file).")
     hf_overrides: dict[str, Any] = _opt({}, "Overrides applied to the model's config (e.g. for dummy shapes).")
+    kernel_options: dict[str, Any] = _opt({}, "CUDA kernel choices to compare (benchmarks, tests), by name: "
+                                          "kvloom/kernels/options.py, e.g. {\"pdl\": false}.")
 
     def validate(self) -> None:
         """Raise ConfigError naming the first out-of-range value."""
@@ -100,6 +106,14 @@ class EngineConfig:
             raise ConfigError(f"num_kv_blocks={self.num_kv_blocks} must be >= 1")
         if self.stats_log_interval < 0:
             raise ConfigError(f"stats_log_interval={self.stats_log_interval} must be >= 0")
+        try:
+            self.kernels()
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"kernel_options: {e}") from None
+
+    def kernels(self) -> KernelOptions:
+        """``kernel_options`` as the kernels take them."""
+        return KernelOptions.from_mapping(self.kernel_options)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "EngineConfig":
@@ -134,7 +148,7 @@ class EngineConfig:
 
 def default_block_size(device_type: str) -> int:
     """16 on GPUs (the Triton kernels' tile); 32 on the CPU, where the decode attention gathers whole
-    blocks and 2 KiB rows (16 x 64 x bf16) measured 16% slower end to end than 4 KiB ones."""
+    blocks and 4 KiB rows gather faster than 2 KiB ones (docs/benchmarks.md)."""
     return 32 if device_type == "cpu" else 16
 
 
@@ -142,3 +156,32 @@ def _split_names(value: str | list[str]) -> list[str]:
     if isinstance(value, str):
         return [v.strip() for v in value.split(",") if v.strip()]
     return list(value)
+
+
+def resolve_device(name: str) -> "torch.device":
+    import torch
+
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device='cuda' was asked for but no CUDA device is available")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: "torch.device", hf_config=None) -> "torch.dtype":
+    """``auto``: bfloat16 on CUDA. On the CPU, a float32 checkpoint stays float32; any other (bf16/fp16
+    checkpoints, GGUF files) runs in bfloat16 where the CPU computes it natively (AVX-512 BF16 or
+    AMX: faster than float32, docs/benchmarks.md), else float32."""
+    import torch
+
+    from kvloom.kernels.cpu_linear import cpu_has_native_bf16
+
+    if name != "auto":
+        return getattr(torch, name)  # validate() allows float32, bfloat16 and float16
+    if device.type == "cuda":
+        return torch.bfloat16
+    # transformers 5 names it dtype and warns on every read of torch_dtype; older ones have only torch_dtype.
+    checkpoint = getattr(hf_config, "dtype" if hasattr(hf_config, "dtype") else "torch_dtype", None)
+    if checkpoint in (torch.float32, "float32"):
+        return torch.float32
+    return torch.bfloat16 if device.type == "cpu" and cpu_has_native_bf16() else torch.float32

@@ -116,6 +116,7 @@ class TokenDelta(_Msg):
     num_accepted_tokens: int = 0  # of which the target model accepted
     retry_after: float | None = None
     rate_limit: RateLimitInfo | None = None
+    prefill_time: float | None = None  # seconds from the first step to the first token, on the delta with it
 
 
 class EngineStats(msgspec.Struct, omit_defaults=True, kw_only=True):

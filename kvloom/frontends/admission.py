@@ -116,13 +116,25 @@ class KeyRing:
             if hmac.compare_digest(digest, key.sha256) and token:
                 found = key
         if found is None:
-            raise RequestError(401, "invalid or missing API key: send 'Authorization: Bearer KEY'"
-                               if token is None else "invalid API key", reason="unauthorized")
+            raise RequestError(401, "invalid or missing API key: send 'Authorization: Bearer KEY' (or "
+                               "'x-api-key: KEY')" if token is None else "invalid API key", reason="unauthorized")
         return found
 
     def authenticate_header(self, authorization: str | None) -> ApiKey | None:
         scheme, _, token = (authorization or "").partition(" ")
         return self.authenticate(token.strip() if scheme.lower() == "bearer" and token.strip() else None)
+
+    def authenticate_headers(self, headers) -> ApiKey | None:
+        """An HTTP request's key: ``Authorization: Bearer KEY`` (OpenAI's clients) or ``x-api-key: KEY``
+        (Anthropic's); one request giving both must give the same key."""
+        bearer, api_key = headers.get("authorization"), headers.get("x-api-key")
+        if api_key is None:
+            return self.authenticate_header(bearer)
+        key = self.authenticate(api_key.strip() or None)
+        if bearer is not None and self.authenticate_header(bearer) != key:
+            raise RequestError(401, "the Authorization and x-api-key headers name different keys",
+                               reason="unauthorized")
+        return key
 
 
 def effective_priority(key: ApiKey | None, requested: int) -> int:

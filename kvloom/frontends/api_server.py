@@ -1,8 +1,9 @@
-"""The OpenAI-compatible HTTP frontend (Starlette on uvicorn): /v1/completions, /v1/chat/completions,
-/v1/models, /health, /version, /metrics. Run as a process by the ``engine`` launcher; several of
-them may share one listening socket and one engine. This file holds the routes and the process entry;
-HTTP plumbing is in ``asgi``, request translation in ``openai_requests``, response building in
-``openai_responses``."""
+"""The HTTP frontend (Starlette on uvicorn): OpenAI's /v1/completions, /v1/chat/completions and
+/v1/responses, Anthropic's /v1/messages, /v1/models, /health, /version, /metrics. Run as a process by
+the ``engine`` launcher; several of them may share one listening socket and one engine. This file holds
+the routes, the chat pipeline every chat-shaped API runs through, and the process entry; HTTP plumbing
+is in ``asgi``, request translation in ``openai_requests``, chat/completions response building in
+``openai_responses``, the other APIs' translators in ``responses_api`` and ``anthropic_api``."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import signal
 import socket
 import sys
 import uuid
+from dataclasses import dataclass, replace
 from typing import Any, AsyncIterator, Awaitable, Callable
 
 import msgspec
@@ -28,6 +30,7 @@ from starlette.routing import Route
 import kvloom
 from kvloom.core.config import EngineConfig
 from kvloom.core.sampling_params import StructuredOutputSpec
+from kvloom.frontends import anthropic_api, responses_api
 from kvloom.frontends import openai_protocol as api
 from kvloom.frontends.access_log import AccessLog, track_tokens
 from kvloom.frontends.admission import KeyRing, check_timeout, parse_api_keys, replace_prepared
@@ -40,6 +43,7 @@ from kvloom.frontends.asgi import (
     json_response,
     prepend,
 )
+from kvloom.frontends.chat_output import ChatReading
 from kvloom.frontends.config import ServerConfig
 from kvloom.frontends.engine_client import EngineUnavailable
 from kvloom.frontends.frontend_core import FrontendCore, PreparedRequest, RequestError, merge_streams
@@ -49,19 +53,38 @@ from kvloom.frontends.openai_requests import (
     chat_messages,
     chat_template_options,
     check_echo,
+    echoed_message,
     prompt_logprobs,
     sampling_params,
     split_prompts,
     structured_output,
+    truncate_prompt,
 )
-from kvloom.frontends.openai_responses import CompletionEcho, ResponseBuilder, UsageCounter
-from kvloom.frontends.output import TextDelta, fan_out
+from kvloom.frontends.openai_responses import ChatPrompt, CompletionEcho, ResponseBuilder, UsageCounter
+from kvloom.frontends.output import TextDelta, coalesce, fan_out
+from kvloom.frontends.reasoning import starts_in_reasoning
 from kvloom.frontends.request_fields import CHAT_RULES, COMPLETION_RULES, check_fields
+from kvloom.frontends.responses_store import open_response_store
 from kvloom.frontends.text import load_chat_template
 from kvloom.frontends.tokenize_routes import routes as tokenize_routes
-from kvloom.frontends.tool_parsers import plan_tools
+from kvloom.frontends.tool_parsers import ToolPlan, plan_tools
 
 logger = logging.getLogger("kvloom.api")
+PROMPT_TAIL_TOKENS = 16  # enough of a prompt's end to see whether it leaves a <think> block open
+
+
+@dataclass
+class ChatPlan:
+    """A chat request checked, rendered and tokenized: its engine requests (one per choice), the builder
+    of its model's responses, its usage counter and how its outputs are read."""
+
+    core: FrontendCore
+    builder: ResponseBuilder
+    prepared: list[PreparedRequest]
+    prompt_text: str  # the chat as the template rendered it
+    prompt_token_ids: list[int]
+    usage: UsageCounter
+    reading: ChatReading
 
 
 class OpenAIServer:
@@ -73,6 +96,8 @@ class OpenAIServer:
         self.metrics = FrontendMetrics()
         self.responses: ResponseBuilder | None = None  # once the engine has said which model it serves
         self.keys = KeyRing(parse_api_keys(config.api_keys, config.api_key))
+        self.response_store = open_response_store(config.responses_store_path, config.responses_store_max_entries,
+                                                  config.responses_store_max_mb, config.responses_store_max_age)
         # --chat-template: read once here; the launcher has checked it already
         self.chat_template = load_chat_template(config.chat_template) if config.chat_template else None
 
@@ -82,53 +107,67 @@ class OpenAIServer:
 
     def routes(self) -> list[Route]:
         return [
-            Route("/v1/completions", self._endpoint(self.completions), methods=["POST"]),
-            Route("/v1/chat/completions", self._endpoint(self.chat_completions), methods=["POST"]),
-            Route("/v1/models", self._endpoint(self.models), methods=["GET"]),
-            Route("/v1/models/{model:path}", self._endpoint(self.model_card), methods=["GET"]),
-            Route("/health", self._endpoint(self.health, public=True), methods=["GET"]),
-            Route("/version", self._endpoint(self.version, public=True), methods=["GET"]),
-            Route("/metrics", self._endpoint(self.metrics_endpoint, public=True), methods=["GET"]),
-            Route("/reset_prefix_cache", self._endpoint(self.reset_prefix_cache), methods=["POST"]),
+            self.route("/v1/completions", self.completions, ["POST"]),
+            self.route("/v1/chat/completions", self.chat_completions, ["POST"]),
+            self.route("/v1/models", self.models, ["GET"]),
+            self.route("/v1/models/{model:path}", self.model_card, ["GET"]),
+            self.route("/health", self.health, ["GET"], public=True),
+            self.route("/version", self.version, ["GET"], public=True),
+            self.route("/metrics", self.metrics_endpoint, ["GET"], public=True),
+            self.route("/reset_prefix_cache", self.reset_prefix_cache, ["POST"]),
             *tokenize_routes(self),
+            *responses_api.routes(self),
+            *anthropic_api.routes(self),
         ]
 
     # --- plumbing ----------------------------------------------------------------------------------
-    def _endpoint(self, handler: Callable[[Request], Awaitable[Any]], public: bool = False):
-        """Wrap a handler: API-key check (unless public), errors in OpenAI's shape, request metrics."""
+    def route(self, path: str, handler: Callable[[Request], Awaitable[Any]], methods: list[str],
+              public: bool = False, errors: Callable[..., Response] = error_response) -> Route:
+        """A route whose handler runs through ``_endpoint``; its metrics label is ``path`` (the template,
+        so ids in URLs do not make a series each)."""
+        return Route(path, self._endpoint(handler, public, errors, path), methods=methods)
+
+    def _endpoint(self, handler: Callable[[Request], Awaitable[Any]], public: bool = False,
+                  errors: Callable[..., Response] = error_response, path: str | None = None):
+        """Wrap a handler: API-key check (unless public), errors in its API's shape (``errors``: OpenAI's
+        unless told), request metrics."""
 
         async def endpoint(request: Request):
             request.state.api_key = None
             request.state.model = None  # the served model the request goes to, once known: its metrics label
             try:
                 if not public:
-                    request.state.api_key = self.keys.authenticate_header(request.headers.get("authorization"))
+                    request.state.api_key = self.keys.authenticate_headers(request.headers)
                 response = await handler(request)
             except RequestError as e:
                 key = request.state.api_key
                 self.metrics.count_rejection(e.reason, key.name if key else "", request.state.model)
-                response = error_response(e.status, e.message, e.param, e.headers)
+                response = errors(e.status, e.message, e.param, e.headers)
             except ClientGone:
                 response = Response(status_code=499)
-            except Exception as e:  # noqa: BLE001 - a bug must still answer in OpenAI's error shape
+            except Exception as e:  # noqa: BLE001 - a bug must still answer in its API's error shape
                 logger.exception("Unhandled error in %s", request.url.path)
-                response = error_response(500, f"internal error: {e!r}")
-            self.metrics.count_request(request.url.path, getattr(response, "status_code", 200), request.state.model)
+                response = errors(500, f"internal error: {e!r}")
+            self.metrics.count_request(path or request.url.path, getattr(response, "status_code", 200),
+                                       request.state.model)
             return response
 
         endpoint.__name__ = handler.__name__
         return endpoint
 
-    async def _parse(self, request: Request, typ: type, rules: dict | None = None):
-        """The body decoded as ``typ``; with ``rules``, its fields checked by ``check_fields`` too."""
+    async def _parse(self, request: Request, typ: type, rules: dict | None = None, api_name: str | None = None):
+        """The body decoded as ``typ``; with ``rules``, its fields checked by ``check_fields`` too
+        (``api_name``: whose request it is, for the unknown-field message)."""
         req, body = await decode_body(request, typ, self.config.max_request_body_bytes,
                                       self.config.http_body_timeout)
         if rules is not None:
-            check_fields(msgspec.json.decode(body), typ, rules)
+            check_fields(msgspec.json.decode(body), typ, rules, *([api_name] if api_name else []))
         return req
 
-    async def _parse_generation(self, request: Request, typ: type):
-        rules = CHAT_RULES if typ is api.ChatCompletionRequest else COMPLETION_RULES
+    async def _parse_generation(self, request: Request, typ: type, rules: dict | None = None):
+        """A generating request's body, checked; notes its model (metrics) and ``timeout`` (admission)."""
+        if rules is None:
+            rules = CHAT_RULES if typ is api.ChatCompletionRequest else COMPLETION_RULES
         req = await self._parse(request, typ, rules)
         request.state.model = self.core_for(req.model).ready.model_name
         request.state.timeout = req.timeout
@@ -141,17 +180,21 @@ class OpenAIServer:
         """The served model a request names (no name: the first model), or 404 naming those served."""
         return core_for(self.cores, model)
 
-    def _request_id(self, request: Request, prefix: str) -> str:
-        # Echoed back only: the engine gets ids this frontend makes, so a reused id cannot mix outputs.
-        return request.headers.get("x-request-id") or f"{prefix}-{uuid.uuid4().hex}"
+    def _request_id(self, request: Request, prefix: str, given: str | None = None) -> str:
+        """The header's X-Request-Id, else the body's request_id (vLLM's field), else a new one. Echoed
+        back only: the engine gets ids this frontend makes, so a reused id cannot mix outputs."""
+        return request.headers.get("x-request-id") or given or f"{prefix}-{uuid.uuid4().hex}"
 
     def _start(self, core: FrontendCore, prepared: list[PreparedRequest]) -> AsyncIterator[tuple[int, TextDelta]]:
         model = core.ready.model_name
         self.metrics.count_prompt_tokens(sum(len(p.prompt_token_ids) for p in prepared), model)
-        return merge_streams([self.metrics.observe(core.generate(p), model) for p in prepared])
+        merged = merge_streams([self.metrics.observe(core.generate(p), model) for p in prepared])
+        prompts: dict[int, int] = {}  # the n choices of one prompt share its token list
+        groups = [prompts.setdefault(id(p.prompt_token_ids), len(prompts)) for p in prepared]
+        return self.metrics.observe_prompts(merged, groups, model)
 
     async def _respond(self, request: Request, core: FrontendCore, prepared: list[PreparedRequest], stream: bool,
-                       rid: str, collect: Callable, events: Callable) -> Any:
+                       rid: str, collect: Callable, events: Callable, stream_interval: int | None = None) -> Any:
         key, given = request.state.api_key, request.state.timeout
         timeout = check_timeout(given, self.config.request_timeout)
         prepared = [replace_prepared(p, key, timeout, given is not None) for p in prepared]
@@ -170,6 +213,8 @@ class OpenAIServer:
                 await merged.aclose()
                 admission.release()
             return json_response(body, headers=headers)
+        if stream_interval is not None and stream_interval > 1:
+            merged = coalesce(merged, stream_interval)
         try:
             # Wait for the first output before answering, so a rejected request still gets its status.
             first = await cancel_on_disconnect(request.receive, anext(merged))
@@ -185,7 +230,11 @@ class OpenAIServer:
         core = self.core_for(req.model)
         responses = self.builders[core.ready.model_name]
         texts = split_prompts(req.prompt)
-        prompts = [core.check_token_ids(p) if isinstance(p, list) else await core.tokenize_text(p) for p in texts]
+        special = req.add_special_tokens is not False
+        truncating = req.truncate_prompt_tokens is not None
+        prompts = [truncate_prompt(core.check_token_ids(p) if isinstance(p, list) else
+                                   await core.tokenize_text(p, add_special_tokens=special, truncated=truncating),
+                                   req, core.max_model_len) for p in texts]
         check_echo(req)
         # max_tokens=0 (echo only): the engine generates one token, which the response leaves out.
         sp = sampling_params(req, 1 if req.max_tokens == 0 else req.max_tokens, req.logprobs,
@@ -194,21 +243,57 @@ class OpenAIServer:
                     for ids in prompts for choice in fan_out(sp, req.n)]
         echo = None
         if req.echo or req.prompt_logprobs is not None:
-            shown = [(t if isinstance(t, str) else responses.tokenizer.decode(ids, skip_special_tokens=False), ids)
-                     for t, ids in zip(texts, prompts)]
+            shown = [(t if isinstance(t, str) and not truncating else
+                      responses.tokenizer.decode(ids, skip_special_tokens=False), ids) for t, ids in zip(texts, prompts)]
             echo = CompletionEcho([p for p in shown for _ in range(req.n)], req.echo, req.logprobs,
                                   req.prompt_logprobs, generate=req.max_tokens != 0)
-        rid = self._request_id(request, "cmpl")
+        rid = self._request_id(request, "cmpl", req.request_id)
+        responses = responses.view(req.return_tokens_as_token_ids)
         usage = UsageCounter([len(p) for p in prompts], req.n)
+        token_ids = [p for p in prompts for _ in range(req.n)] if req.return_token_ids else None
         return await self._respond(request, core, prepared, req.stream, rid,
-                                   lambda merged: responses.collect_completion(rid, merged, usage, len(prepared), echo),
-                                   lambda merged: responses.completion_events(req, rid, merged, usage, echo))
+                                   lambda merged: responses.collect_completion(rid, merged, usage, len(prepared), echo,
+                                                                               token_ids),
+                                   lambda merged: responses.completion_events(req, rid, merged, usage, echo, token_ids),
+                                   req.stream_interval)
 
     # --- /v1/chat/completions ----------------------------------------------------------------------
     async def chat_completions(self, request: Request):
         req: api.ChatCompletionRequest = await self._parse_generation(request, api.ChatCompletionRequest)
+        plan = await self.plan_chat(req)
+        builder, usage = plan.builder.view(req.return_tokens_as_token_ids), plan.usage
+        reading = replace(plan.reading, cut_calls=True)  # as vLLM: a named call cut short is a call
+        rid = self._request_id(request, "chatcmpl", req.request_id)
+        shown = ChatPrompt(echoed_message(req), plan.prompt_token_ids if req.return_token_ids else None,
+                           plan.prompt_text if req.return_prompt_text else None, req.prompt_logprobs)
+        return await self.respond(request, plan, req.stream, rid,
+                                  lambda merged: builder.collect_chat(rid, merged, usage, req.n, reading, shown),
+                                  lambda merged: builder.chat_events(req, rid, merged, usage, reading, shown),
+                                  req.stream_interval)
+
+    async def plan_chat(self, req: api.ChatCompletionRequest, messages: list[dict[str, Any]] | None = None, *,
+                        prompt_param: str = "messages", max_tokens_param: str | None = None) -> ChatPlan:
+        """A chat request, or another API's request translated into one, checked, rendered and tokenized:
+        the one pipeline of every chat-shaped API. ``messages``: the chat as templates take it, when the
+        translator has built it already; the params name the caller's fields in errors."""
+        core, tools, constraint, text, ids = await self.render_chat(req, messages, prompt_param)
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        if max_tokens_param is None:
+            max_tokens_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+        sp = sampling_params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None, constraint,
+                             prompt_logprobs=req.prompt_logprobs)
+        prepared = [core.prepare(ids, choice, priority=req.priority, max_tokens_param=max_tokens_param,
+                                 prompt_param=prompt_param)
+                    for choice in fan_out(sp, req.n)]
+        reading = self._reading(core, ids, tools, constrained=constraint is not None, show=req.include_reasoning)
+        return ChatPlan(core, self.builders[core.ready.model_name], prepared, text, ids,
+                        UsageCounter([len(ids)], req.n), reading)
+
+    async def render_chat(self, req: api.ChatCompletionRequest, messages: list[dict[str, Any]] | None = None,
+                          prompt_param: str = "messages"
+                          ) -> tuple[FrontendCore, ToolPlan | None, StructuredOutputSpec | None, str, list[int]]:
+        """The served model, tool plan, output constraint, rendered prompt and prompt tokens of a chat request."""
         core = self.core_for(req.model)
-        responses = self.builders[core.ready.model_name]
         tools = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls, self.config.tool_call_parser,
                            self.config.enable_auto_tool_choice)
         options = chat_template_options(req, self.chat_template)
@@ -223,19 +308,27 @@ class OpenAIServer:
                 # Compact JSON: a call's arguments never wander into whitespace until max_tokens.
                 constraint = StructuredOutputSpec(kind="json", spec=msgspec.json.encode(tools.schema).decode(),
                                                   any_whitespace=False)
-        ids = await core.tokenize_chat(chat_messages(req.messages), **options)
-        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-        sp = sampling_params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None, constraint)
-        prepared = [core.prepare(ids, choice, priority=req.priority, max_tokens_param=param, prompt_param="messages")
-                    for choice in fan_out(sp, req.n)]
-        rid = self._request_id(request, "chatcmpl")
-        usage = UsageCounter([len(ids)], req.n)
-        return await self._respond(request, core, prepared, req.stream, rid,
-                                   lambda merged: responses.collect_chat(rid, merged, usage, req.n, tools,
-                                                                              self.config.tool_call_parser),
-                                   lambda merged: responses.chat_events(req, rid, merged, usage, tools,
-                                                                             self.config.tool_call_parser))
+        if messages is None:
+            messages = chat_messages(req.messages)
+        text = await core.render_chat(messages, prompt_param, **options)
+        ids = await core.encode_chat(text, prompt_param, add_special_tokens=bool(req.add_special_tokens),
+                                     truncated=req.truncate_prompt_tokens is not None)
+        return core, tools, constraint, text, truncate_prompt(ids, req, core.max_model_len)
+
+    def _reading(self, core: FrontendCore, ids: list[int], tools: ToolPlan | None, constrained: bool,
+                 show: bool) -> ChatReading:
+        parser = self.config.reasoning_parser
+        in_reasoning = False
+        if parser is not None:
+            tail = core.tokenizer.decode(ids[-PROMPT_TAIL_TOKENS:], skip_special_tokens=False)
+            in_reasoning = starts_in_reasoning(parser, tail, constrained)
+        return ChatReading(tools, self.config.tool_call_parser, parser is not None, in_reasoning, show)
+
+    async def respond(self, request: Request, plan: ChatPlan, stream: bool, rid: str, collect: Callable,
+                      events: Callable, stream_interval: int | None = None) -> Any:
+        """Run a planned chat through admission and the engine; ``collect`` makes the whole response,
+        ``events`` the stream (each in its API's shape)."""
+        return await self._respond(request, plan.core, plan.prepared, stream, rid, collect, events, stream_interval)
 
     # --- the rest ----------------------------------------------------------------------------------
     async def models(self, request: Request):

@@ -148,6 +148,17 @@ class ServerConfig:
                                         "tool_choice='auto': hermes (Hermes, Qwen <tool_call>) or llama3_json.")
     enable_auto_tool_choice: bool = _opt(False, "Let the model decide whether to call a tool (tool_choice='auto'); "
                                          "needs --tool-call-parser.")
+    reasoning_parser: str | None = _opt(None, "Split a reasoning model's <think>...</think> from its answer: "
+                                        "reasoning_content in chat, reasoning items in /v1/responses, thinking "
+                                        "blocks in /v1/messages (qwen3 or deepseek_r1).")
+    responses_store_path: str | None = _opt(None, "An SQLite file that keeps /v1/responses' stored responses "
+                                            "(store, previous_response_id), shared by every API worker; unset: "
+                                            "memory (with several API workers, a file in the server's private "
+                                            "temporary directory).")
+    responses_store_max_entries: int = _opt(10000, "Most stored /v1/responses responses; the oldest go first.")
+    responses_store_max_mb: float = _opt(256.0, "Most MiB of stored /v1/responses responses (each with its "
+                                         "conversation); the oldest go first.")
+    responses_store_max_age: float = _opt(86400.0, "Seconds a stored /v1/responses response is kept.")
     max_request_body_mb: float = _opt(16.0, "Largest HTTP request body (and gateway message) in MiB; larger "
                                       "ones are refused with 413 before they are parsed.")
 
@@ -156,7 +167,7 @@ class ServerConfig:
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"port={self.port} must be in [0, 65535]")
         for name in ("api_workers", "max_pending_requests", "data_parallel_size", "max_queued_requests",
-                     "max_queued_tokens"):
+                     "max_queued_tokens", "responses_store_max_entries"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ConfigError(f"{name}={getattr(self, name)} must be >= 1")
         from kvloom.frontends.admission import parse_api_keys
@@ -166,7 +177,8 @@ class ServerConfig:
             raise ConfigError("gateway_require_api_key is set but no api_key or [[api_keys]] is configured")
         for name in ("request_timeout", "queue_timeout", "drain_timeout", "engine_start_timeout", "max_request_body_mb",
                      "engine_heartbeat_timeout", "http_header_timeout", "http_body_timeout",
-                     "http_keep_alive_timeout", "http_limit_concurrency"):
+                     "http_keep_alive_timeout", "http_limit_concurrency", "responses_store_max_age",
+                     "responses_store_max_mb"):
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ConfigError(f"{name}={value} must be > 0")
@@ -180,6 +192,15 @@ class ServerConfig:
             raise ConfigError(f"tool_call_parser={self.tool_call_parser!r} must be one of {list(TOOL_CALL_PARSERS)}")
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ConfigError("enable_auto_tool_choice needs tool_call_parser (hermes or llama3_json)")
+        from kvloom.frontends.reasoning import REASONING_PARSERS
+
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise ConfigError(f"reasoning_parser={self.reasoning_parser!r} must be one of {list(REASONING_PARSERS)}")
+        if self.responses_store_path is not None:
+            folder = os.path.dirname(os.path.abspath(self.responses_store_path))
+            if not os.path.isdir(folder):
+                raise ConfigError(f"responses_store_path={self.responses_store_path!r}: the folder {folder} does "
+                                  "not exist")
         if self.routing_policy not in ROUTING_POLICIES:
             raise ConfigError(f"routing_policy={self.routing_policy!r} must be one of {', '.join(ROUTING_POLICIES)}")
         if self.data_parallel_size > 1 and self.engine_address is not None:

@@ -73,24 +73,41 @@ class FrontendCore:
         return self.ready.max_model_len
 
     # --- prompts -----------------------------------------------------------------------------------
-    def encode_text(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=True)
+    def encode_text(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
-    async def tokenize_text(self, text: str, param: str = "prompt") -> list[int]:
-        """``encode_text`` off the event loop, after refusing a text that provably cannot fit the context."""
-        self.prompt_bound.check(text, self.max_model_len, param)
-        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, self.encode_text, text)
+    async def tokenize_text(self, text: str, param: str = "prompt", *, add_special_tokens: bool = True,
+                            truncated: bool = False) -> list[int]:
+        """``encode_text`` off the event loop, after refusing a text that provably cannot fit the context
+        (unless the caller truncates the tokens to fit)."""
+        if not truncated:
+            self.prompt_bound.check(text, self.max_model_len, param)
+        encode = functools.partial(self.encode_text, text, add_special_tokens)
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, encode)
 
-    async def tokenize_chat(self, messages: list[dict[str, Any]], param: str = "messages", **options: Any) -> list[int]:
-        """The chat's prompt tokens, rendered and encoded off the event loop; the rendered chat is
-        checked like a text prompt first. ``options`` are ``render_chat_template``'s."""
-        loop = asyncio.get_running_loop()
+    async def tokenize_chat(self, messages: list[dict[str, Any]], param: str = "messages", *,
+                            add_special_tokens: bool = False, truncated: bool = False, **options: Any) -> list[int]:
+        """The chat's prompt tokens: ``render_chat`` then ``encode_chat``."""
+        text = await self.render_chat(messages, param, **options)
+        return await self.encode_chat(text, param, add_special_tokens=add_special_tokens, truncated=truncated)
+
+    async def render_chat(self, messages: list[dict[str, Any]], param: str = "messages", **options: Any) -> str:
+        """The chat as the template renders it, off the event loop; ``options`` are ``render_chat_template``'s."""
         render = functools.partial(render_chat_template, self.tokenizer, messages, **options)
         try:
-            text = await loop.run_in_executor(self._tokenizer_pool, render)
+            return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, render)
         except ChatTemplateError as e:
             raise RequestError(400, str(e), param if e.param == "messages" else e.param) from e
-        self.prompt_bound.check(text, self.max_model_len, param)
+
+    async def encode_chat(self, text: str, param: str = "messages", *, add_special_tokens: bool = False,
+                          truncated: bool = False) -> list[int]:
+        """A rendered chat's tokens, off the event loop, after the same length check as a text prompt's;
+        with ``add_special_tokens`` the tokenizer's special tokens go around what the template wrote."""
+        if not truncated:
+            self.prompt_bound.check(text, self.max_model_len, param)
+        loop = asyncio.get_running_loop()
+        if add_special_tokens:
+            return await loop.run_in_executor(self._tokenizer_pool, self.encode_text, text, True)
         return await loop.run_in_executor(self._tokenizer_pool, encode_rendered_chat, self.tokenizer, text)
 
     def check_token_ids(self, ids: list[int], param: str = "prompt") -> list[int]:

@@ -4,7 +4,7 @@ types (``Meta``), so a bad value fails decoding with a message naming the field 
 from __future__ import annotations
 
 import time
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import msgspec
 from msgspec import Meta, Struct
@@ -16,7 +16,17 @@ MAX_LOGPROBS = 20  # the sampler's limit (SamplingParams.logprobs), vLLM's defau
 
 
 class StreamOptions(Struct, kw_only=True):
-    include_usage: bool = False
+    include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False  # vLLM's: usage on every chunk too (with include_usage)
+
+    @property
+    def usage_every_chunk(self) -> bool:
+        return bool(self.include_usage and self.continuous_usage_stats)
+
+
+# Fields vLLM's request models take as nullable: null means the default, as there.
+_NULL_MEANS_DEFAULT = {"n": 1, "stream": False, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0,
+                       "stop_token_ids": [], "echo": False}
 
 
 class _GenerationRequest(Struct, kw_only=True):
@@ -24,14 +34,14 @@ class _GenerationRequest(Struct, kw_only=True):
     extensions (``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos``, ...)."""
 
     model: str | None = None
-    n: Annotated[int, Meta(ge=1, le=128)] = 1
+    n: Annotated[int, Meta(ge=1, le=128)] | None = 1
     temperature: Annotated[float, Meta(ge=0.0, le=2.0)] | None = None
     top_p: Annotated[float, Meta(gt=0.0, le=1.0)] | None = None
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
     seed: Int64 | None = None
     stop: str | Annotated[list[str], Meta(max_length=MAX_STOP_STRINGS)] | None = None
-    stream: bool = False
+    stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None
     logit_bias: dict[str, float] | None = None
@@ -45,23 +55,36 @@ class _GenerationRequest(Struct, kw_only=True):
     guided_decoding_backend: str | None = None
     structured_outputs: dict[str, Any] | None = None
     # extensions
-    top_k: Annotated[int, Meta(ge=-1)] = 0
-    min_p: Annotated[float, Meta(ge=0.0, le=1.0)] = 0.0
-    repetition_penalty: Annotated[float, Meta(gt=0.0, le=10.0)] = 1.0
+    top_k: Annotated[int, Meta(ge=-1)] | None = 0
+    min_p: Annotated[float, Meta(ge=0.0, le=1.0)] | None = 0.0
+    repetition_penalty: Annotated[float, Meta(gt=0.0, le=10.0)] | None = 1.0
     min_tokens: Annotated[int, Meta(ge=0)] = 0
     ignore_eos: bool = False
-    stop_token_ids: list[Annotated[int, Meta(ge=0)]] = []
+    stop_token_ids: list[Annotated[int, Meta(ge=0)]] | None = []
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     priority: int = 0
     timeout: float | None = None  # seconds; may shorten the server's request_timeout (docs/admission.md)
+    request_id: str | None = None  # vLLM's: the response's id, as the X-Request-Id header gives it
+    # vLLM's: keep the last (truncation_side "left") or first N prompt tokens; -1: max_model_len of them
+    truncate_prompt_tokens: Annotated[int, Meta(ge=-1)] | None = None
+    truncation_side: Literal["left", "right"] | None = None
+    return_tokens_as_token_ids: bool | None = None  # logprobs name tokens "token_id:N" (vLLM's)
+    add_special_tokens: bool | None = None  # None: completions add them, a chat's template places them
+    return_token_ids: bool | None = None  # vLLM's: the prompt's and each choice's token ids in the response
+    stream_interval: Annotated[int, Meta(ge=1)] | None = None  # vLLM's: tokens per streamed chunk, at least
+
+    def __post_init__(self) -> None:
+        for name, default in _NULL_MEANS_DEFAULT.items():
+            if getattr(self, name, default) is None:
+                setattr(self, name, default)
 
 
 class CompletionRequest(_GenerationRequest, kw_only=True):
     prompt: str | list[Any]  # text, token ids, or a batch of either
     max_tokens: Annotated[int, Meta(ge=0)] | None = 16  # 0: only with echo (the prompt scored, nothing generated)
     logprobs: Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)] | None = None  # OpenAI's 5 is vLLM's 20 here
-    echo: bool = False  # the prompt before the output, with its logprobs when logprobs is given
+    echo: bool | None = False  # the prompt before the output, with its logprobs when logprobs is given
     suffix: str | None = None
     prompt_logprobs: Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)] | None = None  # vLLM's extension
 
@@ -77,13 +100,14 @@ class ChatMessageIn(Struct, kw_only=True):
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls
     tool_call_id: str | None = None  # a tool message: which call it answers
+    reasoning_content: str | None = None  # an assistant's earlier reasoning, for templates that show it
 
 
 class ChatCompletionRequest(_GenerationRequest, kw_only=True):
     messages: Annotated[list[ChatMessageIn], Meta(min_length=1)]
     max_tokens: Annotated[int, Meta(ge=1)] | None = None
     max_completion_tokens: Annotated[int, Meta(ge=1)] | None = None
-    logprobs: bool = False
+    logprobs: bool | None = False
     top_logprobs: Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)] | None = None
     tools: list[Any] | None = None
     tool_choice: str | dict[str, Any] | None = None
@@ -93,6 +117,17 @@ class ChatCompletionRequest(_GenerationRequest, kw_only=True):
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    prompt_logprobs: Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)] | None = None  # vLLM's; not streamed
+    echo: bool | None = False  # vLLM's: the reply starts with the last message when it has the reply's role
+    documents: list[dict[str, Any]] | None = None  # for templates that render retrieval documents
+    reasoning_effort: str | None = None  # given to the chat template, as vLLM does
+    return_prompt_text: bool | None = None  # vLLM's: the rendered chat in the response (the first chunk)
+    include_reasoning: bool = True  # vLLM's: false leaves the reasoning out (--reasoning-parser)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.logprobs is None:  # a completion's logprobs=null means none; a chat's is a boolean
+            self.logprobs = False
 
 
 # --- responses -------------------------------------------------------------------------------------
@@ -142,6 +177,8 @@ class CompletionChoice(_Choice, kw_only=True):
     logprobs: CompletionLogprobs | None = None
     # vLLM's prompt_logprobs: per prompt token (None for the first), token id (as text) -> its entry
     prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
+    token_ids: list[int] | None = None  # with return_token_ids: this choice's (a stream chunk's) tokens
+    prompt_token_ids: list[int] | None = None  # with return_token_ids (a stream: its first chunk)
 
 
 class CompletionResponse(_Completion, kw_only=True):
@@ -180,16 +217,21 @@ class ChatMessageOut(Struct):
     content: str | None
     role: str = "assistant"
     tool_calls: list[ToolCallOut] | None = None
+    reasoning_content: str | msgspec.UnsetType = msgspec.UNSET  # with --reasoning-parser only
 
 
 class ChatChoice(_Choice, kw_only=True):
     message: ChatMessageOut
     logprobs: ChatLogprobs | None = None
+    token_ids: list[int] | None = None  # with return_token_ids
 
 
 class ChatCompletionResponse(_Completion, kw_only=True):
     choices: list[ChatChoice]
     object: str = "chat.completion"
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None  # vLLM's, as a completion choice's
+    prompt_token_ids: list[int] | None = None  # with return_token_ids
+    prompt_text: str | None = None  # with return_prompt_text: the chat as the template rendered it
 
 
 class DeltaFunctionCall(Struct, omit_defaults=True):
@@ -209,17 +251,21 @@ class DeltaToolCall(Struct, omit_defaults=True):
 class DeltaMessage(Struct, omit_defaults=True):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatChunkChoice(_Choice, kw_only=True):
     delta: DeltaMessage
     logprobs: ChatLogprobs | None = None
+    token_ids: list[int] | None = None  # with return_token_ids: this chunk's tokens
 
 
 class ChatCompletionChunk(_Completion, kw_only=True):
     choices: list[ChatChunkChoice]
     object: str = "chat.completion.chunk"
+    prompt_token_ids: list[int] | None = None  # with return_token_ids, on the first chunk
+    prompt_text: str | None = None  # with return_prompt_text, on the first chunk
 
 
 class ModelCard(Struct):

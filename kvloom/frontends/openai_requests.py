@@ -69,10 +69,48 @@ def _is_token_id(value: Any) -> bool:
 
 
 def chat_template_options(req, default_template: str | None) -> dict[str, Any]:
-    """A chat or /tokenize request's template options, as ``render_chat_template`` takes them."""
+    """A chat or /tokenize request's template options, as ``render_chat_template`` takes them. As vLLM,
+    ``documents`` and ``reasoning_effort`` reach the template as variables (``enable_thinking`` too,
+    unless the request's ``chat_template_kwargs`` set it)."""
+    kwargs: dict[str, Any] = {}
+    if getattr(req, "documents", None):
+        kwargs["documents"] = req.documents
+    effort = getattr(req, "reasoning_effort", None)
+    if effort is not None:
+        kwargs.update(reasoning_effort=effort, enable_thinking=effort != "none")
+    kwargs.update(req.chat_template_kwargs or {})
     return dict(chat_template=req.chat_template, default_template=default_template,
                 add_generation_prompt=req.add_generation_prompt, continue_final_message=req.continue_final_message,
-                chat_template_kwargs=req.chat_template_kwargs)
+                chat_template_kwargs=kwargs or None)
+
+
+def truncate_prompt(ids: list[int], req: api._GenerationRequest, max_model_len: int) -> list[int]:
+    """vLLM's ``truncate_prompt_tokens``: keep the last N prompt tokens (``truncation_side`` "right":
+    the first N); -1 keeps max_model_len of them."""
+    n = req.truncate_prompt_tokens
+    if n is None:
+        return ids
+    if n == 0 or n > max_model_len:
+        raise RequestError(400, f"truncate_prompt_tokens={n} must be -1 (max_model_len) or between 1 and "
+                           f"max_model_len={max_model_len}", "truncate_prompt_tokens")
+    keep = max_model_len if n == -1 else n
+    if len(ids) <= keep:
+        return ids
+    return ids[:keep] if req.truncation_side == "right" else ids[len(ids) - keep:]
+
+
+def echoed_message(req: api.ChatCompletionRequest) -> str:
+    """vLLM's chat ``echo``: the reply starts with the last message's text when that message has the
+    reply's role (the assistant's, or with add_generation_prompt=false the last message's own)."""
+    if not req.echo or not req.messages:
+        return ""
+    last = req.messages[-1]
+    if req.add_generation_prompt and last.role != "assistant":
+        return ""
+    content = last.content
+    if isinstance(content, list):
+        content = "".join(p.text or "" for p in content if p.type == "text")
+    return content or ""
 
 
 def chat_messages(messages: list[api.ChatMessageIn]) -> list[dict[str, Any]]:
@@ -90,6 +128,8 @@ def chat_messages(messages: list[api.ChatMessageIn]) -> list[dict[str, Any]]:
             message["tool_calls"] = template_messages_tool_calls(m.tool_calls, i)
         if m.tool_call_id is not None:
             message["tool_call_id"] = m.tool_call_id
+        if m.reasoning_content is not None:
+            message["reasoning_content"] = m.reasoning_content
         out.append(message)
     return out
 

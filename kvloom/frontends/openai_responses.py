@@ -3,54 +3,17 @@ streams (with usage chunks and a final error event), and logprobs in the complet
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable
 
 from kvloom.core.messages import TokenLogprobs
 from kvloom.frontends import openai_protocol as api
 from kvloom.frontends.asgi import ERROR_TYPES, SSE_DONE, sse
+from kvloom.frontends.chat_output import ChatReading, ChoiceStream
 from kvloom.frontends.errors import RequestError
 from kvloom.frontends.output import TextDelta
 from kvloom.frontends.text import token_bytes
-from kvloom.frontends.tool_parsers import ToolCall, ToolPlan, make_parser
-
-
-class ToolOutput:
-    """One choice's tool calls: read from its text (auto, by the server's parser) or the forced JSON
-    (required, named). ``feed`` returns the content that can be streamed now."""
-
-    def __init__(self, plan: ToolPlan, parser: str | None) -> None:
-        self.plan = plan
-        self.parser = make_parser(parser) if plan.mode == "auto" else None
-        self.text = ""
-
-    def feed(self, text: str) -> str:
-        self.text += text
-        return self.parser.feed(text) if self.parser is not None else ""
-
-    def finish(self) -> tuple[str, list[ToolCall]]:
-        """Content not streamed yet, and the calls."""
-        if self.parser is not None:
-            return self.parser.finish()
-        try:
-            return "", self.plan.forced_calls(self.text)
-        except (ValueError, KeyError, TypeError):  # cut short by max_tokens: not a whole call
-            return self.text, []
-
-    def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
-        if self.parser is not None:
-            return self.parser.parse(text)
-        self.text = text
-        rest, calls = self.finish()
-        return (rest or None) if calls else text, calls
-
-    def finish_reason(self, reason: str | None, calls: list[ToolCall]) -> str | None:
-        # OpenAI ends a call the model chose (auto, required) with "tool_calls", a named one with "stop".
-        return "tool_calls" if calls and reason == "stop" and self.plan.mode != "named" else reason
-
-
-def _tool_output(plan: ToolPlan | None, parser: str | None) -> ToolOutput | None:
-    return ToolOutput(plan, parser) if plan is not None and plan.mode != "none" else None
 
 
 @dataclass
@@ -73,10 +36,23 @@ class CompletionEcho:
                          delta.num_prompt_tokens, delta.num_cached_tokens, 0, delta.prompt_logprobs)
 
 
+@dataclass
+class ChatPrompt:
+    """What a chat response shows of its request beyond the reply: vLLM's ``echo`` text (the reply
+    starts with it), the prompt's token ids (``return_token_ids``), the rendered chat
+    (``return_prompt_text``) and how many alternatives ``prompt_logprobs`` lists."""
+
+    echo: str = ""
+    token_ids: list[int] | None = None
+    text: str | None = None
+    prompt_logprobs: int | None = None
+
+
 class UsageCounter:
     """Token counts of one HTTP request across its choices."""
 
     def __init__(self, prompt_lens: list[int], n: int) -> None:
+        self.prompt_lens = prompt_lens
         self.prompt_tokens = sum(prompt_lens)
         self.n = n
         self.completion: dict[int, int] = {}
@@ -86,6 +62,12 @@ class UsageCounter:
         self.completion[index] = delta.num_output_tokens
         if index % self.n == 0:
             self.cached[index] = delta.num_cached_tokens
+
+    def choice_info(self, index: int, delta: TextDelta | None) -> api.UsageInfo:
+        """vLLM's continuous usage stats: one choice's prompt and its tokens so far."""
+        prompt = self.prompt_lens[index // self.n]
+        done = delta.num_output_tokens if delta is not None else 0
+        return api.UsageInfo(prompt, done, prompt + done)
 
     def info(self) -> api.UsageInfo:
         completion = sum(self.completion.values())
@@ -102,8 +84,20 @@ class ResponseBuilder:
         self.model_name = model_name
         self._token_text: dict[int, str] = {}
         self._token_bytes: dict[int, bytes] = {}
+        self.tokens_as_ids = False
+
+    def view(self, tokens_as_ids: bool | None) -> "ResponseBuilder":
+        """This builder for one request: with ``tokens_as_ids`` (vLLM's return_tokens_as_token_ids),
+        logprobs name each token ``token_id:N``. The caches stay shared."""
+        if not tokens_as_ids:
+            return self
+        view = copy.copy(self)
+        view.tokens_as_ids = True
+        return view
 
     def token_text(self, token_id: int) -> str:
+        if self.tokens_as_ids:
+            return f"token_id:{token_id}"
         text = self._token_text.get(token_id)
         if text is None:
             text = self._token_text[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False)
@@ -128,8 +122,11 @@ class ResponseBuilder:
         yield SSE_DONE
 
     async def collect_completion(self, rid: str, merged, usage: UsageCounter, count: int,
-                                 echo: CompletionEcho | None = None) -> api.CompletionResponse:
+                                 echo: CompletionEcho | None = None,
+                                 prompt_ids: list[list[int]] | None = None) -> api.CompletionResponse:
+        """``prompt_ids`` (each choice's prompt): vLLM's return_token_ids, the prompt's and the output's."""
         texts = [""] * count
+        ids: list[list[int]] = [[] for _ in range(count)]
         lps: list[list[TokenLogprobs] | None] = [None] * count
         prompt_lps: list[list[TokenLogprobs] | None] = [None] * count
         finals: list[TextDelta | None] = [None] * count
@@ -138,6 +135,7 @@ class ResponseBuilder:
                 delta = echo.output(delta)
                 prompt_lps[index] = prompt_lps[index] or delta.prompt_logprobs
             texts[index] += delta.text
+            ids[index] += delta.token_ids
             if delta.logprobs:
                 lps[index] = (lps[index] or []) + delta.logprobs
             if delta.finish_reason is not None:
@@ -147,11 +145,13 @@ class ResponseBuilder:
         for i in range(count):
             choice = api.CompletionChoice(index=i, text=texts[i], logprobs=self.completion_logprobs(lps[i], 0),
                                           finish_reason=finals[i].finish_reason, stop_reason=finals[i].stop_reason)
+            if prompt_ids is not None:
+                choice.token_ids, choice.prompt_token_ids = ids[i], list(prompt_ids[i])
             choices.append(self._with_prompt(choice, echo, i, prompt_lps[i], lps[i]) if echo is not None else choice)
         return api.CompletionResponse(id=rid, choices=choices, model=self.model_name, usage=usage.info())
 
     def completion_events(self, req: api.CompletionRequest, rid: str, merged, usage: UsageCounter,
-                          echo: CompletionEcho | None = None):
+                          echo: CompletionEcho | None = None, prompt_ids: list[list[int]] | None = None):
         async def events():
             offsets: dict[int, int] = {}
             async for index, delta in merged:
@@ -165,12 +165,17 @@ class ResponseBuilder:
                     usage.add(index, delta)
                 choice = api.CompletionChoice(index=index, text=delta.text, logprobs=lp,
                                               finish_reason=delta.finish_reason, stop_reason=delta.stop_reason)
+                if prompt_ids is not None:
+                    choice.token_ids = list(delta.token_ids)
+                    choice.prompt_token_ids = list(prompt_ids[index]) if first else None
                 if echo is not None and first:  # the prompt comes with the choice's first chunk
                     choice = self._with_prompt(choice, echo, index, delta.prompt_logprobs, delta.logprobs)
                     if echo.echo and choice.logprobs is not None:
                         offsets[index] = sum(len(t) for t in choice.logprobs.tokens)
-                yield sse(api.CompletionResponse(id=rid, choices=[choice], model=self.model_name))
+                yield sse(api.CompletionResponse(id=rid, choices=[choice], model=self.model_name,
+                                                 usage=usage.choice_info(index, delta) if every_chunk else None))
 
+        every_chunk = req.stream_options is not None and req.stream_options.usage_every_chunk
         include_usage = req.stream_options is not None and req.stream_options.include_usage
         usage_chunk = (lambda: api.CompletionResponse(id=rid, choices=[], model=self.model_name,
                                                       usage=usage.info())) if include_usage else None
@@ -222,13 +227,18 @@ class ResponseBuilder:
             tops.append(entry)
         return api.CompletionLogprobs(tokens, [lp.logprob for lp in lps], tops, text_offset)
 
-    async def collect_chat(self, rid: str, merged, usage: UsageCounter, n: int, tools: ToolPlan | None = None,
-                           parser: str | None = None) -> api.ChatCompletionResponse:
+    async def collect_chat(self, rid: str, merged, usage: UsageCounter, n: int, reading: ChatReading,
+                           prompt: ChatPrompt | None = None) -> api.ChatCompletionResponse:
+        prompt = prompt or ChatPrompt()
         texts = [""] * n
+        ids: list[list[int]] = [[] for _ in range(n)]
         lps: list[list[api.TokenLogprobOut] | None] = [None] * n
         finals: list[TextDelta | None] = [None] * n
+        prompt_lps: list[TokenLogprobs] | None = None
         async for index, delta in merged:
             texts[index] += delta.text
+            ids[index] += delta.token_ids
+            prompt_lps = prompt_lps or delta.prompt_logprobs
             if delta.logprobs:
                 lps[index] = (lps[index] or []) + self.chat_logprobs(delta.logprobs).content
             if delta.finish_reason is not None:
@@ -236,49 +246,88 @@ class ResponseBuilder:
                 usage.add(index, delta)
         choices = []
         for i in range(n):
-            message, reason = api.ChatMessageOut(texts[i]), finals[i].finish_reason
-            out = _tool_output(tools, parser)
-            if out is not None:
-                content, calls = out.parse(texts[i])
-                if calls:
-                    message = api.ChatMessageOut(content, tool_calls=[
-                        api.ToolCallOut(c.id, api.FunctionCallOut(c.name, c.arguments)) for c in calls])
-                    reason = out.finish_reason(reason, calls)
-            choices.append(api.ChatChoice(index=i, message=message, finish_reason=reason,
+            reasoning, content, calls = reading.whole(texts[i])
+            if prompt.echo and not calls:  # vLLM's echo: the reply's text starts with the last message
+                content = prompt.echo + (content or "")
+            message = api.ChatMessageOut(content, tool_calls=[
+                api.ToolCallOut(c.id, api.FunctionCallOut(c.name, c.arguments)) for c in calls] or None)
+            if reasoning is not None:
+                message.reasoning_content = reasoning
+            choices.append(api.ChatChoice(index=i, message=message,
+                                          finish_reason=reading.finish_reason(finals[i].finish_reason, calls),
                                           logprobs=api.ChatLogprobs(lps[i]) if lps[i] is not None else None,
-                                          stop_reason=finals[i].stop_reason))
-        return api.ChatCompletionResponse(id=rid, choices=choices, model=self.model_name, usage=usage.info())
+                                          stop_reason=finals[i].stop_reason,
+                                          token_ids=ids[i] if prompt.token_ids is not None else None))
+        response = api.ChatCompletionResponse(id=rid, choices=choices, model=self.model_name, usage=usage.info(),
+                                              prompt_token_ids=prompt.token_ids, prompt_text=prompt.text)
+        if prompt.prompt_logprobs is not None:
+            response.prompt_logprobs = [None] + [self._vllm_prompt_logprob(lp, prompt.prompt_logprobs)
+                                                 for lp in prompt_lps or ()]
+        return response
 
     def chat_events(self, req: api.ChatCompletionRequest, rid: str, merged, usage: UsageCounter,
-                    tools: ToolPlan | None = None, parser: str | None = None):
+                    reading: ChatReading, prompt: ChatPrompt | None = None):
         model = self.model_name
-        outs = {i: _tool_output(tools, parser) for i in range(req.n)}
+        prompt = prompt or ChatPrompt()
+        outs = {i: reading.stream() for i in range(req.n)}
+        called: set[int] = set()  # choices whose named call has shown its id and name
+        every_chunk = req.stream_options is not None and req.stream_options.usage_every_chunk
+        latest: dict[int, TextDelta] = {}
+        # return_token_ids: each chunk carries the tokens that arrived since its choice's last chunk
+        pending: dict[int, list[int]] | None = {i: [] for i in range(req.n)} if prompt.token_ids is not None else None
 
         def chunk(index: int, delta: api.DeltaMessage, **kw) -> str:
+            ids = None
+            if pending is not None:
+                ids, pending[index] = pending[index], []
             return sse(api.ChatCompletionChunk(id=rid, model=model, choices=[
-                api.ChatChunkChoice(index=index, delta=delta, **kw)]))
+                api.ChatChunkChoice(index=index, delta=delta, token_ids=ids, **kw)],
+                usage=usage.choice_info(index, latest.get(index)) if every_chunk else None))
+
+        def text_delta(reasoning: str, content: str) -> api.DeltaMessage:
+            return api.DeltaMessage(content=content if content or not reasoning else None,
+                                    reasoning_content=reasoning or None)
 
         async def events():
-            yield sse(api.ChatCompletionChunk(id=rid, model=model, choices=[
-                api.ChatChunkChoice(index=i, delta=api.DeltaMessage(role="assistant", content=""))
-                for i in range(req.n)]))
+            first = dict(prompt_token_ids=prompt.token_ids, prompt_text=prompt.text)
+            if every_chunk:  # vLLM's continuous usage: every chunk has its choice's, the first too
+                for i in range(req.n):
+                    yield sse(api.ChatCompletionChunk(id=rid, model=model, choices=[api.ChatChunkChoice(
+                        index=i, delta=api.DeltaMessage(role="assistant", content=""))],
+                        usage=usage.choice_info(i, None), **(first if i == 0 else {})))
+            else:
+                yield sse(api.ChatCompletionChunk(id=rid, model=model, choices=[
+                    api.ChatChunkChoice(index=i, delta=api.DeltaMessage(role="assistant", content=""))
+                    for i in range(req.n)], **first))
+            if prompt.echo:
+                for i in range(req.n):
+                    yield chunk(i, api.DeltaMessage(content=prompt.echo))
             async for index, delta in merged:
+                latest[index] = delta
+                if pending is not None:
+                    pending[index] += delta.token_ids
                 if delta.finish_reason is not None:
                     usage.add(index, delta)
                 lp = self.chat_logprobs(delta.logprobs) if delta.logprobs else None
                 out = outs[index]
-                if out is None:
-                    yield chunk(index, api.DeltaMessage(content=delta.text), logprobs=lp,
+                reasoning, content = out.feed(delta.text)
+                if out.named is not None:  # the output is the call's arguments: stream them as they come
+                    for piece in self._named_call_chunks(chunk, out, index, delta, reasoning, lp, called):
+                        yield piece
+                    continue
+                if delta.finish_reason is None:
+                    if reasoning or content or lp is not None:
+                        yield chunk(index, text_delta(reasoning, content), logprobs=lp)
+                    continue
+                more, rest, calls = out.finish()
+                reasoning, content = reasoning + more, content + rest
+                if out.tools is None and out.splitter is None:
+                    # Plain text: the last piece and the finish share one chunk, as before tools existed.
+                    yield chunk(index, api.DeltaMessage(content=content), logprobs=lp,
                                 finish_reason=delta.finish_reason, stop_reason=delta.stop_reason)
                     continue
-                content = out.feed(delta.text)
-                if delta.finish_reason is None:
-                    if content or lp is not None:
-                        yield chunk(index, api.DeltaMessage(content=content), logprobs=lp)
-                    continue
-                rest, calls = out.finish()
-                if content + rest or lp is not None:
-                    yield chunk(index, api.DeltaMessage(content=content + rest), logprobs=lp)
+                if reasoning or content or lp is not None:
+                    yield chunk(index, text_delta(reasoning, content), logprobs=lp)
                 for k, call in enumerate(calls):  # as OpenAI streams a call: id and name, then arguments
                     yield chunk(index, api.DeltaMessage(tool_calls=[api.DeltaToolCall(
                         k, call.id, "function", api.DeltaFunctionCall(name=call.name, arguments=""))]))
@@ -291,6 +340,32 @@ class ResponseBuilder:
         usage_chunk = (lambda: api.ChatCompletionChunk(id=rid, choices=[], model=model,
                                                        usage=usage.info())) if include_usage else None
         return self.stream_end(events(), usage_chunk)
+
+    @staticmethod
+    def _named_call_chunks(chunk: Callable[..., str], out: ChoiceStream, index: int, delta: TextDelta,
+                           reasoning: str, lp: api.ChatLogprobs | None, called: set[int]) -> list[str]:
+        """One delta of a choice whose output is a named call: its argument text as tool-call deltas (the
+        first with the call's id, type and name, as OpenAI streams a call), and the finish."""
+        calls = []
+        if delta.finish_reason is not None:
+            more, _, calls = out.finish()
+            reasoning += more
+        arguments = out.new_arguments()
+        call = None
+        if arguments or (index not in called and (lp is not None or delta.finish_reason is not None)):
+            call = api.DeltaToolCall(0, function=api.DeltaFunctionCall(arguments=arguments))
+            if index not in called:
+                called.add(index)
+                call = api.DeltaToolCall(0, out.named.id, "function",
+                                         api.DeltaFunctionCall(name=out.named.name, arguments=arguments))
+        pieces = []
+        if reasoning or call is not None or lp is not None:
+            pieces.append(chunk(index, api.DeltaMessage(reasoning_content=reasoning or None,
+                                                        tool_calls=[call] if call is not None else None), logprobs=lp))
+        if delta.finish_reason is not None:
+            pieces.append(chunk(index, api.DeltaMessage(), finish_reason=out.finish_reason(delta.finish_reason, calls),
+                                stop_reason=delta.stop_reason))
+        return pieces
 
     def chat_logprobs(self, lps: list[TokenLogprobs]) -> api.ChatLogprobs:
         def entry(token_id: int, logprob: float) -> tuple[str, float, list[int]]:

@@ -5,6 +5,7 @@ match), and the ``n`` completions of one prompt fanned out with one seed rule.""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import AsyncIterator
 
 import msgspec
 
@@ -26,6 +27,7 @@ class TextDelta:
     num_cached_tokens: int = 0
     num_output_tokens: int = 0  # tokens generated so far (usage counts these, text or not)
     prompt_logprobs: list[TokenLogprobs] | None = None  # sampling.prompt_logprobs: tokens 1.., on the first delta
+    prefill_time: float | None = None  # the engine's seconds from the first step to the first token
 
 
 def fan_out(sampling: SamplingParams, n: int) -> list[SamplingParams]:
@@ -59,6 +61,7 @@ class CompletionText:
         self.finish_reason: str | None = None
         self.stopped_early = False  # a stop string ended it while the engine still runs the request
         self._held: list[int] = []
+        self._prefill_time: float | None = None
 
     def add(self, delta: TokenDelta) -> TextDelta | None:
         if self.finish_reason is not None:
@@ -72,11 +75,40 @@ class CompletionText:
                 self.stopped_early = finish is None
                 finish, stop_reason = "stop", self._text.stopped_by
         self._held.extend(delta.new_token_ids)
+        if delta.prefill_time is not None:  # held with its tokens when their text is held back
+            self._prefill_time = delta.prefill_time
         if finish is None and not text and not delta.logprobs and not delta.prompt_logprobs:
             return None
         out = TextDelta(text, self._held, delta.logprobs, finish, stop_reason,
                         delta.num_prompt_tokens or self.num_prompt_tokens, delta.num_cached_tokens,
-                        self.num_output_tokens, delta.prompt_logprobs)
+                        self.num_output_tokens, delta.prompt_logprobs, self._prefill_time or delta.prefill_time)
+        self._prefill_time = None
         self._held = []
         self.finish_reason = finish
         return out
+
+
+async def coalesce(merged: AsyncIterator[tuple[int, TextDelta]], tokens: int) -> AsyncIterator[tuple[int, TextDelta]]:
+    """vLLM's ``stream_interval``: each choice's deltas joined until they hold ``tokens`` tokens; a
+    choice's first delta and its last go out at once."""
+    held: dict[int, TextDelta] = {}
+    seen: set[int] = set()
+    try:
+        async for index, delta in merged:
+            if index in held:
+                delta = _joined(held.pop(index), delta)
+            if index not in seen or delta.finish_reason is not None or len(delta.token_ids) >= tokens:
+                seen.add(index)
+                yield index, delta
+            else:
+                held[index] = delta
+    finally:
+        await merged.aclose()
+
+
+def _joined(a: TextDelta, b: TextDelta) -> TextDelta:
+    """``a`` then ``b`` as one delta: the texts, tokens and logprobs of both, ``b``'s counts and ending."""
+    logprobs = (a.logprobs or []) + (b.logprobs or []) if a.logprobs or b.logprobs else None
+    return TextDelta(a.text + b.text, a.token_ids + b.token_ids, logprobs, b.finish_reason, b.stop_reason,
+                     b.num_prompt_tokens, b.num_cached_tokens, b.num_output_tokens,
+                     a.prompt_logprobs or b.prompt_logprobs, a.prefill_time or b.prefill_time)

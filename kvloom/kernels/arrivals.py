@@ -5,8 +5,7 @@ combined. A second kernel costs a launch and, with PDL, the chain of early launc
 atomically adding float32 partials into a zeroed output costs a fill and a cast kernel and is not
 deterministic. Instead each split stores its partial, and the program that arrives last at its output tile,
 counted by an atomic add on a counter, combines the partials in a fixed order and stores the result.
-(Decode attention's key splits done the same way were slower on an H200 than its reduce kernel: the
-split programs' barrier, atomic and serial combine took 4.3 us a layer more; docs/benchmarks.md, session 15.)
+(Decode attention keeps its reduce kernel: combining its key splits this way was slower, docs/benchmarks.md.)
 
 The rules every kernel using these counters follows:
 

@@ -20,8 +20,8 @@ The rules every kernel launched through ``pdl_args`` follows:
   first weight tiles.
 
 Kernels launched without PDL (PyTorch's, cuBLAS) wait for their predecessor as usual, and a PDL kernel
-after one of them starts when it ends, so mixing them is safe. ``KVLOOM_PDL=0`` turns PDL off (an A/B
-switch); the Triton interpreter and GPUs before Hopper never use it.
+after one of them starts when it ends, so mixing them is safe. ``pdl=False`` at each launch turns PDL off
+(``KernelOptions.pdl``, an A/B switch); the Triton interpreter and GPUs before Hopper never use it.
 """
 
 from __future__ import annotations
@@ -35,9 +35,9 @@ import triton.language as tl
 _CAPABLE: dict[int, bool] = {}
 
 
-def pdl_enabled(t: torch.Tensor) -> bool:
-    """Whether kernels on ``t``'s device launch with PDL."""
-    if not t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1" or os.environ.get("KVLOOM_PDL", "1") == "0":
+def pdl_enabled(t: torch.Tensor, enabled: bool = True) -> bool:
+    """Whether kernels on ``t``'s device launch with PDL: ``enabled`` and the device has it."""
+    if not (enabled and t.is_cuda) or os.environ.get("TRITON_INTERPRET") == "1":
         return False
     index = t.device.index if t.device.index is not None else torch.cuda.current_device()
     if index not in _CAPABLE:
@@ -45,10 +45,10 @@ def pdl_enabled(t: torch.Tensor) -> bool:
     return _CAPABLE[index]
 
 
-def pdl_args(t: torch.Tensor) -> dict:
+def pdl_args(t: torch.Tensor, enabled: bool = True) -> dict:
     """The launch arguments of a kernel that takes ``PDL: tl.constexpr``: the flag, and Triton's launch
-    option when it is set."""
-    return dict(PDL=True, launch_pdl=True) if pdl_enabled(t) else dict(PDL=False)
+    option when it is set (``enabled`` and the device has PDL)."""
+    return dict(PDL=True, launch_pdl=True) if pdl_enabled(t, enabled) else dict(PDL=False)
 
 
 @triton.jit

@@ -139,7 +139,7 @@ def fp8_linear_reference(x: torch.Tensor, weight: torch.Tensor, weight_scale: to
 # are repacked into it once at load.
 def int_matmul(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor,
                group_size: int, bits: int, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """The reference of ``triton_quant.int_matmul``: dequantize in float32, round to x's dtype, matmul."""
+    """The reference of ``quant.int_kpacked.int_matmul``: dequantize in float32, round to x's dtype, matmul."""
     q = unpack_int32(qweight, bits, 0)
     g = torch.arange(q.shape[0], device=q.device) // group_size
     w = ((q - zeros.long()[g]).float() * scales.float()[g]).to(x.dtype)  # [K, N]

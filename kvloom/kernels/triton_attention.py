@@ -75,8 +75,8 @@ def _round_to_e4m3(x):
     bits = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576  # keep 3 of float32's 23 mantissa bits
     r = bits.to(tl.float32, bitcast=True)
     r = tl.minimum(tl.where(small, r - 0.015625, r), 448.0)
-    # The sign bit copied, not ``-r``: compiled, a negation is ``0 - r``, which turns -0.0 into +0.0 (the
-    # H200 wrote byte 0 where torch writes 128 for tiny negative values).
+    # The sign bit copied, not ``-r``: compiled, a negation is ``0 - r``, which turns -0.0 into +0.0 (byte 0
+    # where torch writes 128 for tiny negative values).
     sign = x.to(tl.int32, bitcast=True) & -2147483648
     return (r.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
 
@@ -114,7 +114,7 @@ def _write_kv_cache_kernel(
 
 def write_kv_cache(
     k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
-    k_scale: float = 1.0, v_scale: float = 1.0,
+    k_scale: float = 1.0, v_scale: float = 1.0, pdl: bool = True,
 ) -> None:
     """Store ``k``/``v`` (``[T, Hkv, D]``, strided views allowed) at ``slot_mapping`` (``[T]``), quantized
     with the per-tensor ``k_scale``/``v_scale`` when the caches are fp8 (see ``reference.quantize_kv``).
@@ -132,7 +132,7 @@ def write_kv_cache(
         num_heads, 1.0 / k_scale, 1.0 / v_scale,
         BLOCK_SIZE=k_cache.shape[1], HEAD_DIM=head_dim,
         BLOCK_H=triton.next_power_of_2(num_heads), BLOCK_D=triton.next_power_of_2(head_dim),
-        FP8=k_cache.dtype == torch.float8_e4m3fn, **pdl_args(k),
+        FP8=k_cache.dtype == torch.float8_e4m3fn, **pdl_args(k, pdl),
     )
 
 
@@ -181,7 +181,7 @@ def _rotary_write_kv_kernel(
 def rotary_and_write_kv_cache(
     positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos_sin_cache: torch.Tensor,
     k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
-    k_scale: float = 1.0, v_scale: float = 1.0,
+    k_scale: float = 1.0, v_scale: float = 1.0, pdl: bool = True,
 ) -> torch.Tensor:
     """``rotary_embedding`` of ``q`` (in place; returned) and ``k``, and ``write_kv_cache`` of the rotated k
     and ``v``, in one kernel: the cache holds what the two would have written. ``k`` itself is left as
@@ -202,7 +202,7 @@ def rotary_and_write_kv_cache(
         num_q_heads, num_kv_heads, 1.0 / k_scale, 1.0 / v_scale,
         HALF=half, BLOCK_HALF=triton.next_power_of_2(half), BLOCK_HQ=triton.next_power_of_2(num_q_heads),
         BLOCK_HKV=triton.next_power_of_2(num_kv_heads), BLOCK_SIZE=k_cache.shape[1], HEAD_DIM=head_dim,
-        BLOCK_D=triton.next_power_of_2(head_dim), FP8=k_cache.dtype == torch.float8_e4m3fn, **pdl_args(q),
+        BLOCK_D=triton.next_power_of_2(head_dim), FP8=k_cache.dtype == torch.float8_e4m3fn, **pdl_args(q, pdl),
     )
     return q
 
@@ -427,6 +427,7 @@ def paged_decode_attention(
     window: int | None = None,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
+    pdl: bool = True,
 ) -> torch.Tensor:
     """One query token per sequence: ``q`` ``[B, Hq, D]`` -> ``[B, Hq, D]`` (see ``reference.paged_decode_attention``).
 
@@ -467,8 +468,8 @@ def paged_decode_attention(
         BLOCK_SIZE=block_size, HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_N=_DECODE_BLOCK_N, DOT_PRECISION=_dot_precision(q.dtype),
         WINDOW=window or 0, SINKS=sinks is not None, SOFTCAP=softcap is not None,
-        # Measured on H200 (bf16, D=128): 64-key tiles, 3 stages reach ~4.3 TB/s at large batch.
-        num_warps=4, num_stages=3 if q.element_size() <= 2 else 2, **pdl_args(q),
+        # 64-key tiles in 3 stages: the fastest decode configuration timed (docs/benchmarks.md).
+        num_warps=4, num_stages=3 if q.element_size() <= 2 else 2, **pdl_args(q, pdl),
     )
     if num_splits > 1:
         _decode_reduce_kernel[(batch, num_q_heads)](
@@ -477,7 +478,7 @@ def paged_decode_attention(
             num_q_heads, _sinks_arg(sinks, q),
             NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits),
             HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=_DECODE_BLOCK_N, WINDOW=window or 0,
-            SINKS=sinks is not None, **pdl_args(q),
+            SINKS=sinks is not None, **pdl_args(q, pdl),
         )
     return out
 
@@ -592,8 +593,8 @@ def _prefill_config(max_query_len: int, block_d: int, element_size: int) -> tupl
         # Short chunks (decode-like steps mixed into a prefill batch): don't pad to a big query tile.
         return max(16, triton.next_power_of_2(max_query_len)), 64, 4, 2
     if max_query_len >= 512 and block_d <= 128 and element_size <= 2:
-        # Measured on H200 (bf16, D=128, 4096-token prompt): ~320 TFLOP/s against ~300 for 64 x 64 tiles.
-        # The 3-stage K/V ring needs ~220 KB of shared memory, hence 16-bit inputs and D <= 128 only.
+        # 128 x 128 tiles beat 64 x 64 on long prompts (docs/benchmarks.md); the 3-stage K/V ring needs ~220 KB
+        # of shared memory, hence 16-bit inputs and D <= 128 only.
         return 128, 128, 8, 3
     return 64, 64 if block_d <= 128 else 32, 4, 2
 

@@ -52,7 +52,7 @@ def _rms_norm_kernel(
 def _rms_norm_row(x_ptr, res_ptr, new_res_ptr, row, stride_x, stride_res, stride_new_res, cols, mask, n_cols, eps,
                   HAS_RESIDUAL: tl.constexpr, ROUND: tl.constexpr = True):
     """One row's normalized values (float32) before the weight, storing ``x + residual`` first where given;
-    ``row`` int64. Shared with the RMSNorm that quantizes its output (``triton_quant.rms_norm_fp8``)."""
+    ``row`` int64. Shared with the RMSNorm that quantizes its output (``quant.fp8_rows.rms_norm_fp8``)."""
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
     if HAS_RESIDUAL:
         r = tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0)
@@ -67,11 +67,12 @@ def _rms_norm_row(x_ptr, res_ptr, new_res_ptr, row, stride_x, stride_res, stride
 
 
 def rms_norm(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None, pdl: bool = True,
     scale_in_float32: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """RMSNorm over the last dimension; with ``residual`` returns ``(norm(x + residual), x + residual)``.
-    ``scale_in_float32``: scaled before the one rounding to the stream dtype (Gemma's form, float32 weight)."""
+    ``pdl``: launch with PDL where the GPU has it (kvloom/kernels/pdl.py). ``scale_in_float32``: scaled before
+    the one rounding to the stream dtype (Gemma's form, float32 weight)."""
     shape = x.shape
     n_cols = shape[-1]
     x2 = _rows(x)
@@ -90,7 +91,7 @@ def rms_norm(
             x2.stride(0), res2.stride(0), out.stride(0), new_res.stride(0),
             n_cols, eps,
             HAS_RESIDUAL=residual is not None, BLOCK=block, SCALE_IN_FLOAT32=scale_in_float32,
-            num_warps=_row_warps(block), **pdl_args(x2),
+            num_warps=_row_warps(block), **pdl_args(x2, pdl),
         )
     out = out.view(shape)
     return (out, new_res.view(shape)) if residual is not None else out
@@ -153,7 +154,7 @@ def _rotary_kernel(
 
 
 def rotary_embedding(
-    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor
+    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor, pdl: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Neox-style rotary embedding of ``q`` ``[T, Hq, D]`` and ``k`` ``[T, Hkv, D]``, **in place**; returns ``(q, k)``.
 
@@ -172,7 +173,7 @@ def rotary_embedding(
             num_q_heads, num_kv_heads,
             HALF=head_dim // 2, BLOCK_HALF=triton.next_power_of_2(head_dim // 2),
             BLOCK_HQ=triton.next_power_of_2(num_q_heads), BLOCK_HKV=triton.next_power_of_2(num_kv_heads),
-            **pdl_args(q),
+            **pdl_args(q, pdl),
         )
     return q, k
 
@@ -197,7 +198,7 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, n_cols, BLOCK: tl
     tl.store(out_ptr + row * stride_out + cols, (act * up.to(tl.float32)).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+def silu_and_mul(x: torch.Tensor, pdl: bool = True) -> torch.Tensor:
     """``silu(x[..., :I]) * x[..., I:]`` for ``x`` of ``[..., 2I]``."""
     n_cols = x.shape[-1] // 2
     x2 = _rows(x)
@@ -205,7 +206,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     if x2.shape[0] > 0 and n_cols > 0:
         block = min(1024, triton.next_power_of_2(n_cols))
         _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(n_cols, block))](
-            x2, out, x2.stride(0), out.stride(0), n_cols, BLOCK=block, num_warps=4, **pdl_args(x2),
+            x2, out, x2.stride(0), out.stride(0), n_cols, BLOCK=block, num_warps=4, **pdl_args(x2, pdl),
         )
     return out.view(*x.shape[:-1], n_cols)
 
@@ -243,22 +244,22 @@ def _argmax_reduce_kernel(max_ptr, idx_ptr, out_ptr, n_chunks, BLOCK: tl.constex
 ARGMAX_CHUNK = 1024  # columns a first-stage program reduces: 126 programs for Llama-3's 128,256
 
 
-def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
+def greedy_argmax(logits: torch.Tensor, chunk: int = ARGMAX_CHUNK) -> torch.Tensor:
     """``logits.argmax(-1)`` of ``[R, V]`` logits in two stages: the maximum of each chunk of
-    ``ARGMAX_CHUNK`` columns, many programs at once, then the first chunk holding the row's maximum.
-    PyTorch's one-row reduction over Llama-3's vocabulary took 27 us of an H200's decode step. Ties go to
+    ``chunk`` columns (a power of two), many programs at once, then the first chunk holding the row's maximum.
+    PyTorch's one-row reduction over a large vocabulary is one slow program (docs/benchmarks.md). Ties go to
     the first column, as in torch.argmax; a NaN counts as the maximum (as +inf: a row with both NaN and +inf
     gives the first of either)."""
     x2 = _rows(logits)
     rows, n_cols = x2.shape
-    n_chunks = triton.cdiv(n_cols, ARGMAX_CHUNK)
+    n_chunks = triton.cdiv(n_cols, chunk)
     maxima = torch.empty((rows, n_chunks), device=x2.device, dtype=torch.float32)
     index = torch.empty((rows, n_chunks), device=x2.device, dtype=torch.int32)
     out = torch.empty(rows, device=x2.device, dtype=torch.int64)
     if rows == 0:
         return out.view(logits.shape[:-1])
     _argmax_chunks_kernel[(rows, n_chunks)](x2, maxima, index, x2.stride(0), n_cols, n_chunks,
-                                            BLOCK=ARGMAX_CHUNK, num_warps=4)
+                                            BLOCK=chunk, num_warps=4)
     _argmax_reduce_kernel[(rows,)](maxima, index, out, n_chunks, BLOCK=max(triton.next_power_of_2(n_chunks), 2),
                                    num_warps=1)
     return out.view(logits.shape[:-1])

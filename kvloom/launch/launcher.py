@@ -24,6 +24,7 @@ logger = logging.getLogger("kvloom")
 POLL_S = 0.1
 ENGINE_STOP_TIMEOUT_S = 30.0
 RAY_CHECK_INTERVAL_S = 2.0
+HTTP_BACKLOG = 2048  # uvicorn's default, which each worker sets again when it starts serving
 
 
 def exposed_binds(server: ServerConfig) -> list[str]:
@@ -42,16 +43,19 @@ def exposed_binds(server: ServerConfig) -> list[str]:
 
 
 def bind_http_socket(host: str, port: int) -> socket.socket:
-    """Bind (not listen) the HTTP port in the launcher, so a busy port fails at once and every worker
-    shares one socket; connections are refused until a worker is ready and starts listening."""
+    """Bind and listen on the HTTP port in the launcher, before any model loads, so a busy port fails at
+    once and every worker shares one socket. Listening at once matters: two sockets with SO_REUSEADDR may
+    both bind a port that neither listens on, so a second server started while the first loads would
+    bind too and then serve nothing. Connections made before a worker is ready wait in the backlog."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a restart need not wait out TIME_WAIT
     try:
         sock.bind((host, port))
+        sock.listen(HTTP_BACKLOG)
     except OSError as e:
         sock.close()
-        raise OSError(f"cannot listen on {host}:{port}: {e.strerror}") from e
+        raise OSError(f"cannot listen on {host}:{port}: {e.strerror} (is another server using port {port}?)") from e
     sock.set_inheritable(True)
     return sock
 
@@ -97,6 +101,9 @@ class Launcher:
         sock = bind_http_socket(cfg.host, cfg.port)
         self._catch_signals()
         private_dir = tempfile.mkdtemp(prefix="kvloom-")  # mode 0700: only this user reaches the sockets
+        if cfg.api_workers > 1 and cfg.responses_store_path is None:
+            # Each worker must find the responses another one stored (previous_response_id, GET).
+            cfg = self.server_config = cfg.replace(responses_store_path=os.path.join(private_dir, "responses.sqlite"))
         try:
             addresses = self._start_engines(private_dir)
             engine_args = [arg for address in addresses for arg in ("--engine-address", address)]
@@ -127,7 +134,7 @@ class Launcher:
             signal.signal(sig, lambda signum, frame: self.signals.append(signum))
 
     def _start_engine(self, args: list[str], env: dict[str, str] | None, payload: bytes | None = None) -> None:
-        spec = ("kvloom.core.engine.process", args, (), env, payload)
+        spec = ("kvloom.launch.engine_process", args, (), env, payload)
         self.engine_specs.append(spec)
         self.engines.append(self._spawn(*spec))
 

@@ -41,7 +41,7 @@ class EngineReplicaActor:
 
         ip = host or ray.util.get_node_ip_address()
         self._address = f"tcp://{ip}:{_free_port(ip)}"
-        self.proc = subprocess.Popen([sys.executable, "-m", "kvloom.core.engine.process", "--address", self._address,
+        self.proc = subprocess.Popen([sys.executable, "-m", "kvloom.launch.engine_process", "--address", self._address,
                                       "--log-level", log_level], stdin=subprocess.PIPE)
         self.proc.stdin.write(payload)
         self.proc.stdin.close()

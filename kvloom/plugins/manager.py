@@ -24,6 +24,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("kvloom")
 
+# Each a module, named by its last part, or ``module:object``, named by the object (as entry points are written).
 BUILTIN_PLUGINS = (
     "kvloom.plugins.builtin.fcfs",
     "kvloom.plugins.builtin.priority",
@@ -31,9 +32,9 @@ BUILTIN_PLUGINS = (
     "kvloom.plugins.builtin.free_list",
     "kvloom.plugins.builtin.prefix_cache",
     "kvloom.plugins.builtin.spec_decode",
-    "kvloom.plugins.builtin.fp8",
-    "kvloom.plugins.builtin.awq",
-    "kvloom.plugins.builtin.gptq",
+    "kvloom.plugins.builtin.quantization:fp8",
+    "kvloom.plugins.builtin.quantization:awq",
+    "kvloom.plugins.builtin.quantization:gptq",
 )
 # The built-in quantization plugins: one per format, picked by a checkpoint's quantization_config.
 BUILTIN_QUANTIZATIONS = ("fp8", "awq", "gptq")
@@ -84,8 +85,8 @@ class PluginManager:
             self._pm.enable_tracing()
         self.available: dict[str, AvailablePlugin] = {}
         self._objects: dict[str, object] = {}  # to register a plugin enabled later (a checkpoint's format)
-        for module in BUILTIN_PLUGINS:
-            self._add(module.rsplit(".", 1)[1], importlib.import_module(module), "built-in")
+        for entry in BUILTIN_PLUGINS:
+            self._add(*_builtin(entry), "built-in")
         self._add_entry_points()
         for name, plugin in (extra_plugins or {}).items():
             self._add(name, plugin, "registered in code")
@@ -284,6 +285,15 @@ class PluginManager:
                 "conflicts": dict(info.conflicts) if info else {},
             })
         return rows
+
+
+def _builtin(entry: str) -> tuple[str, object]:
+    """``(name, plugin)`` of a ``BUILTIN_PLUGINS`` entry."""
+    module, _, attribute = entry.partition(":")
+    plugin = importlib.import_module(module)
+    if attribute:
+        return attribute, getattr(plugin, attribute)
+    return module.rsplit(".", 1)[1], plugin
 
 
 def _listing_key(plugin: AvailablePlugin) -> tuple:

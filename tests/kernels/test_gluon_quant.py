@@ -1,4 +1,4 @@
-"""The Gluon W4A16 GEMM (``kvloom.kernels.gluon_quant``): its MMA row layout here, its sm90 build on any machine
+"""The Gluon W4A16 GEMM (``kvloom.kernels.quant.gluon_int4``): its MMA row layout here, its sm90 build on any machine
 (the Triton wheel compiles for Hopper without a GPU), and its products natively on an sm90 GPU."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvloom.kernels import gluon_quant as gq
 from kvloom.kernels import quant_reference as qr
+from kvloom.kernels.quant import gluon_int4 as gq
 
 needs_sm90 = pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
                                      and gq.AVAILABLE), reason="needs an sm90 GPU (wgmma) and Gluon")
@@ -51,7 +51,7 @@ import json, sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
-from kvloom.kernels import gluon_quant as gq
+from kvloom.kernels.quant import gluon_int4 as gq
 
 cfg = json.loads(sys.argv[1])
 fn = gq._w4a16_mma_kernel
@@ -161,29 +161,29 @@ def test_int4_linear_routes_rows_on_the_mma_layout(monkeypatch):
     """On the MMA row layout: 1-4 rows on tinygemm where it is held, 1-256 rows otherwise on the Gluon GEMM with
     ``int4_mma_tiles``' tile, more on dequantize + cuBLAS from that layout; a shape the Gluon GEMM does not take
     on the row GEMV reading that layout (one row) or dequantize + cuBLAS. On the row layout nothing changes."""
-    from kvloom.kernels import triton_quant as tq
+    from kvloom.kernels.quant import dispatch
 
     calls = []
     monkeypatch.setattr(gq, "int4_mma_gemm_ok", lambda n, k, g, dtype, tile: k % 256 == 0)
     monkeypatch.setattr(gq, "int4_mma_gemm", lambda *a, config=None, **kw: calls.append(("gluon", config["BLOCK_M"])))
     for name in ("int4_row_gemv", "tinygemm_linear", "int4_mma_gemm", "int4_row_gemm", "int4_row_matmul_dequantized"):
-        monkeypatch.setattr(tq, name, lambda *a, _n=name, **kw: calls.append((_n, kw.get("mma_layout", False))))
+        monkeypatch.setattr(dispatch, name, lambda *a, _n=name, **kw: calls.append((_n, kw.get("mma_layout", False))))
     x = lambda rows, k=4096: torch.zeros(rows, k, dtype=torch.bfloat16)  # noqa: E731
     packed, tiny = torch.zeros(28672, 512, dtype=torch.int32), (object(), object())
     for rows in (1, 2, 4, 5, 16, 17, 256, 257):
-        tq.int4_linear(x(rows), packed, None, None, 128, mma_layout=True)
+        dispatch.int4_linear(x(rows), packed, None, None, 128, mma_layout=True)
     assert calls == [("gluon", 8), ("gluon", 8), ("gluon", 8), ("gluon", 8), ("gluon", 16), ("gluon", 32),
                      ("gluon", 256), ("int4_row_matmul_dequantized", True)]
     calls.clear()
     small = torch.zeros(4096, 512, dtype=torch.int32)
     for rows in (1, 4, 5):
-        tq.int4_linear(x(rows), small, None, None, 128, tinygemm=tiny, mma_layout=True)
+        dispatch.int4_linear(x(rows), small, None, None, 128, tinygemm=tiny, mma_layout=True)
     assert calls == [("tinygemm_linear", False), ("tinygemm_linear", False), ("gluon", 8)]
     calls.clear()
     odd = torch.zeros(4096, 520, dtype=torch.int32)  # K of 4160: not the Gluon GEMM's
-    tq.int4_linear(x(20, 4160), odd, None, None, 64, mma_layout=True)
-    tq.int4_linear(x(1, 4160), odd, None, None, 64, mma_layout=True)
-    tq.int4_linear(x(20), packed, None, None, 128)  # the row layout
-    tq.int4_linear(x(1), packed, None, None, 128)
+    dispatch.int4_linear(x(20, 4160), odd, None, None, 64, mma_layout=True)
+    dispatch.int4_linear(x(1, 4160), odd, None, None, 64, mma_layout=True)
+    dispatch.int4_linear(x(20), packed, None, None, 128)  # the row layout
+    dispatch.int4_linear(x(1), packed, None, None, 128)
     assert calls == [("int4_row_matmul_dequantized", True), ("int4_row_gemv", True), ("int4_row_gemm", False),
                      ("int4_row_gemv", False)]

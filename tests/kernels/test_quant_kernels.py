@@ -31,18 +31,18 @@ def test_int_matmul_kernel_matches_the_reference(tk, bits, rows, group):
     want = qr.int_matmul(x, qweight, zeros, scales, group, bits, bias)
     dev = tk.device
     args = [t.to(dev) for t in (x, qweight, zeros, scales)]
-    got = tk.quant.int_matmul(*args, group, bits, bias.to(dev))
+    got = tk.int_kpacked.int_matmul(*args, group, bits, bias.to(dev))
     torch.testing.assert_close(got.cpu(), want, atol=1e-4, rtol=1e-4)
     # split-K (the decode tiles) and single-pass tiles give the same product, with either way of unpacking
     for cfg in (dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, SPLIT_K=4, num_warps=4),
                 dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=64, SPLIT_K=1, num_warps=4),
                 dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, SPLIT_K=2, num_warps=4, UNPACK_ROWS=True)):
-        got = tk.quant.int_matmul(*args, group, bits, bias.to(dev), config=cfg)
+        got = tk.int_kpacked.int_matmul(*args, group, bits, bias.to(dev), config=cfg)
         torch.testing.assert_close(got.cpu(), want, atol=1e-4, rtol=1e-4)
 
 
 def test_decode_and_batched_tiles_differ():
-    from kvloom.kernels.triton_quant import tile_config
+    from kvloom.kernels.quant.int_kpacked import tile_config
 
     assert tile_config(1, 4096, 4096)["SPLIT_K"] > 1 and tile_config(1, 4096, 4096)["BLOCK_M"] == 16
     assert tile_config(256, 4096, 4096)["SPLIT_K"] == 1 and tile_config(256, 4096, 4096)["BLOCK_M"] == 128
@@ -102,12 +102,12 @@ def test_fp8_w8a8_matches_the_reference_that_quantizes_activations_the_same_way(
 @requires_cuda
 @pytest.mark.parametrize("rows", [1, 256])
 def test_int_matmul_on_the_gpu_at_llama_shapes(rows):
-    from kvloom.kernels import triton_quant
+    from kvloom.kernels.quant import int_kpacked
 
     qweight, zeros, scales = random_packed(4096, 4096, 4, 128)
     x = torch.randn(rows, 4096).to(torch.bfloat16)
     want = qr.int_matmul(x.float(), qweight, zeros, scales, 128, 4)
-    got = triton_quant.int_matmul(x.cuda(), qweight.cuda(), zeros.cuda(), scales.cuda(), 128, 4)
+    got = int_kpacked.int_matmul(x.cuda(), qweight.cuda(), zeros.cuda(), scales.cuda(), 128, 4)
     torch.testing.assert_close(got.float().cpu(), want, atol=0.05, rtol=0.02)
 
 
@@ -133,9 +133,9 @@ def test_fp8_weight_only_gemv_matches_the_dequantized_product(tk, rows, split):
     x, wq, scale, bias, want = fp8_layer(rows, seed=0)
     dev = tk.device
     cfg = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=64, SPLIT_K=split, num_warps=4)
-    got = tk.quant.fp8_weight_only_linear(x.to(dev), wq.to(dev), scale.to(dev), bias.to(dev), config=cfg)
+    got = tk.fp8_weight_only.fp8_weight_only_linear(x.to(dev), wq.to(dev), scale.to(dev), bias.to(dev), config=cfg)
     torch.testing.assert_close(got.cpu(), want, atol=1e-4, rtol=1e-4)
-    got = tk.quant.fp8_weight_only_linear(x.to(dev), wq.to(dev), scale.to(dev), bias.to(dev))  # its own tiles
+    got = tk.fp8_weight_only.fp8_weight_only_linear(x.to(dev), wq.to(dev), scale.to(dev), bias.to(dev))  # its own tiles
     torch.testing.assert_close(got.cpu(), want, atol=1e-4, rtol=1e-4)
 
 
@@ -146,7 +146,7 @@ def test_fp8_per_token_activation_quantization_in_one_kernel(tk, rows, k):
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(3)) * torch.logspace(-3, 2, rows)[:, None]
     want_scale = qr.fp8_scale_per_row(x)
     want = qr.fp8_quantize(x, want_scale)
-    xq, scale = tk.quant.fp8_quantize_rows(x.to(tk.device))
+    xq, scale = tk.fp8_rows.fp8_quantize_rows(x.to(tk.device))
     padded = -(-rows // 16) * 16
     assert xq.shape == (padded, k) and scale.shape == (padded, 1)
     torch.testing.assert_close(scale[:rows].cpu(), want_scale, rtol=1e-6, atol=0)
@@ -169,13 +169,13 @@ def test_rms_norm_and_silu_and_mul_quantize_their_rows_as_the_unfused_kernels_do
     res = torch.randn(rows, k, generator=gen).bfloat16().to(dev) if residual else None
     w = (torch.rand(k, generator=gen) + 0.5).bfloat16().to(dev)
     want = tk.fused.rms_norm(x, w, 1e-5, res)
-    got = tk.quant.rms_norm_fp8(x, w, 1e-5, res)
+    got = tk.fp8_rows.rms_norm_fp8(x, w, 1e-5, res)
     if residual:
         (want, want_res), (got, got_res) = want, got
         assert torch.equal(got_res, want_res)
-    pairs = [(got, tk.quant.fp8_quantize_rows(want))]
+    pairs = [(got, tk.fp8_rows.fp8_quantize_rows(want))]
     gate_up = torch.randn(rows, 2 * k, generator=gen).bfloat16().to(dev) * 3
-    pairs.append((tk.quant.silu_and_mul_fp8(gate_up), tk.quant.fp8_quantize_rows(tk.fused.silu_and_mul(gate_up))))
+    pairs.append((tk.fp8_rows.silu_and_mul_fp8(gate_up), tk.fp8_rows.fp8_quantize_rows(tk.fused.silu_and_mul(gate_up))))
     for got, (want_q, want_scale) in pairs:
         assert isinstance(got, qr.FP8Rows) and got.rows == rows and got.dtype == torch.bfloat16
         assert got.data.shape == want_q.shape == (-(-rows // 16) * 16, k)
@@ -183,39 +183,43 @@ def test_rms_norm_and_silu_and_mul_quantize_their_rows_as_the_unfused_kernels_do
         assert torch.equal(got.data.view(torch.uint8), want_q.view(torch.uint8))
 
 
-def test_fused_activation_quantization_leaves_rows_too_wide_to_the_unfused_kernels(tk, monkeypatch):
-    """Rows wider than ``FP8_FUSED_MAX_COLS`` (or with ``FP8_FUSED_QUANT`` off) get None: the caller runs the
-    unfused kernel, and the layer quantizes its input itself. An empty batch gives empty FP8 rows."""
+def test_fused_activation_quantization_leaves_rows_too_wide_to_the_unfused_kernels(tk):
+    """Rows wider than ``max_cols`` (``FP8_FUSED_MAX_COLS``; or with ``fp8_fused_quant`` off) get None: the
+    caller runs the unfused kernel, and the layer quantizes its input itself. An empty batch gives empty FP8
+    rows."""
+    from kvloom.kernels.options import KernelOptions
+
     x = torch.ones(2, 64, device=tk.device)
-    monkeypatch.setattr(tk.quant, "FP8_FUSED_MAX_COLS", 32)
-    assert tk.quant.rms_norm_fp8(x, torch.ones(64, device=tk.device), 1e-5) is None
-    assert tk.quant.silu_and_mul_fp8(torch.ones(2, 128, device=tk.device)) is None
-    monkeypatch.setattr(tk.quant, "FP8_FUSED_MAX_COLS", 16384)
-    empty = tk.quant.rms_norm_fp8(x[:0], torch.ones(64, device=tk.device), 1e-5)  # no rows: nothing launched
+    assert tk.fp8_rows.rms_norm_fp8(x, torch.ones(64, device=tk.device), 1e-5, max_cols=32) is None
+    assert tk.fp8_rows.silu_and_mul_fp8(torch.ones(2, 128, device=tk.device), max_cols=32) is None
+    empty = tk.fp8_rows.rms_norm_fp8(x[:0], torch.ones(64, device=tk.device), 1e-5)  # no rows: nothing launched
     assert empty.rows == 0 and empty.data.shape == (0, 64)
-    assert tk.quant.silu_and_mul_fp8(torch.ones(0, 128, device=tk.device)).data.shape == (0, 64)
-    monkeypatch.setattr(tk.quant, "FP8_FUSED_QUANT", False)
-    assert tk.quant.rms_norm_fp8(x, torch.ones(64, device=tk.device), 1e-5) is None
+    assert tk.fp8_rows.silu_and_mul_fp8(torch.ones(0, 128, device=tk.device)).data.shape == (0, 64)
+    off = KernelOptions(fp8_fused_quant=False)
+    assert tk.fp8_rows.rms_norm_fp8(x, torch.ones(64, device=tk.device), 1e-5, options=off) is None
+    assert tk.fp8_rows.silu_and_mul_fp8(torch.ones(2, 128, device=tk.device), options=off) is None
 
 
 def _pack_4bit(tk, qweight: torch.Tensor, layout: str) -> torch.Tensor:
     """A K-packed 4-bit weight in the row layout or the Gluon GEMM's MMA row layout, on the test's device."""
-    from kvloom.kernels import gluon_quant as gq
+    from kvloom.kernels.quant import gluon_int4 as gq
 
-    return tk.quant.int4_row_pack(qweight.to(tk.device)) if layout == "row" else \
+    return tk.int4_row.int4_row_pack(qweight.to(tk.device)) if layout == "row" else \
         gq.int4_mma_pack_qweight(qweight).to(tk.device)
 
 
 @pytest.mark.parametrize("group,layout", [(32, "row"), (64, "row"), (128, "row"), (64, "mma"), (128, "mma")])
 @pytest.mark.parametrize("split,combine", [(1, True), (2, True), (3, True), (2, False)])
-def test_int4_row_gemv_matches_the_reference(tk, monkeypatch, group, layout, split, combine):
+def test_int4_row_gemv_matches_the_reference(tk, group, layout, split, combine):
     """The bit-pattern GEMV on its row-major layout (``int4_row_pack``), and on the Gluon GEMM's MMA row layout
     (the same words and groups, x read at other inputs): each nibble becomes the float ``1 + q / 128`` and
     each group's offset and zero point come off its sums, the same product as dequantizing first, to float32
     rounding; three rows, N of 80 (a partial column tile), a bias, tiles of one and of several groups.
-    Split-K with the last split combining the partials (``SPLIT_COMBINE``; 3 splits of 2 tiles leave one
+    Split-K with the last split combining the partials (``split_combine``; 3 splits of 2 tiles leave one
     empty) and with atomic adds into a zeroed float32 output."""
-    monkeypatch.setattr(tk.quant, "SPLIT_COMBINE", combine)
+    from kvloom.kernels.options import KernelOptions
+
+    options = KernelOptions(split_combine=combine)
     k, n = 512, 80
     qweight, zeros, scales = random_packed(k, n, 4, group, seed=11)
     x = torch.randn(3, k, generator=torch.Generator().manual_seed(12))
@@ -226,10 +230,11 @@ def test_int4_row_gemv_matches_the_reference(tk, monkeypatch, group, layout, spl
     args = [t.to(tk.device) for t in (x, packed, zeros, scales)]
     for block_k in (group, 256):
         cfg = dict(BLOCK_N=32, BLOCK_K=block_k, SPLIT_K=split, num_warps=4)
-        got = tk.quant.int4_row_gemv(*args, group, bias.to(tk.device), config=cfg, mma_layout=layout == "mma")
+        got = tk.int4_row.int4_row_gemv(*args, group, bias.to(tk.device), config=cfg, mma_layout=layout == "mma",
+                                        options=options)
         torch.testing.assert_close(got.cpu(), want, atol=1e-4, rtol=1e-4)
         if split > 1 and combine:  # the partials added in split order: the same bits every time
-            assert torch.equal(tk.quant.int4_row_gemv(*args, group, bias.to(tk.device), config=cfg,
+            assert torch.equal(tk.int4_row.int4_row_gemv(*args, group, bias.to(tk.device), config=cfg,
                                                       mma_layout=layout == "mma"), got)
     if split > 1 and combine:
         from kvloom.kernels import arrivals
@@ -241,30 +246,30 @@ def test_fp8_qkv_rope_tiles_split_a_heads_rows_and_read_long_k_tiles():
     """The fused qkv + rotary GEMV takes the one-row tiles with half the rows from each half of a head and
     a K tile of 1024 (the decode step's timing at Llama-3-8B's qkv_proj), or K's power of two below it; the
     plain qkv GEMV keeps its own 512."""
-    from kvloom.kernels import triton_quant as tq
+    from kvloom.kernels.quant import fp8_weight_only
 
-    llama = tq.fp8_qkv_rope_tiles(6144, 4096)
+    llama = fp8_weight_only.fp8_qkv_rope_tiles(6144, 4096)
     assert (llama["BLOCK_N"], llama["BLOCK_K"], llama["SPLIT_K"]) == (4, 1024, 1)
-    assert tq.fp8_row_tiles(6144, 4096)["BLOCK_K"] == 512
-    assert tq.fp8_qkv_rope_tiles(384, 64)["BLOCK_K"] == 1024  # the 4096 x 4096 tile's own K tile
-    assert tq.fp8_qkv_rope_tiles(40000, 512)["BLOCK_K"] == 512  # K below 1024: its power of two
-    assert tq.fp8_qkv_rope_tiles(10**6, 4096) is None  # no fixed tiles: not fused
+    assert fp8_weight_only.fp8_row_tiles(6144, 4096)["BLOCK_K"] == 512
+    assert fp8_weight_only.fp8_qkv_rope_tiles(384, 64)["BLOCK_K"] == 1024  # the 4096 x 4096 tile's own K tile
+    assert fp8_weight_only.fp8_qkv_rope_tiles(40000, 512)["BLOCK_K"] == 512  # K below 1024: its power of two
+    assert fp8_weight_only.fp8_qkv_rope_tiles(10**6, 4096) is None  # no fixed tiles: not fused
 
 
 def test_int4_tiles_by_shape_and_rows():
     """The row GEMV splits K on long, narrow weights; the tensor-core kernel widens its tile beyond 16 rows
     and on wide weights."""
-    from kvloom.kernels import triton_quant as tq
+    from kvloom.kernels.quant import int4_row
 
-    assert tq.int4_row_tiles(4096, 14336) == tq.INT4_ROW_LONG_K and tq.int4_row_tiles(6144, 4096) == tq.INT4_ROW_TILE
-    assert [tq.int4_mma_tiles(r, n) for r, n in ((8, 6144), (32, 4096), (8, 28672))] == \
-        [tq.INT4_MMA_TILE, tq.INT4_MMA_TILE_ROWS, tq.INT4_MMA_TILE_WIDE]
+    assert int4_row.int4_row_tiles(4096, 14336) == int4_row.INT4_ROW_LONG_K and int4_row.int4_row_tiles(6144, 4096) == int4_row.INT4_ROW_TILE
+    assert [int4_row.int4_mma_tiles(r, n) for r, n in ((8, 6144), (32, 4096), (8, 28672))] == \
+        [int4_row.INT4_MMA_TILE, int4_row.INT4_MMA_TILE_ROWS, int4_row.INT4_MMA_TILE_WIDE]
 
 
 def test_only_groups_the_row_kernels_take_get_the_row_layout():
     """AWQ's and GPTQ's groups of 32-128 run on the row layout; a group of all K inputs (GPTQ group_size -1)
     would make the tensor-core kernel's K tile the whole row, so it keeps the K-packed kernels."""
-    from kvloom.kernels.triton_quant import int4_row_layout_ok
+    from kvloom.kernels.quant.dispatch import int4_row_layout_ok
 
     assert all(int4_row_layout_ok(4096, g) for g in (32, 64, 128))
     assert not int4_row_layout_ok(4096, 4096) and not int4_row_layout_ok(14336, 14336)
@@ -279,25 +284,27 @@ def test_int4_tensor_core_kernel_on_the_row_layout_matches_the_reference(tk, gro
     group's sums; 1, 5, 16 and 40 rows (padded to 16, 16, 16, 64), N of 80 (a partial tile)."""
     k, n = 256, 80
     qweight, zeros, scales = random_packed(k, n, 4, group, seed=14)
-    packed = tk.quant.int4_row_pack(qweight.to(tk.device))
+    packed = tk.int4_row.int4_row_pack(qweight.to(tk.device))
     bias = torch.randn(n)
     for rows, dtype in ((1, torch.bfloat16), (5, torch.float16), (16, torch.bfloat16), (40, torch.bfloat16)):
         x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).to(dtype)
         want = qr.int_matmul(x.float(), qweight, zeros, scales, group, 4, bias)
         args = [t.to(tk.device) for t in (x, packed, zeros, scales)]
         cfg = dict(BLOCK_N=32, SPLIT_K=split, num_warps=2)
-        got = tk.quant.int4_mma_gemm(*args, group, bias.to(tk.device), config=cfg).float().cpu()
+        got = tk.int4_row.int4_mma_gemm(*args, group, bias.to(tk.device), config=cfg).float().cpu()
         assert (got - want).abs().max() <= 0.01 * want.abs().max()  # 16-bit output; exact sums inside
 
 
 @pytest.mark.parametrize("fma,layout", [(False, "row"), (True, "row"), (True, "mma")])
-def test_int4_row_layout_dequantizes_to_the_reference_weight(tk, monkeypatch, fma, layout):
+def test_int4_row_layout_dequantizes_to_the_reference_weight(tk, fma, layout):
     """The many-row path's dequantization from the row layout (and from the MMA row layout): ``(q - z) * s`` as
     the reference, into ``[N, K]`` in input order, to the bit in float32 (and in bf16 on a GPU; the
     interpreter's bf16 cast truncates), with each value built by an integer-to-float conversion or by the bit
-    pattern and one FMA (``INT4_DEQUANT_FMA``), both ways the same bits; then the dense product (a second,
+    pattern and one FMA (``int4_dequant_fma``), both ways the same bits; then the dense product (a second,
     smaller layer reuses the scratch buffer)."""
-    monkeypatch.setattr(tk.quant, "INT4_DEQUANT_FMA", fma)
+    from kvloom.kernels.options import KernelOptions
+
+    options, other = KernelOptions(int4_dequant_fma=fma), KernelOptions(int4_dequant_fma=not fma)
     mma = layout == "mma"
     x = torch.randn(70, 256, generator=torch.Generator().manual_seed(15))
     for k, n, group in ((256, 96, 64 if mma else 32), (128, 64, 64)):
@@ -306,17 +313,16 @@ def test_int4_row_layout_dequantizes_to_the_reference_weight(tk, monkeypatch, fm
         packed = _pack_4bit(tk, qweight, layout)
         args = [t.to(tk.device) for t in (packed, zeros, scales)]
         buf = torch.empty(k * n, device=tk.device)
-        torch.testing.assert_close(tk.quant.int4_row_dequantize(*args, group, buf, mma).cpu(), dense.t(),
-                                   atol=0, rtol=0)
+        torch.testing.assert_close(tk.int4_row.int4_row_dequantize(*args, group, buf, mma, options).cpu(),
+                                   dense.t(), atol=0, rtol=0)
         buf16 = torch.empty(k * n, device=tk.device, dtype=torch.bfloat16)
-        got16 = tk.quant.int4_row_dequantize(*args, group, buf16, mma).cpu()
+        got16 = tk.int4_row.int4_row_dequantize(*args, group, buf16, mma, options).cpu()
         if tk.device == "cuda":  # the interpreter's float32 -> bf16 cast truncates instead of rounding
             assert torch.equal(got16, dense.t().to(torch.bfloat16))
-        monkeypatch.setattr(tk.quant, "INT4_DEQUANT_FMA", not fma)
-        assert torch.equal(tk.quant.int4_row_dequantize(*args, group, buf16, mma).cpu(), got16)  # the other way
-        monkeypatch.setattr(tk.quant, "INT4_DEQUANT_FMA", fma)
+        assert torch.equal(tk.int4_row.int4_row_dequantize(*args, group, buf16, mma, other).cpu(), got16)  # the other way
         want = qr.int_matmul(x[:, :k], qweight, zeros, scales, group, 4)
-        got = tk.quant.int4_row_matmul_dequantized(x[:, :k].to(tk.device), *args, group, mma_layout=mma)
+        got = tk.dispatch.int4_row_matmul_dequantized(x[:, :k].to(tk.device), *args, group, mma_layout=mma,
+                                                      options=options)
         torch.testing.assert_close(got.cpu(), want, atol=1e-4, rtol=1e-4)
 
 
@@ -329,7 +335,7 @@ def test_int4_row_gemm_matches_the_reference(tk, fma):
     for k, n, group, rows, dtype in ((256, 96, 32, 70, torch.bfloat16), (256, 80, 128, 33, torch.float16),
                                      (128, 64, 64, 17, torch.bfloat16)):
         qweight, zeros, scales = random_packed(k, n, 4, group, seed=k + rows)
-        packed = tk.quant.int4_row_pack(qweight.to(tk.device))
+        packed = tk.int4_row.int4_row_pack(qweight.to(tk.device))
         x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).to(dtype)
         bias = torch.randn(n).to(dtype)
         want = qr.int_matmul(x.float(), qweight, zeros, scales, group, 4, bias.float())
@@ -337,14 +343,14 @@ def test_int4_row_gemm_matches_the_reference(tk, fma):
         for cfg in (dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=64, GROUP_M=2, num_warps=4, FMA=fma),
                     dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=32, GROUP_M=8, SPLIT_K=2, num_warps=4, FMA=fma),
                     dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=64, SPLIT_K=3, SWAP=True, num_warps=4, FMA=fma)):
-            got = tk.quant.int4_row_gemm(*args, group, bias.to(tk.device), config=cfg)
+            got = tk.int4_row.int4_row_gemm(*args, group, bias.to(tk.device), config=cfg)
             assert got.dtype == dtype and got.shape == (rows, n)
             # 16-bit weights and output; the interpreter's casts to them truncate instead of rounding (1.04% was
             # seen there on one run, against about 0.4% compiled)
             tol = 0.01 if tk.device == "cuda" else 0.02
             assert (got.float().cpu() - want).abs().max() <= tol * want.abs().max()
     with pytest.raises(ValueError, match="group_size=40"):
-        tk.quant.int4_row_gemm(*args, 40)
+        tk.int4_row.int4_row_gemm(*args, 40)
 
 
 def test_int4_many_row_tiles_follow_the_measured_table_and_rule(monkeypatch):
@@ -353,24 +359,30 @@ def test_int4_many_row_tiles_follow_the_measured_table_and_rule(monkeypatch):
     until a layer has about two programs an SM, never more K splits than K tiles allow). And
     ``int4_linear`` routes by rows: 17-256 to ``int4_row_gemm`` unless the tiles say None, more to
     dequantize + cuBLAS."""
-    from kvloom.kernels import triton_quant as tq
+    from kvloom.kernels.quant import dispatch, int4_row
 
-    assert tq.int4_gemm_tiles(256, 6144, 4096) is None and tq.int4_gemm_tiles(129, 4096, 4096) is None
-    t = tq.int4_gemm_tiles(256, 28672, 4096)
+    assert int4_row.int4_gemm_tiles(256, 6144, 4096) is None and int4_row.int4_gemm_tiles(129, 4096, 4096) is None
+    t = int4_row.int4_gemm_tiles(256, 28672, 4096)
     assert (t["BLOCK_M"], t["BLOCK_N"], t["SPLIT_K"], t["SWAP"]) == (128, 128, 1, False)
-    assert tq.int4_gemm_tiles(17, 4096, 14336)["SPLIT_K"] == 4 and tq.int4_gemm_tiles(17, 4096, 14336)["SWAP"]
-    t = tq.int4_gemm_tiles(40, 3584, 3584)  # Qwen2-7B's o_proj: not in the table
+    assert int4_row.int4_gemm_tiles(17, 4096, 14336)["SPLIT_K"] == 4 and int4_row.int4_gemm_tiles(17, 4096, 14336)["SWAP"]
+    t = int4_row.int4_gemm_tiles(40, 3584, 3584)  # Qwen2-7B's o_proj: not in the table
     assert t["SWAP"] and t["BLOCK_N"] == 64 and t["SPLIT_K"] == 4  # 56 programs
-    assert tq.int4_gemm_tiles(40, 37888, 3584)["SPLIT_K"] == 1  # 592 programs already
-    assert tq.int4_gemm_tiles(100, 1152, 256)["SPLIT_K"] == 1  # four K tiles: a split would get fewer
-    assert tq.int4_gemm_tiles(200, 3584, 3584) is None and tq.int4_gemm_tiles(200, 3584, 18944) is not None
+    assert int4_row.int4_gemm_tiles(40, 37888, 3584)["SPLIT_K"] == 1  # 592 programs already
+    assert int4_row.int4_gemm_tiles(100, 1152, 256)["SPLIT_K"] == 1  # four K tiles: a split would get fewer
+    assert int4_row.int4_gemm_tiles(200, 3584, 3584) is None and int4_row.int4_gemm_tiles(200, 3584, 18944) is not None
+    # a benchmark's own table (kernel_options, JSON: "NxK" keys) replaces the measured one
+    from kvloom.kernels.options import KernelOptions
+
+    mine = KernelOptions.from_mapping({"int4_gemm_tiles": {"6144x4096": [[300, dict(int4_row.INT4_GEMM_TILE)]]}})
+    assert int4_row.int4_gemm_tiles(256, 6144, 4096, mine) == int4_row.INT4_GEMM_TILE
+    assert int4_row.int4_gemm_tiles(40, 3584, 3584, mine) == int4_row.int4_gemm_tiles(40, 3584, 3584)
     calls = []
-    monkeypatch.setattr(tq, "int4_row_gemm", lambda *a, **k: calls.append("gemm"))
-    monkeypatch.setattr(tq, "int4_row_matmul_dequantized", lambda *a, **k: calls.append("dequantize"))
-    monkeypatch.setattr(tq, "int4_mma_gemm", lambda *a, **k: calls.append("mma"))
+    monkeypatch.setattr(dispatch, "int4_row_gemm", lambda *a, **k: calls.append("gemm"))
+    monkeypatch.setattr(dispatch, "int4_row_matmul_dequantized", lambda *a, **k: calls.append("dequantize"))
+    monkeypatch.setattr(dispatch, "int4_mma_gemm", lambda *a, **k: calls.append("mma"))
     packed = torch.zeros(6144, 512, dtype=torch.int32)
     for rows in (16, 17, 128, 129, 256, 257):
-        tq.int4_linear(torch.zeros(rows, 4096, dtype=torch.bfloat16), packed, None, None, 128)
+        dispatch.int4_linear(torch.zeros(rows, 4096, dtype=torch.bfloat16), packed, None, None, 128)
     assert calls == ["mma", "gemm", "gemm", "dequantize", "dequantize", "dequantize"]
 
 
@@ -394,17 +406,18 @@ _COMPILE_INT4_GEMM_SM90 = """
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from kvloom.kernels import triton_quant as tq
+from kvloom.kernels.quant import int4_row
 
-fn = tq._int4_row_gemm_kernel
+fn = int4_row._int4_row_gemm_kernel
 names = list(fn.arg_names)
 types = dict(x_ptr="*bf16", qw_ptr="*i32", z_ptr="*u8", s_ptr="*fp16", out_ptr="*bf16", M="i32", N="i32", K="i32",
              stride_xm="i32", stride_qn="i32", stride_om="i32", NIB_MASK="i32")
-engine_tiles = [tq.INT4_GEMM_TILE, tq.INT4_GEMM_TILE_FEW] + [t for b in tq.INT4_GEMM_TILES.values() for _, t in b if t]
+engine_tiles = [int4_row.INT4_GEMM_TILE, int4_row.INT4_GEMM_TILE_FEW] + [
+    t for b in int4_row.INT4_GEMM_TILES.values() for _, t in b if t]
 tiles = {repr(sorted(t.items())): t for t in engine_tiles}
 found = []
 for tile in tiles.values():
-    tile = dict(tq.INT4_GEMM_TILE, **tile)
+    tile = dict(int4_row.INT4_GEMM_TILE, **tile)
     opts = dict(num_warps=tile.pop("num_warps"), num_stages=tile.pop("num_stages"))
     const = dict(tile, GROUP=128, FMA=True, F32_DOT=False)
     signature = {n: "constexpr" if n in const else types[n] for n in names}
@@ -418,7 +431,7 @@ print(" ".join(found))
 
 def test_int4_row_pack_places_each_input_where_the_kernel_reads_it():
     """Nibble ``j`` of word ``w`` of an output row holds input ``(w // 4) * 32 + 4 * j + w % 4``."""
-    from kvloom.kernels.triton_quant import int4_row_pack
+    from kvloom.kernels.quant.int4_row import int4_row_pack
 
     k, n = 64, 3
     q = (torch.arange(k * n).reshape(k, n) * 7) % 16
@@ -431,40 +444,45 @@ def test_int4_row_pack_places_each_input_where_the_kernel_reads_it():
 
 @pytest.mark.parametrize("combine", [True, False])
 @pytest.mark.parametrize("rows", [1, 4])
-def test_fp8_gemv_without_tensor_cores_matches_the_dequantized_product(tk, monkeypatch, rows, combine):
-    """With and without split-K, the splits combined by the last to arrive (``SPLIT_COMBINE``: the same bits
+def test_fp8_gemv_without_tensor_cores_matches_the_dequantized_product(tk, rows, combine):
+    """With and without split-K, the splits combined by the last to arrive (``split_combine``: the same bits
     every time, the counters left zero) or atomically added."""
-    monkeypatch.setattr(tk.quant, "SPLIT_COMBINE", combine)
+    from kvloom.kernels.options import KernelOptions
+
+    options = KernelOptions(split_combine=combine)
     x, wq, scale, bias, want = fp8_layer(rows, seed=4)
     dev = tk.device
     args = (x.to(dev), wq.to(dev), scale.to(dev), bias.to(dev))
     for cfg in (dict(BLOCK_N=16, BLOCK_K=64, SPLIT_K=1, num_warps=4), dict(BLOCK_N=32, BLOCK_K=128, SPLIT_K=2, num_warps=4)):
-        got = tk.quant.fp8_gemv(*args, config=cfg)
+        got = tk.fp8_weight_only.fp8_gemv(*args, config=cfg, options=options)
         torch.testing.assert_close(got.cpu(), want, atol=1e-4, rtol=1e-4)
         if combine and cfg["SPLIT_K"] > 1:
             from kvloom.kernels import arrivals
 
-            assert torch.equal(tk.quant.fp8_gemv(*args, config=cfg), got)
+            assert torch.equal(tk.fp8_weight_only.fp8_gemv(*args, config=cfg, options=options), got)
             assert int(arrivals._COUNTERS[args[0].device].abs().sum()) == 0
 
 
 @pytest.mark.parametrize("x_tile", [False, True])
-def test_fp8_gemv_with_silu_and_mul_in_its_epilogue(tk, monkeypatch, x_tile):
-    """One row of a merged [gate; up] FP8 weight with SiLU-and-mul fused (the MLP's decode step): the same
-    as ``silu_and_mul`` of the GEMV's output; the tiles halve so a program covers the same rows."""
+def test_fp8_gemv_with_silu_and_mul_in_its_epilogue(tk, x_tile):
+    """One row of a merged [gate; up] FP8 weight with SiLU-and-mul fused (the MLP's decode step), reading x
+    either way (``fp8_silu_mul_x_tile``): the same as ``silu_and_mul`` of the GEMV's output; the tiles halve
+    so a program covers the same rows."""
     from kvloom.kernels import reference
-    from kvloom.kernels.triton_quant import fp8_silu_mul_tiles
+    from kvloom.kernels.options import KernelOptions
+    from kvloom.kernels.quant.fp8_weight_only import fp8_silu_mul_tiles
 
-    monkeypatch.setattr(tk.quant, "FP8_GEMV_X_TILE", x_tile)
+    options = KernelOptions(fp8_silu_mul_x_tile=x_tile)
+    assert fp8_silu_mul_tiles(40, 64, options)["X_TILE"] is x_tile
     x, wq, scale, _, _ = fp8_layer(1, seed=8)  # 80 rows: gate and up of 40, a partial tile
     want = reference.silu_and_mul(x @ (wq.float() * scale).t())
     dev = tk.device
-    got = tk.quant.fp8_gemv(x.to(dev), wq.to(dev), scale.to(dev), silu_mul=True)
+    got = tk.fp8_weight_only.fp8_gemv(x.to(dev), wq.to(dev), scale.to(dev), silu_mul=True, options=options)
     assert got.shape == (1, 40)
     torch.testing.assert_close(got.cpu(), want, atol=1e-5, rtol=1e-4)
     assert fp8_silu_mul_tiles(14336, 4096)["BLOCK_N"] * 2 == 8 and fp8_silu_mul_tiles(14336, 4096)["SPLIT_K"] == 1
     with pytest.raises(ValueError, match="one row"):
-        tk.quant.fp8_gemv(torch.cat([x, x]).to(dev), wq.to(dev), scale.to(dev), silu_mul=True)
+        tk.fp8_weight_only.fp8_gemv(torch.cat([x, x]).to(dev), wq.to(dev), scale.to(dev), silu_mul=True)
 
 
 @pytest.mark.parametrize("group", [32, 128])
@@ -478,8 +496,8 @@ def test_int4_row_gemv_with_silu_and_mul_in_its_epilogue(tk, group):
     x = torch.randn(1, k, generator=torch.Generator().manual_seed(14))
     want = reference.silu_and_mul(qr.int_matmul(x, qweight, zeros, scales, group, 4))
     dev = tk.device
-    packed = tk.quant.int4_row_pack(qweight.to(dev))
-    got = tk.quant.int4_row_gemv(x.to(dev), packed, zeros.to(dev), scales.to(dev), group, silu_mul=True,
+    packed = tk.int4_row.int4_row_pack(qweight.to(dev))
+    got = tk.int4_row.int4_row_gemv(x.to(dev), packed, zeros.to(dev), scales.to(dev), group, silu_mul=True,
                                  config=dict(BLOCK_N=32, BLOCK_K=128, SPLIT_K=2, num_warps=4))
     assert got.shape == (1, 40)
     torch.testing.assert_close(got.cpu(), want, atol=1e-4, rtol=1e-4)
@@ -488,7 +506,7 @@ def test_int4_row_gemv_with_silu_and_mul_in_its_epilogue(tk, group):
 def test_fp8_one_row_fixed_tiles_match_the_dequantized_product(tk):
     """Every fixed one-row tile shape (``fp8_row_tiles``, one per Llama-3-8B projection) on ``fp8_layer``'s
     ragged shape (K below their K tiles, N no multiple of their N tile: the masks); beyond, the autotuner."""
-    from kvloom.kernels.triton_quant import FP8_ROW_TILES, fp8_row_tiles
+    from kvloom.kernels.quant.fp8_weight_only import FP8_ROW_TILES, fp8_row_tiles
 
     assert [fp8_row_tiles(n, k) for n, k in ((4096, 4096), (6144, 4096), (4096, 14336), (28672, 4096))] == \
         [tiles for _, tiles in FP8_ROW_TILES]
@@ -496,7 +514,7 @@ def test_fp8_one_row_fixed_tiles_match_the_dequantized_product(tk):
     x, wq, scale, bias, want = fp8_layer(1, seed=6)
     for _, tiles in FP8_ROW_TILES:
         for x_tile in (False, True):  # x through shared memory, or read in the weights' layout
-            got = tk.quant.fp8_gemv(x.to(tk.device), wq.to(tk.device), scale.to(tk.device), bias.to(tk.device),
+            got = tk.fp8_weight_only.fp8_gemv(x.to(tk.device), wq.to(tk.device), scale.to(tk.device), bias.to(tk.device),
                                     config=dict(tiles, X_TILE=x_tile))
             torch.testing.assert_close(got.cpu(), want, atol=1e-4, rtol=1e-4)
 
@@ -511,9 +529,9 @@ def test_dequantize_then_dense_matmul_is_the_reference_product(tk, bits):
         dense = qr.int_matmul(torch.eye(k), qweight, zeros, scales, group, bits)  # the dequantized [K, N]
         buf = torch.empty(k * n, device=tk.device)
         args = [t.to(tk.device) for t in (qweight, zeros, scales)]
-        torch.testing.assert_close(tk.quant.int_dequantize(*args, group, bits, buf).cpu(), dense, atol=0, rtol=0)
+        torch.testing.assert_close(tk.int_kpacked.int_dequantize(*args, group, bits, buf).cpu(), dense, atol=0, rtol=0)
         want = qr.int_matmul(x[:, :k], qweight, zeros, scales, group, bits)
-        got = tk.quant.int_matmul_dequantized(x[:, :k].to(tk.device), *args, group, bits)
+        got = tk.int_kpacked.int_matmul_dequantized(x[:, :k].to(tk.device), *args, group, bits)
         torch.testing.assert_close(got.cpu(), want, atol=1e-4, rtol=1e-4)
 
 
@@ -522,21 +540,21 @@ def test_dequantize_then_dense_matmul_is_the_reference_product(tk, bits):
 def test_every_int4_path_on_the_gpu_at_llama_shapes(rows):
     """What ``int_matmul`` dispatches to by row count (GEMV, tensor-core kernel, dequantize + cuBLAS), each
     autotuned at a real shape, against the float32 reference."""
-    from kvloom.kernels import triton_quant
+    from kvloom.kernels.quant import dispatch, int_kpacked, tinygemm
 
     qweight, zeros, scales = random_packed(4096, 6144, 4, 128, seed=7)
     x = torch.randn(rows, 4096).to(torch.bfloat16)
     want = qr.int_matmul(x.float(), qweight, zeros, scales, 128, 4)
     args = [t.cuda() for t in (x, qweight, zeros, scales)]
-    for path in (triton_quant.int_matmul, triton_quant.int_matmul_dequantized):
+    for path in (int_kpacked.int_matmul, int_kpacked.int_matmul_dequantized):
         torch.testing.assert_close(path(*args, 128, 4).float().cpu(), want, atol=0.05, rtol=0.02)
     # PyTorch's int4 GEMM on the second layout (bf16 scales and zeros: a coarser tolerance)
-    tiny = triton_quant.tinygemm_pack(*args[1:], 128)
+    tiny = tinygemm.tinygemm_pack(*args[1:], 128)
     assert tiny is not None
-    got = triton_quant.tinygemm_linear(args[0], *tiny, 128).float().cpu()
+    got = tinygemm.tinygemm_linear(args[0], *tiny, 128).float().cpu()
     assert (got - want).abs().max() <= 0.02 * want.abs().max()
     # and the dispatcher, whichever path it picks for this shape
-    got = triton_quant.int_linear(*args, 128, 4, tinygemm=tiny).float().cpu()
+    got = dispatch.int_linear(*args, 128, 4, tinygemm=tiny).float().cpu()
     assert (got - want).abs().max() <= 0.02 * want.abs().max()
 
 
@@ -545,20 +563,20 @@ def test_every_int4_path_on_the_gpu_at_llama_shapes(rows):
 def test_int4_row_gemv_on_the_gpu_at_llama_shapes(rows):
     """qkv_proj's shape in bf16: the row GEMV's default tile, and ``int4_linear`` at 1-200 rows (each of its
     paths), against the float32 reference."""
-    from kvloom.kernels import triton_quant
+    from kvloom.kernels.quant import dispatch, int4_row, tinygemm
 
     qweight, zeros, scales = random_packed(4096, 6144, 4, 128, seed=13)
     x = torch.randn(rows, 4096).to(torch.bfloat16)
     want = qr.int_matmul(x.float(), qweight, zeros, scales, 128, 4)
-    packed = triton_quant.int4_row_pack(qweight.cuda())
-    got = triton_quant.int4_row_gemv(x.cuda(), packed, zeros.cuda(), scales.cuda(), 128).float().cpu()
+    packed = int4_row.int4_row_pack(qweight.cuda())
+    got = int4_row.int4_row_gemv(x.cuda(), packed, zeros.cuda(), scales.cuda(), 128).float().cpu()
     assert (got - want).abs().max() <= 0.01 * want.abs().max()
     # through the dispatcher (with tinygemm's copy, as the engine holds it), at this and other row counts
-    tiny = triton_quant.tinygemm_pack(qweight.cuda(), zeros.cuda(), scales.cuda(), 128)
+    tiny = tinygemm.tinygemm_pack(qweight.cuda(), zeros.cuda(), scales.cuda(), 128)
     for r in (rows, 4, 9, 63, 64, 200):
         xr = torch.randn(r, 4096).to(torch.bfloat16)
         want = qr.int_matmul(xr.float(), qweight, zeros, scales, 128, 4)
-        got = triton_quant.int4_linear(xr.cuda(), packed, zeros.cuda(), scales.cuda(), 128, tinygemm=tiny).float().cpu()
+        got = dispatch.int4_linear(xr.cuda(), packed, zeros.cuda(), scales.cuda(), 128, tinygemm=tiny).float().cpu()
         assert (got - want).abs().max() <= 0.02 * want.abs().max(), r
 
 
@@ -566,14 +584,14 @@ def test_int4_row_gemv_on_the_gpu_at_llama_shapes(rows):
 @pytest.mark.parametrize("rows,n", [(1, 6144), (1, 4096), (8, 6144)])
 def test_fp8_gemv_on_the_gpu_at_llama_shapes(rows, n):
     """qkv_proj and o_proj: at one row the fixed tiles, at eight the autotuned ones."""
-    from kvloom.kernels import triton_quant
+    from kvloom.kernels.quant import fp8_weight_only
 
     w = torch.randn(n, 4096) * 0.02
     scale = qr.fp8_scale_per_row(w)
     wq = qr.fp8_quantize(w, scale)
     x = torch.randn(rows, 4096).to(torch.bfloat16)
     want = x.float() @ (wq.float() * scale).t()
-    got = triton_quant.fp8_gemv(x.cuda(), wq.cuda(), scale.cuda())
+    got = fp8_weight_only.fp8_gemv(x.cuda(), wq.cuda(), scale.cuda())
     torch.testing.assert_close(got.float().cpu(), want, atol=0.02, rtol=0.02)
 
 
@@ -581,22 +599,23 @@ def test_fp8_gemv_on_the_gpu_at_llama_shapes(rows, n):
 def test_silu_and_mul_fused_into_the_one_row_gemvs_on_the_gpu_at_llama_shapes():
     """Llama-3-8B's gate_up_proj (2 x 14336 x 4096) in bf16, FP8 and 4-bit: the fused GEMV against the
     GEMV followed by the SiLU-and-mul kernel (the same bf16 roundings; the K sums may be ordered apart)."""
-    from kvloom.kernels import triton_fused, triton_quant
+    from kvloom.kernels import triton_fused
+    from kvloom.kernels.quant import fp8_weight_only, int4_row
 
     gen = torch.Generator().manual_seed(21)
     x = torch.randn(1, 4096, generator=gen).to(torch.bfloat16).cuda()
     w = torch.randn(2 * 14336, 4096, generator=gen) * 0.02
     scale = qr.fp8_scale_per_row(w)
     wq, scale = qr.fp8_quantize(w, scale).cuda(), scale.cuda()
-    want = triton_fused.silu_and_mul(triton_quant.fp8_gemv(x, wq, scale))
-    got = triton_quant.fp8_gemv(x, wq, scale, silu_mul=True)
+    want = triton_fused.silu_and_mul(fp8_weight_only.fp8_gemv(x, wq, scale))
+    got = fp8_weight_only.fp8_gemv(x, wq, scale, silu_mul=True)
     torch.testing.assert_close(got.float(), want.float(), atol=2e-3, rtol=2e-2)
     qweight, zeros, scales = random_packed(4096, 2 * 14336, 4, 128, seed=22)
-    packed = triton_quant.int4_row_pack(qweight.cuda())
+    packed = int4_row.int4_row_pack(qweight.cuda())
     zeros, scales = zeros.cuda(), scales.cuda()
-    tiles = triton_quant.int4_row_tiles(2 * 14336, 4096)
-    want = triton_fused.silu_and_mul(triton_quant.int4_row_gemv(x, packed, zeros, scales, 128, config=tiles))
-    got = triton_quant.int4_row_gemv(x, packed, zeros, scales, 128, config=tiles, silu_mul=True)
+    tiles = int4_row.int4_row_tiles(2 * 14336, 4096)
+    want = triton_fused.silu_and_mul(int4_row.int4_row_gemv(x, packed, zeros, scales, 128, config=tiles))
+    got = int4_row.int4_row_gemv(x, packed, zeros, scales, 128, config=tiles, silu_mul=True)
     torch.testing.assert_close(got.float(), want.float(), atol=2e-3, rtol=2e-2)
 
 
@@ -628,13 +647,13 @@ def test_fp8_qkv_gemv_with_rotary_and_cache_write_is_the_unfused_kernels(tk, cac
     xd, wd, sd, pd, td, sl = (t.to(dev) for t in (x, wq, scale, positions, table, slots))
     bd = bias.to(dev) if bias is not None else None
     cfg = dict(BLOCK_N=8, BLOCK_K=32, SPLIT_K=1, num_warps=4)
-    qkv = tk.quant.fp8_gemv(xd, wd, sd, bd, config=dict(cfg, BLOCK_N=16))
+    qkv = tk.fp8_weight_only.fp8_gemv(xd, wd, sd, bd, config=dict(cfg, BLOCK_N=16))
     q, kk, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
     want_k, want_v = k_cache.clone().to(dev), v_cache.clone().to(dev)
     q = tk.attention.rotary_and_write_kv_cache(pd, q.reshape(1, hq, d), kk.reshape(1, hkv, d).clone(),
                                                v.reshape(1, hkv, d), td, want_k, want_v, sl, *scales)
     got_k, got_v = k_cache.clone().to(dev), v_cache.clone().to(dev)
-    got = tk.quant.fp8_qkv_rope_gemv(xd, wd, sd, bd, pd, td, got_k, got_v, sl, hq, hkv, *scales, config=cfg)
+    got = tk.fp8_weight_only.fp8_qkv_rope_gemv(xd, wd, sd, bd, pd, td, got_k, got_v, sl, hq, hkv, *scales, config=cfg)
     assert got.shape == (1, n)
 
     def same(a, b):
@@ -655,7 +674,7 @@ def test_fp8_qkv_gemv_with_rotary_and_cache_write_is_the_unfused_kernels(tk, cac
     else:
         assert not torch.equal(got_k.cpu().view(torch.uint8), k_cache.view(torch.uint8))
     with pytest.raises(ValueError, match="qkv weight"):
-        tk.quant.fp8_qkv_rope_gemv(xd, wd[:-d], sd[:-d], None, pd, td, got_k, got_v, sl, hq, hkv, config=cfg)
+        tk.fp8_weight_only.fp8_qkv_rope_gemv(xd, wd[:-d], sd[:-d], None, pd, td, got_k, got_v, sl, hq, hkv, config=cfg)
 
 
 _COMPILE_SM90 = """
@@ -663,7 +682,7 @@ import json, sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from kvloom.kernels import triton_quant
+from kvloom.kernels.quant import fp8_weight_only
 
 types = dict(
     x_ptr="*bf16", w_ptr="*fp8e4nv", ws_ptr="*fp32", out_ptr="*bf16", M="i32", N="i32", K="i32", M_BUCKET="i32",
@@ -671,7 +690,7 @@ types = dict(
     k_cache_ptr="*bf16", v_cache_ptr="*bf16", slot_ptr="*i64", stride_cs="i32", stride_cb="i32", stride_cslot="i32",
     stride_ch="i32", block_size="i32", num_q_heads="i32", num_kv_heads="i32", k_inv_scale="fp32", v_inv_scale="fp32",
     part_ptr="*fp32", arrivals_ptr="*i32")
-fn = triton_quant._fp8_gemv_kernel
+fn = fp8_weight_only._fp8_gemv_kernel
 names = list(fn.arg_names)
 done = {}
 for variant in sys.argv[1:]:

@@ -343,10 +343,9 @@ def test_rotary_and_cache_write_in_one_kernel_is_the_two_kernels(tk, cache_dtype
     assert torch.equal(k2.cpu(), k.cpu())
 
 
-def test_greedy_argmax_takes_the_first_maximum(tk, monkeypatch):
+def test_greedy_argmax_takes_the_first_maximum(tk):
     """The two-stage argmax equals torch.argmax, ties included: the first column holding the row's maximum,
     across chunks and within one; a padded last chunk, a row of -inf and a NaN (the maximum) too."""
-    monkeypatch.setattr(tk.fused, "ARGMAX_CHUNK", 16)  # many chunks at the interpreter's speed
     logits = torch.randn(7, 100)
     logits[1, 40] = logits[1, 70] = 9.0  # tie across chunks: 40
     logits[2, 33] = logits[2, 35] = 9.0  # tie inside one chunk: 33
@@ -354,10 +353,10 @@ def test_greedy_argmax_takes_the_first_maximum(tk, monkeypatch):
     logits[4] = float("-inf")  # every column masked: 0, as torch.argmax
     logits[5, 3] = float("nan")
     logits[6, :] = 2.0  # all equal: 0
-    got = tk.fused.greedy_argmax(logits.to(tk.device)).cpu()
+    got = tk.fused.greedy_argmax(logits.to(tk.device), chunk=16).cpu()  # many chunks at the interpreter's speed
     assert got.dtype == torch.int64
     assert got.tolist() == logits.argmax(-1).tolist() == [got[0].item(), 40, 33, 99, 0, 3, 0]
-    assert tk.fused.greedy_argmax(logits[:0].to(tk.device)).shape == (0,)
+    assert tk.fused.greedy_argmax(logits[:0].to(tk.device), chunk=16).shape == (0,)
 
 
 
@@ -544,7 +543,7 @@ def test_kernels_that_combine_their_splits_compile_for_sm90():
     cases = []
     for fused, mma in ((False, False), (True, False), (True, True)):
         cases.append(dict(
-            name=f"int4 row combine={fused} mma_layout={mma}", module="kvloom.kernels.triton_quant",
+            name=f"int4 row combine={fused} mma_layout={mma}", module="kvloom.kernels.quant.int4_row",
             kernel="_int4_row_gemv_kernel", types=_INT4_ROW_TYPES, options=dict(num_warps=8, num_stages=2),
             ptx=_ARRIVAL_PTX if fused else [],
             const=dict(GROUP=128, BLOCK_N=64, BLOCK_K=1024, SPLIT_K=4, PDL=True, SILU_MUL=False, SPLIT_COMBINE=fused,

@@ -8,9 +8,9 @@ from types import SimpleNamespace
 
 import pytest
 
+from kvloom.builder import build_engine
 from kvloom.cli.main import main
 from kvloom.core.config import EngineConfig
-from kvloom.core.engine.core import EngineCore
 from kvloom.plugins import hookimpl
 from kvloom.plugins.builtin.free_list import FreeListAllocator
 from kvloom.plugins.builtin.prefix_cache import HashPrefixCache
@@ -83,7 +83,7 @@ def test_two_schedulers_conflict_naming_both():
 
 def test_the_engine_fails_on_a_conflict_before_looking_for_the_model(tmp_path):
     with pytest.raises(PluginConflictError, match="'fcfs' and 'sjf'"):
-        EngineCore(EngineConfig(model=str(tmp_path / "no-such-model"), plugins=["fcfs", "sjf"]))
+        build_engine(EngineConfig(model=str(tmp_path / "no-such-model"), plugins=["fcfs", "sjf"]))
 
 
 def test_declared_conflicts_and_kinds_the_engine_does_not_run_yet():

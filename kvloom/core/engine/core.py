@@ -8,10 +8,11 @@ import atexit
 import gc
 import logging
 import time
+from typing import Protocol
 
 import torch
 
-from kvloom.core.config import ConfigError, EngineConfig
+from kvloom.core.config import ConfigError, EngineConfig, resolve_device, resolve_dtype
 from kvloom.core.engine import capacity
 from kvloom.core.engine.gate import AdmissionGate
 from kvloom.core.engine.kv_cache import KVCacheManager
@@ -21,7 +22,7 @@ from kvloom.core.engine.speculation import Speculator, logits_row_weight
 from kvloom.core.engine.step import RunnerOutput, SchedulerOutput
 from kvloom.core.engine.structured_output import StructuredOutputManager
 from kvloom.core.messages import AddRequest, EngineStats, TokenDelta, TokenLogprobs, TopLogprob
-from kvloom.core.model.attention.base import get_attention_backend
+from kvloom.core.model.attention.selector import get_attention_backend
 from kvloom.core.model.distributed import check_tp_size, threads_per_rank
 from kvloom.core.model.files import resolve_model
 from kvloom.core.model.loader import build_model, load_hf_config
@@ -29,12 +30,9 @@ from kvloom.core.sampling_params import check_priority
 from kvloom.core.worker.cpu_malloc import keep_freed_memory
 from kvloom.core.worker.cpu_threads import ThreadGovernor, available_core_ids, available_cores, configure_threads
 from kvloom.core.worker.model_runner import ModelRunner, make_kv_caches
-from kvloom.kernels.cpu_linear import cpu_has_native_bf16
-from kvloom.plugins.manager import PluginManager
 
 logger = logging.getLogger("kvloom")
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 STEP_TIME_WEIGHT = 0.2  # of the latest step in the moving average: a few steps, so a burst shows quickly
 
 
@@ -45,10 +43,25 @@ class RequestRejected(ValueError):
 GOVERNOR_LAYER_STRIDE = 4  # CPU thread count re-checked before every 4th decoder layer (a clock read)
 
 
+class EngineParts(Protocol):
+    """What an engine is assembled from, made when the engine needs each (the builder above core hands the
+    plugin manager): a proposer before any weights load, a weight format for the model, a KV allocator once
+    the memory profile has sized the cache, a prefix cache and a scheduling policy."""
+
+    enabled: dict[str, str]  # kind -> plugin name, for the start-up log
+
+    def make_spec_proposer(self, hf_config, config: EngineConfig): ...
+    def make_quantization(self, hf_config, config: EngineConfig): ...
+    def make_kv_allocator(self, num_blocks: int, config: EngineConfig): ...
+    def make_prefix_cache(self, block_size: int, config: EngineConfig): ...
+    def make_scheduler_policy(self, config: EngineConfig): ...
+
+
 class EngineCore:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, parts: EngineParts, tp_worker_module: str | None = None) -> None:
+        """``tp_worker_module``: what ``python -m`` runs for ranks 1..N-1 (needed only with tensor parallelism)."""
         config.validate()
-        self.plugins = PluginManager.from_config(config)  # an unknown name or a conflict fails before loading
+        self.plugins = parts
         self.device = resolve_device(config.device)
         self.config = config = config.for_device(self.device.type)
         self.model_path = resolve_model(config.model)
@@ -75,15 +88,19 @@ class EngineCore:
         if config.tensor_parallel_size > 1:
             from kvloom.core.worker.tp_executor import TPDriver
 
-            self.tp_driver = TPDriver(config, self.device)
+            if tp_worker_module is None:
+                raise ConfigError("tensor_parallel_size > 1 needs a worker entry point: build the engine with "
+                                  "kvloom.builder.build_engine")
+            self.tp_driver = TPDriver(config, self.device, tp_worker_module)
         tp = self.tp_driver.tp if self.tp_driver is not None else None
         t0 = time.perf_counter()
-        self.attention_backend = get_attention_backend(self.device)
+        kernels = config.kernels()
+        self.attention_backend = get_attention_backend(self.device, kernels)
         self.quantization = self.plugins.make_quantization(self.hf_config, config)  # None: dense
         self.model = build_model(
             self.model_path, self.hf_config, load_format=config.load_format, device=self.device,
             dtype=self.dtype, backend=self.attention_backend, max_positions=self.max_model_len, seed=config.seed,
-            quantization=self.quantization, tp=tp,
+            quantization=self.quantization, tp=tp, kernels=kernels,
         )
         logger.info("Loaded %s (%s, %s) in %.1fs", config.model, self.dtype, self.device, time.perf_counter() - t0)
         if self.thread_governor is not None:
@@ -104,7 +121,7 @@ class EngineCore:
         if draft_kv is not None:  # the draft model's weights and forward count in the memory profile below
             proposer.load(device=self.device, dtype=self.dtype, load_format=config.load_format,
                           max_model_len=self.max_model_len, seed=config.seed,
-                          max_num_batched_tokens=config.max_num_batched_tokens)
+                          max_num_batched_tokens=config.max_num_batched_tokens, kernels=kernels)
         # Layer groups of the KV cache: sliding layers keep only their windows' blocks (a draft model's cache
         # follows the first group's table).
         self.kv_layout = capacity.kv_layout(config, self.hf_config, draft_model=draft_kv is not None)
@@ -418,8 +435,10 @@ class EngineCore:
         if self.structured.has_matchers:
             self.structured.accept_step(plan.step_id, {u.request.request_id: u.new_token_ids for u in updates})
         logprobs, prompt_logprobs = out.logprobs, self._prompt_logprobs
+        now = self.scheduler.clock()
         for u in updates:
             req = u.request
+            first = u.new_token_ids and len(req.output_token_ids) == len(u.new_token_ids)
             if u.finished:
                 self.structured.remove([req.request_id])
             prompt_lps = prompt_logprobs.pop(req.request_id, None) if prompt_logprobs else None
@@ -432,6 +451,7 @@ class EngineCore:
                 prompt_logprobs=prompt_lps,
                 num_prompt_tokens=len(req.prompt_token_ids), num_cached_tokens=req.num_cached_tokens,
                 num_draft_tokens=req.num_draft_tokens, num_accepted_tokens=req.num_accepted_tokens,
+                prefill_time=now - req.first_scheduled_time if first and req.first_scheduled_time else None,
             ))
         return deltas
 
@@ -479,28 +499,6 @@ def freeze_startup_heap() -> None:
 
 
 atexit.register(gc.unfreeze)  # the interpreter's last collections see everything (a no-op if nothing is frozen)
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("device='cuda' was asked for but no CUDA device is available")
-    return torch.device(name)
-
-
-def resolve_dtype(name: str, device: torch.device, hf_config=None) -> torch.dtype:
-    """``auto``: bfloat16 on CUDA. On the CPU, a float32 checkpoint stays float32; any other (bf16/fp16
-    checkpoints, GGUF files) runs in bfloat16 where the CPU computes it natively (AVX-512 BF16 or
-    AMX: 1.6-1.9x float32's throughput on SmolLM2 here, docs/benchmarks.md), else float32."""
-    if name != "auto":
-        return _DTYPES[name]
-    if device.type == "cuda":
-        return torch.bfloat16
-    checkpoint = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
-    if checkpoint in (torch.float32, "float32"):
-        return torch.float32
-    return torch.bfloat16 if device.type == "cpu" and cpu_has_native_bf16() else torch.float32
 
 
 def _wire_logprobs(tokens: list[int], lps) -> list[TokenLogprobs]:

@@ -8,14 +8,12 @@ step of a loaded CPU engine can take seconds). Every other decision stays with t
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import hmac
 import logging
 import os
 import queue
 import signal
-import sys
 import threading
 import time
 import traceback
@@ -56,8 +54,10 @@ class EngineServer:
     ``StepOutputs`` per frontend that has news."""
 
     def __init__(self, config: EngineConfig, address: str, model_name: str | None = None,
-                 heartbeat_interval: float | None = None, secret: str | None = None, gate=None) -> None:
+                 heartbeat_interval: float | None = None, secret: str | None = None, gate=None, *, build) -> None:
+        """``build(config)`` makes the ``EngineCore`` at ``load()`` (``kvloom.builder.build_engine``)."""
         self.config = config
+        self.build = build
         self.gate = gate  # engine-wide caps and per-key quotas (core/engine/gate.py), set on the core at load
         self.secret = secret  # when set, only frontends that registered with it are heard
         self._refused: set[bytes] = set()
@@ -100,9 +100,7 @@ class EngineServer:
         from kvloom.core.worker.cpu_threads import prepare_openmp
 
         prepare_openmp()  # before torch loads OpenMP, which reads its settings then
-        from kvloom.core.engine.core import EngineCore  # torch and the model code load here only
-
-        self.core = EngineCore(self.config)
+        self.core = self.build(self.config)  # torch and the model code load here only
         if self.gate is not None:
             self.core.gate = self.gate
         self.ready = EngineReady(
@@ -413,9 +411,10 @@ def _refusal_delta(request_id: str, refusal) -> TokenDelta:
 
 
 def serve_engine(config: EngineConfig, address: str, model_name: str | None = None,
-                 heartbeat_interval: float | None = None, secret: str | None = None, gate=None) -> int:
-    """Bind, load the model, run until drained or told to stop. Returns the process exit code."""
-    server = EngineServer(config, address, model_name, heartbeat_interval, secret, gate)
+                 heartbeat_interval: float | None = None, secret: str | None = None, gate=None, *, build) -> int:
+    """Bind, load the model (``build(config)``), run until drained or told to stop. Returns the process exit
+    code."""
+    server = EngineServer(config, address, model_name, heartbeat_interval, secret, gate, build=build)
 
     def on_signal(signum, frame):  # first signal drains, a second one stops now
         server.request_shutdown(drain=not server.draining)
@@ -439,21 +438,3 @@ def serve_engine(config: EngineConfig, address: str, model_name: str | None = No
     server.close("the engine process has shut down")
     logger.info("Engine stopped")
     return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m kvloom.core.engine.process --address ADDR``, with the launch settings as JSON on stdin
-    (``{"engine": {...EngineConfig...}, "server": {...ServerConfig...}}``)."""
-    from kvloom.launch.child_process import start_child
-
-    parser = argparse.ArgumentParser(prog="kvloom-engine")
-    parser.add_argument("--address", required=True)
-    args, engine, server = start_child(parser, argv)
-    from kvloom.frontends.admission import engine_gate
-
-    return serve_engine(engine, args.address, server.served_model_name, server.engine_heartbeat_interval,
-                        args.engine_secret, engine_gate(server))
-
-
-if __name__ == "__main__":
-    sys.exit(main())

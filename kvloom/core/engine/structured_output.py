@@ -90,9 +90,8 @@ def regex_automaton_grammar(pattern: str) -> str | None:
 
 
 def xgrammar_accept(matchers: list, tokens: list[int]) -> list[bool]:
-    """Each matcher advanced by its token, by a plain loop of ``accept_token``. The engine's accept through
-    one ``BatchGrammarMatcher.batch_accept_token`` call measured 0.10 ms a step at 16 requests, against
-    0.035 ms for a bare loop (docs/benchmarks.md, session 8), so the batched call is not used."""
+    """Each matcher advanced by its token, by a plain loop of ``accept_token``: one
+    ``BatchGrammarMatcher.batch_accept_token`` call is slower at these batch sizes (docs/benchmarks.md)."""
     return [m.accept_token(t) for m, t in zip(matchers, tokens)]
 
 
@@ -155,7 +154,7 @@ class StructuredOutputManager:
             import xgrammar
 
             # The engine speaks token ids only; the tokenizer's vocabulary is needed once, for the masks.
-            from kvloom.frontends.text import load_tokenizer
+            from kvloom.core.model.tokenizer import load_tokenizer
 
             tok = load_tokenizer(self._model, self._tokenizer)
             info = xgrammar.TokenizerInfo.from_huggingface(tok, vocab_size=self.vocab_size,

@@ -20,6 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvloom.kernels.options import DEFAULT_KERNELS, KernelOptions
+
 
 class LinearMethod(Protocol):
     """How one linear layer holds and applies its weight."""
@@ -188,7 +190,7 @@ class LinearBase(nn.Module):
         takes = getattr(self.method, "takes_fp8_rows", None)
         return takes is not None and takes(self, rows)
 
-    def forward_silu_and_mul(self, x, fp8: bool = False):
+    def forward_silu_and_mul(self, x, fp8: bool = False, kernels: KernelOptions = DEFAULT_KERNELS):
         """``silu(gate) * up`` of a merged [gate; up] layer's output: in the matmul's epilogue where the
         weight format has a kernel for it at this row count (``apply_silu_and_mul``; one kernel less a
         decode step), else the matmul and then ``ops.silu_and_mul``; with ``fp8`` (the next layer
@@ -202,8 +204,8 @@ class LinearBase(nn.Module):
         from kvloom.kernels import ops
 
         y = self.method.apply(self, x)
-        out = ops.silu_and_mul_fp8(y) if fp8 else None
-        return ops.silu_and_mul(y) if out is None else out
+        out = ops.silu_and_mul_fp8(y, kernels) if fp8 else None
+        return ops.silu_and_mul(y, kernels) if out is None else out
 
     def forward_qkv_rope(self, x: torch.Tensor, rope, kv_cache, slot_mapping: torch.Tensor, num_q_heads: int,
                          num_kv_heads: int, k_scale: float, v_scale: float) -> torch.Tensor | None:

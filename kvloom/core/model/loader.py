@@ -18,9 +18,11 @@ import torch
 from tqdm.auto import tqdm
 
 from kvloom.core.model.attention.base import AttentionBackend
+from kvloom.core.model.cpu_packing import pack_layer, pack_tied_output
 from kvloom.core.model.families import architecture_of, decoder_config, model_class
 from kvloom.core.model.families.decoder import DecoderLM
-from kvloom.kernels.cpu_linear import pack_layer, pack_tied_output
+from kvloom.core.model.linear import LinearBase
+from kvloom.kernels.options import DEFAULT_KERNELS, KernelOptions
 
 logger = logging.getLogger("kvloom")
 
@@ -255,11 +257,28 @@ def default_dtype(dtype: torch.dtype):
         torch.set_default_dtype(previous)
 
 
-def make_model(config, backend: AttentionBackend, dtype: torch.dtype, quantization=None, tp=None) -> DecoderLM:
+def weight_bytes(hf_config, dtype: torch.dtype, method, device_type: str, tp=None) -> int:
+    """The bytes the engine's model holds on ``device_type`` after loading: the same layers, built on the
+    meta device, each sized by its format (a format dequantized at load counts as dense). With ``tp`` (a
+    ``TensorParallel``), rank ``tp.rank``'s share: its heads, MLP and vocabulary, and the replicated norms."""
+    from kvloom.core.model.attention.base import TorchAttentionBackend
+
+    model = make_model(hf_config, TorchAttentionBackend(), dtype, method, tp)
+    total = 0
+    for module in model.modules():
+        if isinstance(module, LinearBase):
+            total += module.method.held_bytes(module, device_type)
+        else:
+            total += sum(p.numel() * p.element_size() for p in module.parameters(recurse=False))
+    return total
+
+
+def make_model(config, backend: AttentionBackend, dtype: torch.dtype, quantization=None, tp=None,
+               kernels: KernelOptions = DEFAULT_KERNELS) -> DecoderLM:
     """The model on the meta device, its layers in the quantization method's format, holding tensor-parallel
-    rank ``tp``'s share (``engine plan`` sizes weights from exactly this)."""
+    rank ``tp``'s share (``engine plan`` sizes weights from exactly this); ``kernels``: its CUDA kernels' options."""
     with torch.device("meta"), default_dtype(dtype):
-        return model_class(config)(config, backend, quantization, tp=tp)
+        return model_class(config)(config, backend, quantization, tp=tp, kernels=kernels)
 
 
 def build_model(
@@ -275,11 +294,12 @@ def build_model(
     quantization=None,
     pack_cpu_weights: bool = True,
     tp=None,
+    kernels: KernelOptions = DEFAULT_KERNELS,
 ) -> DecoderLM:
     """Create the model on ``device`` (its linear layers in ``quantization``'s format, or dense), fill its
     weights from ``path`` (or randomly for ``dummy``), then process them once: the format's repacking,
     then on the CPU oneDNN packing of dense weights unless ``pack_cpu_weights`` is false."""
-    model = _materialize(make_model(config, backend, dtype, quantization, tp), device)
+    model = _materialize(make_model(config, backend, dtype, quantization, tp, kernels), device)
     if load_format == "dummy":
         _init_dummy(model, seed)
     else:

@@ -6,9 +6,9 @@ freed heap tops to the kernel past its trim threshold, so every step's activatio
 4,096-token prefill's MLP output is 50 MB in float32) are page-faulted in again, zeroed by the
 kernel, on every layer. The usual cure is to preload tcmalloc or jemalloc (vLLM's and Intel's CPU
 guides); the same effect without a preload is to raise both thresholds so freed blocks stay in the
-heap and are reused. Measured here (2-core AVX-512 CPU, SmolLM2, 32 x (128 + 64)): 10-15% faster
-prefill and decode in both dtypes. The cost is that the process keeps its peak heap instead of
-handing it back, which is what an inference engine wants anyway.
+heap and are reused, which makes prefill and decode faster in both dtypes (docs/benchmarks.md). The cost is
+that the process keeps its peak heap instead of handing it back, which is what an inference engine wants
+anyway.
 """
 
 from __future__ import annotations

@@ -6,8 +6,8 @@ sleeps. On a machine where another process holds one of our cores, the thread th
 is preempted in the middle of its share; the others spin on their cores waiting for it, so the
 kernel finds no idle core to move the preempted thread to, and every parallel region waits out the
 other process's time slice (milliseconds, against regions of tens of microseconds): the 4-8x
-collapse. Waiting passively (sleep at once) frees the core but pays a wake-up at every region, which
-an earlier session measured as much slower on a quiet machine. The engine bounds the spin instead
+collapse. Waiting passively (sleep at once) frees the core but pays a wake-up at every region, much
+slower on a quiet machine (docs/benchmarks.md). The engine bounds the spin instead
 (``GOMP_SPINCOUNT``, a tenth of a millisecond or so): back-to-back regions of a step still find their
 threads awake, and a thread waiting for a preempted one sleeps soon enough for the kernel to move
 that one onto its core. Threads are not bound to cores, for the same reason. OpenMP reads these
@@ -15,11 +15,10 @@ settings once, when the library loads: they must be in the environment before to
 which the engine process and ``kvloom.LLM`` do through ``prepare_openmp``; a process that imported
 torch first keeps OpenMP's defaults (``benchmarks/cpu_contention.py`` compares the settings).
 
-No wait policy alone degrades in proportion: with a busy loop on one of two cores, the bounded spin
-kept 0.26-0.36x of the quiet throughput, OpenMP's default spin 0.25-0.64x, a passive wait 0.70-0.75x
-but 15-20% less when quiet. ``ThreadGovernor`` therefore runs one thread fewer for each core another
-process at the engine's priority keeps busy (one thread on the free core: 0.65-0.78x), and takes it
-back when that core is free again.
+No wait policy alone degrades in proportion to the core lost, and a passive wait costs the quiet machine
+(docs/benchmarks.md, ``benchmarks/cpu_contention.py``). ``ThreadGovernor`` therefore runs one thread fewer
+for each core another process at the engine's priority keeps busy, and takes it back when that core is free
+again.
 """
 
 from __future__ import annotations
@@ -107,16 +106,14 @@ def read_core_times(cores) -> tuple[float, float] | None:
 class ThreadGovernor:
     """Runs the engine's OpenMP team on the cores other processes leave free.
 
-    A team of N threads is as fast as its slowest thread at every barrier, so one core taken by another
-    process at the engine's priority slows every parallel region to the pace of the thread sharing that
-    core (measured on 2 cores with a busy loop on one: 0.25x of the quiet throughput, where one thread
-    on the free core keeps 0.65x). Every ``interval_s`` (checked between steps) the governor reads how
-    much of the engine's cores other processes used (/proc/stat less this process's own CPU time;
-    processes at a larger nice value than the engine's are left out, since the engine's threads win
-    their cores from them) and sets torch's thread count to the cores that are left, never more than
-    ``max_threads`` nor fewer than one. It takes a thread back once the others use less than
-    ``release`` of a core more than the ``take`` threshold that made it drop one, so a load near the
-    threshold does not make the team flap.
+    A team of N threads is as fast as its slowest thread at every barrier, so one core taken by another process
+    at the engine's priority slows every parallel region to the pace of the thread sharing that core, below what
+    one thread on the free core keeps (docs/benchmarks.md). Every ``interval_s`` (checked between steps) the
+    governor reads how much of the engine's cores other processes used (/proc/stat less this process's own CPU
+    time; processes at a larger nice value than the engine's are left out, since the engine's threads win their
+    cores from them) and sets torch's thread count to the cores that are left, never more than ``max_threads``
+    nor fewer than one. It takes a thread back once the others use less than ``release`` of a core more than the
+    ``take`` threshold that made it drop one, so a load near the threshold does not make the team flap.
     """
 
     def __init__(self, max_threads: int, cores, interval_s: float = 0.5, take: float = 0.3,

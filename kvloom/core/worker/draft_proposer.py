@@ -57,17 +57,20 @@ class DraftModelProposer:
                 f"vocab_size={theirs}: the draft model must share the target's tokenizer and vocabulary")
 
     def load(self, *, device: torch.device, dtype: torch.dtype, load_format: str, max_model_len: int,
-             seed: int, max_num_batched_tokens: int | None = None) -> None:
+             seed: int, max_num_batched_tokens: int | None = None, kernels=None) -> None:
         from kvloom.core.engine.core import resolve_dtype
-        from kvloom.core.model.attention.base import get_attention_backend
+        from kvloom.core.model.attention.selector import get_attention_backend
         from kvloom.core.model.loader import build_model
 
         self.dtype = dtype if self.draft_dtype == "auto" else resolve_dtype(self.draft_dtype, device)
         self.device = device
-        self.backend = get_attention_backend(device)  # its own (backends keep per-shape workspaces)
+        from kvloom.kernels.options import DEFAULT_KERNELS
+
+        kernels = kernels or DEFAULT_KERNELS
+        self.backend = get_attention_backend(device, kernels)  # its own (backends keep per-shape workspaces)
         self.model = build_model(self.path, self.hf_config, load_format="dummy" if load_format == "dummy" else "auto",
                                  device=device, dtype=self.dtype, backend=self.backend, max_positions=max_model_len,
-                                 seed=seed + 1)
+                                 seed=seed + 1, kernels=kernels)
         self.max_model_len = max_model_len
         # The draft's forwards stay within the target's step budget (what the memory profile measured).
         self.max_num_batched_tokens = max_num_batched_tokens or max_model_len

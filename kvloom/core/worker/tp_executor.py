@@ -1,5 +1,5 @@
 """Tensor parallelism in the engine process: it is rank 0 and starts ranks 1..N-1 as worker processes
-(``kvloom.core.worker.tp_worker``). The scheduler runs once, here; each step's ``SchedulerOutput`` goes
+(``kvloom.core.worker.tp_worker``, started by ``kvloom.launch.tp_worker``). The scheduler runs once, here; each step's ``SchedulerOutput`` goes
 to every worker msgpack-encoded over an ``ipc://`` ZeroMQ socket, every rank runs the forward (the
 model's collectives keep them in step) and rank 0 alone samples.
 
@@ -15,7 +15,9 @@ still stuck in one some seconds after a worker died."""
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import datetime
+import json
 import logging
 import os
 import shutil
@@ -63,11 +65,8 @@ def worker_address(directory: str, rank: int) -> str:
 class TPDriver:
     """Rank 0's side of the group: starts and watches the workers and sends them each step's plan."""
 
-    def __init__(self, config: EngineConfig, device: torch.device) -> None:
+    def __init__(self, config: EngineConfig, device: torch.device, worker_module: str) -> None:
         import torch.distributed as dist
-
-        from kvloom.frontends.config import ServerConfig
-        from kvloom.launch.launcher import launch_payload
 
         for stale in list(_live):
             stale.shutdown()
@@ -87,10 +86,10 @@ class TPDriver:
             sock.setsockopt(zmq.SNDHWM, 0)  # plans queue until the worker reads them; none is dropped
             sock.bind(worker_address(self.dir, rank))
             self.sockets.append(sock)
-        payload = launch_payload(config, ServerConfig())
+        payload = json.dumps({"engine": dataclasses.asdict(config)}).encode()  # the settings every rank shares
         env = {**os.environ, **WORKER_ENV}
         for rank in range(1, self.size):
-            args = [sys.executable, "-m", "kvloom.core.worker.tp_worker", "--rank", str(rank),
+            args = [sys.executable, "-m", worker_module, "--rank", str(rank),
                     "--store-port", str(store.port), "--plan-address", worker_address(self.dir, rank),
                     "--log-level", logging.getLevelName(logging.getLogger().getEffectiveLevel()).lower()]
             proc = subprocess.Popen(args, stdin=subprocess.PIPE, env=env)
@@ -128,7 +127,7 @@ class TPDriver:
         of the weights as ``engine plan`` computes them."""
         import dataclasses
 
-        from kvloom.cli.plan import weight_bytes
+        from kvloom.core.model.loader import weight_bytes
 
         blocks = self.tp.min_int(cap.num_blocks, self.device)
         share = weight_bytes(hf_config, dtype, quantization, self.device.type, TensorParallel(0, self.size))

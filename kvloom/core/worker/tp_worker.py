@@ -1,13 +1,10 @@
 """A tensor-parallel worker: rank 1..N-1 of an engine (rank 0 is the engine process, see tp_executor).
 It loads its shard of the model and its heads' KV cache, then runs the forward of every plan rank 0
-sends, until told to stop. ``python -m kvloom.core.worker.tp_worker --rank R --store-port P
---plan-address ipc://...`` with the launch settings as JSON on stdin, as every child of the launcher."""
+sends, until told to stop. Its process starts as ``python -m kvloom.launch.tp_worker``."""
 
 from __future__ import annotations
 
-import argparse
 import logging
-import sys
 
 import msgspec
 
@@ -20,12 +17,13 @@ class TPWorker:
     """What rank R holds: the same model, capacity and runner as rank 0 builds in ``EngineCore``, with the
     same arithmetic, so every collective of a step pairs up."""
 
-    def __init__(self, config: EngineConfig, rank: int, store_port: int) -> None:
+    def __init__(self, config: EngineConfig, rank: int, store_port: int, parts) -> None:
+        """``parts``: the engine's ``EngineParts`` (the same weight format as rank 0)."""
         import torch
 
+        from kvloom.core.config import resolve_device, resolve_dtype
         from kvloom.core.engine import capacity
-        from kvloom.core.engine.core import resolve_device, resolve_dtype
-        from kvloom.core.model.attention.base import get_attention_backend
+        from kvloom.core.model.attention.selector import get_attention_backend
         from kvloom.core.model.distributed import STORE_HOST, init_group, threads_per_rank
         from kvloom.core.model.files import resolve_model
         from kvloom.core.model.loader import build_model, load_hf_config
@@ -33,7 +31,6 @@ class TPWorker:
         from kvloom.core.worker.cpu_threads import configure_threads
         from kvloom.core.worker.model_runner import make_kv_caches
         from kvloom.core.worker.tp_executor import TPWorkerRunner
-        from kvloom.plugins.manager import PluginManager
 
         self.device = device = resolve_device(config.device)
         if device.type == "cuda":
@@ -46,17 +43,17 @@ class TPWorker:
         if device.type == "cpu":
             keep_freed_memory()
             configure_threads(threads_per_rank(config))
-        plugins = PluginManager.from_config(config)
         self.hf_config = load_hf_config(resolve_model(config.model), config.hf_overrides)
         self.dtype = resolve_dtype(config.dtype, device, self.hf_config)
         self.max_model_len = capacity.resolve_max_model_len(self.hf_config, config.max_model_len)
-        self.attention_backend = get_attention_backend(device)
+        kernels = config.kernels()
+        self.attention_backend = get_attention_backend(device, kernels)
         # What the shared memory profile (EngineCore._profile_free_gpu_memory) counts from.
         self._gpu_start = capacity.gpu_memory_snapshot(device) if device.type == "cuda" else None
         self.model = build_model(
             resolve_model(config.model), self.hf_config, load_format=config.load_format, device=device,
             dtype=self.dtype, backend=self.attention_backend, max_positions=self.max_model_len, seed=config.seed,
-            quantization=plugins.make_quantization(self.hf_config, config), tp=tp,
+            quantization=parts.make_quantization(self.hf_config, config), tp=tp, kernels=kernels,
         )
         profile = self._profile if device.type == "cuda" else None
         layout = capacity.kv_layout(config, self.hf_config)  # rank 0's (no draft model under tensor parallelism)
@@ -107,30 +104,3 @@ class TPWorker:
         finally:
             sock.close()
             ctx.term()
-
-
-def main(argv: list[str] | None = None) -> int:
-    from kvloom.launch.child_process import start_child
-
-    parser = argparse.ArgumentParser(prog="kvloom-tp-worker")
-    parser.add_argument("--rank", type=int, required=True)
-    parser.add_argument("--store-port", type=int, required=True)
-    parser.add_argument("--plan-address", required=True)
-    args, engine, _ = start_child(parser, argv)
-    from kvloom.core.worker.cpu_threads import prepare_openmp
-
-    prepare_openmp()
-    try:
-        worker = TPWorker(engine, args.rank, args.store_port)
-        code = worker.serve(args.plan_address)
-    except Exception:  # noqa: BLE001 - rank 0 sees this process exit and takes the engine down
-        logger.exception("Tensor-parallel rank %d failed", args.rank)
-        return 1
-    from kvloom.core.model.distributed import destroy_group
-
-    destroy_group()
-    return code
-
-
-if __name__ == "__main__":
-    sys.exit(main())

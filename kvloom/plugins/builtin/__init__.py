@@ -1,1 +1,2 @@
-"""The built-in plugins, ordinary plugins registered by module name (kvloom.plugins.manager.BUILTIN_PLUGINS)."""
+"""The built-in plugins, ordinary plugins registered by name (kvloom.plugins.manager.BUILTIN_PLUGINS): a module each,
+and the quantization formats' plugin objects in ``quantization``."""

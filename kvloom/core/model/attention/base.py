@@ -7,6 +7,7 @@ each, laid first in the batch) and prefill chunks (any number of queries over a 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -31,8 +32,27 @@ class AttentionMetadata:
         return len(self.seq_lens_cpu)
 
 
-class AttentionBackend:
-    """Plain-PyTorch attention over the paged cache: the CPU path and the reference for the others."""
+class AttentionBackend(Protocol):
+    """What the model asks of an attention backend: the layout of its paged cache, and one call that writes
+    a step's new K/V there and attends (decodes first, then prefill chunks over their cached prefixes)."""
+
+    name: str
+
+    @staticmethod
+    def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]: ...
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
+                meta: AttentionMetadata, scale: float, k_scale: float = 1.0, v_scale: float = 1.0,
+                window: int | None = None, softcap: float | None = None,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
+        """``k_scale``/``v_scale``: the per-tensor scales of an fp8 cache (stored ``x / scale``). A layer's
+        variant: ``window`` (a query sees its last ``window`` positions), ``softcap`` (scores become
+        ``softcap * tanh(scores / softcap)``), ``sinks`` (``[Hq]`` logits in each softmax denominator)."""
+        ...
+
+
+class TorchAttentionBackend:
+    """Plain-PyTorch attention over the paged cache: the reference for the others."""
 
     name = "torch"
 
@@ -91,18 +111,3 @@ class AttentionBackend:
             meta.seq_lens_cpu[nd:], scale, k_scale, v_scale, **variant,
         )
         return out
-
-
-def get_attention_backend(device: torch.device):
-    """Triton kernels on CUDA, the head-major CPU backend on the CPU, the PyTorch reference elsewhere."""
-    if device.type == "cuda":
-        try:
-            from kvloom.core.model.attention.triton import TritonAttentionBackend
-        except ImportError:  # Triton missing: the reference still runs on CUDA tensors
-            return AttentionBackend()
-        return TritonAttentionBackend()
-    if device.type == "cpu":
-        from kvloom.core.model.attention.cpu import CPUAttentionBackend
-
-        return CPUAttentionBackend()
-    return AttentionBackend()

@@ -1,6 +1,6 @@
 """Attention on the CPU: the paged cache laid out head-major, and the per-step index work done once.
 
-The reference backend (``kvloom.core.model.attention.base.AttentionBackend``) keeps the GPU kernels' layout,
+The reference backend (``kvloom.core.model.attention.base.TorchAttentionBackend``) keeps the GPU kernels' layout,
 ``[num_blocks, block_size, num_kv_heads, head_dim]``; gathering a sequence's blocks from it yields
 ``[L, Hkv, D]``, which every matmul then has to copy into ``[Hkv, L, D]``. Here a block is
 ``[num_kv_heads, block_size, head_dim]``, so one ``index_select`` over ``(block, head)`` rows yields
@@ -236,7 +236,6 @@ class CPUAttentionBackend:
             return out.view(batch, num_heads, head_dim)
         if q.dtype == torch.float32:
             # float32 batched matmuls this small run in MKL at a fraction of the fused kernel's speed
-            # (385 us per matmul vs 572 us for the whole fused call, SmolLM2 at batch 32)
             out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=index.bias, scale=scale)
             return out.view(batch, num_heads, head_dim)
         scores = torch.matmul(grouped, keys.transpose(-1, -2))  # [B, Hkv, G, L]
@@ -248,9 +247,9 @@ class CPUAttentionBackend:
         """Causal attention of prompt chunks, ``q`` ``[n, Q, Hq, D]`` at the last ``Q`` of ``S`` positions, over
         ``keys``/``values`` ``[n, Hkv, S, D]`` (the fresh K/V, or the gathered history of a chunk after a
         cached prefix: one formula for both), as two batched matmuls per KV head with its query heads
-        stacked along the rows. For bf16/fp16, where it beats the fused CPU kernel (1.45x on SmolLM2's
-        shapes); scores in the model dtype, softmax in float32, as in decode. ``mask`` (``[Q, S]`` bool):
-        which keys each query sees, where that is not plain causality over the last ``Q`` positions."""
+        stacked along the rows. For bf16/fp16, where it beats the fused CPU kernel (docs/benchmarks.md);
+        scores in the model dtype, softmax in float32, as in decode. ``mask`` (``[Q, S]`` bool): which keys
+        each query sees, where that is not plain causality over the last ``Q`` positions."""
         n, length, num_heads, head_dim = q.shape
         num_kv_heads, total = keys.shape[1], keys.shape[2]
         group = num_heads // num_kv_heads
@@ -258,7 +257,7 @@ class CPUAttentionBackend:
         grouped = grouped.reshape(n * num_kv_heads, group * length, head_dim) * scale
         keys_t = keys.transpose(-1, -2).reshape(n * num_kv_heads, head_dim, total)
         # the mask as an additive bias the matmul starts from (-inf where a key is hidden), one copy per query
-        # head of the group: 2x cheaper than masking the scores afterwards
+        # head of the group: cheaper than masking the scores afterwards
         causal = torch.zeros(length, total, dtype=q.dtype, device=q.device)
         if mask is None:
             hidden = torch.ones(length, total, dtype=torch.bool, device=q.device).triu_(total - length + 1)

@@ -4,17 +4,20 @@ from __future__ import annotations
 
 import torch
 
-from kvloom.core.model.attention.base import AttentionBackend, AttentionMetadata
+from kvloom.core.model.attention.base import AttentionMetadata, TorchAttentionBackend
 from kvloom.kernels import triton_attention
 
 
 class TritonAttentionBackend:
     name = "triton"
-    kv_cache_shape = staticmethod(AttentionBackend.kv_cache_shape)  # the kernels' layout is the reference one
+    kv_cache_shape = staticmethod(TorchAttentionBackend.kv_cache_shape)  # the kernels' layout is the reference one
     # forward takes the step's rotary tables (``rope``) and rotates q and k itself, in the kernel that
     # writes the cache: one launch a layer instead of two
     fuses_rotary = True
     takes_written_kv = True  # forward(kv_written=True): q/k rotated and the cache written before it
+
+    def __init__(self, pdl: bool = True) -> None:
+        self.pdl = pdl  # launch with programmatic dependent launch where the GPU has it (kvloom/kernels/pdl.py)
 
     def forward(
         self,
@@ -41,14 +44,15 @@ class TritonAttentionBackend:
         if not kv_written:
             if rope is not None:
                 q = triton_attention.rotary_and_write_kv_cache(rope[0], q, k, v, rope[1], k_cache, v_cache,
-                                                               meta.slot_mapping, k_scale, v_scale)
+                                                               meta.slot_mapping, k_scale, v_scale, pdl=self.pdl)
             else:
-                triton_attention.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
+                triton_attention.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale,
+                                                pdl=self.pdl)
         if meta.num_decodes == meta.num_seqs:
             # ``max_seq_len`` is only a hint for the split count; CUDA graphs capture with a fixed one.
             return triton_attention.paged_decode_attention(
                 q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.max_seq_len, scale,
-                k_scale=k_scale, v_scale=v_scale, **variant,
+                k_scale=k_scale, v_scale=v_scale, pdl=self.pdl, **variant,
             )
         # Mixed batches: the prefill kernel handles single-query sequences too, in one launch.
         return triton_attention.paged_prefill_attention(

@@ -31,6 +31,7 @@ from kvloom.core.model.linear import (
     UnquantizedLinearMethod,
 )
 from kvloom.kernels import ops
+from kvloom.kernels.options import DEFAULT_KERNELS, KernelOptions
 from kvloom.kernels.quant_reference import num_rows
 
 if TYPE_CHECKING:
@@ -50,33 +51,35 @@ def linear_method(quantization: "QuantizationMethod | None", prefix: str, checkp
 class RMSNorm(nn.Module):
     """Llama's RMSNorm: normalized in float32, rounded to the input's dtype, then scaled by ``weight``."""
 
-    def __init__(self, dim: int, eps: float) -> None:
+    def __init__(self, dim: int, eps: float, kernels: KernelOptions = DEFAULT_KERNELS) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.kernels = kernels
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, fp8: bool = False):
         """``fp8``: the next layer takes FP8 rows (``LinearBase.takes_fp8_rows``), quantized here where a
         kernel does it."""
-        out = ops.rms_norm_fp8(x, self.weight, self.eps, residual) if fp8 else None
-        return ops.rms_norm(x, self.weight, self.eps, residual) if out is None else out
+        out = ops.rms_norm_fp8(x, self.weight, self.eps, residual, self.kernels) if fp8 else None
+        return ops.rms_norm(x, self.weight, self.eps, residual, self.kernels) if out is None else out
 
 
 class GemmaRMSNorm(nn.Module):
     """Gemma's RMSNorm: the checkpoint holds ``w`` and the scale is ``1 + w``, applied in float32 before the
     one rounding to the input's dtype. ``scale`` (float32) is made once after loading."""
 
-    def __init__(self, dim: int, eps: float) -> None:
+    def __init__(self, dim: int, eps: float, kernels: KernelOptions = DEFAULT_KERNELS) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(dim))
         self.eps = eps
+        self.kernels = kernels
         self.register_buffer("scale", torch.empty(0), persistent=False)
 
     def process_weights_after_loading(self) -> None:
         self.scale = 1.0 + self.weight.detach().float()
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, fp8: bool = False):
-        return ops.rms_norm(x, self.scale, self.eps, residual, scale_in_float32=True)
+        return ops.rms_norm(x, self.scale, self.eps, residual, self.kernels, scale_in_float32=True)
 
 
 # --- rotary tables -----------------------------------------------------------------------------------
@@ -195,8 +198,10 @@ def head_parallel_loader(tp: TensorParallel):
 
 class Attention(nn.Module):
     def __init__(self, config, layer_idx: int, spec: AttentionSpec, family: type["DecoderLM"],
-                 backend: AttentionBackend, quantization=None, tp: TensorParallel | None = None) -> None:
+                 backend: AttentionBackend, quantization=None, tp: TensorParallel | None = None,
+                 kernels: KernelOptions = DEFAULT_KERNELS) -> None:
         super().__init__()
+        self.kernels = kernels
         tp = tp or TensorParallel()
         self.tp = tp
         self.spec = spec
@@ -217,8 +222,8 @@ class Attention(nn.Module):
                                 method=linear_method(quantization, f"{prefix}.o_proj", [f"{prefix}.o_proj"]), **ranks)
         self.qk_norm = family.qk_norm
         if self.qk_norm:
-            self.q_norm = family.norm_class(self.head_dim, config.rms_norm_eps)
-            self.k_norm = family.norm_class(self.head_dim, config.rms_norm_eps)
+            self.q_norm = family.norm_class(self.head_dim, config.rms_norm_eps, kernels)
+            self.k_norm = family.norm_class(self.head_dim, config.rms_norm_eps, kernels)
         if spec.sinks:
             self.sinks = nn.Parameter(torch.empty(self.num_heads, dtype=torch.float32), requires_grad=False)
             self.sinks.weight_loader = head_parallel_loader(tp)
@@ -266,10 +271,10 @@ class Attention(nn.Module):
         elif self.fusable_rotary and getattr(self.backend, "fuses_rotary", False):  # rotated where the cache is written
             fused["rope"] = rope
         elif self.rotary_dim == self.head_dim:
-            q, k = ops.apply_rotary(rope, q, k)
+            q, k = ops.apply_rotary(rope, q, k, self.kernels)
         else:  # partial rotary: the leading dims rotate, the rest pass through
             d = self.rotary_dim
-            q_rot, k_rot = ops.apply_rotary(rope, q[..., :d], k[..., :d])
+            q_rot, k_rot = ops.apply_rotary(rope, q[..., :d], k[..., :d], self.kernels)
             q = torch.cat([q_rot, q[..., d:]], dim=-1)
             k = torch.cat([k_rot, k[..., d:]], dim=-1)
         if fp8_cache and (self.k_scale, self.v_scale) != (1.0, 1.0):
@@ -282,8 +287,9 @@ class MLP(nn.Module):
     """The gated MLP: ``down(act(gate(x)) * up(x))`` with gate and up in one matmul."""
 
     def __init__(self, config, layer_idx: int, family: type["DecoderLM"], quantization=None,
-                 tp: TensorParallel | None = None) -> None:
+                 tp: TensorParallel | None = None, kernels: KernelOptions = DEFAULT_KERNELS) -> None:
         super().__init__()
+        self.kernels = kernels
         self.tp = tp = tp or TensorParallel()
         prefix = f"model.layers.{layer_idx}.mlp"
         inter = config.intermediate_size
@@ -299,7 +305,8 @@ class MLP(nn.Module):
 
     def forward(self, h) -> torch.Tensor:
         if self.activation == "silu":
-            act = self.gate_up_proj.forward_silu_and_mul(h, fp8=self.down_proj.takes_fp8_rows(num_rows(h)))
+            act = self.gate_up_proj.forward_silu_and_mul(h, fp8=self.down_proj.takes_fp8_rows(num_rows(h)),
+                                                         kernels=self.kernels)
         else:
             act = ops.gelu_tanh_and_mul(self.gate_up_proj(h))
         return self.tp.all_reduce(self.down_proj(act))
@@ -310,17 +317,18 @@ ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"
 
 class DecoderLayer(nn.Module):
     def __init__(self, config, layer_idx: int, spec: AttentionSpec, family: type["DecoderLM"],
-                 backend: AttentionBackend, quantization=None, tp: TensorParallel | None = None) -> None:
+                 backend: AttentionBackend, quantization=None, tp: TensorParallel | None = None,
+                 kernels: KernelOptions = DEFAULT_KERNELS) -> None:
         super().__init__()
         norm, eps = family.norm_class, config.rms_norm_eps
-        self.self_attn = Attention(config, layer_idx, spec, family, backend, quantization, tp)
-        self.mlp = MLP(config, layer_idx, family, quantization, tp)
-        self.input_layernorm = norm(config.hidden_size, eps)
-        self.post_attention_layernorm = norm(config.hidden_size, eps)
+        self.self_attn = Attention(config, layer_idx, spec, family, backend, quantization, tp, kernels)
+        self.mlp = MLP(config, layer_idx, family, quantization, tp, kernels)
+        self.input_layernorm = norm(config.hidden_size, eps, kernels)
+        self.post_attention_layernorm = norm(config.hidden_size, eps, kernels)
         self.sandwich_norms = family.sandwich_norms
         if self.sandwich_norms:  # norms on both sides of the MLP too; the attention output is normed before the add
-            self.pre_feedforward_layernorm = norm(config.hidden_size, eps)
-            self.post_feedforward_layernorm = norm(config.hidden_size, eps)
+            self.pre_feedforward_layernorm = norm(config.hidden_size, eps, kernels)
+            self.post_feedforward_layernorm = norm(config.hidden_size, eps, kernels)
 
     def forward(self, rope, h, residual, meta, kv_cache, keep=None):
         # Where the next layer runs W8A8 on these rows, the norm hands it FP8 rows (one kernel less).
@@ -423,16 +431,18 @@ class DecoderLM(nn.Module):
 
     # --- the skeleton --------------------------------------------------------------------------------
     def __init__(self, config, backend: AttentionBackend, quantization: "QuantizationMethod | None" = None,
-                 tp: TensorParallel | None = None) -> None:
+                 tp: TensorParallel | None = None, kernels: KernelOptions = DEFAULT_KERNELS) -> None:
+        """``kernels``: the CUDA kernels' options (the engine's ``kernel_options``)."""
         super().__init__()
         self.config = config
         self.tp = tp = tp or TensorParallel()
         self.specs = [type(self).attention_spec(config, i) for i in range(config.num_hidden_layers)]
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, i, spec, type(self), backend, quantization, tp) for i, spec in enumerate(self.specs)
+            DecoderLayer(config, i, spec, type(self), backend, quantization, tp, kernels)
+            for i, spec in enumerate(self.specs)
         )
-        self.norm = type(self).norm_class(config.hidden_size, config.rms_norm_eps)
+        self.norm = type(self).norm_class(config.hidden_size, config.rms_norm_eps, kernels)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         # Tied: the embedding table is the output projection, unless a packed copy is set after loading.
         # The output projection stays dense, as in the usual AWQ/GPTQ/FP8 checkpoints.

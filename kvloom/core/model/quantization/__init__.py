@@ -5,12 +5,11 @@ same names hand them to the engine."""
 
 from __future__ import annotations
 
-from typing import Any, Sequence
-
-import torch
+from typing import Any
 
 from kvloom.core.config import ConfigError
-from kvloom.core.model.linear import LinearMethod, UnquantizedLinearMethod
+from kvloom.core.model.quantization.base import (QuantizationMethod, check_choice, dense_bytes,  # noqa: F401
+                                                 dequantized_kernel, param_bytes)
 
 QUANTIZATIONS = ("fp8", "awq", "gptq")
 # quantization_config.quant_method -> the method that loads it
@@ -56,77 +55,27 @@ PLAN_DEFAULTS = {
 }
 
 
-def make_method(name: str, hf_config, *, plan_defaults: bool = False) -> "QuantizationMethod":
+def make_method(name: str, hf_config, *, plan_defaults: bool = False, kernels=None) -> "QuantizationMethod":
     """The method ``name`` for this checkpoint, from its ``quantization_config`` (checked key by key).
-    ``plan_defaults``: size an unquantized checkpoint as if quantized with the usual settings."""
+    ``plan_defaults``: size an unquantized checkpoint as if quantized with the usual settings; ``kernels``
+    (``KernelOptions``): what its CUDA kernels run with (default: the engine's defaults)."""
     qc = checkpoint_quantization_config(hf_config)
     if qc is None and plan_defaults and name in PLAN_DEFAULTS:
         qc = dict(PLAN_DEFAULTS[name])
     if name == "awq":
         from kvloom.core.model.quantization.awq import AWQMethod
 
-        return AWQMethod.from_config(qc or {})
-    if name == "gptq":
+        method = AWQMethod.from_config(qc or {})
+    elif name == "gptq":
         from kvloom.core.model.quantization.gptq import GPTQMethod
 
-        return GPTQMethod.from_config(qc or {})
-    if name == "fp8":
+        method = GPTQMethod.from_config(qc or {})
+    elif name == "fp8":
         from kvloom.core.model.quantization.fp8 import FP8Method
 
-        return FP8Method.from_config(qc)
-    raise ConfigError(f"quantization={name!r} is not one of {list(QUANTIZATIONS)}")
-
-
-def param_bytes(layer) -> int:
-    return sum(p.numel() * p.element_size() for p in layer.parameters(recurse=False))
-
-
-def dense_bytes(layer) -> int:
-    size = torch.empty(0, dtype=layer.params_dtype).element_size()
-    return (layer.output_size * layer.input_size + (layer.output_size if layer.bias is not None else 0)) * size
-
-
-def check_choice(qc: dict, key: str, supported: Sequence, method: str, default: Any = None) -> Any:
-    """``qc[key]`` if it is one of ``supported``, else a ConfigError naming the key and the supported values."""
-    value = qc.get(key, default)
-    if value not in supported or isinstance(value, bool) != isinstance(supported[0], bool):  # True == 1
-        raise ConfigError(f"quantization_config.{key}={value!r} is not supported by {method}; supported: "
-                          f"{list(supported)}")
-    return value
-
-
-class QuantizationMethod:
-    """A weight format: makes each linear layer's ``LinearMethod`` (which declares its parameters, loads
-    and repacks them, and runs the matmul). Layers named in ``modules_to_not_convert`` stay dense."""
-
-    name = "?"
-
-    def __init__(self, modules_to_not_convert: Sequence[str] = ()) -> None:
-        self.modules_to_not_convert = tuple(modules_to_not_convert or ())
-        self.kernel = "not loaded yet"  # set by the layers once they know their device
-
-    def linear_method(self, prefix: str, checkpoint_prefixes: Sequence[str]) -> LinearMethod:
-        """The method of the layer at ``prefix``, which loads the checkpoint modules ``checkpoint_prefixes``
-        (``q_proj``, ``k_proj`` and ``v_proj`` for a fused ``qkv_proj``)."""
-        skipped = [p for p in checkpoint_prefixes if self._not_converted(p)]
-        if skipped:
-            if len(skipped) != len(checkpoint_prefixes):
-                raise ConfigError(f"modules_to_not_convert leaves {skipped} dense but not the rest of "
-                                  f"{list(checkpoint_prefixes)}, which kvloom runs as one fused layer {prefix!r}")
-            return UnquantizedLinearMethod()
-        return self.quantized_linear_method(prefix)
-
-    def _not_converted(self, prefix: str) -> bool:
-        # Substrings of the module name, as AutoAWQ and vLLM match them ("lm_head", "layers.0.mlp").
-        return any(m and m in prefix for m in self.modules_to_not_convert)
-
-    def quantized_linear_method(self, prefix: str) -> LinearMethod:
-        raise NotImplementedError
-
-    def describe(self) -> str:
-        """The start-up log line: format, bits, group size and kernel."""
-        raise NotImplementedError
-
-
-def dequantized_kernel(device: torch.device, dtype: torch.dtype) -> str:
-    return f"dequantized at load to {str(dtype).removeprefix('torch.')} ({device.type}: dense matmuls)"
+        method = FP8Method.from_config(qc)
+    else:
+        raise ConfigError(f"quantization={name!r} is not one of {list(QUANTIZATIONS)}")
+    if kernels is not None:
+        method.kernels = kernels
+    return method

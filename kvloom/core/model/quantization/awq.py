@@ -8,7 +8,7 @@ import torch
 
 from kvloom.core.config import ConfigError
 from kvloom.core.model.linear import LinearBase, set_dense_weight
-from kvloom.core.model.quantization import (QuantizationMethod, check_choice, dense_bytes, dequantized_kernel,
+from kvloom.core.model.quantization.base import (QuantizationMethod, check_choice, dense_bytes, dequantized_kernel,
                                             param_bytes)
 from kvloom.core.model.quantization.packed_int import INT_KERNELS, keep_packed, set_packed_weight, tinygemm_bytes
 from kvloom.kernels.quant_reference import dequantize_awq, repack_awq
@@ -75,7 +75,7 @@ class AWQLinearMethod:
             set_dense_weight(layer, weight)
             return
         qweight, zeros = repack_awq(layer.qweight.data, layer.qzeros.data)
-        set_packed_weight(layer, qweight, zeros, layer.scales.data, m.group_size, 4)
+        set_packed_weight(layer, qweight, zeros, layer.scales.data, m.group_size, 4, kernels=m.kernels)
         m.kernel = INT_KERNELS[4, layer.method.layout] + " (AWQ repacked at load)"
 
     def apply(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
@@ -86,7 +86,7 @@ class AWQLinearMethod:
             return dense_bytes(layer)
         zeros = layer.qzeros.numel() * 8  # unpacked to a uint8 each
         return (param_bytes(layer) - layer.qzeros.numel() * 4 + zeros
-                + tinygemm_bytes(layer, 4, self.method.group_size, device_type))
+                + tinygemm_bytes(layer, 4, self.method.group_size, device_type, self.method.kernels))
 
     @torch.no_grad()
     def init_dummy(self, layer: LinearBase, gen: torch.Generator) -> None:

@@ -6,8 +6,8 @@ and online quantization of a dense checkpoint (per-channel weight scales, dynami
 Where the GPU has FP8 matmuls (Ada, Hopper and later) the layer runs W8A8 through ``torch._scaled_mm``
 with row-wise scales (fast accumulation), and decode-sized batches (up to 16 rows) W8A8 or one of two
 weight-only Triton FP8 GEMVs (bf16 activations: reading the FP8 weight is the whole cost there), by the
-rule ``triton_quant.fp8_linear_path`` measured on an H200; elsewhere (the CPU, older GPUs) and for block-wise scales, weight-only: the FP8
-weight is dequantized at load, so its rounding is kept and the matmul is dense.
+rule ``kvloom.kernels.quant.dispatch.fp8_linear_path``; elsewhere (the CPU, older GPUs) and for block-wise
+scales, weight-only: the FP8 weight is dequantized at load, so its rounding is kept and the matmul is dense.
 """
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ import torch.nn.functional as F
 
 from kvloom.core.config import ConfigError
 from kvloom.core.model.linear import LinearBase, set_dense_weight
-from kvloom.core.model.quantization import QuantizationMethod, dense_bytes
+from kvloom.core.model.quantization.base import QuantizationMethod, dense_bytes
+from kvloom.kernels.options import DEFAULT_KERNELS, KernelOptions
 from kvloom.kernels.quant_reference import (FP8_DTYPE, FP8Rows, fp8_dequantize_blocks, fp8_quantize,
                                             fp8_scale_per_row)
 
@@ -26,7 +27,7 @@ CT_WEIGHT_STRATEGIES = ("channel", "tensor")
 
 
 def _gemv_rows() -> int:
-    from kvloom.kernels.triton_quant import FP8_GEMV_MAX_ROWS
+    from kvloom.kernels.quant.dispatch import FP8_GEMV_MAX_ROWS
 
     return FP8_GEMV_MAX_ROWS
 
@@ -48,7 +49,7 @@ def fp8_w8a8_linear(x: torch.Tensor | FP8Rows, weight: torch.Tensor, weight_scal
         x2 = x.reshape(-1, x.shape[-1])
         rows = x2.shape[0]
         if input_scale is None and x2.is_cuda:  # one fused kernel: amax, scale, quantize, pad
-            from kvloom.kernels.triton_quant import fp8_quantize_rows
+            from kvloom.kernels.quant.dispatch import fp8_quantize_rows
 
             xq, scale = fp8_quantize_rows(x2)
         else:
@@ -58,8 +59,7 @@ def fp8_w8a8_linear(x: torch.Tensor | FP8Rows, weight: torch.Tensor, weight_scal
             if pad:
                 xq = F.pad(xq.view(torch.uint8), (0, 0, 0, pad)).view(FP8_DTYPE)
                 scale = F.pad(scale, (0, 0, 0, pad), value=1.0)
-    # Hopper's fast accumulation: 1.05-1.15x the GEMM at 256-4096 rows of Llama-3-8B (H200,
-    # benchmarks/quant_kernels_gpu.py), within the tolerance of tests/kernels' W8A8 test.
+    # Hopper's fast accumulation: faster (docs/benchmarks.md) and within the tolerance of tests/kernels' W8A8 test.
     out = torch._scaled_mm(xq, weight.t(), scale_a=scale.contiguous(), scale_b=weight_scale.reshape(1, -1),
                            out_dtype=dtype, use_fast_accum=xq.is_cuda)[:rows]
     if bias is not None:
@@ -68,18 +68,19 @@ def fp8_w8a8_linear(x: torch.Tensor | FP8Rows, weight: torch.Tensor, weight_scal
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-               input_scale: torch.Tensor | None, bias: torch.Tensor | None) -> torch.Tensor:
-    """An FP8 layer on CUDA: the path ``triton_quant.fp8_linear_path`` picks for the row count and shape
+               input_scale: torch.Tensor | None, bias: torch.Tensor | None,
+               kernels: KernelOptions = DEFAULT_KERNELS) -> torch.Tensor:
+    """An FP8 layer on CUDA: the path ``dispatch.fp8_linear_path`` picks for the row count and shape
     (a weight-only GEMV for decode-sized batches, W8A8 beyond)."""
-    from kvloom.kernels import triton_quant
+    from kvloom.kernels.quant import dispatch
 
     if isinstance(x, FP8Rows):  # quantized by the kernel before, for this W8A8 layer (takes_fp8_rows)
         return fp8_w8a8_linear(x, weight, weight_scale, input_scale, bias)
-    path = triton_quant.fp8_linear_path(x.numel() // x.shape[-1], weight.shape[0], weight.shape[1])
+    path = dispatch.fp8_linear_path(x.numel() // x.shape[-1], weight.shape[0], weight.shape[1])
     if path == "gemv":
-        return triton_quant.fp8_gemv(x, weight, weight_scale, bias)
+        return dispatch.fp8_gemv(x, weight, weight_scale, bias, options=kernels)
     if path == "gemv_dot":
-        return triton_quant.fp8_weight_only_linear(x, weight, weight_scale, bias)
+        return dispatch.fp8_weight_only_linear(x, weight, weight_scale, bias)
     return fp8_w8a8_linear(x, weight, weight_scale, input_scale, bias)
 
 
@@ -217,41 +218,43 @@ class FP8LinearMethod:
 
     def takes_fp8_rows(self, layer: LinearBase, rows: int) -> bool:
         """Whether ``rows`` rows run W8A8 with dynamic per-token scales, so that the kernel before the layer
-        may hand it ``FP8Rows`` (``triton_quant.FP8_FUSED_QUANT``)."""
-        from kvloom.kernels import triton_quant
+        may hand it ``FP8Rows`` (``KernelOptions.fp8_fused_quant``)."""
+        from kvloom.kernels.quant import dispatch
 
-        return (self.w8a8 and triton_quant.FP8_FUSED_QUANT and layer.weight.is_cuda
+        return (self.w8a8 and self.method.kernels.fp8_fused_quant and layer.weight.is_cuda
                 and getattr(layer, "input_scale", None) is None
-                and triton_quant.fp8_linear_path(rows, *layer.weight.shape) == "w8a8")
+                and dispatch.fp8_linear_path(rows, *layer.weight.shape) == "w8a8")
 
     def apply(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
-        return fp8_linear(x, layer.weight, layer.weight_scale, getattr(layer, "input_scale", None), layer.bias)
+        return fp8_linear(x, layer.weight, layer.weight_scale, getattr(layer, "input_scale", None), layer.bias,
+                          self.method.kernels)
 
     def apply_qkv_rope(self, layer: LinearBase, x: torch.Tensor, rope, kv_cache, slot_mapping, num_q_heads: int,
                        num_kv_heads: int, k_scale: float, v_scale: float) -> torch.Tensor | None:
         """One row of a qkv layer on the FP8 GEMV with rotary and the cache write in its epilogue
-        (``triton_quant.FP8_QKV_ROPE``; None: not fused here)."""
-        from kvloom.kernels import triton_quant
+        (``KernelOptions.fp8_qkv_rope``; None: not fused here)."""
+        from kvloom.kernels.quant import dispatch
 
+        kernels = self.method.kernels
         rows = x.numel() // x.shape[-1]
-        if not (triton_quant.FP8_QKV_ROPE and self.w8a8 and x.is_cuda and rows == 1):
+        if not (kernels.fp8_qkv_rope and self.w8a8 and x.is_cuda and rows == 1):
             return None
-        tiles = triton_quant.fp8_qkv_rope_tiles(*layer.weight.shape)
+        tiles = dispatch.fp8_qkv_rope_tiles(*layer.weight.shape, options=kernels)
         if tiles is None:
             return None
         positions, cos_sin = rope
-        return triton_quant.fp8_qkv_rope_gemv(x, layer.weight, layer.weight_scale, layer.bias, positions, cos_sin,
+        return dispatch.fp8_qkv_rope_gemv(x, layer.weight, layer.weight_scale, layer.bias, positions, cos_sin,
                                               kv_cache[0], kv_cache[1], slot_mapping, num_q_heads, num_kv_heads,
-                                              k_scale, v_scale, config=tiles)
+                                              k_scale, v_scale, config=tiles, options=kernels)
 
     def apply_silu_and_mul(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor | None:
         """One row of a merged [gate; up] layer: the FP8 GEMV with SiLU-and-mul in its epilogue (None:
         not fused at this row count)."""
-        from kvloom.kernels import triton_quant
+        from kvloom.kernels.quant import dispatch
 
         if not (self.w8a8 and x.is_cuda and x.numel() == x.shape[-1]):
             return None
-        return triton_quant.fp8_gemv(x, layer.weight, layer.weight_scale, silu_mul=True)
+        return dispatch.fp8_gemv(x, layer.weight, layer.weight_scale, silu_mul=True, options=self.method.kernels)
 
     def held_bytes(self, layer: LinearBase, device_type: str) -> int:
         if device_type == "cpu" or self.method.block:  # weight-only: dequantized at load

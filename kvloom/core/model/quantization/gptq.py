@@ -9,7 +9,7 @@ import torch
 
 from kvloom.core.config import ConfigError
 from kvloom.core.model.linear import LinearBase, set_dense_weight
-from kvloom.core.model.quantization import (QuantizationMethod, check_choice, dense_bytes, dequantized_kernel,
+from kvloom.core.model.quantization.base import (QuantizationMethod, check_choice, dense_bytes, dequantized_kernel,
                                             param_bytes)
 from kvloom.core.model.quantization.packed_int import INT_KERNELS, keep_packed, set_packed_weight, tinygemm_bytes
 from kvloom.kernels.quant_reference import dequantize_gptq, repack_gptq
@@ -127,7 +127,7 @@ class GPTQLinearMethod:
             set_dense_weight(layer, weight)
             return
         qweight, zeros = repack_gptq(layer.qweight.data, layer.qzeros.data, m.bits, m.checkpoint_format == "gptq", perm)
-        set_packed_weight(layer, qweight, zeros, layer.scales.data, g, m.bits, perm)
+        set_packed_weight(layer, qweight, zeros, layer.scales.data, g, m.bits, perm, kernels=m.kernels)
         m.kernel = (INT_KERNELS[m.bits, layer.method.layout]
                     + (", inputs sorted by group (desc_act)" if perm is not None else ""))
 
@@ -140,7 +140,7 @@ class GPTQLinearMethod:
         per_word = 32 // self.method.bits
         group = self.method.group_size if self.method.group_size > 0 else layer.input_size
         return (param_bytes(layer) - layer.qzeros.numel() * 4 + layer.qzeros.numel() * per_word
-                + tinygemm_bytes(layer, self.method.bits, group, device_type))
+                + tinygemm_bytes(layer, self.method.bits, group, device_type, self.method.kernels))
 
     @torch.no_grad()
     def init_dummy(self, layer: LinearBase, gen: torch.Generator) -> None:

@@ -1,7 +1,7 @@
 """The run-time layouts of AWQ and GPTQ layers on the GPU, dequantized inside the kernels
-(``kvloom.kernels.triton_quant``, ``gluon_quant``), with uint8 zero points and fp16 scales per group: 4-bit
+(``kvloom.kernels.quant``), with uint8 zero points and fp16 scales per group: 4-bit
 weights in one ``[N, K / 8]`` int32 layout that every 4-bit kernel of the GPU reads (on Hopper the Gluon GEMM's
-MMA row layout, ``gluon_quant.int4_mma_pack``; elsewhere the row layout, ``triton_quant.int4_row_pack``),
+MMA row layout, ``quant.gluon_int4.int4_mma_pack``; elsewhere the row layout, ``quant.int4_row.int4_row_pack``),
 plus PyTorch's int4 copy (tinygemm) for 1-4 rows where it takes the shape (on Hopper only for weights of
 4096 x 4096 and less, whose one row it runs); 8-bit weights packed along the inputs. On the CPU
 the formats are dequantized at load instead, where dense oneDNN matmuls are faster than unpacking
@@ -12,9 +12,10 @@ from __future__ import annotations
 import torch
 
 from kvloom.core.model.linear import LinearBase
+from kvloom.kernels.options import DEFAULT_KERNELS, KernelOptions
 
 
-# The start-up log's kernel: what ``triton_quant.int4_linear`` / ``int_linear`` pick from by row count.
+# The start-up log's kernel: what ``quant.dispatch.int4_linear`` / ``int_linear`` pick from by row count.
 # Keyed by (bits, layout).
 INT_KERNELS = {
     (4, "mma"): ("W4A16 on CUDA, the Gluon GEMM's 4-bit MMA row layout (Hopper): one row a Triton GEMV (nibbles to "
@@ -39,40 +40,40 @@ def keep_packed(device: torch.device, forced: bool | None) -> bool:
     return forced if forced is not None else device.type == "cuda"
 
 
-def int4_cuda_layout(device: torch.device, k: int, group_size: int, dtype: torch.dtype) -> str:
+def int4_cuda_layout(device: torch.device, k: int, group_size: int, dtype: torch.dtype,
+                     kernels: KernelOptions = DEFAULT_KERNELS) -> str:
     """The layout a 4-bit layer of ``k`` inputs holds on a CUDA ``device``: ``"mma"`` (the Gluon GEMM's, on
-    Hopper: ``gluon_quant.mma_layout_wanted``), ``"row"`` for the other groups the row kernels take
-    (``triton_quant.int4_row_layout_ok``), else ``"k"`` (packed along the inputs)."""
-    from kvloom.kernels import gluon_quant as gq
-    from kvloom.kernels import triton_quant as tq
+    Hopper: ``quant.dispatch.mma_layout_wanted``), ``"row"`` for the other groups the row kernels take
+    (``quant.dispatch.int4_row_layout_ok``), else ``"k"`` (packed along the inputs)."""
+    from kvloom.kernels.quant import dispatch as qd
 
-    if not tq.int4_row_layout_ok(k, group_size):
+    if not qd.int4_row_layout_ok(k, group_size):
         return "k"
-    return "mma" if gq.mma_layout_wanted(device, k, group_size, dtype) else "row"
+    return "mma" if qd.mma_layout_wanted(device, k, group_size, dtype, kernels) else "row"
 
 
 def set_packed_weight(layer: LinearBase, qweight: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor,
-                      group_size: int, bits: int, perm: torch.Tensor | None = None) -> None:
+                      group_size: int, bits: int, perm: torch.Tensor | None = None,
+                      kernels: KernelOptions = DEFAULT_KERNELS) -> None:
     """Replace the checkpoint's tensors by the run-time layout, from the K-packed ``qweight``
     (``[K * bits / 32, N]``); ``perm`` reorders the inputs (desc_act). 4-bit on CUDA, for the groups the
-    kernels take (``triton_quant.int4_row_layout_ok``): ``qweight`` becomes ``[N, K / 8]``, in the MMA row
-    layout where the Gluon GEMM runs (``gluon_quant.mma_layout_wanted``), else in the row layout; and
-    tinygemm's copy where it takes the shape (with the MMA layout, only where it runs one row)."""
+    kernels take (``quant.dispatch.int4_row_layout_ok``): ``qweight`` becomes ``[N, K / 8]``, in the MMA row
+    layout where the Gluon GEMM runs (``quant.dispatch.mma_layout_wanted``), else in the row layout; and
+    tinygemm's copy where it takes the shape (with the MMA layout, only where it runs one row). ``kernels``: the
+    options the layer's kernels run with."""
     for name in list(layer._parameters):
         if name != "bias":
             delattr(layer, name)
     cuda4 = bits == 4 and qweight.is_cuda
     if cuda4:  # (Triton only where the kernels run)
-        from kvloom.kernels import triton_quant as tq
+        from kvloom.kernels.quant import dispatch as qd
     n, k = qweight.shape[1], qweight.shape[0] * 8
-    layout = int4_cuda_layout(qweight.device, k, group_size, layer.params_dtype) if cuda4 else "k"
+    layout = int4_cuda_layout(qweight.device, k, group_size, layer.params_dtype, kernels) if cuda4 else "k"
     mma = layout == "mma"
     if mma:
-        from kvloom.kernels import gluon_quant as gq
-
-        layer.add_param("qweight", gq.int4_mma_pack_qweight(qweight), input_dim=1, output_dim=0)
+        layer.add_param("qweight", qd.int4_mma_pack_qweight(qweight), input_dim=1, output_dim=0)
     elif layout == "row":
-        layer.add_param("qweight", tq.int4_row_pack(qweight), input_dim=1, output_dim=0)
+        layer.add_param("qweight", qd.int4_row_pack(qweight), input_dim=1, output_dim=0)
     else:
         layer.add_param("qweight", qweight, input_dim=0, output_dim=1)
     layer.add_param("zeros", zeros, input_dim=0, output_dim=1)
@@ -83,23 +84,24 @@ def set_packed_weight(layer: LinearBase, qweight: torch.Tensor, zeros: torch.Ten
         layer.perm = None
     layer.tinygemm = None
     # tinygemm's copy: with the MMA layout, only for the weights whose one row it runs (4096 x 4096 and less)
-    if cuda4 and layer.params_dtype == torch.bfloat16 and (not mma or n * k < tq.INT4_ROW_MIN_WEIGHT):
-        pack = tq.tinygemm_pack(qweight, zeros, scales, group_size)
+    if cuda4 and layer.params_dtype == torch.bfloat16 and (not mma or n * k < kernels.int4_row_min_weight):
+        pack = qd.tinygemm_pack(qweight, zeros, scales, group_size)
         if pack is not None:  # a second copy of the weight (half a byte per value): a decode path
             layer.register_buffer("tinygemm_weight", pack[0], persistent=False)
             layer.register_buffer("tinygemm_scales_zeros", pack[1], persistent=False)
             layer.tinygemm = (layer.tinygemm_weight, layer.tinygemm_scales_zeros)
-    layer.method = PackedIntLinearMethod(group_size, bits, layout)
+    layer.method = PackedIntLinearMethod(group_size, bits, layout, kernels)
 
 
 class PackedIntLinearMethod:
     """W4A16/W8A16: on the row or MMA row layout through ``ops.int4_row_matmul`` (4-bit on CUDA), else K-packed
     (``layout`` ``"k"``) through ``ops.int_matmul`` (Triton on CUDA, the PyTorch reference elsewhere)."""
 
-    def __init__(self, group_size: int, bits: int, layout: str = "k") -> None:
+    def __init__(self, group_size: int, bits: int, layout: str = "k", kernels: KernelOptions = DEFAULT_KERNELS) -> None:
         if layout not in ("k", "row", "mma"):
             raise ValueError(f"layout {layout!r}: one of 'k', 'row', 'mma'")
         self.group_size, self.bits, self.layout = group_size, bits, layout
+        self.kernels = kernels
         self.name = f"int{bits} packed" + {"k": "", "row": " (row layout)", "mma": " (MMA row layout)"}[layout]
 
     @property
@@ -120,24 +122,26 @@ class PackedIntLinearMethod:
             x = x.index_select(-1, layer.perm)
         if self.row:
             return ops.int4_row_matmul(x, layer.qweight, layer.zeros, layer.scales, self.group_size, layer.bias,
-                                       layer.tinygemm, self.layout == "mma")
+                                       layer.tinygemm, self.layout == "mma", self.kernels)
         return ops.int_matmul(x, layer.qweight, layer.zeros, layer.scales, self.group_size, self.bits, layer.bias,
                               layer.tinygemm)
 
     def apply_silu_and_mul(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor | None:
         """One row of a merged [gate; up] 4-bit layer on the row layout, where the row GEMV is the one-row
         path: that GEMV with SiLU-and-mul in its epilogue (None: not fused here)."""
-        from kvloom.kernels import triton_quant as tq
+        from kvloom.kernels.quant import dispatch as qd
 
-        if not (tq.INT4_FUSED_SILU_MUL and self.row and x.is_cuda and x.numel() == x.shape[-1]):
+        if not (self.kernels.int4_fused_silu_mul and self.row and x.is_cuda and x.numel() == x.shape[-1]):
             return None
         n, k = layer.qweight.shape[0], layer.qweight.shape[1] * 8
-        if tq.int4_one_row_path(n, k, x.dtype, layer.tinygemm) != "row" or tq.int4_row_tiles(n, k)["SPLIT_K"] != 1:
+        if qd.int4_one_row_path(n, k, x.dtype, layer.tinygemm, self.kernels) != "row" \
+                or qd.int4_row_tiles(n, k)["SPLIT_K"] != 1:
             return None
         if layer.perm is not None:
             x = x.index_select(-1, layer.perm)
-        return tq.int4_row_gemv(x, layer.qweight, layer.zeros, layer.scales, self.group_size,
-                                config=tq.int4_row_tiles(n, k), silu_mul=True, mma_layout=self.layout == "mma")
+        return qd.int4_row_gemv(x, layer.qweight, layer.zeros, layer.scales, self.group_size,
+                                config=qd.int4_row_tiles(n, k), silu_mul=True, mma_layout=self.layout == "mma",
+                                options=self.kernels)
 
     def held_bytes(self, layer: LinearBase, device_type: str) -> int:
         copies = layer.tinygemm or ()
@@ -145,17 +149,16 @@ class PackedIntLinearMethod:
             sum(t.numel() * t.element_size() for t in copies)
 
 
-def tinygemm_bytes(layer: LinearBase, bits: int, group_size: int, device_type: str) -> int:
+def tinygemm_bytes(layer: LinearBase, bits: int, group_size: int, device_type: str,
+                   kernels: KernelOptions = DEFAULT_KERNELS) -> int:
     """What tinygemm's copy of a 4-bit layer adds on CUDA (``engine plan``), in bf16 where it takes the shape,
     and with the MMA layout (Hopper) only for weights of 4096 x 4096 and less, as ``set_packed_weight``
     makes it."""
     if bits != 4 or device_type != "cuda":
         return 0
-    from kvloom.kernels import triton_quant as tq
-
     k, n = layer.input_size, layer.output_size
-    if torch.cuda.is_available() and n * k >= tq.INT4_ROW_MIN_WEIGHT \
-            and int4_cuda_layout(torch.device("cuda"), k, group_size, layer.params_dtype) == "mma":
+    if torch.cuda.is_available() and n * k >= kernels.int4_row_min_weight \
+            and int4_cuda_layout(torch.device("cuda"), k, group_size, layer.params_dtype, kernels) == "mma":
         return 0
     if layer.params_dtype != torch.bfloat16 or group_size not in (32, 64, 128, 256) or k % 1024:
         return 0

@@ -1,8 +1,8 @@
 """A many-row W4A16 GEMM for Hopper written in Gluon (Triton's explicit-layout dialect, ``triton.experimental.gluon``),
 with the dequantized weight as wgmma's register operand: ``out.T = W x.T``. The weight never goes through shared
-memory. Triton's ``tl.dot`` version (``triton_quant.int4_row_gemm``) stores each dequantized tile to shared
+memory. Triton's ``tl.dot`` version (``int4_row.int4_row_gemm``) stores each dequantized tile to shared
 memory and waits for each wgmma, so dequantization and the MMA alternate, and shared-memory bandwidth is spent
-twice on the weight (docs/benchmarks.md, sessions 16 and 17).
+twice on the weight (docs/benchmarks.md).
 
 **The MMA row layout** (``int4_mma_pack``): ``[N, K / 8]`` int32 words like the row layout, but inside each
 64-input block of a row, word ``2 q + c`` holds inputs ``32 c + 16 n2 + 8 n1 + 2 q + n0`` at nibble
@@ -24,6 +24,10 @@ device's Triton 3.6 and 3.9 are bound here. ``AVAILABLE`` is False where Gluon o
 from __future__ import annotations
 
 import torch
+
+from kvloom.kernels.options import DEFAULT_KERNELS, KernelOptions
+from kvloom.kernels.pdl import pdl_args
+from kvloom.kernels.quant.common import _finish, _rows_2d, _split_outputs
 
 try:
     import triton
@@ -249,21 +253,18 @@ def int4_mma_gemm_ok(n: int, k: int, group_size: int, dtype: torch.dtype, config
             and group_size % bk == 0 and k % group_size == 0 and n % 8 == 0)
 
 
-# Up to how many rows split-K tiles combine their own splits (arrivals.py): at one row on an H200 (session 18) that
-# and PDL took the awq decode step from 2,803 to 2,609 us (the fill and cast kernels of 2 of the 4 GEMMs a layer
-# gone), while at 256 rows, where partials of 256 x N floats go through L2 twice, offline throughput fell from
-# 8,660 to 8,386 tok/s against atomic adds into a zeroed float32 output.
+# Up to how many rows split-K tiles combine their own splits (arrivals.py): at few rows that saves the fill and
+# cast kernels, while many rows' partials going through L2 twice cost more than atomic adds (docs/benchmarks.md).
 COMBINE_MAX_ROWS = 16
 
 
 def int4_mma_gemm(x: torch.Tensor, packed: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor,
-                  group_size: int, bias: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
+                  group_size: int, bias: torch.Tensor | None = None, config: dict | None = None,
+                  options: KernelOptions = DEFAULT_KERNELS) -> torch.Tensor:
     """``x [.., K] @ W.T`` of a 4-bit weight in ``int4_mma_pack``'s layout (``zeros`` uint8 and ``scales``
-    ``[G, N]``) on Hopper's tensor cores, from 1 to any number of rows (tiles of 8-256 rows)."""
-    from kvloom.kernels import triton_quant as tq
-    from kvloom.kernels.pdl import pdl_args
-
-    x2 = tq._rows_2d(x)
+    ``[G, N]``) on Hopper's tensor cores, from 1 to any number of rows (tiles of 8-256 rows). ``options``:
+    split-K's combining and PDL."""
+    x2 = _rows_2d(x)
     m, k = x2.shape
     n = packed.shape[0]
     cfg = dict(config or int4_mma_tiles(m, n, k))
@@ -272,21 +273,18 @@ def int4_mma_gemm(x: torch.Tensor, packed: torch.Tensor, zeros: torch.Tensor, sc
     split = cfg.setdefault("SPLIT_K", 1)
     grid = (triton.cdiv(n, cfg["BLOCK_N"]), triton.cdiv(m, cfg["BLOCK_M"]), split)
     # up to COMBINE_MAX_ROWS the splits are combined by the last one (no fill or cast kernel)
-    part, arrivals, out = tq._split_outputs(x2, m, n, grid[0] * grid[1], split, combine=m <= COMBINE_MAX_ROWS)
+    part, arrivals, out = _split_outputs(x2, m, n, grid[0] * grid[1], split,
+                                         combine=m <= COMBINE_MAX_ROWS and options.split_combine)
     combine = arrivals is not None
     _w4a16_mma_kernel[grid](x2, packed, zeros, scales, out, part if combine else out, arrivals if combine else out,
                             m, n, k, x2.stride(0), packed.stride(0), out.stride(0), GROUP=group_size, COMBINE=combine,
-                            **cfg, **pdl_args(x2))
-    return tq._finish(out, x, bias)
+                            **cfg, **pdl_args(x2, options.pdl))
+    return _finish(out, x, bias)
 
 
 # Tiles (BLOCK_M, BLOCK_N, BLOCK_K, STAGES, num_warps, SPLIT_K) by weight shape and row bucket (the smallest
-# bucket at or above the row count), the best of 12-17 configs a bucket on an H200 (session 17,
-# benchmarks/int4_mma_gemm_sweep_gpu.py: CUDA-graph replay, weights past L2;
-# benchmarks/results/h200_int4_mma_gemm_sweep_s17.jsonl); re-swept in session 18 with pairs of values dequantized
-# an instruction (h200_int4_mma_gemm_sweep_s18_pairs.jsonl: rows 1-256), where only gate_up's best tiles up to 16
-# rows moved (no K split: 29.7-30.7 against 30.7-31.9 us).
-# Llama-3-8B's projections (Mistral-7B's are the same); other shapes take int4_mma_tiles' rule.
+# bucket at or above the row count): the best configs of benchmarks/int4_mma_gemm_sweep_gpu.py (docs/benchmarks.md)
+# at Llama-3-8B's projections (Mistral-7B's are the same); other shapes take int4_mma_tiles' rule.
 INT4_MMA_TILES = {
     (28672, 4096): ((4, (8, 64, 128, 4, 4, 1)), (8, (8, 64, 128, 4, 4, 1)), (16, (16, 64, 128, 4, 4, 1)), (32, (32, 64, 128, 4, 4, 1)), (64, (64, 128, 64, 4, 8, 1)), (128, (128, 128, 64, 3, 8, 1)), (256, (256, 128, 64, 4, 8, 1))),
     (4096, 14336): ((4, (8, 64, 128, 4, 4, 8)), (8, (8, 64, 128, 4, 4, 8)), (16, (16, 64, 128, 4, 4, 8)), (32, (32, 64, 128, 4, 4, 4)), (64, (64, 64, 128, 4, 4, 4)), (128, (128, 128, 64, 4, 8, 4)), (256, (256, 128, 64, 4, 8, 4))),
@@ -317,23 +315,6 @@ def int4_mma_tiles(rows: int, n: int, k: int) -> dict:
             and (k // tile["BLOCK_K"]) % (tile["SPLIT_K"] * 4) == 0:
         tile["SPLIT_K"] *= 2
     return tile
-
-
-# Whether 4-bit layers on Hopper hold their weight in the MMA row layout (one copy, which the row GEMV and the
-# dequantize pass read too) and run 2-256 rows on this GEMM. On an H200 (Llama-3-8B shape, awq, 256 x (512 + 256)
-# offline, docs/benchmarks.md session 18): 8,436 output tok/s against 8,121 for bf16 in the same run (7,628 on the
-# Triton paths in session 17). ``--set kvloom.kernels.gluon_quant.ENABLED=False`` in the benchmarks turns it off.
-ENABLED = True
-
-
-def mma_layout_wanted(device: torch.device, k: int, group_size: int, dtype: torch.dtype) -> bool:
-    """Whether a 4-bit layer on ``device`` holds the MMA row layout (``ENABLED``, Hopper, this Gluon, and inputs
-    and groups its tiles take: K tiles of 64 and 128 within a group)."""
-    if not (ENABLED and AVAILABLE and device.type == "cuda" and dtype in (torch.bfloat16, torch.float16)):
-        return False
-    if torch.cuda.get_device_capability(device) != (9, 0):
-        return False
-    return group_size % 128 == 0 and k % group_size == 0 and k % 256 == 0
 
 
 def int4_mma_pack_qweight(qweight: torch.Tensor, chunk: int = 4096) -> torch.Tensor:
