@@ -80,11 +80,12 @@ _ids = itertools.count()
 
 
 def _generate_message(prompt: str | None, messages: list[dict[str, str]] | None, prompt_token_ids: list[int] | None,
-                      request_id: str | None, priority: int, model: str | None, sampling: dict[str, Any]) -> Generate:
+                      request_id: str | None, priority: int, model: str | None, sampling: dict[str, Any],
+                      api_key: str | None) -> Generate:
     return Generate(
         request_id=request_id or f"{os.getpid()}-{next(_ids)}", model=model, prompt=prompt,
         messages=None if messages is None else [ChatMessage(role=m["role"], content=m["content"]) for m in messages],
-        prompt_token_ids=prompt_token_ids, sampling=SamplingParams(**sampling), priority=priority,
+        prompt_token_ids=prompt_token_ids, sampling=SamplingParams(**sampling), priority=priority, api_key=api_key,
     )
 
 
@@ -120,15 +121,15 @@ def _no_reply(address: str, timeout: float | None) -> TimeoutError:
 class Client:
     """A blocking client: an ``AsyncClient`` on an event loop of its own, in a background thread. One thread
     at a time; several streams may be open and read in turn. ``timeout`` is the longest wait for the next
-    reply (None: forever)."""
+    reply (None: forever); ``api_key`` goes with every request (a gateway of a server with API keys requires one)."""
 
-    def __init__(self, address: str, *, timeout: float | None = 300.0) -> None:
+    def __init__(self, address: str, *, timeout: float | None = 300.0, api_key: str | None = None) -> None:
         self._loop = asyncio.new_event_loop()
         thread = threading.Thread(target=self._loop.run_forever, name="kvloom-client", daemon=True)
         thread.start()
 
         async def connect() -> AsyncClient:  # its sockets belong to the loop that uses them
-            return AsyncClient(address, timeout=timeout)
+            return AsyncClient(address, timeout=timeout, api_key=api_key)
 
         self._client = asyncio.run_coroutine_threadsafe(connect(), self._loop).result()
         # close(), or the collection of a client never closed, closes the connection and ends the thread
@@ -137,6 +138,10 @@ class Client:
     @property
     def address(self) -> str:
         return self._client.address
+
+    @property
+    def api_key(self) -> str | None:
+        return self._client.api_key
 
     @property
     def timeout(self) -> float | None:
@@ -206,11 +211,12 @@ def _shut_down(loop: asyncio.AbstractEventLoop, thread: threading.Thread, client
 
 
 class AsyncClient:
-    """An asyncio client: any number of concurrent streams over one connection."""
+    """An asyncio client: any number of concurrent streams over one connection (arguments as ``Client``'s)."""
 
-    def __init__(self, address: str, *, timeout: float | None = 300.0) -> None:
+    def __init__(self, address: str, *, timeout: float | None = 300.0, api_key: str | None = None) -> None:
         self.address = address
         self.timeout = timeout
+        self.api_key = api_key
         self._ctx = zmq.asyncio.Context()
         self._sock = _socket(self._ctx, address)
         self._inbox: dict[str, asyncio.Queue] = {}
@@ -222,7 +228,8 @@ class AsyncClient:
                      model: str | None = None, **sampling: Any) -> AsyncIterator[TextChunk]:
         """Yield the request's text chunks; the last has ``finish_reason`` and ``usage``. Stopping early
         cancels the request. ``model``: a served model's name (``ping().models``); None: the first."""
-        msg = _generate_message(prompt, messages, prompt_token_ids, request_id, priority, model, sampling)
+        msg = _generate_message(prompt, messages, prompt_token_ids, request_id, priority, model, sampling,
+                                self.api_key)
         rid = _claim(self._inbox, msg.request_id)
         self._start_reader()
         queue = self._inbox[rid] = asyncio.Queue()

@@ -17,6 +17,7 @@ from kvloom.core.messages import AddRequest, TokenLogprobs
 from kvloom.core.sampling_params import SamplingParams
 from kvloom.frontends.output import CompletionText, fan_out
 from kvloom.frontends.text import apply_chat_template, has_tokenizer, load_tokenizer
+from kvloom.frontends.validation import ModelLimits, validate_request
 
 logger = logging.getLogger("kvloom")
 
@@ -86,6 +87,9 @@ class LLM:
         self.tokenizer = (load_tokenizer(self.config.model, self.config.tokenizer)
                           if self.config.tokenizer or has_tokenizer(self.config.model) else None)
         self._ids = itertools.count()
+        # Requests are checked as the HTTP server and the gateway check them (validation.py): same limits,
+        # same messages, raised as ValueError.
+        self.limits = ModelLimits(self.engine.max_model_len, self.engine.vocab_size)
 
     def generate(
         self,
@@ -94,10 +98,12 @@ class LLM:
         *,
         use_tqdm: bool = True,
         priority: int | Sequence[int] = 0,
+        lora: str | None | Sequence[str | None] = None,
     ) -> list[RequestOutput]:
         """Complete each prompt (text or token ids). Outputs come back in the order of ``prompts``.
         ``priority`` (one for all, or one per prompt; lower runs first) matters under the ``priority``
-        scheduler plugin."""
+        scheduler plugin. ``lora`` names the LoRA adapter to run with (one for all, or one per prompt;
+        None: the base model), among those loaded (``lora_modules``, ``load_lora_adapter``)."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         encoded = []
@@ -106,7 +112,7 @@ class LLM:
                 encoded.append((p, self._require_tokenizer().encode(p, add_special_tokens=True)))
             else:
                 encoded.append((None, list(p)))
-        return self._run(encoded, sampling_params, use_tqdm, priority)
+        return self._run(encoded, sampling_params, use_tqdm, priority, lora)
 
     def chat(
         self,
@@ -116,15 +122,16 @@ class LLM:
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
         priority: int | Sequence[int] = 0,
+        lora: str | None | Sequence[str | None] = None,
     ) -> list[RequestOutput]:
         """Answer one conversation (a list of ``{"role", "content"}``) or several, through the model's
-        chat template. ``priority`` is as for ``generate``."""
+        chat template. ``priority`` and ``lora`` are as for ``generate``."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         encoded = []
         for conv in conversations:
             ids = apply_chat_template(self._require_tokenizer(), list(conv), add_generation_prompt)
             encoded.append((self.tokenizer.decode(ids), ids))
-        return self._run(encoded, sampling_params, use_tqdm, priority)
+        return self._run(encoded, sampling_params, use_tqdm, priority, lora)
 
     def stream_chat(self, messages: list[dict[str, Any]], sampling_params: SamplingParams | None = None
                     ) -> Iterator[str]:
@@ -134,6 +141,7 @@ class LLM:
         if sp.n != 1:
             raise ValueError(f"stream_chat makes one reply; got n={sp.n}")
         ids = apply_chat_template(self._require_tokenizer(), list(messages))
+        sp = validate_request(ids, sp, self.limits, prompt_param="messages").sampling
         rid = str(next(self._ids))
         self.engine.add_request(AddRequest(request_id=rid, prompt_token_ids=ids, sampling=sp, arrival_time=time.time()))
         completion = CompletionText(self.tokenizer, sp, len(ids))
@@ -152,6 +160,17 @@ class LLM:
                 self.engine.abort_requests([rid])
             self.engine.flush()
 
+    # --- LoRA adapters -------------------------------------------------------------------------------
+    def load_lora_adapter(self, name: str, path: str) -> dict:
+        """Serve the PEFT adapter folder ``path`` as ``name`` (needs ``enable_lora=True``)."""
+        return self.engine.load_lora_adapter(name, path)
+
+    def unload_lora_adapter(self, name: str) -> dict:
+        return self.engine.unload_lora_adapter(name)
+
+    def list_lora_adapters(self) -> list[dict]:
+        return self.engine.list_lora_adapters()
+
     def _require_tokenizer(self):
         if self.tokenizer is None:
             raise ValueError(f"model {self.config.model!r} has no tokenizer: give prompts as token ids "
@@ -159,11 +178,14 @@ class LLM:
         return self.tokenizer
 
     # ---------------------------------------------------------------------------------------------
-    def _run(self, encoded, sampling_params, use_tqdm: bool, priority: int | Sequence[int]) -> list[RequestOutput]:
+    def _run(self, encoded, sampling_params, use_tqdm: bool, priority: int | Sequence[int],
+             lora: str | None | Sequence[str | None] = None) -> list[RequestOutput]:
         if sampling_params is None:
             sampling_params = SamplingParams()
         params = _per_prompt(sampling_params, len(encoded), "SamplingParams")
         priorities = _per_prompt(priority, len(encoded), "priorities")
+        one = lora is None or isinstance(lora, str)
+        adapters = [lora] * len(encoded) if one else _per_prompt(lora, len(encoded), "lora names")
         if self.tokenizer is None and any(p.stop for p in params):
             raise ValueError("stop strings need a tokenizer; this model has none (use stop_token_ids)")
         engine = self.engine
@@ -172,12 +194,14 @@ class LLM:
         admitted: list[str] = []
         try:
             # Admit everything first, so a bad prompt fails the call before any work is done.
-            for (text, ids), sp, prio in zip(encoded, params, priorities):
+            for (text, ids), sp, prio, adapter in zip(encoded, params, priorities, adapters):
                 out = RequestOutput(str(next(self._ids)), text, ids, [])
                 for i, choice in enumerate(fan_out(sp, sp.n)):
                     rid = out.request_id if sp.n == 1 else f"{out.request_id}-{i}"
+                    choice = validate_request(ids, choice, self.limits, priority=prio).sampling
                     engine.add_request(AddRequest(request_id=rid, prompt_token_ids=ids, sampling=choice,
-                                                  priority=prio, arrival_time=out.metrics.arrival_time))
+                                                  priority=prio, arrival_time=out.metrics.arrival_time,
+                                                  lora_name=adapter or ""))
                     admitted.append(rid)
                     comp = CompletionOutput(i, "", [], None, logprobs=[] if sp.logprobs is not None else None)
                     out.outputs.append(comp)

@@ -205,3 +205,17 @@ def test_a_waiting_request_that_cannot_get_its_first_token_before_its_queue_dead
     assert [(r.request_id, kind) for r, kind in sched.expire(first_token_s=0.8)] == [("late", "queue_timeout")]
     assert [s.request_id for s in sched.schedule().seqs] == ["in-time"]  # its turn went to one that can make it
     assert sched.expire(first_token_s=0.8) == []
+
+
+def test_the_gateway_asks_for_the_http_servers_keys_unless_told_not_to(caplog):
+    from kvloom.frontends.gateway import gateway_keys
+
+    keyed = ServerConfig(api_key="sk-one")
+    assert gateway_keys(keyed, "tcp://127.0.0.1:5557").required
+    assert gateway_keys(keyed, "ipc:///tmp/gw.sock").required
+    assert not gateway_keys(ServerConfig(), "tcp://127.0.0.1:5557").required  # no keys anywhere
+    opted_out = keyed.replace(gateway_require_api_key=False)
+    assert not gateway_keys(opted_out, "ipc:///tmp/gw.sock").required
+    assert "bypasses the keys" not in caplog.text
+    assert not gateway_keys(opted_out, "tcp://127.0.0.1:5557").required
+    assert "serves without an API key" in caplog.text and "bypasses the keys" in caplog.text

@@ -15,7 +15,7 @@ from tests.server_utils import REPO_ROOT
 
 
 @pytest.mark.parametrize("argv,flag", [
-    (["--max-loras", "2"], "--max-loras"),
+    (["--max-prompt-adapters", "2"], "--max-prompt-adapters"),
     (["--pipeline-parallel-size", "2"], "--pipeline-parallel-size"),
     (["--speculative-config", '{"method": "ngram"}'], "--speculative-config"),
     (["--model", "m", "generate", "--prompt", "hi", "--no-such-flag", "3"], "--no-such-flag"),

@@ -5,6 +5,7 @@ then that the server still serves."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 
 import httpx
@@ -209,6 +210,27 @@ def test_a_request_the_engine_cannot_decode_ends_with_an_error(engine):
     assert (rejected.finish_reason, rejected.error_kind) == ("error", "rejected")
     assert "invalid request" in rejected.error
     assert len(generates(sock)) == 3
+
+
+def test_an_unregistered_peer_is_never_answered_and_its_junk_is_logged_a_few_times(engine, caplog):
+    caplog.set_level("WARNING", logger="kvloom.engine")
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVTIMEO, 10_000)
+    sock.connect(engine.address)
+    bad_add = msgspec.msgpack.encode({"type": "AddRequest", "request_id": "junk", "prompt_token_ids": [True],
+                                      "sampling": {}})
+    for _ in range(300):
+        sock.send(b"\xc1 not msgpack")
+        sock.send(bad_add)  # answered with an error only to a registered frontend
+        sock.send_multipart([b"two", b"frames"])
+        sock.send(m.encode(m.Utility(call_id=1, method="stats")))
+    # Messages are handled in order: the answer to this registration comes after all of the above.
+    sock.send(m.encode(m.RegisterFrontend(frontend_id="late")))
+    assert isinstance(m.decode_engine_message(sock.recv()), m.EngineReady)
+    warnings = [r for r in caplog.records if r.name == "kvloom.engine" and r.levelno == logging.WARNING]
+    assert 1 <= len(warnings) <= 10, len(warnings)
+    sock.close()
 
 
 def test_frontend_slot_is_freed_when_the_engine_rejects(engine):

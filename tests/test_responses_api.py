@@ -192,6 +192,11 @@ def test_stored_responses_get_delete_and_belong_to_their_key(client, server):
     ({"reasoning": {"effort": "high"}}, "reasoning", "not supported"),
     ({"max_output_tokens": 0}, "max_output_tokens", ">= 1"),
     ({"max_output_tokens": 100000}, "max_output_tokens", "maximum context length"),
+    # sampling values: the one validation every door shares (validation.py), its messages
+    ({"temperature": 3.0}, "temperature", "[0.0, 2.0]"),
+    ({"stop": ["x"] * 17}, "stop", "at most 16"),
+    ({"top_k": -5}, "top_k", "2147483647"),
+    ({"seed": 2**63}, "seed", "9223372036854775807"),
     ({"bogus": 1}, "bogus", "unknown field"),
 ])
 def test_bad_requests_are_400s_naming_the_field(server, fields, param, words):

@@ -122,7 +122,8 @@ def test_invalid_sampling_values_name_the_value_and_range(field, value, needle):
 
 def test_prompt_over_the_context_is_rejected_before_any_work(llm):
     limit = llm.engine.max_model_len
-    with pytest.raises(ValueError, match=rf"exceeds max_model_len={limit}"):
+    # The message HTTP and the gateway give too (frontends/validation.py).
+    with pytest.raises(ValueError, match=rf"maximum context length is {limit} tokens"):
         llm.generate([[5] * (limit - 3), [5, 6]], SamplingParams(max_tokens=10), use_tqdm=False)
     assert not llm.engine.has_unfinished()  # the valid prompt of the same call was not left behind
 

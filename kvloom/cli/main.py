@@ -17,7 +17,13 @@ from typing import Any
 import tomllib
 
 from kvloom.cli.vllm_flags import add_vllm_flags, apply_vllm_flags
-from kvloom.core.config import OFFLINE_MAX_NUM_BATCHED_TOKENS, ConfigError, EngineConfig, _split_names
+from kvloom.core.config import (
+    OFFLINE_MAX_NUM_BATCHED_TOKENS,
+    ConfigError,
+    EngineConfig,
+    _split_names,
+    parse_lora_module,
+)
 from kvloom.frontends.config import ServerConfig, check_field_types
 from kvloom.launch.served_models import (
     ServedModel,
@@ -49,13 +55,17 @@ def add_config_flags(group, cls, skip: tuple[str, ...] = (), shown_defaults: dic
         kw: dict[str, Any] = {"dest": f.name, "default": argparse.SUPPRESS, "help": help_text}
         if f.metadata.get("choices"):
             kw["choices"] = f.metadata["choices"]
-        if hint is bool:
+        if hint is bool or set(typing.get_args(hint)) == {bool, type(None)}:
             kw["action"] = argparse.BooleanOptionalAction
         elif f.name == "model":  # serving takes several: --model NAME=PATH, repeated
             kw["action"] = "append"
         elif f.name == "plugins":
             kw["type"] = _split_names
             kw["metavar"] = "A,B"
+        elif f.name == "lora_modules":
+            kw["nargs"] = "+"
+            kw["type"] = _lora_module_flag
+            kw["metavar"] = "NAME=PATH"
         elif f.name in ("hf_overrides", "kernel_options", "plugin_options", "api_keys"):
             kw["type"] = json.loads
             kw["metavar"] = "JSON"
@@ -63,6 +73,13 @@ def add_config_flags(group, cls, skip: tuple[str, ...] = (), shown_defaults: dic
             base = next((t for t in typing.get_args(hint) if t is not type(None)), hint)
             kw["type"] = base
         group.add_argument(_flag(f.name), **kw)
+
+
+def _lora_module_flag(text: str) -> tuple[str, str]:
+    try:
+        return parse_lora_module(text)
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def add_engine_flags(parser: argparse.ArgumentParser, skip: tuple[str, ...] = (),
@@ -86,6 +103,8 @@ def config_flags(config) -> list[str]:
             flags.append(_flag(f.name) if value else "--no-" + _flag(f.name)[2:])
         elif f.name == "plugins":
             flags += [_flag(f.name), ",".join(value)]
+        elif f.name == "lora_modules":
+            flags += [_flag(f.name), *(f"{name}={path}" for name, path in value.items())]
         elif isinstance(value, (dict, list)):
             flags += [_flag(f.name), json.dumps(value)]
         else:
@@ -118,6 +137,8 @@ def _given(args: argparse.Namespace, cls) -> dict[str, Any]:
 def config_from_args(args: argparse.Namespace) -> EngineConfig:
     engine_keys, _ = _read_config_file(args)
     given = _given(args, EngineConfig)
+    if "lora_modules" in given:  # NAME=PATH pairs: they replace the config file's table, as other flags do
+        given["lora_modules"] = dict(given["lora_modules"])
     model_flags = given.pop("model", None)  # a list: serving may take several (served_models_from_args)
     if model_flags:
         given["model"] = split_model_flag(model_flags[0])[1]
@@ -195,6 +216,7 @@ def build_parser() -> argparse.ArgumentParser:
                           "(default: %(default)s).")
     gen.add_argument("--sampling-seed", type=int, default=None, help="Seed for sampling (reproducible text).")
     gen.add_argument("--output", help="Write JSONL results here instead of printing them.")
+    gen.add_argument("--lora", metavar="NAME", help="Run every prompt with this LoRA adapter (one of --lora-modules).")
     add_engine_flags(gen, shown_defaults={"max_num_batched_tokens": OFFLINE_MAX_NUM_BATCHED_TOKENS})
 
     chat = sub.add_parser("chat", help="Chat with the model in the terminal (replies stream as they are made).")
@@ -402,9 +424,9 @@ def _generate(args, config: EngineConfig) -> int:
         config = config.replace(max_num_batched_tokens=OFFLINE_MAX_NUM_BATCHED_TOKENS)  # as LLM() defaults
     llm = LLM(config=config)
     if args.chat:
-        outs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params)
+        outs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params, lora=args.lora)
     else:
-        outs = llm.generate(prompts, params)
+        outs = llm.generate(prompts, params, lora=args.lora)
     lines = [json.dumps({"prompt": prompt, "text": out.text, "finish_reason": out.finish_reason,
                          "num_tokens": len(out.token_ids)}, ensure_ascii=False) for prompt, out in zip(prompts, outs)]
     if args.output:

@@ -76,6 +76,16 @@ class EngineConfig:
     async_scheduling: str = _opt("auto", "Schedule the next step while the device runs the current one "
                                  "(auto: on for CUDA, where it hides the host's work).",
                                  choices=("auto", "on", "off"))
+    enable_lora: bool = _opt(False, "Serve LoRA adapters on the base model; a request picks one by its model "
+                             "name (docs/lora.md).")
+    lora_modules: dict[str, str] = _opt({}, "LoRA adapters to load at start: NAME=PATH ... (PEFT folders holding "
+                                        "adapter_config.json and adapter_model.safetensors; a [lora_modules] "
+                                        "table in the config file); needs enable_lora.")
+    max_loras: int = _opt(4, "Most LoRA adapters one step runs (device slots); requests of others wait for a slot.")
+    max_lora_rank: int = _opt(16, "Largest LoRA rank an adapter may have (every slot is sized for it).")
+    max_cpu_loras: int | None = _opt(None, "LoRA adapters kept read in host memory, least recently used out first "
+                                     "(default: max_loras). Any number may be loaded: the others are read from "
+                                     "their folders again when a request needs them.")
     plugins: list[str] = _opt([], "Optional plugins to enable, e.g. prefix_cache.")
     plugin_options: dict[str, dict[str, Any]] = _opt({}, "Per-plugin options, e.g. {\"sjf\": {\"aging_tokens_per_s\": 50}} "
                                                      "([plugins.NAME] tables in the config file).")
@@ -106,10 +116,22 @@ class EngineConfig:
             raise ConfigError(f"num_kv_blocks={self.num_kv_blocks} must be >= 1")
         if self.stats_log_interval < 0:
             raise ConfigError(f"stats_log_interval={self.stats_log_interval} must be >= 0")
+        if self.max_loras < 1:
+            raise ConfigError(f"max_loras={self.max_loras} must be >= 1")
+        if not 1 <= self.max_lora_rank <= MAX_LORA_RANK:
+            raise ConfigError(f"max_lora_rank={self.max_lora_rank} must be in [1, {MAX_LORA_RANK}]")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ConfigError(f"max_cpu_loras={self.max_cpu_loras} must be >= max_loras={self.max_loras}")
+        if self.lora_modules and not self.enable_lora:
+            raise ConfigError(f"lora_modules={sorted(self.lora_modules)} needs enable_lora (--enable-lora)")
         try:
             self.kernels()
         except (TypeError, ValueError) as e:
             raise ConfigError(f"kernel_options: {e}") from None
+
+    @property
+    def resolved_max_cpu_loras(self) -> int:
+        return self.max_cpu_loras if self.max_cpu_loras is not None else self.max_loras
 
     def kernels(self) -> KernelOptions:
         """``kernel_options`` as the kernels take them."""
@@ -126,6 +148,8 @@ class EngineConfig:
             data["plugin_options"] = {k: v for k, v in plugins.items() if isinstance(v, dict)}
         elif plugins is not None:
             data["plugins"] = _split_names(plugins)
+        if isinstance(data.get("lora_modules"), list):  # ["name=path", ...] as on the command line
+            data["lora_modules"] = dict(parse_lora_module(item) for item in data["lora_modules"])
         unknown = sorted(set(data) - known)
         if unknown:
             raise ConfigError(f"unknown config keys {unknown}; known keys: {sorted(known)}")
@@ -150,6 +174,28 @@ def default_block_size(device_type: str) -> int:
     """16 on GPUs (the Triton kernels' tile); 32 on the CPU, where the decode attention gathers whole
     blocks and 4 KiB rows gather faster than 2 KiB ones (docs/benchmarks.md)."""
     return 32 if device_type == "cpu" else 16
+
+
+MAX_LORA_RANK = 512
+
+
+def parse_lora_module(item: Any) -> tuple[str, str]:
+    """One ``--lora-modules`` entry: ``NAME=PATH``, or vLLM's JSON ``{"name": ..., "path": ...}``."""
+    if isinstance(item, str) and item.lstrip().startswith("{"):
+        import json
+
+        try:
+            item = json.loads(item)
+        except ValueError as e:
+            raise ConfigError(f"lora_modules entry {item!r} is not valid JSON: {e}") from None
+    if isinstance(item, dict):
+        if not isinstance(item.get("name"), str) or not isinstance(item.get("path"), str):
+            raise ConfigError(f"lora_modules entry {item!r} needs a \"name\" and a \"path\"")
+        return item["name"], item["path"]
+    if not isinstance(item, str) or "=" not in item or not item.partition("=")[0] or not item.partition("=")[2]:
+        raise ConfigError(f"lora_modules entry {item!r} must be NAME=PATH")
+    name, _, path = item.partition("=")
+    return name, path
 
 
 def _split_names(value: str | list[str]) -> list[str]:

@@ -43,6 +43,7 @@ class AddRequest(_Msg):
     client_index: int = 0
     queue_deadline: float | None = None  # wall-clock time past which it is dropped if it has not started
     api_key_name: str = ""  # the name of the caller's API key: its quotas are kept in the engine (docs/admission.md)
+    lora_name: str = ""  # the LoRA adapter to run with (docs/lora.md); empty: the base model
 
 
 class AbortRequest(_Msg):
@@ -96,7 +97,8 @@ class TokenDelta(_Msg):
     """New tokens of one request in one step; ``finish_reason`` is set on its last delta
     (``stop``, ``length``, ``abort`` or ``error`` with ``error`` holding the message). ``error_kind``
     says whether an error is the request's fault (``rejected``: it can never run) or the engine's
-    (``unavailable``: shutting down or failed; retrying elsewhere may work); admission adds
+    (``unavailable``: shutting down or failed; retrying elsewhere may work) or names a LoRA adapter the
+    engine does not serve (``not_found``); admission adds
     ``queue_full`` and ``rate_limited`` (retry after ``retry_after`` seconds) and the deadlines
     ``queue_timeout`` (dropped before its first step) and ``deadline`` (stopped while running)."""
 
@@ -139,6 +141,10 @@ class EngineStats(msgspec.Struct, omit_defaults=True, kw_only=True):
     num_expired_running: int = 0  # stopped at their deadline while running
     queue_wait_buckets: list[int] = []  # seconds from arrival to first step, per gate.QUEUE_WAIT_BUCKETS (+inf last)
     queue_wait_sum: float = 0.0
+    lora_running: dict[str, int] = {}  # LoRA adapter name -> its running requests
+    lora_waiting: dict[str, int] = {}  # ... its waiting ones
+    lora_loaded: int = 0  # adapters loaded (served by name)
+    lora_slot_loads: int = 0  # adapter moves into a device slot since the engine started
 
     @property
     def spec_decode_acceptance_rate(self) -> float:
@@ -167,6 +173,8 @@ class UtilityResult(_Msg):
     call_id: int
     result: Any = None
     error: str | None = None
+    # with ``error``: ``not_found`` (the named thing does not exist), ``conflict`` (it is in use), else None
+    error_kind: str | None = None
 
 
 class EngineError(_Msg):
@@ -186,6 +194,7 @@ class EngineReady(_Msg):
     eos_token_ids: list[int]
     plugins: list[str] = []
     pid: int = 0
+    max_loras: int = 0  # LoRA device slots; 0: the engine serves no adapters
 
 
 class Heartbeat(_Msg):
@@ -208,8 +217,8 @@ class ChatMessage(msgspec.Struct, omit_defaults=True, kw_only=True, forbid_unkno
 class Generate(_Msg):
     """Generate text for exactly one of ``prompt`` (text), ``messages`` (a chat, through the model's
     chat template) or ``prompt_token_ids``. ``request_id`` is the client's own: it only has to be
-    unique among the client's unfinished requests. ``model`` is a served model's name (``Pong.models``);
-    left out, the first served model answers."""
+    unique among the client's unfinished requests. ``model`` is a served model's name (``Pong.models``) or
+    a LoRA adapter loaded on one (docs/lora.md); left out, the first served model answers."""
 
     request_id: str
     model: str | None = None
@@ -236,7 +245,9 @@ GatewayRequest = Union[Generate, Cancel, Ping]
 
 
 # ZMQ gateway -> service (streamed text out) -------------------------------------------------------
-class Usage(msgspec.Struct, omit_defaults=True, kw_only=True):
+class Usage(msgspec.Struct, kw_only=True):
+    """Every count is sent, 0 included, so a client in any language reads a defined value."""
+
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
@@ -244,7 +255,8 @@ class Usage(msgspec.Struct, omit_defaults=True, kw_only=True):
 
 class TextChunk(_Msg):
     """New text of a request. The last chunk has ``finish_reason`` (``stop``, ``length`` or
-    ``abort``), ``stop_reason`` (the stop string or token id that ended it, if any) and ``usage``.
+    ``abort``), ``stop_reason`` (the stop string or token id that ended it; null, but present, when
+    none did) and ``usage``; the other chunks leave those three out.
     With ``sampling.prompt_logprobs`` the first chunk has ``prompt_logprobs``: prompt tokens 1.. (the
     first has no context), each with its rank and top-n."""
 
@@ -254,7 +266,7 @@ class TextChunk(_Msg):
     logprobs: list[TokenLogprobs] | None = None
     prompt_logprobs: list[TokenLogprobs] | None = None
     finish_reason: str | None = None
-    stop_reason: str | int | None = None
+    stop_reason: str | int | None | msgspec.UnsetType = msgspec.UNSET  # left out of all but the last chunk
     usage: Usage | None = None
 
 

@@ -109,7 +109,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True, forbid_un
         if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
             raise ValueError(f"prompt_logprobs={self.prompt_logprobs!r} must be in [0, 20]")
         if self.seed is not None and not -(2**63) <= self.seed < 2**63:
-            raise ValueError(f"seed={self.seed!r} must fit in a signed 64-bit integer")
+            raise ValueError(f"seed={self.seed!r} must be in [{-(2**63)}, {2**63 - 1}] (a signed 64-bit integer)")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must not be empty")
         bad = next((t for t in self.stop_token_ids if not 0 <= t <= MAX_INT32), None)

@@ -1,6 +1,7 @@
 """The HTTP access log: one info line per request on ``kvloom.access`` (client, method, path, status,
-prompt and output tokens, time to first token, duration), written when the response has been sent,
-so a stream is logged with its real duration and a refusal (401/4xx/408/429/503) is logged too.
+the model or LoRA adapter it ran on, prompt and output tokens, time to first token, duration), written
+when the response has been sent, so a stream is logged with its real duration and a refusal
+(401/4xx/408/429/503) is logged too.
 Never the prompt text, the output text or the API key."""
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ class AccessRecord:
     prompt_tokens: int | None = None
     output_tokens: dict[int, int] = field(default_factory=dict)  # choice index -> tokens so far
     first_token_at: float | None = None
+    model: str | None = None  # the served model or LoRA adapter the request named
 
     def line(self, scope: dict[str, Any]) -> str:
         client = scope.get("client")
@@ -28,8 +30,9 @@ class AccessRecord:
         ttft = f"{self.first_token_at - self.start:.3f}s" if self.first_token_at is not None else "-"
         prompt = "-" if self.prompt_tokens is None else self.prompt_tokens
         output = sum(self.output_tokens.values()) if self.prompt_tokens is not None else "-"
+        model = f"model={self.model} " if self.model else ""
         return (f'{where} "{scope.get("method", "-")} {scope.get("path", "-")}" {self.status or "-"} '
-                f"prompt_tokens={prompt} output_tokens={output} ttft={ttft} "
+                f"{model}prompt_tokens={prompt} output_tokens={output} ttft={ttft} "
                 f"duration={time.monotonic() - self.start:.3f}s")
 
 
@@ -55,6 +58,13 @@ class AccessLog:
             await self.app(scope, receive, send_and_note)
         finally:
             logger.info(record.line(scope))
+
+
+def note_model(scope: dict[str, Any], model: str) -> None:
+    """Name the model (or LoRA adapter) of the request in its access-log line."""
+    record: AccessRecord | None = scope.get(SCOPE_KEY)
+    if record is not None:
+        record.model = model
 
 
 async def track_tokens(scope: dict[str, Any], prompt_tokens: int,

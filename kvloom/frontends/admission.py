@@ -104,10 +104,11 @@ class KeyRing:
     def required(self) -> bool:
         return bool(self.keys)
 
-    def authenticate(self, token: str | None) -> ApiKey | None:
-        """The key ``token`` is, or RequestError(401). Every key is compared (in constant time, on sha256
-        digests of equal length), so neither a key's bytes nor its position in the list show in the
-        answer's timing."""
+    def authenticate(self, token: str | None,
+                     how: str = "send 'Authorization: Bearer KEY' (or 'x-api-key: KEY')") -> ApiKey | None:
+        """The key ``token`` is, or RequestError(401); ``how`` tells a client without one how to send it.
+        Every key is compared (in constant time, on sha256 digests of equal length), so neither a key's
+        bytes nor its position in the list show in the answer's timing."""
         if not self.keys:
             return None
         digest = _sha256(token or "")
@@ -116,8 +117,8 @@ class KeyRing:
             if hmac.compare_digest(digest, key.sha256) and token:
                 found = key
         if found is None:
-            raise RequestError(401, "invalid or missing API key: send 'Authorization: Bearer KEY' (or "
-                               "'x-api-key: KEY')" if token is None else "invalid API key", reason="unauthorized")
+            raise RequestError(401, f"invalid or missing API key: {how}" if token is None else "invalid API key",
+                               reason="unauthorized")
         return found
 
     def authenticate_header(self, authorization: str | None) -> ApiKey | None:
@@ -211,6 +212,8 @@ def engine_refusal(delta: TokenDelta, run_timeout: float | None, run_limit: str,
                             if run_timeout is not None else message, reason="deadline")
     if kind == "rejected":
         return RequestError(400, message)
+    if kind == "not_found":  # a LoRA adapter unloaded meanwhile
+        return RequestError(404, message, "model")
     return RequestError(503, message, reason="unavailable")
 
 

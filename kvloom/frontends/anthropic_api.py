@@ -21,6 +21,7 @@ from kvloom.frontends.openai_responses import UsageCounter
 from kvloom.frontends.output import TextDelta
 from kvloom.frontends.request_fields import ANTHROPIC_RULES
 from kvloom.frontends.tool_parsers import ToolCall, template_messages_tool_calls
+from kvloom.frontends.validation import MAX_STOP_STRINGS
 
 if TYPE_CHECKING:
     from kvloom.frontends.api_server import OpenAIServer
@@ -51,7 +52,7 @@ class CountTokensRequest(Struct, kw_only=True):
 
 class MessagesRequest(CountTokensRequest, kw_only=True):
     max_tokens: Annotated[int, Meta(ge=1)]
-    stop_sequences: Annotated[list[str], Meta(max_length=api.MAX_STOP_STRINGS)] | None = None
+    stop_sequences: Annotated[list[str], Meta(max_length=MAX_STOP_STRINGS)] | None = None
     stream: bool = False
     temperature: Annotated[float, Meta(ge=0.0, le=1.0)] | None = None
     top_p: Annotated[float, Meta(gt=0.0, le=1.0)] | None = None
@@ -364,8 +365,7 @@ async def events(mid: str, model: str, merged, counter: UsageCounter, reading: C
 # --- routes ----------------------------------------------------------------------------------------
 async def _parse(server: "OpenAIServer", request: Request, typ: type):
     req = await server._parse(request, typ, ANTHROPIC_RULES, API)
-    request.state.model = server.core_for(req.model).ready.model_name
-    request.state.timeout = getattr(req, "timeout", None)
+    await server.note_request(request, req.model, getattr(req, "timeout", None))
     return req
 
 
@@ -374,7 +374,7 @@ async def messages(server: "OpenAIServer", request: Request):
     chat = chat_request(req)
     plan = await server.plan_chat(chat, chat_messages(req))
     mid = f"msg_{uuid.uuid4().hex}"
-    model = plan.core.ready.model_name
+    model = plan.builder.model_name  # a LoRA adapter's name where the request named one
     return await server.respond(request, plan, req.stream, server._request_id(request, "msg"),
                                 lambda merged: collect(mid, model, merged, plan.usage, plan.reading),
                                 lambda merged: events(mid, model, merged, plan.usage, plan.reading))

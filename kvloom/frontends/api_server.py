@@ -1,6 +1,7 @@
 """The HTTP frontend (Starlette on uvicorn): OpenAI's /v1/completions, /v1/chat/completions and
-/v1/responses, Anthropic's /v1/messages, /v1/models, /health, /version, /metrics. Run as a process by
-the ``engine`` launcher; several of them may share one listening socket and one engine. This file holds
+/v1/responses, Anthropic's /v1/messages, /v1/models (served models and their LoRA adapters),
+/v1/load_lora_adapter, /v1/unload_lora_adapter, /health, /version, /metrics. Run as a process by the
+``engine`` launcher; several of them may share one listening socket and one engine. This file holds
 the routes, the chat pipeline every chat-shaped API runs through, and the process entry; HTTP plumbing
 is in ``asgi``, request translation in ``openai_requests``, chat/completions response building in
 ``openai_responses``, the other APIs' translators in ``responses_api`` and ``anthropic_api``."""
@@ -32,7 +33,7 @@ from kvloom.core.config import EngineConfig
 from kvloom.core.sampling_params import StructuredOutputSpec
 from kvloom.frontends import anthropic_api, responses_api
 from kvloom.frontends import openai_protocol as api
-from kvloom.frontends.access_log import AccessLog, track_tokens
+from kvloom.frontends.access_log import AccessLog, note_model, track_tokens
 from kvloom.frontends.admission import KeyRing, check_timeout, parse_api_keys, replace_prepared
 from kvloom.frontends.asgi import (
     ClientGone,
@@ -48,7 +49,8 @@ from kvloom.frontends.config import ServerConfig
 from kvloom.frontends.engine_client import EngineUnavailable
 from kvloom.frontends.frontend_core import FrontendCore, PreparedRequest, RequestError, merge_streams
 from kvloom.frontends.metrics import EngineSample, FrontendMetrics
-from kvloom.frontends.model_cores import close_cores, core_for, start_model_cores
+from kvloom.frontends.lora_routes import routes as lora_routes
+from kvloom.frontends.model_cores import close_cores, core_for, resolve_model, start_model_cores
 from kvloom.frontends.openai_requests import (
     chat_messages,
     chat_template_options,
@@ -116,6 +118,7 @@ class OpenAIServer:
             self.route("/metrics", self.metrics_endpoint, ["GET"], public=True),
             self.route("/reset_prefix_cache", self.reset_prefix_cache, ["POST"]),
             *tokenize_routes(self),
+            *lora_routes(self),
             *responses_api.routes(self),
             *anthropic_api.routes(self),
         ]
@@ -169,12 +172,31 @@ class OpenAIServer:
         if rules is None:
             rules = CHAT_RULES if typ is api.ChatCompletionRequest else COMPLETION_RULES
         req = await self._parse(request, typ, rules)
-        request.state.model = self.core_for(req.model).ready.model_name
-        request.state.timeout = req.timeout
+        await self.note_request(request, req.model, req.timeout)
         return req
 
-    def check_model(self, model: str | None) -> None:
-        self.core_for(model)
+    async def note_request(self, request: Request, model: str | None, timeout: float | None) -> None:
+        """Note a generating request's served model and LoRA adapter (a 404 for neither), the name its
+        metrics and access-log line carry (the adapter's, if it names one), and its ``timeout`` (admission)."""
+        core, lora = await self.resolve(model)
+        request.state.core, request.state.lora = core, lora
+        request.state.model = lora or core.ready.model_name
+        note_model(request.scope, request.state.model)
+        request.state.timeout = timeout
+
+    async def resolve(self, model: str | None) -> tuple[FrontendCore, str]:
+        """The served model and LoRA adapter (empty for none) a request's ``model`` names, or a 404."""
+        return await resolve_model(self.cores, model)
+
+    def builder(self, core: FrontendCore, lora: str) -> ResponseBuilder:
+        """The response builder of a served model or of one of its adapters (responses name the adapter)."""
+        base = self.builders[core.ready.model_name]
+        if not lora:
+            return base
+        builder = self.builders.get(lora)
+        if builder is None or builder.tokenizer is not core.tokenizer:
+            builder = self.builders[lora] = base.named(lora)
+        return builder
 
     def core_for(self, model: str | None) -> FrontendCore:
         """The served model a request names (no name: the first model), or 404 naming those served."""
@@ -185,8 +207,8 @@ class OpenAIServer:
         back only: the engine gets ids this frontend makes, so a reused id cannot mix outputs."""
         return request.headers.get("x-request-id") or given or f"{prefix}-{uuid.uuid4().hex}"
 
-    def _start(self, core: FrontendCore, prepared: list[PreparedRequest]) -> AsyncIterator[tuple[int, TextDelta]]:
-        model = core.ready.model_name
+    def _start(self, core: FrontendCore, prepared: list[PreparedRequest], model: str
+               ) -> AsyncIterator[tuple[int, TextDelta]]:
         self.metrics.count_prompt_tokens(sum(len(p.prompt_token_ids) for p in prepared), model)
         merged = merge_streams([self.metrics.observe(core.generate(p), model) for p in prepared])
         prompts: dict[int, int] = {}  # the n choices of one prompt share its token list
@@ -202,9 +224,9 @@ class OpenAIServer:
         # n choices of one prompt share its token list: the log counts each prompt once, as usage does.
         prompts = {id(p.prompt_token_ids): p.prompt_token_ids for p in prepared}
         prompt_tokens = sum(len(ids) for ids in prompts.values())
-        merged = track_tokens(request.scope, prompt_tokens, self._start(core, prepared))
+        merged = track_tokens(request.scope, prompt_tokens, self._start(core, prepared, request.state.model))
         if key is not None:
-            merged = self.metrics.count_key_usage(key.name, prompt_tokens, merged, core.ready.model_name)
+            merged = self.metrics.count_key_usage(key.name, prompt_tokens, merged, request.state.model)
         headers = {"x-request-id": rid}
         if not stream:
             try:
@@ -227,8 +249,8 @@ class OpenAIServer:
     # --- /v1/completions ---------------------------------------------------------------------------
     async def completions(self, request: Request):
         req: api.CompletionRequest = await self._parse_generation(request, api.CompletionRequest)
-        core = self.core_for(req.model)
-        responses = self.builders[core.ready.model_name]
+        core, lora = request.state.core, request.state.lora
+        responses = self.builder(core, lora)
         texts = split_prompts(req.prompt)
         special = req.add_special_tokens is not False
         truncating = req.truncate_prompt_tokens is not None
@@ -239,7 +261,7 @@ class OpenAIServer:
         # max_tokens=0 (echo only): the engine generates one token, which the response leaves out.
         sp = sampling_params(req, 1 if req.max_tokens == 0 else req.max_tokens, req.logprobs,
                              prompt_logprobs=prompt_logprobs(req))
-        prepared = [core.prepare(ids, choice, priority=req.priority)
+        prepared = [core.prepare(ids, choice, priority=req.priority, lora_name=lora)
                     for ids in prompts for choice in fan_out(sp, req.n)]
         echo = None
         if req.echo or req.prompt_logprobs is not None:
@@ -276,24 +298,30 @@ class OpenAIServer:
         """A chat request, or another API's request translated into one, checked, rendered and tokenized:
         the one pipeline of every chat-shaped API. ``messages``: the chat as templates take it, when the
         translator has built it already; the params name the caller's fields in errors."""
-        core, tools, constraint, text, ids = await self.render_chat(req, messages, prompt_param)
+        core, lora = await self.resolve(req.model)
+        tools, constraint, text, ids = await self._render_chat(core, req, messages, prompt_param)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         if max_tokens_param is None:
             max_tokens_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         sp = sampling_params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None, constraint,
                              prompt_logprobs=req.prompt_logprobs)
         prepared = [core.prepare(ids, choice, priority=req.priority, max_tokens_param=max_tokens_param,
-                                 prompt_param=prompt_param)
+                                 prompt_param=prompt_param, lora_name=lora)
                     for choice in fan_out(sp, req.n)]
         reading = self._reading(core, ids, tools, constrained=constraint is not None, show=req.include_reasoning)
-        return ChatPlan(core, self.builders[core.ready.model_name], prepared, text, ids,
+        return ChatPlan(core, self.builder(core, lora), prepared, text, ids,
                         UsageCounter([len(ids)], req.n), reading)
 
     async def render_chat(self, req: api.ChatCompletionRequest, messages: list[dict[str, Any]] | None = None,
                           prompt_param: str = "messages"
                           ) -> tuple[FrontendCore, ToolPlan | None, StructuredOutputSpec | None, str, list[int]]:
         """The served model, tool plan, output constraint, rendered prompt and prompt tokens of a chat request."""
-        core = self.core_for(req.model)
+        core, _ = await self.resolve(req.model)
+        return (core, *await self._render_chat(core, req, messages, prompt_param))
+
+    async def _render_chat(self, core: FrontendCore, req: api.ChatCompletionRequest,
+                           messages: list[dict[str, Any]] | None, prompt_param: str
+                           ) -> tuple[ToolPlan | None, StructuredOutputSpec | None, str, list[int]]:
         tools = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls, self.config.tool_call_parser,
                            self.config.enable_auto_tool_choice)
         options = chat_template_options(req, self.chat_template)
@@ -313,7 +341,7 @@ class OpenAIServer:
         text = await core.render_chat(messages, prompt_param, **options)
         ids = await core.encode_chat(text, prompt_param, add_special_tokens=bool(req.add_special_tokens),
                                      truncated=req.truncate_prompt_tokens is not None)
-        return core, tools, constraint, text, truncate_prompt(ids, req, core.max_model_len)
+        return tools, constraint, text, truncate_prompt(ids, req, core.max_model_len)
 
     def _reading(self, core: FrontendCore, ids: list[int], tools: ToolPlan | None, constrained: bool,
                  show: bool) -> ChatReading:
@@ -332,13 +360,23 @@ class OpenAIServer:
 
     # --- the rest ----------------------------------------------------------------------------------
     async def models(self, request: Request):
-        return json_response(api.ModelList([api.ModelCard(name, core.max_model_len)
-                                            for name, core in self.cores.items()]))
+        cards = []
+        for name, core in self.cores.items():
+            await core.refresh_adapters()
+            cards.append(api.ModelCard(name, core.max_model_len, root=name))
+            cards += [self._adapter_card(core, adapter) for adapter in core.adapters]
+        return json_response(api.ModelList(cards))
 
     async def model_card(self, request: Request):
         name = request.path_params["model"]
-        core = self.core_for(name)
-        return json_response(api.ModelCard(name, core.max_model_len))
+        core, lora = await self.resolve(name)
+        return json_response(self._adapter_card(core, lora) if lora else api.ModelCard(name, core.max_model_len,
+                                                                                        root=name))
+
+    @staticmethod
+    def _adapter_card(core: FrontendCore, name: str) -> api.ModelCard:
+        """A LoRA adapter as vLLM lists it: its folder as ``root``, its base model as ``parent``."""
+        return api.ModelCard(name, core.max_model_len, root=core.adapters[name]["path"], parent=core.ready.model_name)
 
     async def health(self, request: Request):
         if len(self.cores) == 1 and len(self.core.client.replicas) == 1:

@@ -125,8 +125,14 @@ class ServerConfig:
     api_keys: list = _opt([], "API keys with quotas, as [[api_keys]] tables in the config file (key or "
                           "key_sha256, name, requests_per_minute, tokens_per_minute, max_concurrent, priority); "
                           "docs/admission.md. As a flag, JSON (keep keys out of the process list: prefer the file).")
-    gateway_require_api_key: bool = _opt(False, "Make the ZMQ gateway require an API key (Generate.api_key) "
-                                         "from api_key/api_keys, as the HTTP server does.")
+    gateway_require_api_key: bool | None = _opt(None, "Whether the ZMQ gateway requires an API key "
+                                                "(Generate.api_key) from api_key/api_keys. Unset: whenever "
+                                                "keys are configured, as the HTTP server does; false serves "
+                                                "the gateway without keys or their quotas (warned about on "
+                                                "TCP).")
+    gateway_max_unread: int = _opt(100_000, "Replies the ZMQ gateway queues for a client that does not read "
+                                   "them; past that, the client's requests are stopped and each ends with "
+                                   "RequestFailed (429) once it reads again.")
     drain_timeout: float = _opt(60.0, "Seconds SIGTERM waits for in-flight requests before stopping them.")
     engine_start_timeout: float = _opt(900.0, "Seconds frontends wait for the engine to load the model.")
     engine_heartbeat_timeout: float | None = _opt(30.0, "Seconds frontends wait for a sign of life from the "
@@ -167,7 +173,7 @@ class ServerConfig:
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"port={self.port} must be in [0, 65535]")
         for name in ("api_workers", "max_pending_requests", "data_parallel_size", "max_queued_requests",
-                     "max_queued_tokens", "responses_store_max_entries"):
+                     "max_queued_tokens", "gateway_max_unread", "responses_store_max_entries"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ConfigError(f"{name}={getattr(self, name)} must be >= 1")
         from kvloom.frontends.admission import parse_api_keys
@@ -217,6 +223,13 @@ class ServerConfig:
     def engine_heartbeat_interval(self) -> float | None:
         """How often the engine beats: often enough that one late beat is no alarm."""
         return None if self.engine_heartbeat_timeout is None else self.engine_heartbeat_timeout / 4
+
+    @property
+    def gateway_keys_required(self) -> bool:
+        """Whether the gateway asks for API keys: as the HTTP server does, unless explicitly turned off."""
+        if self.gateway_require_api_key is not None:
+            return self.gateway_require_api_key
+        return bool(self.api_key or self.api_keys)
 
     @property
     def max_request_body_bytes(self) -> int:

@@ -42,6 +42,15 @@ class EngineUnavailable(RuntimeError):
     """The engine process is gone (or never came up); the message says why."""
 
 
+class UtilityError(RuntimeError):
+    """An engine utility call failed; ``kind`` is the engine's ``error_kind`` (``not_found``, ``conflict``
+    or None)."""
+
+    def __init__(self, message: str, kind: str | None = None) -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
 class AsyncEngineClient:
     def __init__(self, address: str, frontend_id: str | None = None, heartbeat_timeout: float | None = None,
                  secret: str | None = None, reconnect: bool = False) -> None:
@@ -106,7 +115,8 @@ class AsyncEngineClient:
     # --- requests ----------------------------------------------------------------------------------
     async def generate(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
                        priority: int = 0, arrival_time: float = 0.0, *, deadline: float | None = None,
-                       queue_deadline: float | None = None, api_key_name: str = "") -> AsyncIterator[TokenDelta]:
+                       queue_deadline: float | None = None, api_key_name: str = "",
+                       lora_name: str = "") -> AsyncIterator[TokenDelta]:
         """The deltas of one request, ending with the one that has ``finish_reason``. Leaving the loop
         early (or being cancelled) aborts the request in the engine, which frees its KV blocks."""
         if not self.healthy:
@@ -119,7 +129,8 @@ class AsyncEngineClient:
         try:
             self._send(AddRequest(request_id=request_id, prompt_token_ids=prompt_token_ids, sampling=sampling,
                                   priority=priority, arrival_time=arrival_time, deadline=deadline,
-                                  queue_deadline=queue_deadline, api_key_name=api_key_name))
+                                  queue_deadline=queue_deadline, api_key_name=api_key_name,
+                                  lora_name=lora_name))
             while not finished:
                 delta = await queue.get()
                 finished = delta.finish_reason is not None
@@ -144,7 +155,7 @@ class AsyncEngineClient:
         finally:
             self._calls.pop(call_id, None)
         if result.error is not None:
-            raise RuntimeError(result.error)
+            raise UtilityError(result.error, result.error_kind)
         return result.result
 
     @property

@@ -1,5 +1,5 @@
-"""What every frontend shares: turning text or chats into prompt tokens, validating a request against
-the engine's limits, admission control, and streaming one completion back as text (through
+"""What every frontend shares: turning text or chats into prompt tokens, the request validation
+(validation.py) and admission control, and streaming one completion back as text (through
 output.CompletionText, the path kvloom.LLM uses too)."""
 
 from __future__ import annotations
@@ -10,14 +10,11 @@ import itertools
 from concurrent.futures import ThreadPoolExecutor
 import logging
 import time
-from dataclasses import dataclass
 from typing import Any, AsyncIterator
-
-import msgspec
 
 from kvloom.core.config import EngineConfig
 from kvloom.core.messages import EngineReady
-from kvloom.core.sampling_params import SamplingParams, check_priority
+from kvloom.core.sampling_params import SamplingParams
 from kvloom.frontends.admission import engine_refusal
 from kvloom.frontends.config import ServerConfig
 from kvloom.frontends.engine_client import AsyncEngineClient, EngineUnavailable
@@ -25,6 +22,7 @@ from kvloom.frontends.errors import RequestError
 from kvloom.frontends.limits import PromptLengthBound
 from kvloom.frontends.output import CompletionText, TextDelta
 from kvloom.frontends.router import EngineRouter
+from kvloom.frontends.validation import ModelLimits, PreparedRequest, check_token_ids, validate_request
 from kvloom.frontends.text import (
     ChatTemplateError,
     encode_rendered_chat,
@@ -33,18 +31,6 @@ from kvloom.frontends.text import (
 )
 
 logger = logging.getLogger("kvloom.frontend")
-
-
-@dataclass
-class PreparedRequest:
-    """A validated request: its prompt tokens and the sampling it runs with (``max_tokens`` resolved)."""
-
-    prompt_token_ids: list[int]
-    sampling: SamplingParams
-    priority: int = 0
-    api_key_name: str = ""  # the caller's key, whose quotas the engine keeps (admission.py)
-    timeout: float | None = None  # run timeout in seconds (admission.check_timeout); None: the server's
-    timeout_param: str = "request_timeout"  # where ``timeout`` came from, for the 408's message
 
 
 TOKENIZER_THREADS = 2
@@ -65,12 +51,36 @@ class FrontendCore:
         self.draining = False
         self.num_admitted = 0  # slots held by admitted requests until their responses end
         self.prompt_bound = PromptLengthBound(tokenizer)
+        # The engine's LoRA adapters as last seen (name -> its card): what a request's ``model`` may name.
+        self.adapters: dict[str, dict[str, Any]] = {}
+        self._refreshing: asyncio.Future | None = None
         # Tokenizing a long prompt takes seconds: never on the event loop, which serves every other client.
         self._tokenizer_pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="tokenize")
 
     @property
     def max_model_len(self) -> int:
         return self.ready.max_model_len
+
+    # --- LoRA adapters -----------------------------------------------------------------------------
+    async def refresh_adapters(self) -> None:
+        """Ask the engine which adapters it serves (one call at a time; concurrent callers share it)."""
+        if not self.ready.max_loras or not self.client.healthy:
+            return
+        if self._refreshing is None:
+            self._refreshing = asyncio.ensure_future(self._list_adapters())
+        try:
+            await asyncio.shield(self._refreshing)
+        finally:
+            if self._refreshing is not None and self._refreshing.done():
+                self._refreshing = None
+
+    async def _list_adapters(self) -> None:
+        try:
+            cards = await self.client.utility("list_lora_adapters")
+        except Exception as e:  # noqa: BLE001 - the names seen so far stay; the request gets its 404 or 503
+            logger.warning("Could not list the engine's LoRA adapters: %s", e)
+            return
+        self.adapters = {card["name"]: card for card in cards}
 
     # --- prompts -----------------------------------------------------------------------------------
     def encode_text(self, text: str, add_special_tokens: bool = True) -> list[int]:
@@ -111,45 +121,20 @@ class FrontendCore:
         return await loop.run_in_executor(self._tokenizer_pool, encode_rendered_chat, self.tokenizer, text)
 
     def check_token_ids(self, ids: list[int], param: str = "prompt") -> list[int]:
-        vocab = self.ready.vocab_size
-        # bool is an int subclass in Python, but true is not a token id (and the engine's decoder refuses it).
-        bad = next((t for t in ids if type(t) is not int or not 0 <= t < vocab), None)
-        if bad is not None:
-            raise RequestError(400, f"token id {bad!r} is out of range [0, {vocab})", param)
-        return ids
+        return check_token_ids(ids, self.ready.vocab_size, param)
 
     # --- validation --------------------------------------------------------------------------------
+    @property
+    def limits(self) -> ModelLimits:
+        return ModelLimits(self.ready.max_model_len, self.ready.vocab_size)
+
     def prepare(self, prompt_token_ids: list[int], sampling: SamplingParams, *, priority: int = 0,
-                max_tokens_param: str = "max_tokens", prompt_param: str = "prompt") -> PreparedRequest:
-        """Check the request against the context and the admission limit; raises RequestError."""
+                max_tokens_param: str = "max_tokens", prompt_param: str = "prompt",
+                lora_name: str = "") -> PreparedRequest:
+        """The request checked (validation.validate_request) and the engine available; raises RequestError."""
         self.check_available()
-        try:
-            check_priority(priority)
-        except ValueError as e:
-            raise RequestError(400, str(e), "priority") from None
-        n = len(prompt_token_ids)
-        limit = self.max_model_len
-        if n == 0:
-            raise RequestError(400, "the prompt is empty: at least one token is needed", prompt_param)
-        max_tokens = sampling.max_tokens
-        min_tokens = sampling.min_tokens
-        if max_tokens is None:
-            if n >= limit:
-                raise RequestError(400, f"This model's maximum context length is {limit} tokens, and the prompt "
-                                   f"has {n} tokens, which leaves no room for a completion.", prompt_param)
-            if min_tokens > limit - n:
-                raise RequestError(400, f"min_tokens={min_tokens} is more than the {limit - n} tokens the "
-                                   f"context leaves for the completion ({limit} - {n} prompt tokens)", "min_tokens")
-            sampling = msgspec.structs.replace(sampling, max_tokens=limit - n)
-        elif n + max_tokens > limit:
-            raise RequestError(400, f"This model's maximum context length is {limit} tokens. However, you "
-                               f"requested {n + max_tokens} tokens ({n} in the prompt, {max_tokens} for the "
-                               f"completion). Please reduce the prompt or {max_tokens_param}.", max_tokens_param)
-        bad_stop = next((t for t in sampling.stop_token_ids if t >= self.ready.vocab_size), None)
-        if bad_stop is not None:
-            raise RequestError(400, f"stop token id {bad_stop} is out of range [0, {self.ready.vocab_size})",
-                               "stop_token_ids")
-        return PreparedRequest(prompt_token_ids, sampling, priority)
+        return validate_request(prompt_token_ids, sampling, self.limits, priority=priority,
+                                max_tokens_param=max_tokens_param, prompt_param=prompt_param, lora_name=lora_name)
 
     def start_draining(self) -> None:
         """Refuse new requests (503) from now on; those in flight continue."""
@@ -194,12 +179,15 @@ class FrontendCore:
         deltas = self.client.generate(
             self.next_request_id(), req.prompt_token_ids, sp, req.priority, now,
             deadline=None if timeout is None else now + timeout, api_key_name=req.api_key_name,
+            lora_name=req.lora_name,
             queue_deadline=None if self.queue_timeout is None else now + self.queue_timeout)
         deadline = None if timeout is None else time.monotonic() + timeout + DEADLINE_GRACE_S
         try:
             while True:
                 delta = await self._next(deltas, deadline, timeout, limit)
                 if delta.finish_reason == "error":
+                    if delta.error_kind == "not_found":
+                        self.adapters.pop(req.lora_name, None)  # unloaded through another worker
                     raise engine_refusal(delta, timeout, limit, self.queue_timeout)
                 out = completion.add(delta)
                 if out is None:

@@ -1,9 +1,9 @@
 """Prometheus metrics of the HTTP frontends: requests, tokens, latencies (TTFT, TPOT, ITL, end to end)
 and finish reasons, summed over every API worker (prometheus_client's multiprocess mode, which the
 launcher turns on), plus the engine's own counters and gauges fetched from the engine at scrape time
-and served once. Every series carries a ``model`` label (the model that served the request; the first
-model for requests that name none); the engine's series also a ``replica`` label (its index among
-the model's data-parallel replicas)."""
+and served once. Every series carries a ``model`` label (the model that served the request, or the LoRA
+adapter it named; the first model for requests that name none); the engine's series also a ``replica``
+label (its index among the model's data-parallel replicas)."""
 
 from __future__ import annotations
 
@@ -33,6 +33,7 @@ ENGINE_COUNTERS = {
     "num_expired_in_queue": ("kvloom_engine_expired_in_queue", "Requests dropped unrun at queue_timeout or "
                              "their deadline."),
     "num_expired_running": ("kvloom_engine_expired_running", "Requests stopped at their deadline while running."),
+    "lora_slot_loads": ("kvloom_lora_slot_loads", "LoRA adapters moved into a device slot."),
 }
 ENGINE_GAUGES = {
     "num_running": ("kvloom_num_requests_running", "Requests the engine is running."),
@@ -41,6 +42,7 @@ ENGINE_GAUGES = {
     "num_free_blocks": ("kvloom_kv_cache_free_blocks", "Free KV-cache blocks."),
     "num_total_blocks": ("kvloom_kv_cache_total_blocks", "All KV-cache blocks."),
     "kv_usage": ("kvloom_kv_cache_usage_ratio", "Fraction of KV-cache blocks in use."),
+    "lora_loaded": ("kvloom_lora_adapters_loaded", "LoRA adapters the engine serves by name."),
 }
 LATENCY_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
@@ -98,6 +100,14 @@ class _EngineCollector:
                                      "engine's queue.", labels=ENGINE_LABELS)
         wait.add_metric(self.labels, cumulative, self.stats.get("queue_wait_sum", 0.0))
         yield wait
+        for field, name, help in (
+            ("lora_running", "kvloom_lora_requests_running", "Running requests by LoRA adapter."),
+            ("lora_waiting", "kvloom_lora_requests_waiting", "Waiting requests by LoRA adapter."),
+        ):
+            family = GaugeMetricFamily(name, help, labels=[*ENGINE_LABELS, "lora_adapter"])
+            for adapter, count in sorted((self.stats.get(field) or {}).items()):
+                family.add_metric([*self.labels, adapter], count)
+            yield family
         drafts, accepted = self.stats.get("spec_decode_num_drafts", 0), self.stats.get("spec_decode_num_accepted", 0)
         steps = self.stats.get("spec_decode_num_steps", 0)
         for name, help, value in (

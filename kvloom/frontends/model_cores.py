@@ -1,6 +1,7 @@
 """The frontend cores of every served model, by served name: what the HTTP server and the ZMQ gateway
 look a request's ``model`` up in (each core has the model's router over its replicas, its tokenizer and
-its limits). One place for it, so both frontends start the same cores and answer an unknown name alike."""
+its limits). One place for it, so both frontends start the same cores and answer an unknown name alike.
+A ``model`` may also name a LoRA adapter loaded in a served model's engine (``resolve_model``)."""
 
 from __future__ import annotations
 
@@ -29,13 +30,33 @@ async def start_model_cores(engine_address: str | list[str], engine: EngineConfi
     return {core.ready.model_name: core for core in cores}
 
 
+async def resolve_model(cores: dict[str, FrontendCore], model: str | None) -> tuple[FrontendCore, str]:
+    """The core and LoRA adapter (empty for none) a request's ``model`` names: a served model, else an
+    adapter of one. An adapter name this process has not seen is asked of the engines (another API worker
+    may have loaded it); a name nobody serves is a 404 naming what is served."""
+    if model is None or model in cores:
+        return core_for(cores, model), ""
+    found = _adapter_core(cores, model)
+    if found is None:
+        for core in cores.values():
+            await core.refresh_adapters()
+        found = _adapter_core(cores, model)
+    if found is None:
+        core_for(cores, model)  # raises the 404
+    return found, model
+
+
+def _adapter_core(cores: dict[str, FrontendCore], name: str) -> FrontendCore | None:
+    return next((core for core in cores.values() if name in core.adapters), None)
+
+
 def core_for(cores: dict[str, FrontendCore], model: str | None) -> FrontendCore:
     """The core of the served model ``model`` names (None: the first model), or a 404 naming those served."""
     if model is None:
         return next(iter(cores.values()))
     core = cores.get(model)
     if core is None:
-        served = ", ".join(f"`{name}`" for name in cores)
+        served = ", ".join(f"`{name}`" for name in [*cores, *(a for c in cores.values() for a in c.adapters)])
         raise RequestError(404, f"The model `{model}` does not exist; this server serves {served}.", "model")
     return core
 

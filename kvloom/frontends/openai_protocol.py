@@ -1,5 +1,7 @@
-"""The OpenAI-compatible HTTP API's request and response bodies as msgspec Structs. Limits live in the
-types (``Meta``), so a bad value fails decoding with a message naming the field and the limit."""
+"""The OpenAI-compatible HTTP API's request and response bodies as msgspec Structs. The types hold the
+shapes; the limits of what reaches the engine's sampling are checked by the one validation every door
+shares (SamplingParams and validation.py), so a value over a limit gets the same 400 on HTTP and the
+gateway. Fields only HTTP has keep their limits here (``Meta``)."""
 
 from __future__ import annotations
 
@@ -9,9 +11,6 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta, Struct
 
-Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
-Int64 = Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)]
-MAX_STOP_STRINGS = 16
 MAX_LOGPROBS = 20  # the sampler's limit (SamplingParams.logprobs), vLLM's default max_logprobs
 
 
@@ -34,13 +33,13 @@ class _GenerationRequest(Struct, kw_only=True):
     extensions (``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos``, ...)."""
 
     model: str | None = None
-    n: Annotated[int, Meta(ge=1, le=128)] | None = 1
-    temperature: Annotated[float, Meta(ge=0.0, le=2.0)] | None = None
-    top_p: Annotated[float, Meta(gt=0.0, le=1.0)] | None = None
-    presence_penalty: Penalty | None = None
-    frequency_penalty: Penalty | None = None
-    seed: Int64 | None = None
-    stop: str | Annotated[list[str], Meta(max_length=MAX_STOP_STRINGS)] | None = None
+    n: int | None = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -55,12 +54,12 @@ class _GenerationRequest(Struct, kw_only=True):
     guided_decoding_backend: str | None = None
     structured_outputs: dict[str, Any] | None = None
     # extensions
-    top_k: Annotated[int, Meta(ge=-1)] | None = 0
-    min_p: Annotated[float, Meta(ge=0.0, le=1.0)] | None = 0.0
-    repetition_penalty: Annotated[float, Meta(gt=0.0, le=10.0)] | None = 1.0
-    min_tokens: Annotated[int, Meta(ge=0)] = 0
+    top_k: int | None = 0
+    min_p: float | None = 0.0
+    repetition_penalty: float | None = 1.0
+    min_tokens: int = 0
     ignore_eos: bool = False
-    stop_token_ids: list[Annotated[int, Meta(ge=0)]] | None = []
+    stop_token_ids: list[int] | None = []
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     priority: int = 0
@@ -82,11 +81,11 @@ class _GenerationRequest(Struct, kw_only=True):
 
 class CompletionRequest(_GenerationRequest, kw_only=True):
     prompt: str | list[Any]  # text, token ids, or a batch of either
-    max_tokens: Annotated[int, Meta(ge=0)] | None = 16  # 0: only with echo (the prompt scored, nothing generated)
-    logprobs: Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)] | None = None  # OpenAI's 5 is vLLM's 20 here
+    max_tokens: int | None = 16  # 0: only with echo (the prompt scored, nothing generated)
+    logprobs: int | None = None  # OpenAI's 5 is vLLM's 20 here
     echo: bool | None = False  # the prompt before the output, with its logprobs when logprobs is given
     suffix: str | None = None
-    prompt_logprobs: Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)] | None = None  # vLLM's extension
+    prompt_logprobs: int | None = None  # vLLM's extension
 
 
 class ContentPart(Struct, kw_only=True):
@@ -105,7 +104,7 @@ class ChatMessageIn(Struct, kw_only=True):
 
 class ChatCompletionRequest(_GenerationRequest, kw_only=True):
     messages: Annotated[list[ChatMessageIn], Meta(min_length=1)]
-    max_tokens: Annotated[int, Meta(ge=1)] | None = None
+    max_tokens: int | None = None
     max_completion_tokens: Annotated[int, Meta(ge=1)] | None = None
     logprobs: bool | None = False
     top_logprobs: Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)] | None = None
@@ -117,7 +116,7 @@ class ChatCompletionRequest(_GenerationRequest, kw_only=True):
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
-    prompt_logprobs: Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)] | None = None  # vLLM's; not streamed
+    prompt_logprobs: int | None = None  # vLLM's; not streamed
     echo: bool | None = False  # vLLM's: the reply starts with the last message when it has the reply's role
     documents: list[dict[str, Any]] | None = None  # for templates that render retrieval documents
     reasoning_effort: str | None = None  # given to the chat template, as vLLM does
@@ -274,6 +273,8 @@ class ModelCard(Struct):
     created: int = msgspec.field(default_factory=lambda: int(time.time()))
     object: str = "model"
     owned_by: str = "kvloom"
+    root: str | None = None  # a LoRA adapter's folder; a served model's own name
+    parent: str | None = None  # a LoRA adapter's base model (None for a served model)
 
 
 class ModelList(Struct):

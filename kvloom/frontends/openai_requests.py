@@ -12,6 +12,7 @@ from kvloom.core.sampling_params import SamplingParams, StructuredOutputSpec
 from kvloom.frontends import openai_protocol as api
 from kvloom.frontends.errors import RequestError
 from kvloom.frontends.tool_parsers import template_messages_tool_calls
+from kvloom.frontends.validation import sampling_error
 
 
 def sampling_params(req: api._GenerationRequest, max_tokens: int | None, logprobs: int | None,
@@ -23,7 +24,7 @@ def sampling_params(req: api._GenerationRequest, max_tokens: int | None, logprob
         structured = structured_output(req)
     try:
         return SamplingParams(
-            temperature=1.0 if req.temperature is None else req.temperature,
+            n=req.n, temperature=1.0 if req.temperature is None else req.temperature,
             top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k, min_p=req.min_p, seed=req.seed,
             presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
             repetition_penalty=req.repetition_penalty, max_tokens=max_tokens, min_tokens=req.min_tokens,
@@ -31,9 +32,8 @@ def sampling_params(req: api._GenerationRequest, max_tokens: int | None, logprob
             skip_special_tokens=req.skip_special_tokens, include_stop_str_in_output=req.include_stop_str_in_output,
             logit_bias=logit_bias(req.logit_bias), structured=structured, prompt_logprobs=prompt_logprobs,
         )
-    except ValueError as e:  # SamplingParams names the field first: "top_k=-5 must be ..."
-        field = str(e).split("=", 1)[0]
-        raise RequestError(400, str(e), field if field.isidentifier() else None) from e
+    except ValueError as e:
+        raise sampling_error(e) from None
 
 
 def check_echo(req: api.CompletionRequest) -> None:

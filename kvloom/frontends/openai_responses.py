@@ -95,6 +95,12 @@ class ResponseBuilder:
         view.tokens_as_ids = True
         return view
 
+    def named(self, model_name: str) -> "ResponseBuilder":
+        """This builder answering as ``model_name`` (a LoRA adapter of the model), sharing its token caches."""
+        builder = copy.copy(self)
+        builder.model_name = model_name
+        return builder
+
     def token_text(self, token_id: int) -> str:
         if self.tokens_as_ids:
             return f"token_id:{token_id}"

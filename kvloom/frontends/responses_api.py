@@ -34,8 +34,8 @@ class ResponsesRequest(Struct, kw_only=True):
     input: str | list[dict[str, Any]]
     instructions: str | None = None
     max_output_tokens: Annotated[int, Meta(ge=1)] | None = None
-    temperature: Annotated[float, Meta(ge=0.0, le=2.0)] | None = None
-    top_p: Annotated[float, Meta(gt=0.0, le=1.0)] | None = None
+    temperature: float | None = None  # sampling values are checked by the one validation (validation.py)
+    top_p: float | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
@@ -46,13 +46,13 @@ class ResponsesRequest(Struct, kw_only=True):
     metadata: dict[str, str] | None = None
     user: str | None = None
     # vLLM's sampling extensions, as on chat completions
-    top_k: Annotated[int, Meta(ge=-1)] = 0
-    min_p: Annotated[float, Meta(ge=0.0, le=1.0)] = 0.0
-    repetition_penalty: Annotated[float, Meta(gt=0.0, le=10.0)] = 1.0
-    presence_penalty: api.Penalty | None = None
-    frequency_penalty: api.Penalty | None = None
-    seed: api.Int64 | None = None
-    stop: str | Annotated[list[str], Meta(max_length=api.MAX_STOP_STRINGS)] | None = None
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
     structured_outputs: dict[str, Any] | None = None  # vLLM's constraints (regex, choice, grammar, json)
     chat_template_kwargs: dict[str, Any] | None = None
     priority: int = 0
@@ -209,7 +209,7 @@ class ResponseDraft:
             "background": False, "error": None,
             "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
             "instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
-            "model": self.plan.core.ready.model_name, "output": output,
+            "model": self.plan.builder.model_name, "output": output,
             "parallel_tool_calls": req.parallel_tool_calls is not False,
             "previous_response_id": req.previous_response_id, "reasoning": {"effort": None, "summary": None},
             "store": req.store, "temperature": req.temperature, "text": {"format": fmt},
@@ -396,8 +396,7 @@ def _owner(request: Request) -> str:
 
 async def create(server: "OpenAIServer", request: Request):
     req: ResponsesRequest = await server._parse(request, ResponsesRequest, RESPONSES_RULES, API)
-    request.state.model = server.core_for(req.model).ready.model_name
-    request.state.timeout = req.timeout
+    await server.note_request(request, req.model, req.timeout)
     history: list[dict[str, Any]] = []
     if req.previous_response_id is not None:
         stored = await server.response_store.get(req.previous_response_id, _owner(request))

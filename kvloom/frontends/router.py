@@ -279,6 +279,12 @@ def sum_stats(results: list[Any]) -> Any:
         for k, v in d.items():
             if isinstance(v, (int, float)) and not isinstance(v, bool):
                 total[k] = total.get(k, 0) + v
+            elif k in ("lora_running", "lora_waiting") and isinstance(v, dict):  # by adapter name
+                merged = total.setdefault(k, {})
+                for name, count in v.items():
+                    merged[name] = merged.get(name, 0) + count
     if "kv_usage" in total:
         total["kv_usage"] /= len(dicts)
+    if "lora_loaded" in total:  # every replica loads the same adapters
+        total["lora_loaded"] = max(d.get("lora_loaded", 0) for d in dicts)
     return total

@@ -56,13 +56,12 @@ _TOKENIZE_RULES = {"mm_processor_kwargs": CHAT_RULES["mm_processor_kwargs"]}
 
 async def _parse(server: "OpenAIServer", request: Request, typ: type):
     req = await server._parse(request, typ, _TOKENIZE_RULES)
-    server.check_model(req.model)
-    return req
+    core, _ = await server.resolve(req.model)  # each served model has its own tokenizer (its adapters share it)
+    return req, core
 
 
 async def tokenize(server: "OpenAIServer", request: Request) -> TokenizeResponse:
-    req: TokenizeRequest = await _parse(server, request, TokenizeRequest)
-    core = server.core_for(req.model)  # each served model has its own tokenizer
+    req, core = await _parse(server, request, TokenizeRequest)
     tokenizer = core.tokenizer
     if (req.prompt is None) == (req.messages is None):
         raise RequestError(400, "give either 'prompt' (text) or 'messages' (a chat)", "prompt")
@@ -81,8 +80,7 @@ async def tokenize(server: "OpenAIServer", request: Request) -> TokenizeResponse
 
 
 async def detokenize(server: "OpenAIServer", request: Request) -> DetokenizeResponse:
-    req: DetokenizeRequest = await _parse(server, request, DetokenizeRequest)
-    core = server.core_for(req.model)
+    req, core = await _parse(server, request, DetokenizeRequest)
     ids = core.check_token_ids(req.tokens, "tokens")
     return DetokenizeResponse(core.tokenizer.decode(ids, skip_special_tokens=False))
 
@@ -131,7 +129,7 @@ def routes(server: "OpenAIServer") -> list:
         return json_response(await detokenize(server, request))
 
     async def tokenizer_info_endpoint(request: Request):
-        core = server.core_for(request.query_params.get("model"))
+        core, _ = await server.resolve(request.query_params.get("model"))  # an adapter has its model's tokenizer
         return json_response(tokenizer_info(core.tokenizer, server.chat_template))
 
     return [Route("/tokenize", server._endpoint(tokenize_endpoint), methods=["POST"]),

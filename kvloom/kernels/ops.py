@@ -135,3 +135,16 @@ def int4_row_matmul(x, packed, zeros, scales, group_size, bias=None, tinygemm=No
     from kvloom.kernels.quant import dispatch
 
     return dispatch.int4_linear(x, packed, zeros, scales, group_size, bias, tinygemm, mma_layout, options=kernels)
+
+
+def lora_add(y, x, a, b, scale, slices, batch):
+    """``y`` plus each token's LoRA term of its adapter slot (``kvloom.kernels.lora_reference``), in place;
+    ``batch`` is the step's ``LoRABatch`` (its tokens grouped by slot)."""
+    if use_triton(x):
+        from kvloom.kernels import triton_lora
+
+        buf = triton_lora.lora_shrink(x, a, batch.sorted_tokens, batch.seg_start, batch.seg_slot)
+        return triton_lora.lora_expand(y, buf, b, scale, slices, batch.sorted_tokens, batch.seg_start, batch.seg_slot)
+    from kvloom.kernels import lora_reference
+
+    return lora_reference.lora_add(y, x, a, b, scale, slices, batch.groups)

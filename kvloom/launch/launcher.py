@@ -33,7 +33,7 @@ def exposed_binds(server: ServerConfig) -> list[str]:
     if not server.is_loopback:
         warnings.append(f"Listening on {server.host}: the API is reachable from the network"
                         + ("" if server.api_key or server.api_keys else " without an API key"))
-    gateway_keys = "it requires an API key" if server.gateway_require_api_key else "it has no API key"
+    gateway_keys = "it requires an API key" if server.gateway_keys_required else "it has no API key"
     for name, what in (("engine_address", "the engine (frontends authenticate with a per-launch secret)"),
                        ("gateway", f"the ZMQ gateway ({gateway_keys})")):
         address = getattr(server, name)

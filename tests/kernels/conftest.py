@@ -36,6 +36,7 @@ def _import_interpreted() -> None:
 
         import kvloom.kernels.triton_attention  # noqa: F401
         import kvloom.kernels.triton_fused  # noqa: F401
+        import kvloom.kernels.triton_lora  # noqa: F401
         import kvloom.kernels.quant.dispatch  # noqa: F401 (and with it every quant kernel family)
     except ImportError:
         pass  # no triton: the fixture below skips
@@ -65,7 +66,7 @@ def tk(monkeypatch):
     """The Triton kernel modules (the quantized-matmul families by their module names) and the device their
     inputs must live on (``cuda``, or ``cpu`` interpreted)."""
     pytest.importorskip("triton")
-    from kvloom.kernels import triton_attention, triton_fused
+    from kvloom.kernels import triton_attention, triton_fused, triton_lora
     from kvloom.kernels.quant import common, dispatch, fp8_rows, fp8_weight_only, int4_row, int_kpacked
 
     if HAS_CUDA:
@@ -78,6 +79,6 @@ def tk(monkeypatch):
             )
         monkeypatch.setenv("TRITON_INTERPRET", "1")  # consulted at run time by a few triton helpers
         device = "cpu"
-    return types.SimpleNamespace(attention=triton_attention, fused=triton_fused, common=common, dispatch=dispatch,
-                                 fp8_rows=fp8_rows, fp8_weight_only=fp8_weight_only, int4_row=int4_row,
-                                 int_kpacked=int_kpacked, device=device)
+    return types.SimpleNamespace(attention=triton_attention, fused=triton_fused, lora=triton_lora, common=common,
+                                 dispatch=dispatch, fp8_rows=fp8_rows, fp8_weight_only=fp8_weight_only,
+                                 int4_row=int4_row, int_kpacked=int_kpacked, device=device)

@@ -14,6 +14,7 @@ import torch
 
 from kvloom.core.config import ConfigError, EngineConfig, resolve_device, resolve_dtype
 from kvloom.core.engine import capacity
+from kvloom.core.engine.adapters import AdapterInUse, AdapterSlots
 from kvloom.core.engine.gate import AdmissionGate
 from kvloom.core.engine.kv_cache import KVCacheManager
 from kvloom.core.engine.request import Request, RequestStatus
@@ -38,6 +39,14 @@ STEP_TIME_WEIGHT = 0.2  # of the latest step in the moving average: a few steps,
 
 class RequestRejected(ValueError):
     """A request that can never run (bad tokens, over the context or over the whole KV cache)."""
+
+    error_kind = "rejected"
+
+
+class UnknownAdapter(RequestRejected):
+    """A request naming a LoRA adapter this engine does not serve (any more)."""
+
+    error_kind = "not_found"
 
 
 GOVERNOR_LAYER_STRIDE = 4  # CPU thread count re-checked before every 4th decoder layer (a clock read)
@@ -116,6 +125,13 @@ class EngineCore:
                 layer.register_forward_pre_hook(check_threads)
         if self.quantization is not None:
             logger.info(self.quantization.describe())
+        self.lora = None  # the LoRA pool: before the memory profile, so its slots count as weights
+        if config.enable_lora:
+            from kvloom.core.model.lora import LoRAPool
+
+            self.lora = LoRAPool(self.model, config.max_loras, config.max_lora_rank, config.resolved_max_cpu_loras)
+            logger.info("LoRA: %d device slots of rank %d on %d layers; %d adapters kept in host memory",
+                        config.max_loras, config.max_lora_rank, len(self.lora.layers), config.resolved_max_cpu_loras)
 
         draft_kv = getattr(proposer, "allocate_kv", None)
         if draft_kv is not None:  # the draft model's weights and forward count in the memory profile below
@@ -139,9 +155,11 @@ class EngineCore:
             self.plugins.make_kv_allocator(self.capacity.num_blocks, config), config.block_size,
             self.plugins.make_prefix_cache(config.block_size, config), self.kv_layout,
         )
+        self.adapters = AdapterSlots(config.max_loras, self.lora.ready) if self.lora is not None else None
         self.scheduler = Scheduler(
             self.kv, self.plugins.make_scheduler_policy(config), max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=self.max_model_len,
+            adapters=self.adapters,
         )
         self.gate = AdmissionGate()  # no caps or quotas unless the engine process sets them
         if draft_kv is not None:
@@ -157,12 +175,14 @@ class EngineCore:
         self.async_scheduling = config.async_scheduling == "on" or (
             config.async_scheduling == "auto" and self.device.type == "cuda")
         if self.tp_driver is None:
-            self.runner = ModelRunner(self.model, kv_caches, config.block_size, self.device, config.seed, num_groups)
+            self.runner = ModelRunner(self.model, kv_caches, config.block_size, self.device, config.seed, num_groups,
+                                      lora=self.lora)
         else:
             from kvloom.core.worker.tp_executor import TPDriverRunner
 
             self.runner = TPDriverRunner(self.model, kv_caches, config.block_size, self.device, config.seed,
-                                         num_groups, driver=self.tp_driver, share_tokens=self.async_scheduling)
+                                         num_groups, driver=self.tp_driver, share_tokens=self.async_scheduling,
+                                         lora=self.lora)
         if self.device.type == "cuda" and not config.enforce_eager:
             spec = self.speculator
             self.runner.capture_graphs(config.max_num_seqs, self.max_model_len, *(
@@ -178,6 +198,8 @@ class EngineCore:
         self.structured = StructuredOutputManager(config.model, config.tokenizer, self.vocab_size,
                                                   self.eos_token_ids)
         self.runner.before_sampling = self.structured.fill_bitmasks  # overlaps the forward on a GPU
+        for name, path in config.lora_modules.items():
+            self.load_lora_adapter(name, path)
         freeze_startup_heap()
 
     # --- set-up ------------------------------------------------------------------------------------
@@ -252,7 +274,9 @@ class EngineCore:
         self.scheduler.on_finish = lambda req: gate.release(req.request_id, req.num_tokens)
 
     def add_request(self, msg: AddRequest) -> Request:
-        """Admit a request or raise RequestRejected naming the value and the limit."""
+        """Admit a request or raise RequestRejected naming the value and the limit. Requests are validated
+        by the frontends (frontends/validation.py); these are the checks of what crosses the engine's
+        socket, whatever sent it: nothing here may crash or corrupt the loop."""
         prompt = msg.prompt_token_ids
         n = len(prompt)
         if n == 0:
@@ -270,7 +294,8 @@ class EngineCore:
             check_priority(msg.priority)
         except ValueError as e:
             raise RequestRejected(str(e)) from None
-        if msg.request_id in self.scheduler.requests:
+        # The one check of engine-wide id uniqueness: a live id never gets a second request's outputs.
+        if msg.request_id in self.scheduler.requests or self.structured.is_pending(msg.request_id):
             raise RequestRejected(f"request id {msg.request_id!r} is already in use")
         limit = self.max_model_len
         max_tokens = msg.sampling.max_tokens
@@ -290,16 +315,100 @@ class EngineCore:
                 f"the request needs {need} KV blocks ({n + max_tokens} tokens) but the whole cache has "
                 f"{self.kv.num_blocks} blocks ({self.capacity.num_tokens} tokens)"
             )
+        adapter = self._adapter_of(msg.lora_name)  # an unknown adapter is rejected before the gate counts it
         waiting = self.scheduler.waiting
         # Raises gate.Refusal (queue full, over a key's quota): the caller maps it to the client's 429.
         self.gate.admit(msg.request_id, msg.api_key_name, n, max_tokens, len(waiting),
                         sum(r.num_tokens - r.num_computed_tokens for r in waiting))
         req = Request.from_message(msg, eos_token_ids=self.eos_token_ids, max_tokens=max_tokens)
+        if adapter is not None:
+            req.lora_id, req.lora_name, req.lora_key = adapter.id, adapter.name, adapter.key
         if req.sampling.structured is not None:
             self.structured.submit(req)  # scheduled once its grammar is compiled
         else:
             self.scheduler.add_request(req)
         return req
+
+    # --- LoRA adapters -----------------------------------------------------------------------------
+    def _adapter_of(self, name: str):
+        if not name:
+            return None
+        if self.adapters is None:
+            raise RequestRejected(f"LoRA adapter {name!r} was asked for, but this engine serves none (start it "
+                                  "with --enable-lora)")
+        adapter = self.adapters.by_name.get(name)
+        if adapter is None:
+            raise UnknownAdapter(f"unknown LoRA adapter {name!r}; loaded: {sorted(self.adapters.by_name) or 'none'}")
+        return adapter
+
+    def _check_lora_enabled(self) -> None:
+        if self.adapters is None:
+            raise ValueError("LoRA is off in this engine: start it with --enable-lora to load adapters")
+
+    def load_lora_adapter(self, name: str, path: str) -> dict:
+        """Read and check the PEFT adapter at ``path`` and serve it as ``name`` (its weights reach a device
+        slot when a request needs them); ValueError naming what is wrong."""
+        from kvloom.core.engine.adapters import Adapter
+
+        self._check_lora_enabled()
+        if not isinstance(name, str) or not name or not isinstance(path, str) or not path:
+            raise ValueError("a LoRA adapter needs a non-empty name and path")
+        if name in self.adapters.by_name:
+            raise ValueError(f"LoRA adapter {name!r} is already loaded (from {self.adapters.by_name[name].path!r}); "
+                             "unload it first")
+        adapter_id = self.adapters.new_id()
+        weights = self.lora.read(adapter_id, name, path)
+        adapter = Adapter(adapter_id, name, path, weights.digest, weights.rank, weights.targets)
+        self.adapters.add(adapter)
+        logger.info("LoRA adapter %r loaded from %s: rank %d on %s", name, path, adapter.rank,
+                    ", ".join(adapter.targets))
+        return self._adapter_card(adapter)
+
+    def unload_lora_adapter(self, name: str) -> dict:
+        """Stop serving adapter ``name``. Refused (ValueError) while requests of it are unfinished: none of
+        them is cut short; unload again once they are done."""
+        self._check_lora_enabled()
+        adapter = self.adapters.by_name.get(name)
+        if adapter is None:
+            raise LookupError(f"LoRA adapter {name!r} is not loaded; loaded: {sorted(self.adapters.by_name) or 'none'}")
+        users = [r for r in [*self.scheduler.requests.values(), *self.structured.pending_requests()]
+                 if r.lora_id == adapter.id]
+        if users:
+            raise AdapterInUse(f"LoRA adapter {name!r} is in use by {len(users)} unfinished request(s); it was not "
+                             "unloaded (unload it again once they finish)")
+        self.adapters.remove(name)
+        self.lora.forget(adapter.id)
+        logger.info("LoRA adapter %r unloaded", name)
+        return self._adapter_card(adapter)
+
+    def _read_adapters(self, plan: SchedulerOutput) -> list[TokenDelta]:
+        """Make sure each adapter the plan loads is in host memory, read again from its folder if the host
+        LRU let it go; an adapter that cannot be read any more fails its requests (the engine runs on)."""
+        from kvloom.core.model.lora import LoRAError
+
+        deltas = []
+        for load in list(plan.lora_loads):
+            try:
+                self.lora.prefetch(load.adapter_id, load.name, load.path)
+            except LoRAError as e:
+                plan.lora_loads.remove(load)
+                self.adapters.cancel_load(load)
+                users = [r.request_id for r in self.scheduler.waiting if r.lora_id == load.adapter_id]
+                logger.error("LoRA adapter %r cannot be read again; failing its %d waiting request(s): %s",
+                             load.name, len(users), e)
+                self.structured.remove(users)
+                for req in self.scheduler.abort(users, RequestStatus.FINISHED_ERROR):
+                    deltas.append(TokenDelta(request_id=req.request_id, new_token_ids=[], finish_reason="error",
+                                             error=str(e), error_kind="rejected",
+                                             num_prompt_tokens=req.num_prompt_tokens))
+        return deltas
+
+    def list_lora_adapters(self) -> list[dict]:
+        return [self._adapter_card(a) for a in self.adapters.by_name.values()] if self.adapters is not None else []
+
+    @staticmethod
+    def _adapter_card(adapter) -> dict:
+        return {"name": adapter.name, "path": adapter.path, "rank": adapter.rank, "targets": adapter.targets}
 
     def abort_requests(self, request_ids: list[str]) -> list[TokenDelta]:
         self.structured.remove(request_ids)
@@ -335,14 +444,18 @@ class EngineCore:
         if self.speculator is not None:
             self.speculator.propose(self.scheduler)
         plan = self.scheduler.schedule()
+        if plan.lora_loads:
+            deltas += self._read_adapters(plan)
         self._fill_prompt_targets(plan)
         self.last_step_tokens = plan.num_tokens
-        if plan and self._in_flight is not None:
+        if plan.seqs and self._in_flight is not None:
             self.num_overlapped_steps += 1
         launched = self.runner.execute(plan) if plan else None
         if launched is not None:
             self.scheduler.advance(plan)
         deltas += self.flush()
+        if not plan.seqs and self.lora is not None:
+            self.lora.wait_any()  # nothing runs until an adapter's load is done: wait for it, not in a spin
         if launched is not None:
             if self.async_scheduling:
                 self._in_flight = (plan, launched, started)
@@ -468,7 +581,18 @@ class EngineCore:
             num_rejected_queue_full=gate.rejected_queue_full, num_rate_limited=dict(gate.rate_limited),
             num_expired_in_queue=self.num_expired_in_queue, num_expired_running=self.num_expired_running,
             queue_wait_buckets=list(gate.queue_wait_buckets), queue_wait_sum=gate.queue_wait_sum,
+            **(self._lora_stats() if self.adapters is not None else {}),
         )
+
+    def _lora_stats(self) -> dict:
+        running: dict[str, int] = {}
+        waiting: dict[str, int] = {}
+        for counts, reqs in ((running, self.scheduler.running), (waiting, self.scheduler.waiting)):
+            for r in reqs:
+                if r.lora_id:
+                    counts[r.lora_name] = counts.get(r.lora_name, 0) + 1
+        return dict(lora_running=running, lora_waiting=waiting, lora_loaded=len(self.adapters.by_name),
+                    lora_slot_loads=self.adapters.num_loads)
 
     def check_health(self) -> None:
         """Raise if the engine cannot step any more (a tensor-parallel worker died)."""

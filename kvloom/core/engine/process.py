@@ -39,11 +39,12 @@ from kvloom.core.messages import (
     decode_frontend_message,
     encode,
 )
+from kvloom.core.peer_warnings import PeerWarnings
 
 logger = logging.getLogger("kvloom.engine")
 
 # What a frontend may call through ``Utility``; anything else is refused by name.
-UTILITY_METHODS = ("stats", "reset_prefix_cache")
+UTILITY_METHODS = ("stats", "reset_prefix_cache", "load_lora_adapter", "unload_lora_adapter", "list_lora_adapters")
 IDLE_POLL_MS = 100  # how often an idle engine wakes up to notice signals
 _STOP = b"stop"  # loop -> inbox thread: send what is queued, then close the socket
 _GONE = object()  # inbox thread -> loop: a frontend can no longer be reached
@@ -60,7 +61,7 @@ class EngineServer:
         self.build = build
         self.gate = gate  # engine-wide caps and per-key quotas (core/engine/gate.py), set on the core at load
         self.secret = secret  # when set, only frontends that registered with it are heard
-        self._refused: set[bytes] = set()
+        self.warnings = PeerWarnings(logger)  # per peer: junk in a loop must not flood the log
         self.heartbeat_interval = heartbeat_interval
         self._next_beat = 0.0
         self.model_name = model_name or config.model
@@ -101,12 +102,15 @@ class EngineServer:
 
         prepare_openmp()  # before torch loads OpenMP, which reads its settings then
         self.core = self.build(self.config)  # torch and the model code load here only
+        if self.core.adapters is not None and self.model_name in self.core.adapters.by_name:
+            raise ValueError(f"LoRA adapter {self.model_name!r} has the served model's name; give it another")
         if self.gate is not None:
             self.core.gate = self.gate
         self.ready = EngineReady(
             model_name=self.model_name, max_model_len=self.core.max_model_len, vocab_size=self.core.vocab_size,
             num_kv_blocks=self.core.kv.num_blocks, block_size=self.core.config.block_size,
             eos_token_ids=list(self.core.eos_token_ids), plugins=list(self.config.plugins), pid=os.getpid(),
+            max_loras=self.config.max_loras if self.config.enable_lora else 0,
         )
 
     def request_shutdown(self, drain: bool = True) -> None:
@@ -231,8 +235,8 @@ class EngineServer:
             except zmq.Again:
                 return
             if len(frames) != 2:  # [identity, message] is the whole protocol; anything else is not ours
-                logger.warning("Dropped a message of %d frames from %r (expected one frame)", len(frames) - 1,
-                               frames[0])
+                self.warnings.warning(frames[0], "Dropped a message of %d frames from %r (expected one frame)",
+                                      len(frames) - 1, frames[0])
                 continue
             ident, data = frames
             try:
@@ -255,8 +259,8 @@ class EngineServer:
         gate, core = self.gate, self.core
         if gate is None or core is None or gate.max_queued_requests is None or self.draining:
             return False
-        if self.secret is not None and ident not in self.frontends:
-            return False  # the loop decides about strangers
+        if ident not in self.frontends:
+            return False  # the loop decides about strangers (it never answers them)
         if self.heartbeat_interval is not None and time.monotonic() - self._loop_seen > 2 * self.heartbeat_interval:
             return False
         with self._pending_lock:
@@ -274,23 +278,23 @@ class EngineServer:
         return True
 
     def _reject_malformed(self, ident: bytes, data: bytes, error: Exception) -> None:
-        """A message that fails validation is dropped; if it was an AddRequest its sender is told, so the
-        request ends (and frees its admission slot) instead of waiting for outputs that never come."""
-        request_id = _add_request_id(data)
+        """A message that fails validation is dropped; if it was an AddRequest of a registered frontend,
+        the frontend is told, so the request ends (and frees its admission slot) instead of waiting for
+        outputs that never come. A peer that has not registered is never answered."""
+        request_id = _add_request_id(data) if ident in self.frontends else None
         if request_id is None:
-            logger.warning("Dropped a malformed message from frontend %r: %s", ident, error)
+            self.warnings.warning(ident, "Dropped a malformed message from %s %r: %s", "frontend"
+                                  if ident in self.frontends else "unregistered peer", ident, error)
             return
-        logger.warning("Rejected request %r from frontend %r: %s", request_id, ident, error)
+        self.warnings.warning(ident, "Rejected request %r from frontend %r: %s", request_id, ident, error)
         self.outbox[ident].append(_error_delta(request_id, f"invalid request: {error}", "rejected"))
 
     def _handle(self, ident: bytes, msg) -> None:
         if isinstance(msg, RegisterFrontend):
             self._register(ident, msg)
             return
-        if self.secret is not None and ident not in self.frontends:
-            if ident not in self._refused and len(self._refused) < 1000:  # log each stranger once
-                self._refused.add(ident)
-                logger.warning("Ignored %s from %r: not a registered frontend", type(msg).__name__, ident)
+        if ident not in self.frontends:  # never obeyed, never answered
+            self.warnings.warning(ident, "Ignored %s from %r: not a registered frontend", type(msg).__name__, ident)
             return
         if isinstance(msg, AddRequest):
             self._add(ident, msg)
@@ -320,15 +324,10 @@ class EngineServer:
         if self.draining:
             self.outbox[ident].append(_error_delta(msg.request_id, "the engine is shutting down", "unavailable"))
             return
-        if msg.request_id in self.owners:
-            # Never let a second request take over the first one's outputs.
-            self.outbox[ident].append(_error_delta(msg.request_id, f"request id {msg.request_id!r} is already "
-                                                   "in use", "rejected"))
-            return
         try:
             self.core.add_request(msg)
         except RequestRejected as e:
-            self.outbox[ident].append(_error_delta(msg.request_id, str(e), "rejected"))
+            self.outbox[ident].append(_error_delta(msg.request_id, str(e), e.error_kind))
             return
         except Refusal as e:
             self.outbox[ident].append(_refusal_delta(msg.request_id, e))
@@ -347,7 +346,8 @@ class EngineServer:
             result = method(*msg.args)
             encode(UtilityResult(call_id=msg.call_id, result=result))  # fail here, not in the send
         except Exception as e:  # noqa: BLE001 - the caller gets the message; the engine keeps running
-            return UtilityResult(call_id=msg.call_id, error=f"{msg.method} failed: {e}")
+            kind = getattr(e, "error_kind", "not_found" if isinstance(e, LookupError) else None)
+            return UtilityResult(call_id=msg.call_id, error=f"{msg.method} failed: {e}", error_kind=kind)
         return UtilityResult(call_id=msg.call_id, result=result)
 
     # --- outbox ------------------------------------------------------------------------------------

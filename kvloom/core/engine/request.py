@@ -95,6 +95,12 @@ class Request:
         self.awaiting_final_token = False  # its last possible token is in flight: schedule it no more
         self.deadline = deadline  # wall-clock times (the scheduler's clock): aborted past it
         self.queue_deadline = queue_deadline  # dropped past it if it has not had its first step
+        # LoRA: the adapter (0: the base model), its name, the digest its KV blocks are keyed by, and the
+        # device slot the scheduler found it in for the current step.
+        self.lora_id = 0
+        self.lora_name = ""
+        self.lora_key = ""
+        self.lora_slot = -1
 
     @classmethod
     def from_message(cls, msg: AddRequest, *, eos_token_ids: tuple[int, ...], max_tokens: int) -> "Request":

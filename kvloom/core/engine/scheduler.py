@@ -13,9 +13,10 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
+from kvloom.core.engine.adapters import AdapterSlots
 from kvloom.core.engine.kv_cache import KVCacheManager
 from kvloom.core.engine.request import PLACEHOLDER, Request, RequestStatus
-from kvloom.core.engine.step import RunnerOutput, ScheduledSeq, SchedulerOutput
+from kvloom.core.engine.step import LoRALoad, RunnerOutput, ScheduledSeq, SchedulerOutput
 
 
 class SchedulingPolicy(Protocol):
@@ -77,8 +78,11 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_model_len: int,
         clock: Callable[[], float] = time.time,
+        adapters: AdapterSlots | None = None,
     ) -> None:
         self.kv = kv
+        # LoRA: a step's requests read at most max_loras adapters, each from its device slot.
+        self.adapters = adapters
         self.policy = policy
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -107,13 +111,13 @@ class Scheduler:
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
-    def abort(self, request_ids: list[str]) -> list[Request]:
-        """Finish these requests as aborted and free their blocks; unknown ids are ignored."""
+    def abort(self, request_ids: list[str], status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> list[Request]:
+        """Finish these requests (as aborted, or ``status``) and free their blocks; unknown ids are ignored."""
         aborted = []
         for rid in request_ids:
             req = self.requests.get(rid)
             if req is not None:
-                self._finish(req, RequestStatus.FINISHED_ABORTED)
+                self._finish(req, status)
                 aborted.append(req)
         return aborted
 
@@ -126,12 +130,16 @@ class Scheduler:
         scheduled: dict[str, tuple[Request, int]] = {}
         preempted: list[Request] = []
         now = self.clock()
+        step_slots: set[int] = set()  # adapter slots this step reads
+        loads: list[LoRALoad] = []
 
         for req in list(self.running):
             if budget == 0:
                 break
             if req.status is not RequestStatus.RUNNING or req.awaiting_final_token:
                 continue  # preempted earlier in this loop, or its last token is already in flight
+            if req.lora_id and not self._take_slot(req, step_slots, loads, new=False):
+                continue
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)  # its drafts come last, below
             while not self.kv.allocate_slots(req, num_new):
                 victim = self.policy.select_victim(self.running, now)
@@ -148,6 +156,8 @@ class Scheduler:
                     break
                 if req.has_placeholder:
                     continue  # preempted while its newest token was in flight: back once it lands
+                if req.lora_id and not self._take_slot(req, step_slots, loads):
+                    continue  # its adapter is loading, or waits for a slot: the others go on
                 req.spec_token_ids = []  # a (re)admitted request computes its known tokens first
                 computed = self.kv.get_computed_blocks(req)
                 num_computed = len(computed) * self.kv.block_size
@@ -165,11 +175,26 @@ class Scheduler:
         # Blocks are short when someone was preempted: drafts wait for a step with spare ones.
         self._schedule_drafts(scheduled, 0 if preempted else budget)
         self._step_id += 1
+        if self.adapters is not None:
+            self.adapters.end_step({r.lora_slot for r, _ in scheduled.values() if r.lora_id})
+            waiting_for = self.adapters.draining_for
+            if waiting_for is not None and not any(r.lora_id == waiting_for for r in self.waiting):
+                self.adapters.release_draining()  # its requests ended (aborted, expired) before it got a slot
         plan = SchedulerOutput(self._step_id, [self._scheduled_seq(r, n) for r, n in scheduled.values()],
-                               self._finished_ids, [r.request_id for r in preempted])
+                               self._finished_ids, [r.request_id for r in preempted], loads)
         self._finished_ids = []
         self._launched[plan.step_id] = [r for r, _ in scheduled.values()]
         return plan
+
+    def _take_slot(self, req: Request, step_slots: set[int], loads: list[LoRALoad], new: bool = True) -> bool:
+        """Whether ``req``'s adapter is in a device slot it can read this step (``req.lora_slot``); if not,
+        a load may have been planned and the request sits this step out."""
+        slot = self.adapters.slot_for(req.lora_id, step_slots, loads,
+                                      lambda: {r.lora_id for r in self.running if r.lora_id}, new)
+        if slot is None:
+            return False
+        req.lora_slot = slot
+        return True
 
     def _schedule_drafts(self, scheduled: dict[str, tuple[Request, int]], budget: int) -> None:
         """Give draft tokens to verify what the step budget has left once every known token (running
@@ -223,6 +248,7 @@ class Scheduler:
             sampling, drafts, placeholders if placeholders > 0 else 0, len(req.output_token_ids),
             (req.eos_token_ids + tuple(req.stop_token_ids)) if sampling.min_tokens else (),
             tuple(all_ids) if sampling.uses_penalties else None, len(req.prompt_token_ids),
+            lora_slot=req.lora_slot,
         )
         if req.extra_block_ids:
             seq.extra_block_ids = [t.copy() for t in req.extra_block_ids]

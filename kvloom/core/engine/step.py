@@ -43,6 +43,7 @@ class ScheduledSeq:
     prompt_targets: list[int] | None = None
     # A hybrid KV cache's other layer groups' whole block tables (copies), after ``block_ids`` (the first's)
     extra_block_ids: list[list[int]] = field(default_factory=list)
+    lora_slot: int = -1  # the device slot of the request's LoRA adapter (-1: the base model)
 
     @property
     def num_new_tokens(self) -> int:
@@ -54,14 +55,26 @@ class ScheduledSeq:
 
 
 @dataclass(slots=True)
+class LoRALoad:
+    """Fill device slot ``slot`` with adapter ``adapter_id`` (read from ``path`` by a rank that lacks it)."""
+
+    slot: int
+    adapter_id: int
+    name: str
+    path: str
+
+
+@dataclass(slots=True)
 class SchedulerOutput:
     """One step's plan. ``finished_request_ids`` are requests that ended since the previous plan, so
-    the runner can drop what it keeps per request (seeded generators)."""
+    the runner can drop what it keeps per request (seeded generators). ``lora_loads`` start moving adapters
+    into device slots; requests of those adapters run in a later step, once the runner says they are in."""
 
     step_id: int
     seqs: list[ScheduledSeq] = field(default_factory=list)
     finished_request_ids: list[str] = field(default_factory=list)
     preempted_request_ids: list[str] = field(default_factory=list)  # sent back to wait by this plan
+    lora_loads: list[LoRALoad] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -72,7 +85,7 @@ class SchedulerOutput:
         return sum(len(s.draft_token_ids) for s in self.seqs)
 
     def __bool__(self) -> bool:
-        return bool(self.seqs)
+        return bool(self.seqs or self.lora_loads)
 
 
 @dataclass(slots=True)

@@ -172,6 +172,9 @@ class StructuredOutputManager:
     def has_pending(self) -> bool:
         return bool(self._pending)
 
+    def is_pending(self, request_id: str) -> bool:
+        return request_id in self._pending
+
     def take_compiled(self, wait_s: float = 0.0) -> tuple[list, list[tuple[Any, str]]]:
         """Requests whose grammar is ready (each now has a matcher), and those whose grammar failed,
         with the reason. ``wait_s``: how long to wait for a first one when none is ready (an engine
@@ -193,6 +196,10 @@ class StructuredOutputManager:
             self._matchers[rid] = xgrammar.GrammarMatcher(fut.result())
             ready.append(req)
         return ready, failed
+
+    def pending_requests(self) -> list:
+        """Requests whose grammar is still compiling (not yet with the scheduler)."""
+        return [req for req, _ in self._pending.values()]
 
     def drop_pending(self, request_ids: Sequence[str]) -> list:
         """Requests still waiting for their grammar among ``request_ids``, removed."""

@@ -10,6 +10,10 @@ A parameter's ``output_dim``/``input_dim`` name the checkpoint tensor's dims alo
 and input features (None where it has none). Those are what a tensor-parallel layer narrows by rank
 (``tp_rank``/``tp_size``: ``--tensor-parallel-size``), and what a merged layer offsets each
 shard along, scaled by how packed the parameter is (an int32 of 8 nibbles holds 8 outputs).
+
+A layer an adapter can target gains a LoRA slot (``lora``, a ``kvloom.core.model.lora.LayerLoRA``) when the
+engine serves adapters: its output then gets each token's adapter term added, after the weight format's
+matmul, so adapters sit on any format. Such a layer takes its input unfused (no FP8 rows, no fused epilogue).
 """
 
 from __future__ import annotations
@@ -77,6 +81,7 @@ class LinearBase(nn.Module):
     """``y = x @ W.T + b`` over ``input_size`` inputs and the concatenated ``output_sizes`` (one per shard)."""
 
     parallel = "replicated"  # "column": outputs split by rank; "row": inputs split by rank
+    lora = None  # the layer's LoRA slot, once the engine serves adapters
 
     def __init__(self, input_size: int, output_sizes: Sequence[int], bias: bool, *, method: LinearMethod,
                  prefix: str, shard_ids: Sequence | None = None, params_dtype: torch.dtype | None = None,
@@ -182,13 +187,14 @@ class LinearBase(nn.Module):
         self.method.process_weights_after_loading(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.method.apply(self, x)
+        y = self.method.apply(self, x)
+        return y if self.lora is None else self.lora.apply(x, y)
 
     def takes_fp8_rows(self, rows: int) -> bool:
         """Whether the weight format runs ``rows`` rows on FP8 activations it would quantize itself, so the
         kernel before may hand it ``quant_reference.FP8Rows`` instead (its ``takes_fp8_rows``)."""
         takes = getattr(self.method, "takes_fp8_rows", None)
-        return takes is not None and takes(self, rows)
+        return takes is not None and self.lora is None and takes(self, rows)
 
     def forward_silu_and_mul(self, x, fp8: bool = False, kernels: KernelOptions = DEFAULT_KERNELS):
         """``silu(gate) * up`` of a merged [gate; up] layer's output: in the matmul's epilogue where the
@@ -197,13 +203,14 @@ class LinearBase(nn.Module):
         ``takes_fp8_rows``) quantized per row in that kernel, where it can (``FP8Rows``)."""
         fused = getattr(self.method, "apply_silu_and_mul", None)
         out = None
-        if fused is not None and self.bias is None and self.num_shards == 2 and isinstance(x, torch.Tensor):
+        if (fused is not None and self.bias is None and self.num_shards == 2 and isinstance(x, torch.Tensor)
+                and self.lora is None):
             out = fused(self, x)
         if out is not None:
             return out
         from kvloom.kernels import ops
 
-        y = self.method.apply(self, x)
+        y = self.forward(x)  # with the adapter term: the activation acts on the adapted gate/up
         out = ops.silu_and_mul_fp8(y, kernels) if fp8 else None
         return ops.silu_and_mul(y, kernels) if out is None else out
 
@@ -214,7 +221,7 @@ class LinearBase(nn.Module):
         weight format does that at ``x``'s row count (its ``apply_qkv_rope``); None otherwise (nothing
         done)."""
         fused = getattr(self.method, "apply_qkv_rope", None)
-        if fused is None or self.tp_size != 1:
+        if fused is None or self.tp_size != 1 or self.lora is not None:
             return None
         return fused(self, x, rope, kv_cache, slot_mapping, num_q_heads, num_kv_heads, k_scale, v_scale)
 

@@ -16,6 +16,7 @@ import torch
 
 from kvloom.core.engine.step import RunnerOutput, ScheduledSeq, SchedulerOutput
 from kvloom.core.model.attention.base import AttentionMetadata
+from kvloom.core.model.lora import host_segments
 from kvloom.core.worker.sampler import PromptScores, Sampler, SampleResult, score_prompt
 
 logger = logging.getLogger("kvloom")
@@ -58,11 +59,10 @@ def _ranges(starts: np.ndarray, lens: np.ndarray) -> np.ndarray:
     return np.arange(total, dtype=np.int64) + np.repeat(starts - (ends - lens), lens)
 
 
-def _unless_every_row(rows: np.ndarray, num_rows: int, rows_t: torch.Tensor) -> torch.Tensor | None:
-    """The rows to keep, or None when they are every row in order. Only the host can tell: rows scoring
-    prompt tokens come first, so a step may keep as many rows as it has in another order."""
-    every = len(rows) == num_rows and bool((rows == np.arange(num_rows)).all())
-    return None if every else rows_t
+def _every_row(rows: np.ndarray, num_rows: int) -> bool:
+    """Whether the rows to keep are every row in order. Only the host can tell: rows scoring prompt tokens
+    come first, so a step may keep as many rows as it has in another order."""
+    return len(rows) == num_rows and bool((rows == np.arange(num_rows)).all())
 
 
 def _check_blocks(seqs: list[ScheduledSeq], ends: np.ndarray, block_size: int) -> int:
@@ -106,6 +106,7 @@ class _Tokens(NamedTuple):
     token_rows: np.ndarray  # per token: its sequence's row
     width: int  # the widest block table of the step
     groups: list  # a hybrid KV cache's other layer groups: (slots, rows, token_rows) each
+    lora_slots: np.ndarray | None  # per token: its adapter's device slot (-1: the base); None without LoRA
 
 
 class BlockTables:
@@ -175,10 +176,11 @@ class BlockTables:
 
 class ModelRunner:
     def __init__(self, model, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_size: int,
-                 device: torch.device, seed: int = 0, num_kv_groups: int = 1) -> None:
+                 device: torch.device, seed: int = 0, num_kv_groups: int = 1, lora=None) -> None:
         """``num_kv_groups``: layer groups of a hybrid KV cache, each with its own block tables (the model's
         ``kv_groups`` says which layer reads which); a step then gives the model one metadata per group."""
         self.model = model
+        self.lora = lora  # the LoRA adapter pool (kvloom.core.model.lora.LoRAPool), when serving adapters
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.device = device
@@ -220,7 +222,10 @@ class ModelRunner:
             g_token_rows = np.repeat(g_rows, counts)
             g_slots = tables.array[g_token_rows, positions // bs].astype(np.int64) * bs + positions % bs
             groups.append((g_slots, g_rows, g_token_rows))
-        return _Tokens(ids, positions, slots, counts, ends, rows, token_rows, width, groups)
+        lora_slots = None
+        if self.lora is not None:
+            lora_slots = np.repeat(np.fromiter([s.lora_slot for s in seqs], np.int64, len(seqs)), counts)
+        return _Tokens(ids, positions, slots, counts, ends, rows, token_rows, width, groups, lora_slots)
 
     def _group_inputs(self, t: _Tokens, per_token: bool) -> list[tuple[object, type]]:
         """``_stage`` arguments of the other layer groups: each one's slots, then its table (per sequence, or
@@ -251,7 +256,8 @@ class ModelRunner:
             scored = np.fromiter([len(s.prompt_targets or ()) for s in order], np.int64, len(order))
             keep = np.concatenate([_ranges(query_start[:-1], scored), keep])
         table = self.block_tables.array[t.rows, : t.width]
-        return t.ids, t.positions, t.slots, query_start, t.ends, t.counts, keep, table, self._group_inputs(t, False)
+        return (t.ids, t.positions, t.slots, query_start, t.ends, t.counts, keep, table, self._group_inputs(t, False),
+                t.lora_slots)
 
     def _decode_rows(self, seqs: list[ScheduledSeq]):
         """Host inputs of a step in the decode layout (numpy arrays): one row per token, whose sequence
@@ -262,22 +268,49 @@ class ModelRunner:
         offsets = np.cumsum(t.counts) - t.counts  # each sequence's first row
         rows = _ranges(offsets[sampled], t.counts[sampled])
         table = self.block_tables.array[t.token_rows, : t.width]
-        return t.ids, t.positions, t.slots, t.positions + 1, table, rows, self._group_inputs(t, True)
+        return t.ids, t.positions, t.slots, t.positions + 1, table, rows, self._group_inputs(t, True), t.lora_slots
 
     def _prepare_decode_rows(self, seqs: list[ScheduledSeq]):
-        ids, pos, slots, seq_lens, table, rows, groups = self._decode_rows(seqs)
+        ids, pos, slots, seq_lens, table, rows, groups, lora_slots = self._decode_rows(seqs)
         n = len(ids)
+        every = _every_row(rows, n)
+        lora = self._lora_arrays(lora_slots, None if every else rows)
         ids_t, pos_t, slots_t, table_t, lens_t, qsl_t, rows_t, dst, src, *staged = self._stage(
             (ids, np.int64), (pos, np.int64), (slots, np.int64), (table, np.int32), (seq_lens, np.int32),
-            (np.arange(n + 1), np.int32), (rows, np.int64), *self._placeholders(seqs), *groups)
+            (np.arange(n + 1), np.int32), (rows, np.int64), *self._placeholders(seqs), *groups,
+            *self._lora_stage(lora))
+        staged, lora_t = staged[: len(groups)], staged[len(groups):]  # the groups' slots and tables, then LoRA's
         lens = seq_lens.tolist()
         meta = AttentionMetadata(
             slot_mapping=slots_t, block_tables=table_t, seq_lens=lens_t, query_start_loc=qsl_t,
             num_decodes=n, max_query_len=1, max_seq_len=max(lens), query_lens_cpu=[1] * n, seq_lens_cpu=lens,
         )
         self._fill_placeholders(ids_t, dst, src)
-        return (ids_t, pos_t, self._group_metas(meta, staged), _unless_every_row(rows, n, rows_t),
-                [s for s in seqs if s.samples])
+        return (ids_t, pos_t, self._group_metas(meta, staged), None if every else rows_t,
+                [s for s in seqs if s.samples], self._lora_batch(lora, lora_t))
+
+    # --- LoRA ----------------------------------------------------------------------------------
+    def _lora_arrays(self, lora_slots: np.ndarray | None, keep: np.ndarray | None):
+        """A step's LoRA grouping on the host (``LoRAPool.host_arrays``), or None for a step on the base."""
+        return None if lora_slots is None else self.lora.host_arrays(lora_slots, keep)
+
+    @staticmethod
+    def _lora_stage(lora) -> list[tuple[np.ndarray, type]]:
+        if lora is None:
+            return []
+        arrays, _, kept = lora
+        return [(a, np.int32) for a in (*arrays, *(kept[0] if kept is not None else ()))]
+
+    def _lora_batch(self, lora, tensors: list[torch.Tensor]):
+        if lora is None:
+            return None
+        _, spans, kept = lora
+        return self.lora.make_batch(tensors, spans, kept[1] if kept is not None else None)
+
+    def load_adapters(self, loads) -> None:
+        """Start filling the device slots a plan names (``LoRALoad``s)."""
+        for load in loads:
+            self.lora.load(load.slot, load.adapter_id, load.name, load.path)
 
     def _stage(self, *arrays: tuple[object, type]) -> list[torch.Tensor]:
         """A step's integer inputs on the device: each ``(values, numpy dtype)`` (a list, a list of equal
@@ -305,10 +338,13 @@ class ModelRunner:
         """Flat inputs for one step; sequences with a single query (decodes) come first. The rows to keep
         are the positions that score prompt tokens (``prompt_targets``), then the rows to sample."""
         order = batch_order(seqs)
-        ids, pos, slots, qsl, seq_lens, query_lens, rows, table, groups = self._host_inputs(order)
+        ids, pos, slots, qsl, seq_lens, query_lens, rows, table, groups, lora_slots = self._host_inputs(order)
+        every = _every_row(rows, len(ids))
+        lora = self._lora_arrays(lora_slots, None if every else rows)
         ids_t, pos_t, slots_t, table_t, lens_t, qsl_t, rows_t, dst, src, *staged = self._stage(
             (ids, np.int64), (pos, np.int64), (slots, np.int64), (table, np.int32), (seq_lens, np.int32),
-            (qsl, np.int32), (rows, np.int64), *self._placeholders(order), *groups)
+            (qsl, np.int32), (rows, np.int64), *self._placeholders(order), *groups, *self._lora_stage(lora))
+        staged, lora_t = staged[: len(groups)], staged[len(groups):]
         query_lens, seq_lens = query_lens.tolist(), seq_lens.tolist()
         meta = AttentionMetadata(
             slot_mapping=slots_t, block_tables=table_t, seq_lens=lens_t, query_start_loc=qsl_t,
@@ -320,7 +356,8 @@ class ModelRunner:
         )
         sampling = [s for s in order if s.samples]
         self._fill_placeholders(ids_t, dst, src)
-        return ids_t, pos_t, self._group_metas(meta, staged), _unless_every_row(rows, len(ids), rows_t), sampling
+        return (ids_t, pos_t, self._group_metas(meta, staged), None if every else rows_t, sampling,
+                self._lora_batch(lora, lora_t))
 
     # --- execution -----------------------------------------------------------------------------
     @torch.inference_mode()
@@ -331,7 +368,11 @@ class ModelRunner:
         self.block_tables.release(plan.finished_request_ids)
         for tables in self.group_tables:
             tables.release(plan.finished_request_ids)
+        if plan.lora_loads:
+            self.load_adapters(plan.lora_loads)
         seqs = plan.seqs
+        if not seqs:  # only adapter loads: the previous step's tokens stay where the next one looks
+            return LaunchedStep(None)
         # Prompt logprobs need logits at prompt positions, which only the eager flat layout keeps.
         scoring = [s for s in batch_order(seqs) if s.prompt_targets] if any(s.prompt_targets for s in seqs) else []
         prompt = None
@@ -339,8 +380,8 @@ class ModelRunner:
             logits, sampling = self._replay(seqs)
         else:
             as_decodes = not scoring and self.verify_as_decodes and plan.num_draft_tokens and decode_layout(seqs)
-            ids, pos, meta, rows, sampling = (self._prepare_decode_rows if as_decodes else self.prepare)(seqs)
-            hidden = self.model(ids, pos, meta, self.kv_caches, keep=rows)  # the kept rows' states
+            ids, pos, meta, rows, sampling, lora = (self._prepare_decode_rows if as_decodes else self.prepare)(seqs)
+            hidden = self.model(ids, pos, meta, self.kv_caches, keep=rows, lora=lora)  # the kept rows' states
             if scoring:
                 num_scored = sum(len(s.prompt_targets) for s in scoring)
                 prompt = score_prompt(hidden[:num_scored], scoring, self.model.compute_logits)
@@ -409,6 +450,8 @@ class ModelRunner:
             self._static[f"table{g}"] = torch.zeros(max_b, max_blocks, dtype=torch.int32, device=dev)
         self._max_graph_batch = max_b
         self._max_model_len = max_model_len
+        # With adapters every graph runs the LoRA kernels, over static buffers that each replay fills.
+        lora = self.lora.static_batch(max_b) if self.lora is not None else None
         self._logits: dict[int, torch.Tensor] = {}
         pool = torch.cuda.graph_pool_handle()
         t0 = time.perf_counter()
@@ -416,11 +459,11 @@ class ModelRunner:
             meta = self._static_meta(b)
             s = self._static
             for _ in range(2):  # warm up (Triton autotune/compile) outside the capture
-                self.model.compute_logits(self.model(s["ids"][:b], s["pos"][:b], meta, self.kv_caches))
+                self.model.compute_logits(self.model(s["ids"][:b], s["pos"][:b], meta, self.kv_caches, lora=lora))
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                hidden = self.model(s["ids"][:b], s["pos"][:b], meta, self.kv_caches)
+                hidden = self.model(s["ids"][:b], s["pos"][:b], meta, self.kv_caches, lora=lora)
                 self._logits[b] = self.model.compute_logits(hidden)
             self.graphs[b] = graph
         torch.cuda.synchronize()
@@ -438,16 +481,25 @@ class ModelRunner:
                                         for t in (s[f"slots{g}"], s[f"table{g}"])])
 
     def _replay(self, seqs: list[ScheduledSeq]):
-        ids, pos, slots, seq_lens, table, rows, groups = self._decode_rows(seqs)
+        ids, pos, slots, seq_lens, table, rows, groups, lora_slots = self._decode_rows(seqs)
         n = len(ids)
         b = next(size for size in sorted(self.graphs) if size >= n)
         s = self._static
         groups = [(_padded(a, b, -1), t) if t is np.int64 else (a, t) for a, t in groups]  # padded slots
+        lora = None
+        if lora_slots is not None:  # padding rows read no adapter
+            lora = host_segments(_padded(lora_slots, b, -1), self.lora.max_loras)
         ids_t, pos_t, slots_t, lens_t, table_t, rows_t, dst, src, *staged = self._stage(
             (_padded(ids, b, 0), np.int64), (_padded(pos, b, 0), np.int64), (_padded(slots, b, -1), np.int64),
             (_padded(seq_lens, b, 0), np.int32), (table, np.int32), (rows, np.int64), *self._placeholders(seqs),
-            *groups)
+            *groups, *([(a, np.int32) for a in lora[0]] if lora is not None else []))
+        staged, lora_t = staged[: len(groups)], staged[len(groups):]
         self._fill_placeholders(ids_t, dst, src)
+        if lora is not None:
+            static = self.lora.static
+            for dst_t, src_t in zip((static.sorted_tokens[:b], static.seg_start, static.seg_slot), lora_t):
+                dst_t.copy_(src_t)
+            self.lora.wait_for({slot for slot, _, _ in lora[1]})
         s["ids"][:b].copy_(ids_t)
         s["pos"][:b].copy_(pos_t)
         s["slots"][:b].copy_(slots_t)

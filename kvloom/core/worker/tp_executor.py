@@ -245,15 +245,19 @@ class TPWorkerRunner(ModelRunner):
 
     @torch.inference_mode()
     def execute(self, plan: SchedulerOutput) -> None:
+        if plan.lora_loads:
+            self.load_adapters(plan.lora_loads)
         seqs = plan.seqs
+        if not seqs:
+            return
         # Rank 0 runs a step that scores prompt tokens eagerly (graphs keep no prompt positions): so does this one.
         num_scored = sum(len(s.prompt_targets) for s in seqs if s.prompt_targets)
         if (not num_scored and self.graphs and len(seqs) <= self._max_graph_batch
                 and all(s.num_new_tokens == 1 for s in seqs)):
             _, sampling = self._replay(seqs)
         else:
-            ids, pos, meta, rows, sampling = self.prepare(seqs)
-            hidden = self.model(ids, pos, meta, self.kv_caches, keep=rows)
+            ids, pos, meta, rows, sampling, lora = self.prepare(seqs)
+            hidden = self.model(ids, pos, meta, self.kv_caches, keep=rows, lora=lora)
             # Each logits all-gather pairs with one of rank 0's: the scored prompt rows first, in
             # score_prompt's slices, then the sampled rows. Only rank 0 reads the logits.
             for rows in prompt_logits_slices(num_scored):

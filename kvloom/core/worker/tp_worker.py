@@ -55,6 +55,11 @@ class TPWorker:
             dtype=self.dtype, backend=self.attention_backend, max_positions=self.max_model_len, seed=config.seed,
             quantization=parts.make_quantization(self.hf_config, config), tp=tp, kernels=kernels,
         )
+        lora = None
+        if config.enable_lora:  # the same slots as rank 0's, holding this rank's share of each adapter
+            from kvloom.core.model.lora import LoRAPool
+
+            lora = LoRAPool(self.model, config.max_loras, config.max_lora_rank, config.resolved_max_cpu_loras)
         profile = self._profile if device.type == "cuda" else None
         layout = capacity.kv_layout(config, self.hf_config)  # rank 0's (no draft model under tensor parallelism)
         cap = capacity.kv_capacity(config, self.hf_config, self.dtype, self.max_model_len, profile, size,
@@ -68,7 +73,7 @@ class TPWorker:
         self.model.kv_groups = layout.group_of_layer() if num_groups > 1 else None
         share_tokens = config.async_scheduling == "on" or (config.async_scheduling == "auto" and device.type == "cuda")
         self.runner = TPWorkerRunner(self.model, kv_caches, config.block_size, device, config.seed, num_groups, tp=tp,
-                                     share_tokens=share_tokens)
+                                     share_tokens=share_tokens, lora=lora)
         if device.type == "cuda" and not config.enforce_eager:
             self.runner.capture_graphs(config.max_num_seqs, self.max_model_len)
         logger.info("Tensor-parallel rank %d of %d ready: %d KV blocks", rank, size, blocks)

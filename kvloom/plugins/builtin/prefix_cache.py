@@ -68,9 +68,10 @@ class HashPrefixCache:
         return len(self._blocks)
 
     def extra_keys(self, request: Request) -> tuple:
-        """What besides tokens decides a block's KV. Nothing yet; LoRA adapters, multimodal inputs or a
-        per-tenant cache salt would go here, so their blocks never match plain-text ones."""
-        return ()
+        """What besides tokens decides a block's KV: the LoRA adapter's digest, so blocks computed under one
+        adapter match only requests of that same adapter (never the base model's, never another's).
+        Multimodal inputs or a per-tenant cache salt would go here too."""
+        return (request.lora_key,) if request.lora_key else ()
 
     def block_hashes(self, request: Request) -> list[Hashable]:
         """Chained hashes of the request's full blocks, extended as tokens arrive. Kept on the request:

@@ -361,6 +361,7 @@ class DecoderLM(nn.Module):
     sandwich_norms = False  # Gemma 2/3: post-attention and pre/post-feedforward norms
     qk_norm = False  # per-head RMSNorm of q and k before the rotary embedding
     scale_embeddings = False  # embeddings times sqrt(hidden_size), rounded to the model dtype
+    lora_context = None  # set when the engine serves LoRA adapters (kvloom.core.model.lora.LoRAPool)
     # checkpoint module name -> (fused layer name, shard id)
     stacked = {
         "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
@@ -476,11 +477,14 @@ class DecoderLM(nn.Module):
         self.cos_sin = self.rope_tables[self.rope_keys[0]]
 
     def forward(self, input_ids, positions, meta: AttentionMetadata | list[AttentionMetadata], kv_caches,
-                keep: torch.Tensor | None = None) -> torch.Tensor:
+                keep: torch.Tensor | None = None, lora=None) -> torch.Tensor:
         """Final hidden states ``[T, hidden]``; with ``keep`` (row indices), only those rows': the last layer
         still caches every row's K/V but runs its output projection and MLP on the kept rows alone (a
         prefill step needs logits for one row per prompt). ``meta``: one for every layer, or (a hybrid KV
-        cache) a list of one per layer group, ``kv_groups`` saying which layer reads which."""
+        cache) a list of one per layer group, ``kv_groups`` saying which layer reads which. ``lora``: the
+        step's tokens by adapter slot (``kvloom.core.model.lora.LoRABatch``), read by the layers' LoRA slots."""
+        if self.lora_context is not None:
+            self.lora_context.batch = lora
         h = self.embed_tokens(input_ids)
         if self.embed_scale is not None:
             h = h * self.embed_scale
