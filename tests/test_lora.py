@@ -1,8 +1,8 @@
 """Multi-LoRA serving in the engine: greedy token-for-token parity with PEFT on transformers (float32) on
-tiny Llama and Qwen2 models (and Gemma 3 on a hybrid KV cache), three adapters of different ranks and targets and the base model in one
-batch, under chunked prefill, preemption, the prefix cache (no KV shared between adapters), async
-scheduling, speculative decoding, few slots and a small host LRU; bad adapters refused with clear errors;
-unloading refused while an adapter is in use."""
+tiny Llama and Qwen2 models (and Gemma 3 on a hybrid KV cache), three adapters of different ranks and
+targets and the base model in one batch, under chunked prefill, preemption, the prefix cache (no KV shared
+between adapters), async scheduling, speculative decoding, few slots and a small host LRU; bad adapters
+refused with clear errors; unloading refused while an adapter is in use."""
 
 from __future__ import annotations
 
