@@ -15,6 +15,8 @@ TINY_COMMON = dict(
     pad_token_id=0, initializer_range=0.1,
 )
 
+ODD_SHAPES = dict(hidden_size=72, intermediate_size=100, num_attention_heads=6, num_key_value_heads=2, vocab_size=386)
+
 TINY_FAMILIES = {
     # Llama with Llama-3 rope scaling and untied embeddings.
     "llama": ("LlamaConfig", "LlamaForCausalLM", dict(
@@ -28,6 +30,40 @@ TINY_FAMILIES = {
     "mistral": ("MistralConfig", "MistralForCausalLM", dict(tie_word_embeddings=False, sliding_window=None)),
     # Qwen3: per-head q/k norms and a head_dim that is not hidden/heads.
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(tie_word_embeddings=False, head_dim=32, rope_theta=10000.0)),
+    # The families with sliding windows, soft-capping, fused checkpoints: odd shapes (6 heads over 2 KV heads,
+    # head sizes 24/12/16, an MLP of 100, a vocabulary of 386) and windows several times shorter than the
+    # parity prompts (up to 70 tokens, 20 more generated).
+    # Gemma 2: (1 + w) norms on both sides of attention and MLP, GeGLU, scaled embeddings, query_pre_attn_scalar,
+    # soft-capped scores and logits (caps low enough to bend random scores), a window on alternate layers.
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(
+        ODD_SHAPES, num_hidden_layers=4, head_dim=24, sliding_window=8, query_pre_attn_scalar=20,
+        attn_logit_softcapping=4.0, final_logit_softcapping=5.0, tie_word_embeddings=True)),
+    # Gemma 3: q/k norms, local layers with a 7-token window and base 10k, a global one with linear-scaled
+    # base 1e6 (five-to-one in the real models; here sliding, sliding, global, sliding).
+    "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
+        ODD_SHAPES, num_hidden_layers=4, head_dim=24, sliding_window=7, query_pre_attn_scalar=24,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1_000_000.0},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}},
+        tie_word_embeddings=True)),
+    # Phi-3-mini-4k's kind: q/k/v and gate/up fused in the checkpoint, an 11-token window on every layer.
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(
+        ODD_SHAPES, num_hidden_layers=3, sliding_window=11, tie_word_embeddings=False)),
+    # Phi-4-mini's kind: partial rotary (12 of 16 dims), longrope (its original length, 96, is past the
+    # parity sequences: transformers' generate recomputes a sequence's cache with the long factors when it
+    # crosses it, see test_families.py), tied embeddings.
+    "phi4": ("Phi3Config", "Phi3ForCausalLM", dict(
+        ODD_SHAPES, hidden_size=96, num_hidden_layers=2, tie_word_embeddings=True, partial_rotary_factor=0.75,
+        original_max_position_embeddings=96,
+        rope_scaling={"rope_type": "longrope", "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5],
+                      "long_factor": [1.5, 2.0, 3.0, 4.5, 6.0, 8.0], "original_max_position_embeddings": 96})),
+    # Mistral v0.1's kind: a 9-token window on every layer.
+    "mistral_window": ("MistralConfig", "MistralForCausalLM", dict(ODD_SHAPES, sliding_window=9,
+                                                                   tie_word_embeddings=False)),
+    # Qwen2 with use_sliding_window: full attention below max_window_layers, a 12-token window above.
+    "qwen2_window": ("Qwen2Config", "Qwen2ForCausalLM", dict(
+        ODD_SHAPES, num_hidden_layers=3, use_sliding_window=True, sliding_window=12, max_window_layers=1,
+        tie_word_embeddings=True)),
 }
 
 CORPUS = [
@@ -63,7 +99,7 @@ def make_tiny_model(path: Path, family: str, seed: int = 0, max_shard_size: str 
     import transformers
 
     cls_name, arch, extra = TINY_FAMILIES[family]
-    config = getattr(transformers, cls_name)(**TINY_COMMON, **extra, architectures=[arch])
+    config = getattr(transformers, cls_name)(**{**TINY_COMMON, **extra}, architectures=[arch])
     torch.manual_seed(seed)
     model = getattr(transformers, arch)(config).eval()
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}

@@ -19,8 +19,13 @@ FAMILIES = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", dict(tie_word_embeddings=False, rope_theta=500000.0)),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(tie_word_embeddings=True, rope_theta=10000.0)),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(tie_word_embeddings=False, head_dim=32, rope_theta=10000.0)),
+    # q/k/v and gate/up fused in the checkpoint (one quantized tensor each), a sliding window
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(tie_word_embeddings=False, sliding_window=11)),
+    # sandwich norms, GeGLU, soft-caps, alternating windows
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(head_dim=32, sliding_window=8, query_pre_attn_scalar=32,
+                                                         attn_logit_softcapping=4.0, final_logit_softcapping=5.0)),
 }
-LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "qkv_proj", "gate_up_proj")
 AWQ_ORDER_MAP = [0, 2, 4, 6, 1, 3, 5, 7]  # AutoAWQ: word nibble i holds column AWQ_ORDER_MAP[i] of its 8
 
 

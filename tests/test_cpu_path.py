@@ -47,9 +47,13 @@ def _step(query_lens, seq_lens, num_blocks=40, seed=0):
     ([1, 6, 4, 6], [9, 6, 11, 6]),  # two equal prompts that are not adjacent in the batch
 ])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cpu_backend_matches_the_reference_layout(query_lens, seq_lens, dtype):
+@pytest.mark.parametrize("variant", [
+    {}, {"window": 5}, {"window": 3, "softcap": 5.0}, {"sinks": True}, {"window": 6, "softcap": 2.0, "sinks": True},
+], ids=["full", "window", "window-softcap", "sinks", "window-softcap-sinks"])
+def test_cpu_backend_matches_the_reference_layout(query_lens, seq_lens, dtype, variant):
     """Two layers over the same step: the head-major backend and the reference backend see the same
-    K/V history (written in their own layouts) and must give the same outputs."""
+    K/V history (written in their own layouts) and must give the same outputs, with each layer variant
+    (windows narrower than the sequences, soft-capped scores, sinks)."""
     num_blocks = 40
     gen = torch.Generator().manual_seed(1)
     history = {}  # the K/V both caches hold before the step, keyed by slot
@@ -76,12 +80,15 @@ def test_cpu_backend_matches_the_reference_layout(query_lens, seq_lens, dtype):
                 else:
                     kc[block, off], vc[block, off] = k, v
     total = sum(query_lens)
+    variant = dict(variant)
+    if variant.pop("sinks", False):
+        variant["sinks"] = torch.randn(HKV * GROUP, generator=gen)
     for layer in range(2):
         q = torch.randn(total, HKV * GROUP, D, generator=gen).to(dtype)
         k = torch.randn(total, HKV, D, generator=gen).to(dtype)
         v = torch.randn(total, HKV, D, generator=gen).to(dtype)
-        got = cpu.forward(q, k, v, caches["cpu"][layer], meta_of["cpu"], D**-0.5)
-        want = reference.forward(q, k, v, caches["ref"][layer], meta_of["ref"], D**-0.5)
+        got = cpu.forward(q, k, v, caches["cpu"][layer], meta_of["cpu"], D**-0.5, **variant)
+        want = reference.forward(q, k, v, caches["ref"][layer], meta_of["ref"], D**-0.5, **variant)
         tol = 1e-5 if dtype == torch.float32 else 3e-2
         torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
         # the new K/V landed at the same (block, offset) in both layouts
@@ -229,3 +236,28 @@ def test_offline_llm_takes_a_larger_step_budget_than_the_server(tiny_llama):
     assert LLM(str(tiny_llama), max_num_batched_tokens=64).engine.config.max_num_batched_tokens == 64
     assert LLM(config=EngineConfig(model=str(tiny_llama))).engine.config.max_num_batched_tokens == \
         EngineConfig().max_num_batched_tokens  # an explicit config is taken as given
+
+
+def test_window_reads_no_block_before_it():
+    """The CPU backend gathers only the blocks a sliding layer's window covers: blocks wholly before it, filled
+    with NaN, leave decode rows and a chunk over a cached prefix exactly as the reference computes them on
+    clean caches (a sliding layer can so give those blocks back while its request runs)."""
+    window = 6
+    query_lens, seq_lens = [1, 1, 5], [23, 9, 30]
+    meta_cpu, meta_ref = _step(query_lens, seq_lens), _step(query_lens, seq_lens)
+    cpu, reference = CPUAttentionBackend(), TorchAttentionBackend()
+    gen = torch.Generator().manual_seed(2)
+    k_ref = torch.randn(40, BS, HKV, D, generator=gen)
+    v_ref = torch.randn(40, BS, HKV, D, generator=gen)
+    k_cpu, v_cpu = k_ref.transpose(1, 2).contiguous(), v_ref.transpose(1, 2).contiguous()
+    for b, (q_len, s_len) in enumerate(zip(query_lens, seq_lens)):
+        first = max(0, s_len - q_len - window + 1) // BS  # the first block the window of its first query covers
+        for blk in meta_cpu.block_tables[b, :first].tolist():
+            k_cpu[blk], v_cpu[blk] = float("nan"), float("nan")
+    q = torch.randn(7, HKV * GROUP, D, generator=gen)
+    k = torch.randn(7, HKV, D, generator=gen)
+    v = torch.randn(7, HKV, D, generator=gen)
+    got = cpu.forward(q, k, v, (k_cpu, v_cpu), meta_cpu, D**-0.5, window=window)
+    want = reference.forward(q, k, v, (k_ref, v_ref), meta_ref, D**-0.5, window=window)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)

@@ -1,8 +1,8 @@
 """Multi-LoRA serving in the engine: greedy token-for-token parity with PEFT on transformers (float32) on
-tiny Llama and Qwen2 models, three adapters of different ranks and targets and the base model in one
-batch, under chunked prefill, preemption, the prefix cache (no KV shared between adapters), async
-scheduling, speculative decoding, few slots and a small host LRU; bad adapters refused with clear errors;
-unloading refused while an adapter is in use."""
+tiny Llama and Qwen2 models (and Gemma 3 on a hybrid KV cache), three adapters of different ranks and
+targets and the base model in one batch, under chunked prefill, preemption, the prefix cache (no KV shared
+between adapters), async scheduling, speculative decoding, few slots and a small host LRU; bad adapters
+refused with clear errors; unloading refused while an adapter is in use."""
 
 from __future__ import annotations
 
@@ -350,3 +350,20 @@ def test_cuda_graphs_triton_kernels_and_async_loads_equal_peft(reference):
         assert _greedy(llm, ps, NAMES) == expected, options
         assert replays, options
         assert llm.engine.kv.num_free_blocks() == llm.engine.kv.num_blocks
+
+
+def test_adapters_on_a_hybrid_kv_cache_family_equal_peft(tmp_path):
+    """Gemma 3 (sandwich and q/k norms, sliding layers in their own KV block group): three adapters and the
+    base in one batch, chunked, then again from the prefix cache (each group's blocks keyed by adapter)."""
+    base = make_tiny_model(tmp_path / "base", "gemma3_text")
+    adapters = make_adapters(base, tmp_path)
+    ps = prompts()
+    expected = peft_greedy(base, adapters, ps, NAMES, MAX_NEW)
+    assert expected[1] != peft_greedy(base, adapters, [ps[1]], [None], MAX_NEW)[0]
+    llm = _llm(base, adapters, plugins=["prefix_cache"], max_num_batched_tokens=16, block_size=8,
+               num_kv_blocks=200)
+    assert llm.engine.kv_layout.hybrid  # the sliding layers' blocks are a group of their own
+    assert _greedy(llm, ps, NAMES) == expected
+    hits = llm.engine.scheduler.prefix_cache_hits
+    assert _greedy(llm, ps, NAMES) == expected
+    assert llm.engine.scheduler.prefix_cache_hits > hits

@@ -1,4 +1,4 @@
-"""Quantized checkpoints (AWQ, GPTQ, FP8) of Llama, Qwen2 and Qwen3 shapes load and decode exactly like
+"""Quantized checkpoints (AWQ, GPTQ, FP8) of Llama, Qwen2, Qwen3, Phi-3 and Gemma 2 shapes load and decode exactly like
 transformers' float32 model whose weights are the dequantized ones; bad quantization_configs fail at
 start-up naming the key and the supported values."""
 
@@ -49,6 +49,12 @@ CASES = {
     "fp8-qwen3-block": ("qwen3", "fp8", dict(strategy="block", block=32)),
     "ct-fp8-qwen2-channel": ("qwen2", "ct-fp8", dict(strategy="channel")),
     "ct-fp8-llama-tensor": ("llama", "ct-fp8", dict(strategy="tensor")),
+    # the newer families: Phi-3's fused q/k/v and gate/up tensors split into shards in each format
+    "awq-phi3-g32": ("phi3", "awq", dict(group_size=32)),
+    "gptq-phi3-4bit-descact-asym": ("phi3", "gptq", dict(bits=4, group_size=32, sym=False, desc_act=True)),
+    "ct-fp8-phi3-channel": ("phi3", "ct-fp8", dict(strategy="channel")),
+    "gptq-gemma2-8bit-sym": ("gemma2", "gptq", dict(bits=8, group_size=64, sym=True, desc_act=False)),
+    "fp8-gemma2-block": ("gemma2", "fp8", dict(strategy="block", block=32)),
 }
 
 

@@ -106,7 +106,8 @@ def test_decode_rows_equal_the_per_token_construction():
         seqs = [s for s in _random_step(rng, 4, step) if s.num_sample_rows == len(s.token_ids) or len(s.token_ids) == 1]
         if not seqs:
             continue
-        ids, pos, slots, seq_lens, table, rows, lora_slots = runner._decode_rows(seqs)
+        ids, pos, slots, seq_lens, table, rows, groups, lora_slots = runner._decode_rows(seqs)
+        assert groups == []  # one layer group
         assert lora_slots is None  # a runner without adapters
         want_ids, want_pos, want_slots, want_table, want_rows = [], [], [], [], []
         for s in seqs:
@@ -122,6 +123,37 @@ def test_decode_rows_equal_the_per_token_construction():
         assert ids.tolist() == want_ids and pos.tolist() == want_pos and slots.tolist() == want_slots
         assert seq_lens.tolist() == [p + 1 for p in want_pos] and rows.tolist() == want_rows
         assert table.tolist() == [b + [0] * (width - len(b)) for b in want_table]
+
+
+def test_each_layer_group_of_a_hybrid_cache_gets_its_own_slots_and_tables():
+    """A hybrid KV cache: the second group's tables (other blocks, the same positions) become its own slots and
+    table, in both layouts, and rows of the two groups' tables never mix; with adapters served, each token
+    also carries its request's adapter slot."""
+    # Building host inputs reads only whether adapters are served, not the pool itself.
+    runner = ModelRunner(None, [], 4, torch.device("cpu"), num_kv_groups=2, lora=object())
+    rng = random.Random(2)
+    for step in range(100):
+        seqs = _random_step(rng, 4, step)
+        for s in seqs:
+            s.extra_block_ids = [[b + 1000 for b in s.block_ids]]
+            s.lora_slot = rng.randrange(-1, 3)
+        want_lora = [s.lora_slot for s in seqs for _ in s.token_ids]
+        got = runner._host_inputs(seqs)
+        (g_slots, _), (g_table, _) = got[-2]
+        assert got[-1].tolist() == want_lora
+        want_slots = [s.extra_block_ids[0][p // 4] * 4 + p % 4 for s in seqs
+                      for p in range(s.start_pos, s.start_pos + len(s.token_ids))]
+        width = max(len(s.block_ids) for s in seqs)
+        assert np.asarray(g_slots).tolist() == want_slots
+        assert np.asarray(g_table).tolist() == [s.extra_block_ids[0] + [0] * (width - len(s.block_ids)) for s in seqs]
+        assert np.asarray(got[7]).tolist() == [s.block_ids + [0] * (width - len(s.block_ids)) for s in seqs]
+        decodes = [s for s in seqs if s.num_sample_rows == len(s.token_ids) or len(s.token_ids) == 1]
+        if decodes:
+            *_, groups, lora_slots = runner._decode_rows(decodes)
+            (g_slots, _), (g_table, _) = groups
+            assert lora_slots.tolist() == [s.lora_slot for s in decodes for _ in s.token_ids]
+            per_token = [s.extra_block_ids[0] + [0] * (width - len(s.block_ids)) for s in decodes for _ in s.token_ids]
+            assert np.asarray(g_table).tolist() == [row[: np.asarray(g_table).shape[1]] for row in per_token]
 
 
 def test_a_plan_whose_blocks_do_not_hold_its_positions_is_refused():

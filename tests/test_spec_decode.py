@@ -5,6 +5,8 @@ drafts, the adaptive policy, the figures and the start-up errors."""
 
 from __future__ import annotations
 
+import json
+
 import random
 
 import pytest
@@ -365,8 +367,10 @@ def _make_draft(path, family: str, **changes):
     from tests.conftest import TINY_COMMON, TINY_FAMILIES, make_tokenizer
 
     cls_name, arch, extra = TINY_FAMILIES[family]
-    config = getattr(transformers, cls_name)(**{**TINY_COMMON, **extra, "num_hidden_layers": 1,
-                                                "intermediate_size": 64, **changes}, architectures=[arch])
+    options = {**TINY_COMMON, **extra, "num_hidden_layers": 1, "intermediate_size": 64, **changes}
+    if "layer_types" in options:  # one layer: the first of the family's pattern
+        options["layer_types"] = options["layer_types"][:1]
+    config = getattr(transformers, cls_name)(**options, architectures=[arch])
     torch.manual_seed(7)
     getattr(transformers, arch)(config).eval().save_pretrained(str(path), safe_serialization=True)
     make_tokenizer(path)
@@ -382,7 +386,8 @@ def _family(path) -> str:
 @pytest.fixture(scope="module")
 def family_draft(family_reference, tmp_path_factory):
     path, prompts, expected = family_reference
-    return path, _make_draft(tmp_path_factory.mktemp("draft"), _family(path)), prompts, expected
+    vocab = json.loads((path / "config.json").read_text())["vocab_size"]  # a family's variants may differ in it
+    return path, _make_draft(tmp_path_factory.mktemp("draft"), _family(path), vocab_size=vocab), prompts, expected
 
 
 @pytest.mark.parametrize("k", [1, 3, 5])

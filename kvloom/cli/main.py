@@ -1,6 +1,6 @@
 """The ``engine`` command. With no subcommand it serves the OpenAI API (and optionally the ZMQ gateway);
 ``generate`` runs prompts from a file or flags offline, ``chat`` is a terminal chat, ``plugins`` lists
-the available plugins, ``bench serve``/``bench ab`` load-test servers and ``plan`` does the memory
+the available plugins, ``models`` the architectures served, ``bench serve``/``bench ab`` load-test servers and ``plan`` does the memory
 arithmetic of a deployment. Flags are generated from ``EngineConfig`` and ``ServerConfig``; ``--config
 FILE.toml`` takes the same keys."""
 
@@ -201,7 +201,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_flags(parser)
     add_server_flags(parser)
     add_vllm_flags(parser)
-    sub = parser.add_subparsers(dest="command", metavar="{generate,chat,plugins,bench,plan}")
+    sub = parser.add_subparsers(dest="command", metavar="{generate,chat,plugins,models,bench,plan}")
 
     gen = sub.add_parser("generate", help="Generate offline for prompts given as flags or in a file.")
     gen.add_argument("--prompt", action="append", default=[], help="A prompt (repeatable).")
@@ -234,6 +234,10 @@ def build_parser() -> argparse.ArgumentParser:
                                              "(and check a combination given with --plugins/--config).")
     plugins.add_argument("--json", action="store_true", help="Print JSON instead of text.")
     add_engine_flags(plugins)
+
+    models = sub.add_parser("models", help="List the model architectures kvloom serves (config.json's "
+                                           "'architectures') and the family file that serves each.")
+    models.add_argument("--json", action="store_true", help="Print JSON instead of text.")
 
     from kvloom.bench.commands import add_bench_parser
 
@@ -316,6 +320,10 @@ def main(argv: list[str] | None = None) -> int:
         from kvloom.cli import plan
 
         return plan.run_plan(args, config)
+    if args.command == "models":
+        rows = model_listing()
+        print(json.dumps(rows, indent=2) if args.json else format_models(rows))
+        return 0
     if args.command == "plugins":
         from kvloom.plugins.manager import format_listing
 
@@ -333,12 +341,45 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         for model in [m.engine.model for m in models] if models else [config.model]:
-            resolve_model(model)  # a wrong path fails here, not in three processes at once
+            check_architecture(resolve_model(model))  # a wrong path fails here, not in three processes at once
         check_chat_template(server)
         return serve(config, server, args.log_level, models)
     except (OSError, ValueError) as e:
         print(f"engine: error: {e}", file=sys.stderr)
         return 2
+
+
+def check_architecture(path) -> None:
+    """A model folder whose config.json lists an architecture no family serves fails before any process
+    starts, naming it and the supported ones."""
+    config = path / "config.json"
+    if path.is_dir() and config.is_file():
+        from types import SimpleNamespace
+
+        from kvloom.core.model.families import architecture_of
+
+        listed = json.loads(config.read_text()).get("architectures")
+        if listed:
+            architecture_of(SimpleNamespace(architectures=listed))
+
+
+def model_listing() -> list[dict[str, str]]:
+    """One row per supported architecture: its name, the family file serving it and what that file says."""
+    from kvloom.core.model.families import registry
+
+    rows = []
+    for arch, cls in sorted(registry().items()):
+        module = sys.modules[cls.__module__]
+        summary = " ".join((module.__doc__ or "").split())
+        rows.append({"architecture": arch, "family": cls.__module__.rpartition(".")[2], "summary": summary})
+    return rows
+
+
+def format_models(rows: list[dict[str, str]]) -> str:
+    width = max(len(r["architecture"]) for r in rows)
+    lines = [f"{len(rows)} supported architectures (config.json 'architectures'; GGUF files map onto them):"]
+    lines += [f"  {r['architecture']:<{width}}  [{r['family']}] {r['summary']}" for r in rows]
+    return "\n".join(lines)
 
 
 def serving_device(config: EngineConfig) -> str:

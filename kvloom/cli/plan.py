@@ -238,13 +238,18 @@ def make_plan(config: EngineConfig, hf_config, model_name: str, *, gpu_memory_gi
     if draft is not None:
         notes.append("spec_decode draft model: its weights are held beside the target's, and its KV cache has "
                      "the same blocks, so each block costs both models' bytes per token")
+    layout = capacity.kv_layout(config, hf_config, draft_model=draft is not None)
+    if layout.hybrid:
+        notes.append(f"hybrid KV cache: {len(layout.groups)} layer groups of {layout.slots} layers "
+                     f"({layout.describe()}); a block holds one group's layers, and sliding layers keep only the "
+                     "blocks their window reads, so a block costs fewer bytes and a sequence fewer blocks")
     rows = []
     if not on_gpu:
         tp = config.tensor_parallel_size
         share, refusal = rank_weight_bytes(hf_config, dtype, method, device.type, tp)
         if refusal:
             raise ConfigError(refusal)
-        kv = capacity.kv_capacity(config, hf_config, dtype, max_len, None, tp, draft_kv)
+        kv = capacity.kv_capacity(config, hf_config, dtype, max_len, None, tp, draft_kv, layout)
         rows.append(PlanRow(tp, share, None, None, kv))
         if tp > 1:
             notes.append(f"tensor parallel {tp} on the CPU (gloo): weights/KV are per rank; each rank holds its "
@@ -280,10 +285,12 @@ def make_plan(config: EngineConfig, hf_config, model_name: str, *, gpu_memory_gi
             budget = int(config.gpu_memory_utilization * gpu_memory_gib * GiB) - share - act \
                 - int(CUDA_CONTEXT_GIB * GiB)
             try:
-                kv = capacity.kv_capacity(config, hf_config, dtype, max_len, lambda: max(0, budget), tp, draft_kv)
+                kv = capacity.kv_capacity(config, hf_config, dtype, max_len, lambda: max(0, budget), tp, draft_kv,
+                                          layout)
             except ConfigError:
                 kv = capacity.KVCapacity(0, config.block_size, capacity.kv_bytes_per_token(
-                    hf_config, capacity.kv_cache_dtype(config, dtype), tp), max_len)
+                    hf_config, capacity.kv_cache_dtype(config, dtype), tp, layout.slots if layout.hybrid else None),
+                    max_len, layout=layout if layout.hybrid else None)
             rows.append(PlanRow(tp, share, act, budget, kv))
         notes.append(f"GPU: an estimate. The engine measures weights + activations at start-up; here the "
                      f"activations are estimated and {CUDA_CONTEXT_GIB:g} GiB is set aside for the CUDA context")
@@ -334,7 +341,8 @@ def format_plan(plan: Plan) -> str:
     d = plan.dims
     first = plan.rows[0]
     kv_heads = max(1, d["kv_heads"] // first.tensor_parallel)  # per rank
-    size = first.kv.bytes_per_token // (2 * d["layers"] * kv_heads * d["head_dim"])
+    block_layers = first.kv.layout.slots if first.kv.hybrid else d["layers"]  # the layers one block spans
+    size = first.kv.bytes_per_token // (2 * block_layers * kv_heads * d["head_dim"])
     lines = [
         f"Model: {plan.model} ({plan.architecture}): {d['layers']} layers, hidden {d['hidden_size']}, "
         f"{d['heads']} heads, {d['kv_heads']} KV heads x {d['head_dim']}, vocab {d['vocab_size']}"
@@ -343,8 +351,9 @@ def format_plan(plan: Plan) -> str:
         + (f", {plan.gpu_memory_gib:g} GiB x {plan.gpu_memory_utilization:g} per GPU" if plan.gpu_memory_gib else ""),
         f"Parameters: {plan.parameters.total:,} ({plan.parameters.linear_weights:,} in linear layers)",
         f"Weights: {_gib(plan.weight_bytes)}" + (f" ({plan.quantization})" if plan.quantization else ""),
-        f"KV bytes per token{' per rank' if first.tensor_parallel > 1 else ''}: {first.kv.bytes_per_token:,} = "
-        f"2 (K, V) x {d['layers']} layers x {kv_heads} KV heads x {d['head_dim']} x {size} bytes"
+        f"KV bytes per token{' per rank' if first.tensor_parallel > 1 else ''}"
+        f"{' of a block (one layer group)' if first.kv.hybrid else ''}: {first.kv.bytes_per_token:,} = "
+        f"2 (K, V) x {block_layers} layers x {kv_heads} KV heads x {d['head_dim']} x {size} bytes"
         + (f" ({first.kv.dtype})" if first.kv.dtype else ""),
     ]
     if plan.draft is not None:

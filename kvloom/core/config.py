@@ -68,6 +68,9 @@ class EngineConfig:
                                   "they stop (a team of threads goes at the pace of its slowest).")
     seed: int = _opt(0, "Seed for dummy weights and for sampling of requests without their own seed.")
     enforce_eager: bool = _opt(False, "Never capture CUDA graphs.")
+    hybrid_kv_cache: bool = _opt(True, "Models with sliding-window layers: give back the blocks a layer's window "
+                                 "can no longer read while the request runs, and count blocks per layer group "
+                                 "(off: every layer keeps every block, as with full attention).")
     stats_log_interval: float = _opt(10.0, "Seconds between the served engine's stats lines in the log "
                                      "(throughput, running/waiting, KV use, prefix hit rate); 0 turns them off.")
     async_scheduling: str = _opt("auto", "Schedule the next step while the device runs the current one "

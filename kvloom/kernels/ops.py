@@ -37,12 +37,13 @@ def _triton_available() -> bool:
 # The Triton modules are imported inside the CUDA branches only, so CPU users never import triton.
 
 
-def rms_norm(x, weight, eps, residual=None, kernels: KernelOptions = DEFAULT_KERNELS):
+def rms_norm(x, weight, eps, residual=None, kernels: KernelOptions = DEFAULT_KERNELS, scale_in_float32=False):
+    """``scale_in_float32``: Gemma's form, the weight applied before the rounding to ``x``'s dtype."""
     if use_triton(x):
         from kvloom.kernels import triton_fused
 
-        return triton_fused.rms_norm(x, weight, eps, residual, pdl=kernels.pdl)
-    return ref.rms_norm(x, weight, eps, residual)
+        return triton_fused.rms_norm(x, weight, eps, residual, pdl=kernels.pdl, scale_in_float32=scale_in_float32)
+    return ref.rms_norm(x, weight, eps, residual, scale_in_float32)
 
 
 def rms_norm_fp8(x, weight, eps, residual=None, kernels: KernelOptions = DEFAULT_KERNELS):
@@ -98,6 +99,11 @@ def silu_and_mul(x, kernels: KernelOptions = DEFAULT_KERNELS):
 
         return triton_fused.silu_and_mul(x, pdl=kernels.pdl)
     return ref.silu_and_mul(x)
+
+
+def gelu_tanh_and_mul(x):
+    """GeGLU's activation (PyTorch's own kernels on every device: one elementwise op outside the hot loop)."""
+    return ref.gelu_tanh_and_mul(x)
 
 
 def silu_and_mul_fp8(x, kernels: KernelOptions = DEFAULT_KERNELS):

@@ -68,6 +68,36 @@ def _gather(
     return out.view(blocks.shape[0], num_blocks * bs, *cache.shape[2:])[:, :num_tokens]
 
 
+def attend(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float,
+    softcap: float | None = None, sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Attention written out, as transformers' eager attention computes it: ``q`` ``[..., H, Q, D]`` against
+    ``keys``/``values`` ``[..., H, S, D]`` where ``mask`` (bool, broadcast to ``[..., H, Q, S]``) is True;
+    scores ``q @ k.T * scale``, then ``softcap * tanh(scores / softcap)``; ``sinks`` (one logit per head,
+    broadcast to ``[..., H, Q, 1]``) join each row's softmax denominator; softmax in float32, probabilities
+    cast back to ``q``'s dtype."""
+    scores = torch.matmul(q, keys.transpose(-1, -2)) * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.float().masked_fill(~mask, float("-inf"))
+    if sinks is None:
+        probs = torch.softmax(scores, dim=-1)
+    else:
+        sink = sinks.float().expand(*scores.shape[:-1], 1)
+        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    return torch.matmul(probs.to(q.dtype), values)
+
+
+def visible(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None = None) -> torch.Tensor:
+    """``[Q, S]`` bool: key position ``k_pos[j]`` is visible to the query at ``q_pos[i]`` (causal, and within
+    the last ``window`` positions up to the query's own where a window is given)."""
+    mask = k_pos[None, :] <= q_pos[:, None]
+    if window is not None:
+        mask &= k_pos[None, :] > q_pos[:, None] - window
+    return mask
+
+
 def paged_decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -79,19 +109,31 @@ def paged_decode_attention(
     workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One query token per sequence. ``q`` is ``[B, Hq, D]``; ``seq_lens[b]`` counts cached tokens
     (the query's own included); returns ``[B, Hq, D]``. ``workspace``: optional reusable buffers for
-    the gathered K and V (see ``_gather``). An fp8 cache is dequantized with ``k_scale``/``v_scale``."""
+    the gathered K and V (see ``_gather``). An fp8 cache is dequantized with ``k_scale``/``v_scale``.
+    ``window``: the query sees only the last ``window`` positions; ``softcap``/``sinks``: see ``attend``."""
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     k_ws, v_ws = workspace if workspace is not None else (None, None)
     keys = dequantize_kv(_gather(k_cache, block_tables, max_seq_len, k_ws).transpose(1, 2), q.dtype, k_scale)
     values = dequantize_kv(_gather(v_cache, block_tables, max_seq_len, v_ws).transpose(1, 2), q.dtype, v_scale)
-    mask = torch.arange(max_seq_len, device=q.device)[None, :] < seq_lens[:, None].to(q.device)
+    pos = torch.arange(max_seq_len, device=q.device)[None, :]
+    lens = seq_lens[:, None].to(q.device)
+    mask = pos < lens
+    if window is not None:
+        mask &= pos >= lens - window
     # The query heads sharing a KV head act as that head's queries: no K/V expansion for GQA.
     grouped = q.view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=mask[:, None, None, :], scale=scale)
+    if softcap is not None or sinks is not None:
+        sinks = None if sinks is None else sinks.view(num_kv_heads, -1, 1)
+        out = attend(grouped, keys, values, mask[:, None, None, :], scale, softcap, sinks)
+    else:
+        out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=mask[:, None, None, :], scale=scale)
     return out.reshape(batch, num_heads, head_dim)
 
 
@@ -105,13 +147,17 @@ def paged_prefill_attention(
     scale: float,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention for chunks of queries over paged caches (prefill, chunked prefill, prefix hits).
 
     ``q`` is ``[T, Hq, D]`` with the sequences' queries laid end to end; sequence ``b`` has
     ``query_lens[b]`` queries, which are its last tokens, ``seq_lens[b]`` tokens in all (cached prefix
     included, already written to the cache). Query ``i`` of sequence ``b`` sits at position
-    ``seq_lens[b] - query_lens[b] + i`` and attends to every position up to its own.
+    ``seq_lens[b] - query_lens[b] + i`` and attends to every position up to its own (the last ``window``
+    of them where a window is given); ``softcap``/``sinks``: see ``attend``.
     """
     out = torch.empty_like(q)
     start = 0
@@ -119,11 +165,15 @@ def paged_prefill_attention(
         keys = dequantize_kv(_gather(k_cache, block_tables[b : b + 1], s_len)[0].transpose(0, 1), q.dtype, k_scale)
         values = dequantize_kv(_gather(v_cache, block_tables[b : b + 1], s_len)[0].transpose(0, 1), q.dtype, v_scale)
         qb = q[start : start + q_len].transpose(0, 1)  # [Hq, Q, D]
-        if q_len == s_len:
+        mask = visible(torch.arange(s_len - q_len, s_len, device=q.device), torch.arange(s_len, device=q.device),
+                       window)
+        if softcap is not None or sinks is not None:
+            group = q.shape[1] // keys.shape[0]
+            o = attend(qb, keys.repeat_interleave(group, 0), values.repeat_interleave(group, 0), mask, scale,
+                       softcap, None if sinks is None else sinks.view(-1, 1, 1))
+        elif q_len == s_len and window is None:
             o = F.scaled_dot_product_attention(qb, keys, values, is_causal=True, scale=scale, enable_gqa=True)
         else:
-            q_pos = torch.arange(s_len - q_len, s_len, device=q.device)
-            mask = torch.arange(s_len, device=q.device)[None, :] <= q_pos[:, None]
             o = F.scaled_dot_product_attention(qb, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
         out[start : start + q_len] = o.transpose(0, 1)
         start += q_len
@@ -131,9 +181,11 @@ def paged_prefill_attention(
 
 
 def rms_norm(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+    scale_in_float32: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """RMSNorm as Hugging Face computes it (float32 statistics, cast back, then scale).
+    """RMSNorm as Hugging Face computes it (float32 statistics, cast back, then scale); with
+    ``scale_in_float32`` (Gemma's form) scaled in float32 first and cast back once.
 
     With ``residual``, first adds it (``x + residual``) and returns ``(normed, x + residual)``.
     """
@@ -142,7 +194,10 @@ def rms_norm(
         new_residual = x
     h = x.float()
     h = h * h.pow(2).mean(-1, keepdim=True).add_(eps).rsqrt_()
-    out = h.to(x.dtype).mul_(weight)  # a fresh tensor in any dtype: scaling it in place is safe
+    if scale_in_float32:
+        out = h.mul_(weight.float()).to(x.dtype)
+    else:
+        out = h.to(x.dtype).mul_(weight)  # a fresh tensor in any dtype: scaling it in place is safe
     return (out, new_residual) if residual is not None else out
 
 
@@ -191,6 +246,12 @@ def _adjacent_heads(q: torch.Tensor, k: torch.Tensor) -> bool:
             and q.stride() == k.stride() and q.stride(2) == 1 and q.stride(1) == head_dim
             and k.untyped_storage().data_ptr() == q.untyped_storage().data_ptr()
             and k.storage_offset() == q.storage_offset() + q.shape[1] * head_dim)
+
+
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """``gelu_tanh(x[:, :I]) * x[:, I:]`` for ``x`` of ``[T, 2I]`` (GeGLU, as Gemma's MLP computes it)."""
+    half = x.shape[-1] // 2
+    return F.gelu(x[..., :half], approximate="tanh").mul_(x[..., half:])
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

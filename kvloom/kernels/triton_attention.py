@@ -213,6 +213,14 @@ def rotary_and_write_kv_cache(
 
 
 @triton.jit
+def _tanh(x):
+    """tanh from one exp2 of a non-positive argument (no overflow); Triton has no tanh of its own."""
+    t = tl.exp2(-2.0 * 1.4426950408889634 * tl.abs(x))  # log2(e): kernels take no module constants
+    y = (1.0 - t) / (1.0 + t)
+    return tl.where(x < 0, -y, y)
+
+
+@triton.jit
 def _attend_tiles(
     acc, l_i, m_i, q, q_pos,
     k_cache_ptr, v_cache_ptr, bt_row, head_off, seq_len, qk_scale,
@@ -220,11 +228,14 @@ def _attend_tiles(
     stride_cb, stride_cs,
     CAUSAL_MASK: tl.constexpr, LENGTH_MASK: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     D_MASK, DOT_PRECISION: tl.constexpr,
+    WINDOW: tl.constexpr = 0, WINDOW_MASK: tl.constexpr = False, SOFTCAP: tl.constexpr = False, softcap=1.0,
 ):
     """Online-softmax accumulation over keys ``[lo, hi)`` of one sequence, for decode and prefill programs
     alike: ``q`` ``[M, D]`` rows (query heads of a group, or query positions). ``CAUSAL_MASK`` hides keys
-    after each row's ``q_pos`` and past ``seq_len``; ``LENGTH_MASK`` only those past ``seq_len``; without
-    either, every key of ``[lo, hi)`` must be visible to every row."""
+    after each row's ``q_pos`` and past ``seq_len``; ``LENGTH_MASK`` only those past ``seq_len``;
+    ``WINDOW_MASK`` those at or before ``q_pos - WINDOW``; without any, every key of ``[lo, hi)`` must be
+    visible to every row. ``SOFTCAP``: scores become ``softcap * tanh(scores / softcap)`` (``qk_scale`` is
+    then in natural units, and the log2 factor is applied after the cap)."""
     offs_n = tl.arange(0, BLOCK_N)
     for n0 in range(lo, hi, BLOCK_N):
         pos = n0 + offs_n
@@ -234,13 +245,20 @@ def _attend_tiles(
         kv_mask = n_mask[:, None] & D_MASK[None, :]
         k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0).to(q.dtype)
         v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0).to(q.dtype)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # log2 units
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # log2 units (natural with SOFTCAP)
+        if SOFTCAP:
+            s = _tanh(s / softcap) * (softcap * 1.4426950408889634)
         if CAUSAL_MASK:
             s = tl.where((pos[None, :] <= q_pos[:, None]) & n_mask[None, :], s, float("-inf"))
         elif LENGTH_MASK:
             s = tl.where(n_mask[None, :], s, float("-inf"))
-        # Every row sees at least one key of the first tile it visits, so m_new is finite from then on.
+        if WINDOW_MASK:
+            s = tl.where(pos[None, :] > q_pos[:, None] - WINDOW, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
+        if WINDOW > 0:
+            # A window can hide a whole tile from a row that has seen no key yet: keep its sums at zero.
+            m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
+        # (Without a window every row sees at least one key of the first tile it visits, so m_new is finite.)
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
@@ -255,9 +273,18 @@ def _attend_tiles(
 
 
 @triton.jit
-def _tiles_per_split(seq_len, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Key tiles in each split of a sequence (the last live split may hold fewer); decode and reduce agree."""
-    return tl.cdiv(tl.cdiv(seq_len, BLOCK_N), NUM_SPLITS)
+def _tiles_per_split(num_keys, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Key tiles in each split of a sequence's keys (the last live split may hold fewer); decode and reduce
+    agree."""
+    return tl.cdiv(tl.cdiv(num_keys, BLOCK_N), NUM_SPLITS)
+
+
+@triton.jit
+def _window_tile_start(seq_len, WINDOW: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The first key a decode query reads, rounded down to a tile: 0, or the start of its window's tile."""
+    if WINDOW > 0:
+        return (tl.maximum(seq_len - WINDOW, 0) // BLOCK_N) * BLOCK_N
+    return seq_len * 0
 
 
 @triton.jit
@@ -268,10 +295,11 @@ def _decode_kernel(
     stride_cb, stride_cs, stride_ch,
     stride_bt,
     stride_ob, stride_oh,
-    qk_scale, v_scale, num_q_heads,
+    qk_scale, v_scale, num_q_heads, sinks_ptr, softcap,
     NUM_SPLITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
+    WINDOW: tl.constexpr = 0, SINKS: tl.constexpr = False, SOFTCAP: tl.constexpr = False,
 ):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -281,9 +309,11 @@ def _decode_kernel(
     seq_len = tl.load(seq_lens_ptr + b)
     # This split's key range, whole BLOCK_N tiles so that only the sequence end needs masking. The split
     # count is fixed when a CUDA graph is captured (for max_model_len); a shorter sequence leaves the last
-    # splits empty, and those store nothing (the reduce reads only the splits that hold keys).
-    tiles_per_split = _tiles_per_split(seq_len, NUM_SPLITS, BLOCK_N)
-    start = split * tiles_per_split * BLOCK_N
+    # splits empty, and those store nothing (the reduce reads only the splits that hold keys). A window's
+    # keys start at its first tile: blocks before it are never read.
+    lo = _window_tile_start(seq_len, WINDOW, BLOCK_N)
+    tiles_per_split = _tiles_per_split(seq_len - lo, NUM_SPLITS, BLOCK_N)
+    start = lo + split * tiles_per_split * BLOCK_N
     end = tl.minimum(start + tiles_per_split * BLOCK_N, seq_len)
     gdc_wait(PDL)
 
@@ -303,15 +333,20 @@ def _decode_kernel(
 
     bt_row = block_tables_ptr + b.to(tl.int64) * stride_bt
     head_off = kv_head * stride_ch + offs_d[None, :]
-    # Keys [start, end): the split's end is the length mask; every visited tile holds a valid key.
+    # Keys [start, end): the split's end is the length mask; every visited tile holds a valid key (the
+    # window's first tile holds its first key, seq_len - WINDOW, which every head's query sees).
+    q_pos = seq_len - 1 + 0 * offs_g
     acc, l_i, m_i = _attend_tiles(
-        acc, l_i, m_i, q, offs_g,
+        acc, l_i, m_i, q, q_pos,
         k_cache_ptr, v_cache_ptr, bt_row, head_off, end, qk_scale,
         start, end,
         stride_cb, stride_cs,
         CAUSAL_MASK=False, LENGTH_MASK=True, BLOCK_SIZE=BLOCK_SIZE, BLOCK_N=BLOCK_N, D_MASK=d_mask,
-        DOT_PRECISION=DOT_PRECISION,
+        DOT_PRECISION=DOT_PRECISION, WINDOW=WINDOW, WINDOW_MASK=WINDOW > 0, SOFTCAP=SOFTCAP, softcap=softcap,
     )
+    if SINKS and NUM_SPLITS == 1:  # each head's sink logit joins its denominator (split: in the reduce)
+        sink = tl.load(sinks_ptr + heads, mask=g_mask, other=0.0).to(tl.float32) * 1.4426950408889634
+        l_i = l_i + tl.where(l_i == 0.0, 0.0, tl.exp2(sink - m_i))
     # Empty ranges (padding rows with seq_len 0, or splits past the end) leave l_i == 0: emit zeros.
     empty = l_i == 0.0
     o = acc * (v_scale / tl.where(empty, 1.0, l_i))[:, None]
@@ -333,16 +368,17 @@ def _decode_kernel(
 def _decode_reduce_kernel(
     part_o_ptr, part_lse_ptr, out_ptr, seq_lens_ptr,
     stride_ob, stride_oh,
-    num_q_heads,
+    num_q_heads, sinks_ptr,
     NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_N: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_N: tl.constexpr, PDL: tl.constexpr, WINDOW: tl.constexpr = 0, SINKS: tl.constexpr = False,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
     gdc_launch_dependents(PDL)  # the next kernel may start and wait
     seq_len = tl.load(seq_lens_ptr + b)
     # The splits that hold keys (the decode kernel's split ranges); seq_len 0 has none.
-    live = tl.cdiv(tl.cdiv(seq_len, BLOCK_N), tl.maximum(_tiles_per_split(seq_len, NUM_SPLITS, BLOCK_N), 1))
+    keys = seq_len - _window_tile_start(seq_len, WINDOW, BLOCK_N)
+    live = tl.cdiv(tl.cdiv(keys, BLOCK_N), tl.maximum(_tiles_per_split(keys, NUM_SPLITS, BLOCK_N), 1))
     gdc_wait(PDL)
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
@@ -354,6 +390,9 @@ def _decode_reduce_kernel(
     m = tl.where(m == float("-inf"), 0.0, m)
     w = tl.exp2(lse - m)
     denom = tl.sum(w, 0)
+    if SINKS:  # the head's sink logit joins the denominator of every split's keys together
+        sink = tl.load(sinks_ptr + h).to(tl.float32) * 1.4426950408889634
+        denom = denom + tl.where(denom == 0.0, 0.0, tl.exp2(sink - m))
     o = tl.load(part_o_ptr + row[:, None] * BLOCK_D + offs_d[None, :], mask=s_mask[:, None], other=0.0)
     o = tl.sum(o * w[:, None], 0) / tl.where(denom == 0.0, 1.0, denom)
     tl.store(out_ptr + b * stride_ob + h * stride_oh + offs_d, o.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
@@ -385,6 +424,9 @@ def paged_decode_attention(
     num_splits: int | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
     pdl: bool = True,
 ) -> torch.Tensor:
     """One query token per sequence: ``q`` ``[B, Hq, D]`` -> ``[B, Hq, D]`` (see ``reference.paged_decode_attention``).
@@ -392,7 +434,8 @@ def paged_decode_attention(
     ``seq_lens`` (int32 ``[B]``, on the device) is authoritative; ``max_seq_len`` is only a hint (any value
     >= the true maximum) used to choose ``num_splits``, the number of programs the keys of one sequence are
     split across (flash-decoding). Pass ``num_splits`` to override the heuristic. ``k_scale``/``v_scale``
-    dequantize an fp8 cache.
+    dequantize an fp8 cache. ``window``/``softcap``/``sinks``: the layer's variant (``reference.attend``);
+    a window's query reads only the tiles of its last ``window`` keys.
     """
     _check_cache(k_cache, v_cache)
     batch, num_q_heads, head_dim = q.shape
@@ -404,7 +447,8 @@ def paged_decode_attention(
     if batch == 0:
         return out
     if num_splits is None:
-        num_splits = _decode_num_splits(q, batch, num_kv_heads, max_seq_len)
+        keys = max_seq_len if window is None else min(max_seq_len, window + _DECODE_BLOCK_N)
+        num_splits = _decode_num_splits(q, batch, num_kv_heads, keys)
     block_d = max(16, triton.next_power_of_2(head_dim))  # tl.dot needs K >= 16; the padding is masked
     if num_splits > 1:
         part_o = torch.empty(batch, num_q_heads, num_splits, block_d, dtype=torch.float32, device=q.device)
@@ -418,11 +462,12 @@ def paged_decode_attention(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0),
         out.stride(0), out.stride(1),
-        scale * k_scale * _LOG2E, v_scale, num_q_heads,
+        _qk_scale(scale * k_scale, softcap), v_scale, num_q_heads, _sinks_arg(sinks, q), float(softcap or 1.0),
         NUM_SPLITS=num_splits, GROUP=group,
         BLOCK_G=max(16, triton.next_power_of_2(group)),  # tl.dot needs M >= 16
         BLOCK_SIZE=block_size, HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_N=_DECODE_BLOCK_N, DOT_PRECISION=_dot_precision(q.dtype),
+        WINDOW=window or 0, SINKS=sinks is not None, SOFTCAP=softcap is not None,
         # 64-key tiles in 3 stages: the fastest decode configuration timed (docs/benchmarks.md).
         num_warps=4, num_stages=3 if q.element_size() <= 2 else 2, **pdl_args(q, pdl),
     )
@@ -430,11 +475,25 @@ def paged_decode_attention(
         _decode_reduce_kernel[(batch, num_q_heads)](
             part_o, part_lse, out, seq_lens,
             out.stride(0), out.stride(1),
-            num_q_heads,
+            num_q_heads, _sinks_arg(sinks, q),
             NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits),
-            HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=_DECODE_BLOCK_N, **pdl_args(q, pdl),
+            HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=_DECODE_BLOCK_N, WINDOW=window or 0,
+            SINKS=sinks is not None, **pdl_args(q, pdl),
         )
     return out
+
+
+def _qk_scale(scale: float, softcap: float | None) -> float:
+    """The factor of ``q . k``: in log2 units, or natural ones where the scores are soft-capped first."""
+    return scale if softcap is not None else scale * _LOG2E
+
+
+def _sinks_arg(sinks: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+    """The sinks pointer argument (any tensor stands in when the layer has none: it is never read)."""
+    if sinks is None:
+        return like
+    assert sinks.is_contiguous() and sinks.device == like.device, "sinks: one contiguous logit per query head"
+    return sinks
 
 
 # --------------------------------------------------------------------------------------------------
@@ -449,9 +508,10 @@ def _prefill_kernel(
     stride_cb, stride_cs, stride_ch,
     stride_bt,
     stride_ot, stride_oh,
-    qk_scale, v_scale,
+    qk_scale, v_scale, sinks_ptr, softcap,
     GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    WINDOW: tl.constexpr = 0, SINKS: tl.constexpr = False, SOFTCAP: tl.constexpr = False,
 ):
     m_block = tl.program_id(0)
     b = tl.program_id(1)
@@ -483,22 +543,42 @@ def _prefill_kernel(
     bt_row = block_tables_ptr + b.to(tl.int64) * stride_bt
     head_off = kv_head * stride_ch + offs_d[None, :]
 
-    # Keys below the block's first query position are visible to all its rows: no mask needed there.
+    # Keys below the block's first query position are visible to all its rows: no causal mask needed there.
+    # With a window, keys start at the first query's window (its tile: earlier blocks are never read), and
+    # those before the last query's window need the window mask: [lo, mid) window-masked, [mid,
+    # unmasked_end) unmasked, [unmasked_end, masked_end) causal (and window) masked.
     first_q_pos = context_len + m_block * BLOCK_M
     unmasked_end = (first_q_pos // BLOCK_N) * BLOCK_N
-    acc, l_i, m_i = _attend_tiles(
-        acc, l_i, m_i, q, q_pos, k_cache_ptr, v_cache_ptr, bt_row, head_off, seq_len, qk_scale,
-        0, unmasked_end, stride_cb, stride_cs,
-        CAUSAL_MASK=False, LENGTH_MASK=False, BLOCK_SIZE=BLOCK_SIZE, BLOCK_N=BLOCK_N, D_MASK=d_mask,
-        DOT_PRECISION=DOT_PRECISION,
-    )
     masked_end = tl.minimum(first_q_pos + BLOCK_M, seq_len)
+    if WINDOW > 0:
+        lo = (tl.maximum(first_q_pos - WINDOW + 1, 0) // BLOCK_N) * BLOCK_N
+        mid = tl.cdiv(tl.maximum(masked_end - WINDOW, 0), BLOCK_N) * BLOCK_N  # the last row's window, a tile up
+        mid = tl.minimum(tl.maximum(mid, lo), unmasked_end)
+        acc, l_i, m_i = _attend_tiles(
+            acc, l_i, m_i, q, q_pos, k_cache_ptr, v_cache_ptr, bt_row, head_off, seq_len, qk_scale,
+            lo, mid, stride_cb, stride_cs,
+            CAUSAL_MASK=False, LENGTH_MASK=False, BLOCK_SIZE=BLOCK_SIZE, BLOCK_N=BLOCK_N, D_MASK=d_mask,
+            DOT_PRECISION=DOT_PRECISION, WINDOW=WINDOW, WINDOW_MASK=True, SOFTCAP=SOFTCAP, softcap=softcap,
+        )
+    else:
+        mid = unmasked_end * 0
     acc, l_i, m_i = _attend_tiles(
         acc, l_i, m_i, q, q_pos, k_cache_ptr, v_cache_ptr, bt_row, head_off, seq_len, qk_scale,
-        unmasked_end, masked_end, stride_cb, stride_cs,
-        CAUSAL_MASK=True, LENGTH_MASK=True, BLOCK_SIZE=BLOCK_SIZE, BLOCK_N=BLOCK_N, D_MASK=d_mask,
-        DOT_PRECISION=DOT_PRECISION,
+        mid, unmasked_end, stride_cb, stride_cs,
+        CAUSAL_MASK=False, LENGTH_MASK=False, BLOCK_SIZE=BLOCK_SIZE, BLOCK_N=BLOCK_N, D_MASK=d_mask,
+        DOT_PRECISION=DOT_PRECISION, WINDOW=WINDOW, SOFTCAP=SOFTCAP, softcap=softcap,
     )
+    acc, l_i, m_i = _attend_tiles(
+        acc, l_i, m_i, q, q_pos, k_cache_ptr, v_cache_ptr, bt_row, head_off, seq_len, qk_scale,
+        tl.maximum(unmasked_end, mid), masked_end, stride_cb, stride_cs,
+        CAUSAL_MASK=True, LENGTH_MASK=True, BLOCK_SIZE=BLOCK_SIZE, BLOCK_N=BLOCK_N, D_MASK=d_mask,
+        DOT_PRECISION=DOT_PRECISION, WINDOW=WINDOW, WINDOW_MASK=WINDOW > 0, SOFTCAP=SOFTCAP, softcap=softcap,
+    )
+    if SINKS:  # the head's sink logit joins every row's denominator
+        sink = tl.load(sinks_ptr + head).to(tl.float32) * 1.4426950408889634
+        l_i = l_i + tl.exp2(sink - m_i)
+    if WINDOW > 0:  # rows past the chunk's end may see no key at all (never stored): no division by zero
+        l_i = tl.where(l_i == 0.0, 1.0, l_i)
 
     o = acc * (v_scale / l_i)[:, None]
     tl.store(
@@ -530,12 +610,15 @@ def paged_prefill_attention(
     scale: float,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention for chunks of queries over the paged cache (see ``reference.paged_prefill_attention``).
 
     ``q`` is ``[T, Hq, D]``; ``query_start_loc`` (int32 ``[B+1]``) delimits each sequence's queries in ``q``;
     ``seq_lens`` (int32 ``[B]``) counts each sequence's tokens including the cached prefix. ``max_query_len``
-    sizes the grid and must be >= the longest chunk.
+    sizes the grid and must be >= the longest chunk. ``window``/``softcap``/``sinks``: the layer's variant.
     """
     _check_cache(k_cache, v_cache)
     num_tokens, num_q_heads, head_dim = q.shape
@@ -555,9 +638,10 @@ def paged_prefill_attention(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0),
         out.stride(0), out.stride(1),
-        scale * k_scale * _LOG2E, v_scale,
+        _qk_scale(scale * k_scale, softcap), v_scale, _sinks_arg(sinks, q), float(softcap or 1.0),
         GROUP=num_q_heads // num_kv_heads, BLOCK_SIZE=block_size, HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_M=block_m, BLOCK_N=block_n, DOT_PRECISION=_dot_precision(q.dtype),
+        WINDOW=window or 0, SINKS=sinks is not None, SOFTCAP=softcap is not None,
         num_warps=num_warps, num_stages=num_stages,
     )
     return out

@@ -35,7 +35,7 @@ def _rms_norm_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr, new_res_ptr,
     stride_x, stride_res, stride_out, stride_new_res,
     n_cols, eps,
-    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr, SCALE_IN_FLOAT32: tl.constexpr = False,
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
@@ -44,13 +44,13 @@ def _rms_norm_kernel(
     gdc_launch_dependents(PDL)  # the next kernel may start and wait
     gdc_wait(PDL)
     normed = _rms_norm_row(x_ptr, res_ptr, new_res_ptr, row, stride_x, stride_res, stride_new_res, cols, mask,
-                           n_cols, eps, HAS_RESIDUAL)
+                           n_cols, eps, HAS_RESIDUAL, ROUND=not SCALE_IN_FLOAT32)
     tl.store(out_ptr + row * stride_out + cols, (w * normed).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _rms_norm_row(x_ptr, res_ptr, new_res_ptr, row, stride_x, stride_res, stride_new_res, cols, mask, n_cols, eps,
-                  HAS_RESIDUAL: tl.constexpr):
+                  HAS_RESIDUAL: tl.constexpr, ROUND: tl.constexpr = True):
     """One row's normalized values (float32) before the weight, storing ``x + residual`` first where given;
     ``row`` int64. Shared with the RMSNorm that quantizes its output (``quant.fp8_rows.rms_norm_fp8``)."""
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
@@ -61,20 +61,24 @@ def _rms_norm_row(x_ptr, res_ptr, new_res_ptr, row, stride_x, stride_res, stride
         tl.store(new_res_ptr + row * stride_new_res + cols, x, mask=mask)
     h = x.to(tl.float32)
     rstd = tl.rsqrt(tl.sum(h * h, 0) / n_cols + eps)
-    # ``weight * normed.to(x.dtype)``: the normalized value is rounded to x's dtype before scaling.
-    return (h * rstd).to(x.dtype).to(tl.float32)
+    if ROUND:  # ``weight * normed.to(x.dtype)``: the normalized value is rounded to x's dtype before scaling
+        return (h * rstd).to(x.dtype).to(tl.float32)
+    return h * rstd
 
 
 def rms_norm(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None, pdl: bool = True
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None, pdl: bool = True,
+    scale_in_float32: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """RMSNorm over the last dimension; with ``residual`` returns ``(norm(x + residual), x + residual)``.
-    ``pdl``: launch with PDL where the GPU has it (kvloom/kernels/pdl.py)."""
+    ``pdl``: launch with PDL where the GPU has it (kvloom/kernels/pdl.py). ``scale_in_float32``: scaled before
+    the one rounding to the stream dtype (Gemma's form, float32 weight)."""
     shape = x.shape
     n_cols = shape[-1]
     x2 = _rows(x)
     stream_dtype = x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)
-    out = torch.empty(x2.shape, dtype=torch.promote_types(weight.dtype, stream_dtype), device=x.device)
+    out_dtype = stream_dtype if scale_in_float32 else torch.promote_types(weight.dtype, stream_dtype)
+    out = torch.empty(x2.shape, dtype=out_dtype, device=x.device)
     if residual is not None:
         res2 = _rows(residual)
         new_res = torch.empty(x2.shape, dtype=stream_dtype, device=x.device)
@@ -86,7 +90,8 @@ def rms_norm(
             x2, res2, weight.contiguous(), out, new_res,
             x2.stride(0), res2.stride(0), out.stride(0), new_res.stride(0),
             n_cols, eps,
-            HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=_row_warps(block), **pdl_args(x2, pdl),
+            HAS_RESIDUAL=residual is not None, BLOCK=block, SCALE_IN_FLOAT32=scale_in_float32,
+            num_warps=_row_warps(block), **pdl_args(x2, pdl),
         )
     out = out.view(shape)
     return (out, new_res.view(shape)) if residual is not None else out

@@ -52,13 +52,14 @@ def qkv_views(num_tokens, num_q_heads, num_kv_heads, head_dim, dtype, device="cp
     )
 
 
-def decode_reference(q, k_cache, v_cache, tables, seq_lens):
+def decode_reference(q, k_cache, v_cache, tables, seq_lens, **variant):
     """Reference decode (scale ``D ** -0.5``) on the rows with tokens; padding rows (seq_len 0) give zeros."""
     out = torch.zeros_like(q)
     live = seq_lens > 0
     if live.any():
         out[live] = ref.paged_decode_attention(
-            q[live], k_cache, v_cache, tables[live], seq_lens[live], int(seq_lens.max()), q.shape[-1] ** -0.5
+            q[live], k_cache, v_cache, tables[live], seq_lens[live], int(seq_lens.max()), q.shape[-1] ** -0.5,
+            **variant,
         )
     return out
 
@@ -157,6 +158,91 @@ def test_prefill_matches_reference(tk, block_size, heads):
         *to_device(tk.device, q, k_cache, v_cache, tables, query_start_loc, seq_lens), max(query_lens), d**-0.5
     ).cpu()
     expect = ref.paged_prefill_attention(q, k_cache, v_cache, tables, query_lens, seq_lens_list, d**-0.5)
+    torch.testing.assert_close(out, expect, atol=1e-4, rtol=1e-4)
+
+
+# window / soft-cap / sinks: windows narrower than a tile and than a query block (rows whose first tiles are all
+# outside their window), wider than some sequences, and spanning several 64-key tiles
+ATTENTION_VARIANTS = [dict(window=5), dict(window=70), dict(softcap=2.0), dict(sinks=True),
+                      dict(window=20, softcap=3.0, sinks=True)]
+
+
+def _variant(variant, num_q_heads, device="cpu"):
+    """The kernel's keyword arguments for a variant (sinks as random per-head logits)."""
+    variant = dict(variant)
+    if variant.pop("sinks", False):
+        variant["sinks"] = torch.randn(num_q_heads, generator=torch.Generator().manual_seed(3)) * 2
+    return variant
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("variant", ATTENTION_VARIANTS, ids=str)
+def test_decode_variants_match_reference(tk, variant, num_splits):
+    seq_lens_list = [13, 0, 1, 300, 130, 70]
+    k_cache, v_cache, tables = make_paged_cache(seq_lens_list, 16, 2, 16, torch.float32)
+    seq_lens = torch.tensor(seq_lens_list, dtype=torch.int32)
+    q, _, _ = qkv_views(len(seq_lens_list), 4, 2, 16, torch.float32)
+    kw = _variant(variant, 4)
+    dev = {k: v.to(tk.device) if isinstance(v, torch.Tensor) else v for k, v in kw.items()}
+    out = tk.attention.paged_decode_attention(
+        *to_device(tk.device, q, k_cache, v_cache, tables, seq_lens), 512, 16**-0.5, num_splits=num_splits, **dev
+    ).cpu()
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, decode_reference(q, k_cache, v_cache, tables, seq_lens, **kw), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("variant", ATTENTION_VARIANTS, ids=str)
+@pytest.mark.parametrize("block_size", [8, 16])
+def test_prefill_variants_match_reference(tk, block_size, variant):
+    """Prompts, chunks over cached prefixes (one crossing its window's edge), single queries and a 70-query
+    chunk (64-query blocks) with each variant."""
+    query_lens = [q for q, _ in PREFILL_SEQS] + [70]
+    seq_lens_list = [s for _, s in PREFILL_SEQS] + [100]
+    k_cache, v_cache, tables = make_paged_cache(seq_lens_list, block_size, 2, 16, torch.float32)
+    q, _, _ = qkv_views(sum(query_lens), 4, 2, 16, torch.float32)
+    seq_lens = torch.tensor(seq_lens_list, dtype=torch.int32)
+    kw = _variant(variant, 4)
+    dev = {k: v.to(tk.device) if isinstance(v, torch.Tensor) else v for k, v in kw.items()}
+    out = tk.attention.paged_prefill_attention(
+        *to_device(tk.device, q, k_cache, v_cache, tables, start_locs(query_lens), seq_lens), max(query_lens),
+        16**-0.5, **dev,
+    ).cpu()
+    assert torch.isfinite(out).all()
+    expect = ref.paged_prefill_attention(q, k_cache, v_cache, tables, query_lens, seq_lens_list, 16**-0.5, **kw)
+    torch.testing.assert_close(out, expect, atol=1e-4, rtol=1e-4)
+
+
+def test_window_reads_no_tile_before_it(tk):
+    """Blocks that lie wholly before the tile holding a query's window start are never read (decode and a
+    chunk over a cached prefix): filled with NaN, the outputs stay those of the reference on clean caches.
+    A sliding layer can so give those blocks back while its request runs."""
+    bs, window = 8, 40
+    seq_lens_list = [300, 200]
+    k_cache, v_cache, tables = make_paged_cache(seq_lens_list, bs, 2, 16, torch.float32)
+    seq_lens = torch.tensor(seq_lens_list, dtype=torch.int32)
+    poisoned_k, poisoned_v = k_cache.clone(), v_cache.clone()
+    for b, n in enumerate(seq_lens_list):
+        lo = (n - window) // 64 * 64  # the decode query's first tile
+        for blk in tables[b, : lo // bs].tolist():
+            poisoned_k[blk], poisoned_v[blk] = float("nan"), float("nan")
+    q = torch.randn(2, 4, 16)
+    out = tk.attention.paged_decode_attention(
+        *to_device(tk.device, q, poisoned_k, poisoned_v, tables, seq_lens), 300, 0.25, num_splits=2, window=window
+    ).cpu()
+    expect = ref.paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, 300, 0.25, window=window)
+    torch.testing.assert_close(out, expect, atol=1e-4, rtol=1e-4)
+    # a 10-query chunk at the end of each sequence: its first query's window starts 49 keys back
+    query_lens = [10, 10]
+    qp = torch.randn(20, 4, 16)
+    poisoned_k, poisoned_v = k_cache.clone(), v_cache.clone()
+    for b, n in enumerate(seq_lens_list):
+        lo = max(0, n - 10 - window + 1) // 64 * 64
+        for blk in tables[b, : lo // bs].tolist():
+            poisoned_k[blk], poisoned_v[blk] = float("nan"), float("nan")
+    out = tk.attention.paged_prefill_attention(
+        *to_device(tk.device, qp, poisoned_k, poisoned_v, tables, start_locs(query_lens), seq_lens), 10, 0.25,
+        window=window).cpu()
+    expect = ref.paged_prefill_attention(qp, k_cache, v_cache, tables, query_lens, seq_lens_list, 0.25, window=window)
     torch.testing.assert_close(out, expect, atol=1e-4, rtol=1e-4)
 
 
@@ -465,5 +551,55 @@ def test_kernels_that_combine_their_splits_compile_for_sm90():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     run = subprocess.run([sys.executable, "-c", _COMPILE_SM90, json.dumps(cases)], env=env, capture_output=True,
                          text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-4000:]
+    assert json.loads(run.stdout.strip().splitlines()[-1]) == {c["name"]: True for c in cases}
+
+
+_ATTN_COMMON_TYPES = dict(q_ptr="*bf16", k_cache_ptr="*bf16", v_cache_ptr="*bf16", block_tables_ptr="*i32",
+                          seq_lens_ptr="*i32", out_ptr="*bf16", stride_qh="i32", stride_cb="i32", stride_cs="i32",
+                          stride_ch="i32", stride_bt="i32", stride_oh="i32", qk_scale="fp32", v_scale="fp32",
+                          sinks_ptr="*fp32", softcap="fp32")
+_DECODE_TYPES = dict(_ATTN_COMMON_TYPES, part_o_ptr="*fp32", part_lse_ptr="*fp32", stride_qb="i32", stride_ob="i32",
+                     num_q_heads="i32")
+_REDUCE_TYPES = dict(part_o_ptr="*fp32", part_lse_ptr="*fp32", out_ptr="*bf16", seq_lens_ptr="*i32", stride_ob="i32",
+                     stride_oh="i32", num_q_heads="i32", sinks_ptr="*fp32")
+_PREFILL_TYPES = dict(_ATTN_COMMON_TYPES, query_start_loc_ptr="*i32", stride_qt="i32", stride_ot="i32")
+
+
+@pytest.mark.parametrize("head_dim", [64, 256])
+def test_attention_variants_compile_for_sm90(head_dim):
+    """Decode (split, with its reduce), and prefill at both of its tile configurations, with a window,
+    soft-capping and sinks, compile for an H100/H200 (sm90, PDL) on this machine, GPU or not: gpt-oss's
+    64-wide heads with a 128-key window and sinks, Gemma's 256-wide heads with a window and soft-cap."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from kvloom.kernels.triton_attention import _prefill_config
+
+    pytest.importorskip("triton.backends.nvidia.compiler", reason="triton's CUDA backend is not installed")
+    module = "kvloom.kernels.triton_attention"
+    cases = []
+    for window, softcap, sinks in ((128, False, True), (4096, True, False), (1024, True, True)):
+        variant = dict(WINDOW=window, SOFTCAP=softcap, SINKS=sinks)
+        tag = f"D={head_dim} window={window} softcap={softcap} sinks={sinks}"
+        cases.append(dict(name=f"decode {tag}", module=module, kernel="_decode_kernel", types=_DECODE_TYPES,
+                          options=dict(num_warps=4, num_stages=3), ptx=[],
+                          const=dict(NUM_SPLITS=4, GROUP=8, BLOCK_G=16, BLOCK_SIZE=16, HEAD_DIM=head_dim,
+                                     BLOCK_D=head_dim, BLOCK_N=64, DOT_PRECISION="tf32", PDL=True, **variant)))
+        cases.append(dict(name=f"reduce {tag}", module=module, kernel="_decode_reduce_kernel", types=_REDUCE_TYPES,
+                          options=dict(num_warps=4), ptx=[],
+                          const=dict(NUM_SPLITS=4, BLOCK_S=4, HEAD_DIM=head_dim, BLOCK_D=head_dim, BLOCK_N=64,
+                                     PDL=True, WINDOW=window, SINKS=sinks)))
+        for max_query_len in (32, 4096):
+            block_m, block_n, warps, stages = _prefill_config(max_query_len, head_dim, 2)
+            cases.append(dict(name=f"prefill {tag} block_m={block_m}", module=module, kernel="_prefill_kernel",
+                              types=_PREFILL_TYPES, options=dict(num_warps=warps, num_stages=stages), ptx=[],
+                              const=dict(GROUP=8, BLOCK_SIZE=16, HEAD_DIM=head_dim, BLOCK_D=head_dim, BLOCK_M=block_m,
+                                         BLOCK_N=block_n, DOT_PRECISION="tf32", **variant)))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-c", _COMPILE_SM90, json.dumps(cases)], env=env, capture_output=True,
+                         text=True, timeout=900)
     assert run.returncode == 0, run.stderr[-4000:]
     assert json.loads(run.stdout.strip().splitlines()[-1]) == {c["name"]: True for c in cases}

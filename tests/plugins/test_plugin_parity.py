@@ -54,7 +54,12 @@ def test_parity_with_prefix_hits_preemption_and_chunked_prefill(llama_reference,
 def test_parity_with_prefix_hits_on_each_family(tiny_model):
     prompts = _shared_prefix_prompts()
     expected = hf_greedy(tiny_model, prompts, MAX_NEW)
-    llm = LLM(str(tiny_model), plugins=["prefix_cache"], block_size=8, num_kv_blocks=64)
+    from kvloom.core.engine.kv_layout import model_kv_layout
+    from kvloom.core.model.loader import load_hf_config
+
+    layout = model_kv_layout(load_hf_config(tiny_model))  # 64 blocks of every layer: a hybrid cache's blocks
+    blocks = 64 * layout.num_layers // layout.slots  # hold fewer layers each, so as much memory is more of them
+    llm = LLM(str(tiny_model), plugins=["prefix_cache"], block_size=8, num_kv_blocks=blocks)
     first, second = _generate_twice(llm, prompts)
     assert [o.token_ids for o in first] == expected
     assert [o.token_ids for o in second] == expected

@@ -9,6 +9,7 @@ from typing import Callable
 import torch
 
 from kvloom.core.config import ConfigError, EngineConfig
+from kvloom.core.engine.kv_layout import KVLayout, model_kv_layout
 
 logger = logging.getLogger("kvloom")
 
@@ -46,45 +47,67 @@ def kv_cache_dtype(config: EngineConfig, dtype: torch.dtype, device: torch.devic
     return FP8_KV_DTYPE
 
 
-def kv_bytes_per_token(hf_config, dtype: torch.dtype, tensor_parallel: int = 1) -> int:
-    """K and V of every layer for one token (per GPU when the KV heads are split ``tensor_parallel`` ways)."""
-    layers, kv_heads, head_dim = model_dims(hf_config)
+def kv_bytes_per_token(hf_config, dtype: torch.dtype, tensor_parallel: int = 1, layers: int | None = None) -> int:
+    """K and V of every layer for one token (per GPU when the KV heads are split ``tensor_parallel`` ways);
+    with ``layers``, of that many (the layers one block of a hybrid cache spans)."""
+    all_layers, kv_heads, head_dim = model_dims(hf_config)
     kv_heads_per_rank = max(1, kv_heads // tensor_parallel)
-    return 2 * layers * kv_heads_per_rank * head_dim * dtype_size(dtype)
+    return 2 * (layers or all_layers) * kv_heads_per_rank * head_dim * dtype_size(dtype)
 
 
 @dataclass
 class KVCapacity:
     num_blocks: int
     block_size: int
-    bytes_per_token: int
+    bytes_per_token: int  # of one block's layers (all of them, unless the cache is hybrid)
     max_model_len: int
     dtype: str = ""  # the cache's element type, for the log line
     # A draft model's own cache (spec_decode method=draft): the same blocks, its own K and V per token.
     draft_bytes_per_token: int = 0
+    # Layer groups of a hybrid cache (sliding layers keep only their windows' blocks); None: one group.
+    layout: KVLayout | None = None
+
+    @property
+    def hybrid(self) -> bool:
+        return self.layout is not None and self.layout.hybrid
 
     @property
     def num_tokens(self) -> int:
+        """Tokens of K/V the blocks hold (each for the layers of one block)."""
         return self.num_blocks * self.block_size
 
     @property
     def bytes(self) -> int:
         return self.num_tokens * (self.bytes_per_token + self.draft_bytes_per_token)
 
+    def sequence_blocks(self, num_tokens: int, new_tokens: int = 1) -> int:
+        """Blocks one sequence of ``num_tokens`` holds while computing ``new_tokens`` of them."""
+        if not self.hybrid:
+            return -(-num_tokens // self.block_size)
+        return self.layout.sequence_blocks(num_tokens, self.block_size, new_tokens)
+
     @property
     def max_concurrency(self) -> float:
-        """How many sequences of max_model_len tokens fit at once."""
-        blocks_per_seq = -(-self.max_model_len // self.block_size)
-        return self.num_blocks / blocks_per_seq
+        """How many sequences of max_model_len tokens fit at once (decoding: sliding layers hold their
+        windows' blocks only)."""
+        return self.num_blocks / self.sequence_blocks(self.max_model_len)
 
     def describe(self) -> str:
-        return (
-            f"KV cache: {self.num_blocks} blocks x {self.block_size} tokens = {self.num_tokens} tokens "
-            f"({self.bytes / GiB:.2f} GiB, {self.bytes_per_token} bytes/token"
-            f"{', ' + self.dtype if self.dtype else ''}"
-            f"{f' + the draft model {self.draft_bytes_per_token} bytes/token' if self.draft_bytes_per_token else ''}); "
-            f"maximum concurrency at max_model_len {self.max_model_len}: {self.max_concurrency:.2f}x"
-        )
+        draft = f" + the draft model {self.draft_bytes_per_token} bytes/token" if self.draft_bytes_per_token else ""
+        dtype = f", {self.dtype}" if self.dtype else ""
+        concurrency = f"maximum concurrency at max_model_len {self.max_model_len}: {self.max_concurrency:.2f}x"
+        if not self.hybrid:
+            return (f"KV cache: {self.num_blocks} blocks x {self.block_size} tokens = {self.num_tokens} tokens "
+                    f"({self.bytes / GiB:.2f} GiB, {self.bytes_per_token} bytes/token{dtype}{draft}); {concurrency}")
+        layout = self.layout
+        longest = layout.longest_sequence(self.num_blocks, self.block_size)
+        context = (f"a sequence alone up to {longest} tokens" if longest is not None
+                   else "a sequence of any length (every layer slides)")
+        return (f"KV cache: {self.num_blocks} blocks x {self.block_size} tokens = {self.num_tokens} tokens of "
+                f"{layout.slots} layers each ({self.bytes / GiB:.2f} GiB, {self.bytes_per_token} bytes/token{dtype}"
+                f"{draft}); {len(layout.groups)} layer groups ({layout.describe()}), sliding layers keep only "
+                f"their windows' blocks: {context}; {concurrency} "
+                f"({self.sequence_blocks(self.max_model_len)} blocks a sequence)")
 
 
 def blocks_for_memory(memory_bytes: int, block_size: int, bytes_per_token: int) -> int:
@@ -94,33 +117,37 @@ def blocks_for_memory(memory_bytes: int, block_size: int, bytes_per_token: int) 
 def resolve_max_model_len(hf_config, wanted: int | None) -> int:
     """``wanted`` (default: the model's max_position_embeddings), checked against the model's limit."""
     model_max = getattr(hf_config, "max_position_embeddings", None) or 4096
-    asked = wanted
     wanted = wanted or model_max
     if wanted > model_max:
         raise ConfigError(f"max_model_len={wanted} exceeds the model's max_position_embeddings={model_max}")
-    # Sliding-window attention is not implemented: stay inside the window, where it equals full attention.
-    window = getattr(hf_config, "sliding_window", None)
-    uses_window = hf_config.model_type == "mistral" or getattr(hf_config, "use_sliding_window", False)
-    if window and uses_window and wanted > window:
-        if asked:
-            raise ConfigError(f"max_model_len={wanted} exceeds the model's sliding_window={window}, "
-                              "and sliding-window attention is not supported")
-        logger.warning("Capping max_model_len at the model's sliding_window=%d", window)
-        wanted = window
     return wanted
+
+
+def kv_layout(config: EngineConfig, hf_config, draft_model: bool = False) -> KVLayout:
+    """The engine's layer groups: a hybrid cache where the model has sliding layers, unless
+    ``hybrid_kv_cache`` is off or a draft model shares the blocks of a model whose every layer slides (the
+    draft's cache follows the first group's table, which must keep every block)."""
+    layout = model_kv_layout(hf_config, config.hybrid_kv_cache)
+    if draft_model and layout.groups[0].window is not None:
+        logger.info("Every layer slides and the spec_decode draft model shares its blocks: sliding layers keep "
+                    "every block")
+        layout = model_kv_layout(hf_config, False)
+    return layout
 
 
 def kv_capacity(config: EngineConfig, hf_config, dtype: torch.dtype, max_model_len: int,
                 gpu_kv_budget: Callable[[], int] | None = None, tensor_parallel: int = 1,
-                draft_bytes_per_token: int = 0) -> KVCapacity:
+                draft_bytes_per_token: int = 0, layout: KVLayout | None = None) -> KVCapacity:
     """The KV cache the engine allocates: ``num_kv_blocks`` if given, else ``kv_cache_memory_gib``, else
     on a GPU ``gpu_kv_budget()`` bytes (the engine profiles, ``engine plan`` estimates), else
     DEFAULT_CPU_KV_GIB. ``dtype`` is the model's; the cache's follows ``config.kv_cache_dtype`` (fp8 halves
     the bytes per token of bf16, so twice the tokens fit). A draft model's cache has as many blocks as the
-    target's and comes out of the same memory: a block costs both models' bytes per token. Raises
-    ConfigError when not even one block fits."""
+    target's and comes out of the same memory: a block costs both models' bytes per token. With a hybrid
+    ``layout`` a block spans one group's layers, so the same memory holds more blocks. Raises ConfigError
+    when not even one block fits."""
     cache_dtype = kv_cache_dtype(config, dtype)
-    per_token = kv_bytes_per_token(hf_config, cache_dtype, tensor_parallel)
+    hybrid = layout is not None and layout.hybrid
+    per_token = kv_bytes_per_token(hf_config, cache_dtype, tensor_parallel, layout.slots if hybrid else None)
     both = per_token + draft_bytes_per_token
     if config.num_kv_blocks is not None:
         blocks = config.num_kv_blocks
@@ -134,7 +161,7 @@ def kv_capacity(config: EngineConfig, hf_config, dtype: torch.dtype, max_model_l
         raise ConfigError("no memory is left for the KV cache: lower max_num_batched_tokens or raise "
                           f"gpu_memory_utilization={config.gpu_memory_utilization}")
     return KVCapacity(blocks, config.block_size, per_token, max_model_len, str(cache_dtype).removeprefix("torch."),
-                      draft_bytes_per_token)
+                      draft_bytes_per_token, layout if hybrid else None)
 
 
 # --- the GPU memory profile's arithmetic --------------------------------------------------------------

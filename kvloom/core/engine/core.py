@@ -30,7 +30,7 @@ from kvloom.core.model.loader import build_model, load_hf_config
 from kvloom.core.sampling_params import check_priority
 from kvloom.core.worker.cpu_malloc import keep_freed_memory
 from kvloom.core.worker.cpu_threads import ThreadGovernor, available_core_ids, available_cores, configure_threads
-from kvloom.core.worker.model_runner import ModelRunner
+from kvloom.core.worker.model_runner import ModelRunner, make_kv_caches
 
 logger = logging.getLogger("kvloom")
 
@@ -138,21 +138,22 @@ class EngineCore:
             proposer.load(device=self.device, dtype=self.dtype, load_format=config.load_format,
                           max_model_len=self.max_model_len, seed=config.seed,
                           max_num_batched_tokens=config.max_num_batched_tokens, kernels=kernels)
+        # Layer groups of the KV cache: sliding layers keep only their windows' blocks (a draft model's cache
+        # follows the first group's table).
+        self.kv_layout = capacity.kv_layout(config, self.hf_config, draft_model=draft_kv is not None)
         self.capacity = self._kv_capacity()
         if tp is not None:  # every rank holds every block: the group's capacity is its smallest rank's
             self.capacity = self.tp_driver.group_capacity(self.capacity, self.hf_config, self.dtype, self.quantization)
         logger.info(self.capacity.describe())
         layers, kv_heads, head_dim = self.hf_config.num_hidden_layers, self.model.num_kv_heads, self.model.head_dim
         shape = self.attention_backend.kv_cache_shape(self.capacity.num_blocks, config.block_size, kv_heads, head_dim)
-        kv_caches = [
-            (torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device),
-             torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device))
-            for _ in range(layers)
-        ]
+        kv_caches = make_kv_caches(layers, shape, self.kv_cache_dtype, self.device, self.kv_layout)
+        num_groups = len(self.kv_layout.groups) if self.kv_layout.hybrid else 1
+        self.model.kv_groups = self.kv_layout.group_of_layer() if num_groups > 1 else None
         # --- plugins: KV allocator, prefix cache, scheduling policy ---
         self.kv = KVCacheManager(
             self.plugins.make_kv_allocator(self.capacity.num_blocks, config), config.block_size,
-            self.plugins.make_prefix_cache(config.block_size, config),
+            self.plugins.make_prefix_cache(config.block_size, config), self.kv_layout,
         )
         self.adapters = AdapterSlots(config.max_loras, self.lora.ready) if self.lora is not None else None
         self.scheduler = Scheduler(
@@ -174,13 +175,14 @@ class EngineCore:
         self.async_scheduling = config.async_scheduling == "on" or (
             config.async_scheduling == "auto" and self.device.type == "cuda")
         if self.tp_driver is None:
-            self.runner = ModelRunner(self.model, kv_caches, config.block_size, self.device, config.seed,
+            self.runner = ModelRunner(self.model, kv_caches, config.block_size, self.device, config.seed, num_groups,
                                       lora=self.lora)
         else:
             from kvloom.core.worker.tp_executor import TPDriverRunner
 
             self.runner = TPDriverRunner(self.model, kv_caches, config.block_size, self.device, config.seed,
-                                         driver=self.tp_driver, share_tokens=self.async_scheduling, lora=self.lora)
+                                         num_groups, driver=self.tp_driver, share_tokens=self.async_scheduling,
+                                         lora=self.lora)
         if self.device.type == "cuda" and not config.enforce_eager:
             spec = self.speculator
             self.runner.capture_graphs(config.max_num_seqs, self.max_model_len, *(
@@ -210,7 +212,7 @@ class EngineCore:
         draft = _loaded_draft(self)  # its blocks (the target's ids) come out of the same budget
         return capacity.kv_capacity(self.config, self.hf_config, self.dtype, self.max_model_len, profile,
                                     self.config.tensor_parallel_size,
-                                    draft.kv_bytes_per_token if draft is not None else 0)
+                                    draft.kv_bytes_per_token if draft is not None else 0, self.kv_layout)
 
     @torch.inference_mode()
     def _profile_free_gpu_memory(self) -> int:
@@ -305,7 +307,9 @@ class EngineCore:
             raise RequestRejected(
                 f"prompt ({n} tokens) + max_tokens ({max_tokens}) = {n + max_tokens} exceeds max_model_len={limit}"
             )
-        need = self.kv.blocks_for(n + max_tokens)
+        # at its peak: its largest prefill chunk computed with everything before it (sliding layers: their
+        # windows' blocks and the chunk's)
+        need = self.kv.sequence_blocks(n + max_tokens, min(n, self.config.max_num_batched_tokens))
         if need > self.kv.num_blocks:
             raise RequestRejected(
                 f"the request needs {need} KV blocks ({n + max_tokens} tokens) but the whole cache has "

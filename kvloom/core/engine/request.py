@@ -76,6 +76,10 @@ class Request:
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at first admission
         self.num_preemptions = 0
         self.block_ids: list[int] = []
+        # A hybrid KV cache's other layer groups' tables, and per group the leading blocks given back
+        # (outside a sliding window) or never held (a prefix hit's blocks before a window)
+        self.extra_block_ids: list[list[int]] = []
+        self.num_skipped_blocks: list[int] = []
         self.block_hashes: list = []  # chained hashes of full blocks, filled in by the prefix cache
         self.stop_token_id: int | None = None
         self.spec_token_ids: list[int] = []  # draft tokens proposed for the next step, not yet verified

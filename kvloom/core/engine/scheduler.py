@@ -243,13 +243,16 @@ class Scheduler:
             drafts = req.spec_token_ids[: end - num_tokens]
             tokens = all_ids[start:num_tokens] + drafts
             placeholders = num_tokens - max(start, num_tokens - req.num_unresolved)
-        return ScheduledSeq(
+        seq = ScheduledSeq(
             req.request_id, tokens, start, req.block_ids.copy(), 1 + len(drafts) if end >= num_tokens else 0,
             sampling, drafts, placeholders if placeholders > 0 else 0, len(req.output_token_ids),
             (req.eos_token_ids + tuple(req.stop_token_ids)) if sampling.min_tokens else (),
             tuple(all_ids) if sampling.uses_penalties else None, len(req.prompt_token_ids),
             lora_slot=req.lora_slot,
         )
+        if req.extra_block_ids:
+            seq.extra_block_ids = [t.copy() for t in req.extra_block_ids]
+        return seq
 
     def _admit(self, req: Request, num_computed: int, now: float) -> None:
         self.waiting.remove(req)

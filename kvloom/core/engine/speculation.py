@@ -246,7 +246,7 @@ class Speculator:
         room = min(self.k, r.max_tokens - r.num_output_tokens - 1, self.max_model_len - r.num_tokens - 1)
         if room < 1:
             return False
-        need = self.kv.blocks_for(r.num_tokens + room) - len(r.block_ids)
+        need = (self.kv.blocks_for(r.num_tokens + room) - len(r.block_ids)) * len(self.kv.windows)  # every group's
         if need > 0 and self.kv.num_free_blocks() < need + num_running:
             return False
         return self.kv.allocate_slots(r, r.num_tokens - r.num_computed_tokens + room)

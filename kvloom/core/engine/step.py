@@ -41,6 +41,8 @@ class ScheduledSeq:
     # Prompt logprobs (sampling.prompt_logprobs): the prompt tokens that follow this step's first fed
     # positions, one per position whose logits score the prompt (filled by the engine after scheduling).
     prompt_targets: list[int] | None = None
+    # A hybrid KV cache's other layer groups' whole block tables (copies), after ``block_ids`` (the first's)
+    extra_block_ids: list[list[int]] = field(default_factory=list)
     lora_slot: int = -1  # the device slot of the request's LoRA adapter (-1: the base model)
 
     @property

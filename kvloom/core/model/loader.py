@@ -11,6 +11,7 @@ import logging
 import math
 import re
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Iterator
 
 import torch
@@ -18,9 +19,10 @@ from tqdm.auto import tqdm
 
 from kvloom.core.model.attention.base import AttentionBackend
 from kvloom.core.model.cpu_packing import pack_layer, pack_tied_output
-from kvloom.core.model.families.llama import SUPPORTED_ARCHITECTURES, DecoderLM
-from kvloom.kernels.options import DEFAULT_KERNELS, KernelOptions
+from kvloom.core.model.families import architecture_of, decoder_config, model_class
+from kvloom.core.model.families.decoder import DecoderLM
 from kvloom.core.model.linear import LinearBase
+from kvloom.kernels.options import DEFAULT_KERNELS, KernelOptions
 
 logger = logging.getLogger("kvloom")
 
@@ -30,6 +32,8 @@ _GGUF_ARCHS = {
     "mistral": ("MistralConfig", "MistralForCausalLM"),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
 }
 
 _GGUF_LAYER_NAMES = {
@@ -39,6 +43,10 @@ _GGUF_LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
 }
 _GGUF_GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+# Gemma's norms on both sides of attention and MLP; llama.cpp stores each norm's 1 + w (taken back at load).
+_GGUF_GEMMA_LAYER_NAMES = {**_GGUF_LAYER_NAMES, "ffn_norm": "pre_feedforward_layernorm",
+                           "post_attention_norm": "post_attention_layernorm",
+                           "post_ffw_norm": "post_feedforward_layernorm"}
 
 
 def is_gguf(path: Path) -> bool:
@@ -53,7 +61,11 @@ def load_hf_config(path: Path, overrides: dict | None = None):
     else:
         from transformers import AutoConfig
 
-        config = AutoConfig.from_pretrained(str(path))
+        file = path / "config.json"
+        listed = json.loads(file.read_text()).get("architectures") if file.is_file() else None
+        if listed:  # fails naming it before transformers reads a config whose model type it may not know
+            architecture_of(SimpleNamespace(architectures=listed))
+        config = decoder_config(AutoConfig.from_pretrained(str(path)))
         _attach_quantize_config(path, config)
     for key, value in (overrides or {}).items():
         setattr(config, key, value)
@@ -75,13 +87,8 @@ def _attach_quantize_config(path: Path, config) -> None:
 
 
 def check_architecture(config) -> str:
-    archs = list(getattr(config, "architectures", None) or [])
-    arch = archs[0] if archs else None
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise ValueError(
-            f"unsupported model architecture {arch!r}; supported: {sorted(SUPPORTED_ARCHITECTURES)}"
-        )
-    return arch
+    """The config's architecture, or ValueError naming it and the supported ones (``families``' registry)."""
+    return architecture_of(config)
 
 
 def _gguf_config(path: Path):
@@ -112,6 +119,8 @@ def _gguf_config(path: Path):
     head_dim = a("attention.key_length")
     if head_dim:
         kwargs["head_dim"] = head_dim
+    if a("attention.sliding_window"):  # Gemma: the window of its local layers (the layer pattern is the default)
+        kwargs["sliding_window"] = a("attention.sliding_window")
     config = getattr(transformers, cls_name)(**kwargs)
     config.gguf_architecture = arch
     return config
@@ -145,17 +154,24 @@ def iter_gguf(path: Path, config) -> Iterator[tuple[str, torch.Tensor]]:
     from gguf.quants import dequantize
 
     reader = GGUFReader(str(path))
-    permute = getattr(config, "gguf_architecture", "llama") in ("llama", "mistral")
+    arch = getattr(config, "gguf_architecture", "llama")
+    permute = arch in ("llama", "mistral")
+    gemma = arch in ("gemma2", "gemma3")
+    layer_names = _GGUF_GEMMA_LAYER_NAMES if gemma else _GGUF_LAYER_NAMES
     for t in tqdm(reader.tensors, desc="Loading GGUF (dequantizing)", unit="tensor"):
         stem, _, kind = t.name.rpartition(".")
         parts = stem.split(".")
         if parts[0] == "blk":
-            name = f"model.layers.{parts[1]}.{_GGUF_LAYER_NAMES[parts[2]]}.{kind}"
+            if parts[2] not in layer_names:
+                raise ValueError(f"GGUF tensor {t.name!r} ({arch}) has no place in the model")
+            name = f"model.layers.{parts[1]}.{layer_names[parts[2]]}.{kind}"
         elif stem in _GGUF_GLOBAL_NAMES:
             name = f"{_GGUF_GLOBAL_NAMES[stem]}.{kind}"
         else:
             continue  # e.g. rope_freqs: recomputed from the config
         tensor = torch.from_numpy(dequantize(t.data, t.tensor_type).copy())
+        if gemma and stem.endswith("norm"):
+            tensor = tensor - 1
         if permute and stem.endswith("attn_q"):
             tensor = _reverse_llama_permute(tensor, config.num_attention_heads)
         elif permute and stem.endswith("attn_k"):
@@ -262,8 +278,7 @@ def make_model(config, backend: AttentionBackend, dtype: torch.dtype, quantizati
     """The model on the meta device, its layers in the quantization method's format, holding tensor-parallel
     rank ``tp``'s share (``engine plan`` sizes weights from exactly this); ``kernels``: its CUDA kernels' options."""
     with torch.device("meta"), default_dtype(dtype):
-        return SUPPORTED_ARCHITECTURES[check_architecture(config)](config, backend, quantization, tp=tp,
-                                                                   kernels=kernels)
+        return model_class(config)(config, backend, quantization, tp=tp, kernels=kernels)
 
 
 def build_model(
@@ -320,6 +335,7 @@ def _weight_name(name: str, shard) -> str:
 def process_weights_after_loading(model: DecoderLM, pack_cpu: bool = True) -> None:
     """Each layer's steps after loading: its format's own (repack, dequantize), then oneDNN packing of
     a dense CPU weight; a tied output projection gets a packed copy of the embedding table."""
+    model.process_weights_after_loading()
     for layer in model.linear_layers():
         layer.process_weights_after_loading()
         if pack_cpu:

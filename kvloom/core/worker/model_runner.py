@@ -6,6 +6,7 @@ its sequence length), so the graphed decode shape carries several query tokens p
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from typing import Callable, NamedTuple
@@ -82,6 +83,19 @@ def _padded(a: np.ndarray, n: int, fill: int) -> np.ndarray:
     return out
 
 
+def make_kv_caches(num_layers: int, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
+                   layout=None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each layer's (K, V) cache of ``shape``. In a hybrid layout (``kv_layout.KVLayout``) the layers in the
+    same place of different groups share one pair of tensors: a block id is a page across the groups' layers,
+    and whichever group holds the block writes it."""
+    if layout is None or not layout.hybrid:
+        return [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+                for _ in range(num_layers)]
+    pages = [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+             for _ in range(layout.slots)]
+    return [pages[slot] for slot in layout.slot_of_layer()]
+
+
 class _Tokens(NamedTuple):
     ids: np.ndarray  # per token
     positions: np.ndarray
@@ -91,6 +105,7 @@ class _Tokens(NamedTuple):
     rows: np.ndarray  # per sequence: its row in BlockTables.array
     token_rows: np.ndarray  # per token: its sequence's row
     width: int  # the widest block table of the step
+    groups: list  # a hybrid KV cache's other layer groups: (slots, rows, token_rows) each
     lora_slots: np.ndarray | None  # per token: its adapter's device slot (-1: the base); None without LoRA
 
 
@@ -102,7 +117,8 @@ class BlockTables:
     a step's table always was. Rows of finished requests go back through ``release``; a runner that
     is never told (a draft model's) drops the rows of requests absent from a step once they pile up."""
 
-    def __init__(self) -> None:
+    def __init__(self, group: int = 0) -> None:
+        self.group = group  # the layer group whose tables these are (a hybrid KV cache has several)
         self.array = np.zeros((64, 64), dtype=np.int32)
         self._row: dict[str, int] = {}
         self._held: dict[str, list[int]] = {}  # the block list each row holds (a plan's copy, never mutated)
@@ -120,10 +136,10 @@ class BlockTables:
         if len(self._row) > 2 * len(seqs) + 512:
             live = {s.request_id for s in seqs}
             self.release([rid for rid in self._row if rid not in live])
-        row_of, held_of = self._row, self._held
+        row_of, held_of, group = self._row, self._held, self.group
         out = []
         for s in seqs:
-            rid, blocks = s.request_id, s.block_ids
+            rid, blocks = s.request_id, s.block_ids if group == 0 else s.extra_block_ids[group - 1]
             row = row_of.get(rid)
             if row is None:
                 row = self._new_row(rid)
@@ -160,7 +176,9 @@ class BlockTables:
 
 class ModelRunner:
     def __init__(self, model, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_size: int,
-                 device: torch.device, seed: int = 0, lora=None) -> None:
+                 device: torch.device, seed: int = 0, num_kv_groups: int = 1, lora=None) -> None:
+        """``num_kv_groups``: layer groups of a hybrid KV cache, each with its own block tables (the model's
+        ``kv_groups`` says which layer reads which); a step then gives the model one metadata per group."""
         self.model = model
         self.lora = lora  # the LoRA adapter pool (kvloom.core.model.lora.LoRAPool), when serving adapters
         self.kv_caches = kv_caches
@@ -173,6 +191,7 @@ class ModelRunner:
         self.verify_as_decodes = False
         self._pin = device.type == "cuda"
         self.block_tables = BlockTables()
+        self.group_tables = [BlockTables(g) for g in range(1, num_kv_groups)]
         self.stage_in_one_copy = device.type != "cpu"  # see _stage; tests turn it on for the CPU
         # The previous step's sampled tokens on the device, and each request's row in them: inputs that
         # are still placeholders on the host are filled from here without waiting for the copy back.
@@ -197,10 +216,32 @@ class ModelRunner:
         slots = self.block_tables.array[token_rows, positions // bs].astype(np.int64) * bs + positions % bs
         ids = np.fromiter([t for s in seqs for t in s.token_ids], np.int64, len(positions))
         np.maximum(ids, 0, out=ids)  # placeholders: filled on the device
+        groups = []
+        for tables in self.group_tables:  # the same positions, each group's own blocks
+            g_rows = tables.rows(seqs)
+            g_token_rows = np.repeat(g_rows, counts)
+            g_slots = tables.array[g_token_rows, positions // bs].astype(np.int64) * bs + positions % bs
+            groups.append((g_slots, g_rows, g_token_rows))
         lora_slots = None
         if self.lora is not None:
             lora_slots = np.repeat(np.fromiter([s.lora_slot for s in seqs], np.int64, len(seqs)), counts)
-        return _Tokens(ids, positions, slots, counts, ends, rows, token_rows, width, lora_slots)
+        return _Tokens(ids, positions, slots, counts, ends, rows, token_rows, width, groups, lora_slots)
+
+    def _group_inputs(self, t: _Tokens, per_token: bool) -> list[tuple[object, type]]:
+        """``_stage`` arguments of the other layer groups: each one's slots, then its table (per sequence, or
+        per token in the decode layout)."""
+        out = []
+        for tables, (g_slots, g_rows, g_token_rows) in zip(self.group_tables, t.groups):
+            out += [(g_slots, np.int64), (tables.array[g_token_rows if per_token else g_rows, : t.width], np.int32)]
+        return out
+
+    @staticmethod
+    def _group_metas(meta: AttentionMetadata, staged: list[torch.Tensor]):
+        """The step's metadata, as a list of one per layer group where there are several."""
+        if not staged:
+            return meta
+        return [meta] + [dataclasses.replace(meta, slot_mapping=staged[i], block_tables=staged[i + 1])
+                         for i in range(0, len(staged), 2)]
 
     def _host_inputs(self, order: list[ScheduledSeq]):
         """A flat step's host inputs as numpy arrays: ids, positions, cache slots, query start offsets,
@@ -215,7 +256,8 @@ class ModelRunner:
             scored = np.fromiter([len(s.prompt_targets or ()) for s in order], np.int64, len(order))
             keep = np.concatenate([_ranges(query_start[:-1], scored), keep])
         table = self.block_tables.array[t.rows, : t.width]
-        return t.ids, t.positions, t.slots, query_start, t.ends, t.counts, keep, table, t.lora_slots
+        return (t.ids, t.positions, t.slots, query_start, t.ends, t.counts, keep, table, self._group_inputs(t, False),
+                t.lora_slots)
 
     def _decode_rows(self, seqs: list[ScheduledSeq]):
         """Host inputs of a step in the decode layout (numpy arrays): one row per token, whose sequence
@@ -226,24 +268,26 @@ class ModelRunner:
         offsets = np.cumsum(t.counts) - t.counts  # each sequence's first row
         rows = _ranges(offsets[sampled], t.counts[sampled])
         table = self.block_tables.array[t.token_rows, : t.width]
-        return t.ids, t.positions, t.slots, t.positions + 1, table, rows, t.lora_slots
+        return t.ids, t.positions, t.slots, t.positions + 1, table, rows, self._group_inputs(t, True), t.lora_slots
 
     def _prepare_decode_rows(self, seqs: list[ScheduledSeq]):
-        ids, pos, slots, seq_lens, table, rows, lora_slots = self._decode_rows(seqs)
+        ids, pos, slots, seq_lens, table, rows, groups, lora_slots = self._decode_rows(seqs)
         n = len(ids)
         every = _every_row(rows, n)
         lora = self._lora_arrays(lora_slots, None if every else rows)
-        ids_t, pos_t, slots_t, table_t, lens_t, qsl_t, rows_t, dst, src, *lora_t = self._stage(
+        ids_t, pos_t, slots_t, table_t, lens_t, qsl_t, rows_t, dst, src, *staged = self._stage(
             (ids, np.int64), (pos, np.int64), (slots, np.int64), (table, np.int32), (seq_lens, np.int32),
-            (np.arange(n + 1), np.int32), (rows, np.int64), *self._placeholders(seqs), *self._lora_stage(lora))
+            (np.arange(n + 1), np.int32), (rows, np.int64), *self._placeholders(seqs), *groups,
+            *self._lora_stage(lora))
+        staged, lora_t = staged[: len(groups)], staged[len(groups):]  # the groups' slots and tables, then LoRA's
         lens = seq_lens.tolist()
         meta = AttentionMetadata(
             slot_mapping=slots_t, block_tables=table_t, seq_lens=lens_t, query_start_loc=qsl_t,
             num_decodes=n, max_query_len=1, max_seq_len=max(lens), query_lens_cpu=[1] * n, seq_lens_cpu=lens,
         )
         self._fill_placeholders(ids_t, dst, src)
-        return (ids_t, pos_t, meta, None if every else rows_t, [s for s in seqs if s.samples],
-                self._lora_batch(lora, lora_t))
+        return (ids_t, pos_t, self._group_metas(meta, staged), None if every else rows_t,
+                [s for s in seqs if s.samples], self._lora_batch(lora, lora_t))
 
     # --- LoRA ----------------------------------------------------------------------------------
     def _lora_arrays(self, lora_slots: np.ndarray | None, keep: np.ndarray | None):
@@ -294,12 +338,13 @@ class ModelRunner:
         """Flat inputs for one step; sequences with a single query (decodes) come first. The rows to keep
         are the positions that score prompt tokens (``prompt_targets``), then the rows to sample."""
         order = batch_order(seqs)
-        ids, pos, slots, qsl, seq_lens, query_lens, rows, table, lora_slots = self._host_inputs(order)
+        ids, pos, slots, qsl, seq_lens, query_lens, rows, table, groups, lora_slots = self._host_inputs(order)
         every = _every_row(rows, len(ids))
         lora = self._lora_arrays(lora_slots, None if every else rows)
-        ids_t, pos_t, slots_t, table_t, lens_t, qsl_t, rows_t, dst, src, *lora_t = self._stage(
+        ids_t, pos_t, slots_t, table_t, lens_t, qsl_t, rows_t, dst, src, *staged = self._stage(
             (ids, np.int64), (pos, np.int64), (slots, np.int64), (table, np.int32), (seq_lens, np.int32),
-            (qsl, np.int32), (rows, np.int64), *self._placeholders(order), *self._lora_stage(lora))
+            (qsl, np.int32), (rows, np.int64), *self._placeholders(order), *groups, *self._lora_stage(lora))
+        staged, lora_t = staged[: len(groups)], staged[len(groups):]
         query_lens, seq_lens = query_lens.tolist(), seq_lens.tolist()
         meta = AttentionMetadata(
             slot_mapping=slots_t, block_tables=table_t, seq_lens=lens_t, query_start_loc=qsl_t,
@@ -311,7 +356,8 @@ class ModelRunner:
         )
         sampling = [s for s in order if s.samples]
         self._fill_placeholders(ids_t, dst, src)
-        return ids_t, pos_t, meta, None if every else rows_t, sampling, self._lora_batch(lora, lora_t)
+        return (ids_t, pos_t, self._group_metas(meta, staged), None if every else rows_t, sampling,
+                self._lora_batch(lora, lora_t))
 
     # --- execution -----------------------------------------------------------------------------
     @torch.inference_mode()
@@ -320,6 +366,8 @@ class ModelRunner:
         gives the ``RunnerOutput``."""
         self.sampler.remove(plan.finished_request_ids)
         self.block_tables.release(plan.finished_request_ids)
+        for tables in self.group_tables:
+            tables.release(plan.finished_request_ids)
         if plan.lora_loads:
             self.load_adapters(plan.lora_loads)
         seqs = plan.seqs
@@ -397,6 +445,9 @@ class ModelRunner:
             "seq_lens": torch.zeros(max_b, dtype=torch.int32, device=dev),
             "qsl": torch.arange(max_b + 1, dtype=torch.int32, device=dev),
         }
+        for g in range(1, len(self.group_tables) + 1):  # a hybrid cache's other layer groups
+            self._static[f"slots{g}"] = torch.full((max_b,), -1, dtype=torch.int64, device=dev)
+            self._static[f"table{g}"] = torch.zeros(max_b, max_blocks, dtype=torch.int32, device=dev)
         self._max_graph_batch = max_b
         self._max_model_len = max_model_len
         # With adapters every graph runs the LoRA kernels, over static buffers that each replay fills.
@@ -419,26 +470,30 @@ class ModelRunner:
         logger.info("Captured CUDA graphs for %d decode-layout token counts (1..%d) in %.1fs",
                     len(sizes), max_b, time.perf_counter() - t0)
 
-    def _static_meta(self, b: int) -> AttentionMetadata:
+    def _static_meta(self, b: int):
         s = self._static
-        return AttentionMetadata(
+        meta = AttentionMetadata(
             slot_mapping=s["slots"][:b], block_tables=s["table"][:b], seq_lens=s["seq_lens"][:b],
             query_start_loc=s["qsl"][: b + 1], num_decodes=b, max_query_len=1,
             max_seq_len=self._max_model_len, query_lens_cpu=[1] * b, seq_lens_cpu=[self._max_model_len] * b,
         )
+        return self._group_metas(meta, [t[:b] for g in range(1, len(self.group_tables) + 1)
+                                        for t in (s[f"slots{g}"], s[f"table{g}"])])
 
     def _replay(self, seqs: list[ScheduledSeq]):
-        ids, pos, slots, seq_lens, table, rows, lora_slots = self._decode_rows(seqs)
+        ids, pos, slots, seq_lens, table, rows, groups, lora_slots = self._decode_rows(seqs)
         n = len(ids)
         b = next(size for size in sorted(self.graphs) if size >= n)
         s = self._static
+        groups = [(_padded(a, b, -1), t) if t is np.int64 else (a, t) for a, t in groups]  # padded slots
         lora = None
         if lora_slots is not None:  # padding rows read no adapter
             lora = host_segments(_padded(lora_slots, b, -1), self.lora.max_loras)
-        ids_t, pos_t, slots_t, lens_t, table_t, rows_t, dst, src, *lora_t = self._stage(
+        ids_t, pos_t, slots_t, lens_t, table_t, rows_t, dst, src, *staged = self._stage(
             (_padded(ids, b, 0), np.int64), (_padded(pos, b, 0), np.int64), (_padded(slots, b, -1), np.int64),
             (_padded(seq_lens, b, 0), np.int32), (table, np.int32), (rows, np.int64), *self._placeholders(seqs),
-            *([(a, np.int32) for a in lora[0]] if lora is not None else []))
+            *groups, *([(a, np.int32) for a in lora[0]] if lora is not None else []))
+        staged, lora_t = staged[: len(groups)], staged[len(groups):]
         self._fill_placeholders(ids_t, dst, src)
         if lora is not None:
             static = self.lora.static
@@ -450,6 +505,10 @@ class ModelRunner:
         s["slots"][:b].copy_(slots_t)
         s["seq_lens"][:b].copy_(lens_t)
         s["table"][:n, :table_t.shape[1]].copy_(table_t)
+        for g in range(1, len(self.group_tables) + 1):
+            g_slots, g_table = staged[2 * g - 2], staged[2 * g - 1]
+            s[f"slots{g}"][:b].copy_(g_slots)
+            s[f"table{g}"][:n, :g_table.shape[1]].copy_(g_table)
         self.graphs[b].replay()
         logits = self._logits[b][:n] if len(rows) == n else self._logits[b][rows_t]
         return logits, [sc for sc in seqs if sc.samples]

@@ -29,6 +29,7 @@ class TPWorker:
         from kvloom.core.model.loader import build_model, load_hf_config
         from kvloom.core.worker.cpu_malloc import keep_freed_memory
         from kvloom.core.worker.cpu_threads import configure_threads
+        from kvloom.core.worker.model_runner import make_kv_caches
         from kvloom.core.worker.tp_executor import TPWorkerRunner
 
         self.device = device = resolve_device(config.device)
@@ -60,16 +61,18 @@ class TPWorker:
 
             lora = LoRAPool(self.model, config.max_loras, config.max_lora_rank, config.resolved_max_cpu_loras)
         profile = self._profile if device.type == "cuda" else None
-        cap = capacity.kv_capacity(config, self.hf_config, self.dtype, self.max_model_len, profile, size)
+        layout = capacity.kv_layout(config, self.hf_config)  # rank 0's (no draft model under tensor parallelism)
+        cap = capacity.kv_capacity(config, self.hf_config, self.dtype, self.max_model_len, profile, size,
+                                   layout=layout)
         blocks = tp.min_int(cap.num_blocks, device)
         shape = self.attention_backend.kv_cache_shape(blocks, config.block_size, self.model.num_kv_heads,
                                                       self.model.head_dim)
         cache_dtype = capacity.kv_cache_dtype(config, self.dtype, device)
-        kv_caches = [(torch.zeros(shape, dtype=cache_dtype, device=device),
-                      torch.zeros(shape, dtype=cache_dtype, device=device))
-                     for _ in range(self.hf_config.num_hidden_layers)]
+        kv_caches = make_kv_caches(self.hf_config.num_hidden_layers, shape, cache_dtype, device, layout)
+        num_groups = len(layout.groups) if layout.hybrid else 1
+        self.model.kv_groups = layout.group_of_layer() if num_groups > 1 else None
         share_tokens = config.async_scheduling == "on" or (config.async_scheduling == "auto" and device.type == "cuda")
-        self.runner = TPWorkerRunner(self.model, kv_caches, config.block_size, device, config.seed, tp=tp,
+        self.runner = TPWorkerRunner(self.model, kv_caches, config.block_size, device, config.seed, num_groups, tp=tp,
                                      share_tokens=share_tokens, lora=lora)
         if device.type == "cuda" and not config.enforce_eager:
             self.runner.capture_graphs(config.max_num_seqs, self.max_model_len)

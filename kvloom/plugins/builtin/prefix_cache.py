@@ -48,7 +48,7 @@ HASHERS: dict[str, tuple[BlockHasher, Callable[[], Hashable]]] = {
 
 @dataclass(frozen=True)
 class CachedBlock:
-    block_hash: Hashable
+    block_hash: Hashable  # the key: the chained hash, with its layer group's index in a hybrid cache
     parent_hash: Hashable
     tokens: tuple[int, ...]
 
@@ -100,16 +100,31 @@ class HashPrefixCache:
             parent = block_hash
         return found
 
-    def cache_blocks(self, request: Request, start_block: int, end_block: int) -> None:
+    def cache_blocks(self, request: Request, start_block: int, end_block: int, group: int = 0) -> None:
         hashes = self.block_hashes(request)
         tokens, bs = request.all_token_ids, self.block_size
+        table = request.block_ids if group == 0 else request.extra_block_ids[group - 1]
         for i in range(start_block, end_block):
-            block, block_hash = request.block_ids[i], hashes[i]
-            if block_hash in self._by_hash or block in self._blocks:
+            block, block_hash = table[i], hashes[i]
+            key = block_hash if group == 0 else (group, block_hash)  # a hybrid cache's groups apart
+            if key in self._by_hash or block in self._blocks:
                 continue  # the same prefix was computed twice at once: the first copy stays cached
             parent = hashes[i - 1] if i else self.root_hash
-            self._by_hash[block_hash] = block
-            self._blocks[block] = CachedBlock(block_hash, parent, tuple(tokens[i * bs : (i + 1) * bs]))
+            self._by_hash[key] = block
+            self._blocks[block] = CachedBlock(key, parent, tuple(tokens[i * bs : (i + 1) * bs]))
+
+    def cached_block(self, request: Request, group: int, index: int) -> int | None:
+        hashes = self.block_hashes(request)
+        if index >= len(hashes):
+            return None
+        block = self._by_hash.get(hashes[index] if group == 0 else (group, hashes[index]))
+        if block is None:
+            return None
+        cached, bs = self._blocks[block], self.block_size
+        parent = hashes[index - 1] if index else self.root_hash
+        if cached.parent_hash != parent or cached.tokens != tuple(request.all_token_ids[index * bs: (index + 1) * bs]):
+            return None  # a hash collision: the stored tokens decide
+        return block
 
     def evict(self, block_id: int) -> None:
         cached = self._blocks.pop(block_id, None)

@@ -42,7 +42,13 @@ class AttentionBackend(Protocol):
     def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]: ...
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
-                meta: AttentionMetadata, scale: float, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor: ...
+                meta: AttentionMetadata, scale: float, k_scale: float = 1.0, v_scale: float = 1.0,
+                window: int | None = None, softcap: float | None = None,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
+        """``k_scale``/``v_scale``: the per-tensor scales of an fp8 cache (stored ``x / scale``). A layer's
+        variant: ``window`` (a query sees its last ``window`` positions), ``softcap`` (scores become
+        ``softcap * tanh(scores / softcap)``), ``sinks`` (``[Hq]`` logits in each softmax denominator)."""
+        ...
 
 
 class TorchAttentionBackend:
@@ -78,8 +84,14 @@ class TorchAttentionBackend:
         scale: float,
         k_scale: float = 1.0,
         v_scale: float = 1.0,
+        window: int | None = None,
+        softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """``k_scale``/``v_scale``: the per-tensor scales of an fp8 cache (stored ``x / scale``)."""
+        """``k_scale``/``v_scale``: the per-tensor scales of an fp8 cache (stored ``x / scale``). A layer's
+        variant: ``window`` (a query sees its last ``window`` positions), ``softcap`` (scores become
+        ``softcap * tanh(scores / softcap)``), ``sinks`` (``[Hq]`` logits in each softmax denominator)."""
+        variant = dict(window=window, softcap=softcap, sinks=sinks)
         k_cache, v_cache = kv_cache
         reference.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
         nd = meta.num_decodes
@@ -87,7 +99,7 @@ class TorchAttentionBackend:
             max_len = max(meta.seq_lens_cpu[:nd])
             decoded = reference.paged_decode_attention(
                 q[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens[:nd], max_len, scale,
-                workspace=self._decode_workspace(k_cache, nd, max_len), k_scale=k_scale, v_scale=v_scale,
+                workspace=self._decode_workspace(k_cache, nd, max_len), k_scale=k_scale, v_scale=v_scale, **variant,
             )
             if nd == meta.num_seqs:
                 return decoded
@@ -96,6 +108,6 @@ class TorchAttentionBackend:
             out[:nd] = decoded
         out[nd:] = reference.paged_prefill_attention(
             q[nd:], k_cache, v_cache, meta.block_tables[nd:], meta.query_lens_cpu[nd:],
-            meta.seq_lens_cpu[nd:], scale, k_scale, v_scale,
+            meta.seq_lens_cpu[nd:], scale, k_scale, v_scale, **variant,
         )
         return out

@@ -30,15 +30,24 @@ import torch
 import torch.nn.functional as F
 
 from kvloom.core.model.attention.base import AttentionMetadata
+from kvloom.kernels import reference
 from kvloom.kernels.reference import dequantize_kv, is_fp8, quantize_kv
+
+
+@dataclass
+class _DecodeIndex:
+    """Which cache rows the decode rows read, for one window (None: every position)."""
+
+    rows: torch.Tensor  # [nd * Hkv * nblk] rows of the cache viewed as [num_blocks * Hkv, bs, D]
+    blocks: int  # nblk: blocks gathered per sequence
+    bias: torch.Tensor  # [nd, 1, 1, nblk * bs] 0 where attended, -inf on padding and outside the window
+    mask: torch.Tensor  # the same as bool: True where attended
 
 
 @dataclass
 class _StepIndex:
     write_rows: torch.Tensor  # [T * Hkv] rows of the cache viewed as [num_blocks * Hkv * block_size, D]
-    decode_rows: torch.Tensor | None  # [nd * Hkv * nblk] rows of the cache viewed as [num_blocks * Hkv, bs, D]
-    decode_blocks: int
-    decode_bias: torch.Tensor | None  # [nd, 1, 1, nblk * bs] 0 where attended, -inf on padding
+    decode: dict  # window -> _DecodeIndex, built when a layer with that window first decodes in the step
     prefill_groups: list[tuple[list[int], int, int, int | None]]  # (sequences, q_len, s_len, first row if
     # their queries are one contiguous run of the flat batch, else None), equal shapes grouped
     starts: list[int]  # each sequence's first query in the flat batch
@@ -50,11 +59,18 @@ def _softmax(scores: torch.Tensor) -> torch.Tensor:
     return torch.softmax(scores, dim=-1)
 
 
-def _block_rows(block_tables: torch.Tensor, num_blocks: int, num_kv_heads: int) -> torch.Tensor:
-    """Rows ``block * Hkv + head`` of each table's first ``num_blocks`` blocks, ordered ``[seq, head, block]``."""
-    heads = torch.arange(num_kv_heads, device=block_tables.device)
-    rows = block_tables[:, None, :num_blocks].long() * num_kv_heads + heads[None, :, None]
+def _block_rows(table_cols: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+    """Rows ``block * Hkv + head`` of each table row's blocks ``[seq, blocks]``, ordered ``[seq, head, block]``."""
+    heads = torch.arange(num_kv_heads, device=table_cols.device)
+    rows = table_cols[:, None, :].long() * num_kv_heads + heads[None, :, None]
     return rows.reshape(-1)
+
+
+def _first_block(s_len: int, q_len: int, window: int | None, bs: int) -> int:
+    """The first cache block a chunk of ``q_len`` queries ending at ``s_len`` reads (its window's start)."""
+    if window is None:
+        return 0
+    return max(0, s_len - q_len - window + 1) // bs
 
 
 class CPUAttentionBackend:
@@ -64,23 +80,13 @@ class CPUAttentionBackend:
     def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
         return (num_blocks, num_kv_heads, block_size, head_dim)
 
-    def _index(self, meta: AttentionMetadata, k_cache: torch.Tensor, dtype: torch.dtype) -> _StepIndex:
+    def _index(self, meta: AttentionMetadata, k_cache: torch.Tensor) -> _StepIndex:
         _, num_kv_heads, bs, _ = k_cache.shape
         slots = meta.slot_mapping.long()
         heads = torch.arange(num_kv_heads, device=slots.device)
         # token at slot s, head h -> row ((s // bs) * Hkv + h) * bs + s % bs
         write_rows = (((slots // bs) * num_kv_heads)[:, None] + heads[None, :]) * bs + (slots % bs)[:, None]
         nd = meta.num_decodes
-        decode_rows = decode_bias = None
-        nblk = 0
-        if nd:
-            max_len = max(meta.seq_lens_cpu[:nd])
-            nblk = -(-max_len // bs)
-            decode_rows = _block_rows(meta.block_tables[:nd], nblk, num_kv_heads)
-            pad = torch.arange(nblk * bs, device=slots.device)[None, :] >= meta.seq_lens[:nd, None]
-            decode_bias = torch.zeros(pad.shape, dtype=dtype, device=slots.device)
-            decode_bias.masked_fill_(pad, float("-inf"))
-            decode_bias = decode_bias[:, None, None, :]
         groups: dict[tuple[int, int], list[int]] = {}
         for i in range(nd, meta.num_seqs):
             groups.setdefault((meta.query_lens_cpu[i], meta.seq_lens_cpu[i]), []).append(i)
@@ -91,7 +97,35 @@ class CPUAttentionBackend:
         for (q_len, s_len), seqs in groups.items():
             contiguous = all(starts[i] == starts[seqs[0]] + j * q_len for j, i in enumerate(seqs))
             prefill_groups.append((seqs, q_len, s_len, starts[seqs[0]] if contiguous else None))
-        return _StepIndex(write_rows.reshape(-1), decode_rows, nblk, decode_bias, prefill_groups, starts)
+        return _StepIndex(write_rows.reshape(-1), {}, prefill_groups, starts)
+
+    @staticmethod
+    def _decode_index(meta: AttentionMetadata, k_cache: torch.Tensor, dtype: torch.dtype,
+                      window: int | None) -> _DecodeIndex:
+        """The blocks each decode row reads: all of its sequence's, or only those its window covers (so a
+        long sequence with a small window gathers a few blocks, whatever its length)."""
+        _, num_kv_heads, bs, _ = k_cache.shape
+        nd = meta.num_decodes
+        lens_cpu = meta.seq_lens_cpu[:nd]
+        lens = meta.seq_lens[:nd].long()
+        tables = meta.block_tables[:nd]
+        device = tables.device
+        if window is None:
+            nblk = -(-max(lens_cpu) // bs)
+            table_cols = tables[:, :nblk]
+            first_pos = torch.zeros_like(lens)
+        else:
+            first_blocks = [max(0, n - window) // bs for n in lens_cpu]
+            nblk = max(-(-n // bs) - f for n, f in zip(lens_cpu, first_blocks))
+            first_blk = torch.tensor(first_blocks, dtype=torch.long, device=device)
+            cols = (first_blk[:, None] + torch.arange(nblk, device=device)[None, :]).clamp_(max=tables.shape[1] - 1)
+            table_cols = torch.gather(tables, 1, cols)
+            first_pos = (lens - window).clamp_(min=0)
+            lens, first_pos = lens - first_blk * bs, first_pos - first_blk * bs  # relative to the first gathered
+        pos = torch.arange(nblk * bs, device=device)[None, :]
+        mask = (pos < lens[:, None]) & (pos >= first_pos[:, None])
+        bias = torch.zeros(mask.shape, dtype=dtype, device=device).masked_fill_(~mask, float("-inf"))
+        return _DecodeIndex(_block_rows(table_cols, num_kv_heads), nblk, bias[:, None, None, :], mask[:, None, None, :])
 
     def forward(
         self,
@@ -103,12 +137,16 @@ class CPUAttentionBackend:
         scale: float,
         k_scale: float = 1.0,
         v_scale: float = 1.0,
+        window: int | None = None,
+        softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """See ``AttentionBackend.forward`` (the layer's variant: ``window``, ``softcap``, ``sinks``)."""
         k_cache, v_cache = kv_cache
         kv_scales = (k_scale, v_scale)
         index = meta.backend_data
         if index is None:  # first layer of the step
-            index = meta.backend_data = self._index(meta, k_cache, q.dtype)
+            index = meta.backend_data = self._index(meta, k_cache)
         head_dim = k_cache.shape[-1]
         if is_fp8(k_cache.dtype):  # index_copy_ has no float8 kernels: copy the quantized bytes
             for x, cache, s in ((k, k_cache, k_scale), (v, v_cache, v_scale)):
@@ -117,23 +155,34 @@ class CPUAttentionBackend:
         else:
             k_cache.view(-1, head_dim).index_copy_(0, index.write_rows, k.reshape(-1, head_dim))
             v_cache.view(-1, head_dim).index_copy_(0, index.write_rows, v.reshape(-1, head_dim))
+        explicit = softcap is not None or sinks is not None  # scores written out (no fused kernel does these)
         nd = meta.num_decodes
+        if nd:
+            if window is not None and max(meta.seq_lens_cpu[:nd]) <= window:
+                window_key = None  # every decode row sees its whole sequence
+            else:
+                window_key = window
+            dec = index.decode.get(window_key)
+            if dec is None:
+                dec = index.decode[window_key] = self._decode_index(meta, k_cache, q.dtype, window_key)
         if nd == meta.num_seqs:
-            return self._decode(q, k_cache, v_cache, index, scale, kv_scales)
+            return self._decode(q, k_cache, v_cache, dec, scale, kv_scales, softcap, sinks)
         num_tokens, num_heads, _ = q.shape
         if nd == 0 and len(index.prefill_groups) == 1 and index.prefill_groups[0][3] == 0:
             out = None  # one group of prompts covering the whole batch: its result is the output
         else:
             out = q.new_empty(num_tokens, num_heads, head_dim)
         if nd:
-            out[:nd] = self._decode(q[:nd], k_cache, v_cache, index, scale, kv_scales)
+            out[:nd] = self._decode(q[:nd], k_cache, v_cache, dec, scale, kv_scales, softcap, sinks)
         starts = index.starts
+        bs = k_cache.shape[2]
         for seqs, q_len, s_len, first in index.prefill_groups:
             n = len(seqs)
             if first is not None:  # one run of the flat batch: views, no copies
                 qs = q[first: first + n * q_len].unflatten(0, (n, q_len))  # [n, Q, Hq, D]
             else:
                 qs = torch.stack([q[starts[i]: starts[i] + q_len] for i in seqs])
+            first_key = 0
             if q_len == s_len:  # nothing cached before: attend to the fresh K/V
                 if first is not None:
                     ks = k[first: first + n * q_len].unflatten(0, (n, q_len))
@@ -142,16 +191,24 @@ class CPUAttentionBackend:
                     ks = torch.stack([k[starts[i]: starts[i] + q_len] for i in seqs])
                     vs = torch.stack([v[starts[i]: starts[i] + q_len] for i in seqs])
                 keys, values = ks.transpose(1, 2), vs.transpose(1, 2)  # [n, Hkv, Q, D] views
-            else:  # a chunk after a cached prefix: gather the sequence's whole history
-                keys, values = self._gather_prefix(k_cache, v_cache, meta.block_tables[seqs], s_len, q.dtype, kv_scales)
-            if q.dtype != torch.float32:
-                o = self._prefill_grouped(qs, keys, values, scale)
-            elif q_len == s_len:
+            else:  # a chunk after a cached prefix: gather the history its window reads
+                first_key = _first_block(s_len, q_len, window, bs) * bs
+                keys, values = self._gather_prefix(k_cache, v_cache, meta.block_tables[seqs], first_key // bs,
+                                                   s_len, q.dtype, kv_scales)
+            # the keys' positions start at first_key; a window narrower than the span needs a mask of its own
+            windowed = window is not None and s_len - first_key > window
+            mask = None
+            if q_len != s_len or windowed:
+                mask = reference.visible(torch.arange(s_len - q_len, s_len, device=q.device),
+                                         torch.arange(first_key, s_len, device=q.device), window)
+            if explicit:
+                o = self._prefill_explicit(qs, keys, values, scale, mask, softcap, sinks, s_len - first_key)
+            elif q.dtype != torch.float32:
+                o = self._prefill_grouped(qs, keys, values, scale, mask)
+            elif mask is None:
                 o = F.scaled_dot_product_attention(qs.transpose(1, 2), keys, values, is_causal=True, scale=scale,
                                                    enable_gqa=True).transpose(1, 2)
             else:
-                q_pos = torch.arange(s_len - q_len, s_len, device=q.device)
-                mask = torch.arange(s_len, device=q.device)[None, :] <= q_pos[:, None]
                 o = F.scaled_dot_product_attention(qs.transpose(1, 2), keys, values, attn_mask=mask, scale=scale,
                                                    enable_gqa=True).transpose(1, 2)
             if out is None:
@@ -164,54 +221,79 @@ class CPUAttentionBackend:
         return out
 
     @staticmethod
-    def _decode(q, k_cache, v_cache, index: _StepIndex, scale: float, kv_scales=(1.0, 1.0)) -> torch.Tensor:
+    def _decode(q, k_cache, v_cache, index: _DecodeIndex, scale: float, kv_scales=(1.0, 1.0), softcap=None,
+                sinks=None) -> torch.Tensor:
         _, num_kv_heads, bs, head_dim = k_cache.shape
         batch, num_heads, _ = q.shape
-        length = index.decode_blocks * bs
-        keys = k_cache.view(-1, bs, head_dim).index_select(0, index.decode_rows).view(batch, num_kv_heads, length, head_dim)
-        values = v_cache.view(-1, bs, head_dim).index_select(0, index.decode_rows).view(batch, num_kv_heads, length, head_dim)
+        length = index.blocks * bs
+        keys = k_cache.view(-1, bs, head_dim).index_select(0, index.rows).view(batch, num_kv_heads, length, head_dim)
+        values = v_cache.view(-1, bs, head_dim).index_select(0, index.rows).view(batch, num_kv_heads, length, head_dim)
         keys, values = dequantize_kv(keys, q.dtype, kv_scales[0]), dequantize_kv(values, q.dtype, kv_scales[1])
         grouped = q.view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
+        if softcap is not None or sinks is not None:
+            sinks = None if sinks is None else sinks.view(num_kv_heads, -1, 1)
+            out = reference.attend(grouped, keys, values, index.mask, scale, softcap, sinks)
+            return out.view(batch, num_heads, head_dim)
         if q.dtype == torch.float32:
             # float32 batched matmuls this small run in MKL at a fraction of the fused kernel's speed
-            out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=index.decode_bias, scale=scale)
+            out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=index.bias, scale=scale)
             return out.view(batch, num_heads, head_dim)
         scores = torch.matmul(grouped, keys.transpose(-1, -2))  # [B, Hkv, G, L]
-        scores.mul_(scale).add_(index.decode_bias)
+        scores.mul_(scale).add_(index.bias)
         return torch.matmul(_softmax(scores), values).view(batch, num_heads, head_dim)
 
     @staticmethod
-    def _prefill_grouped(q, keys, values, scale: float) -> torch.Tensor:
+    def _prefill_grouped(q, keys, values, scale: float, mask: torch.Tensor | None = None) -> torch.Tensor:
         """Causal attention of prompt chunks, ``q`` ``[n, Q, Hq, D]`` at the last ``Q`` of ``S`` positions, over
         ``keys``/``values`` ``[n, Hkv, S, D]`` (the fresh K/V, or the gathered history of a chunk after a
         cached prefix: one formula for both), as two batched matmuls per KV head with its query heads
         stacked along the rows. For bf16/fp16, where it beats the fused CPU kernel (docs/benchmarks.md);
-        scores in the model dtype, softmax in float32, as in decode."""
+        scores in the model dtype, softmax in float32, as in decode. ``mask`` (``[Q, S]`` bool): which keys
+        each query sees, where that is not plain causality over the last ``Q`` positions."""
         n, length, num_heads, head_dim = q.shape
         num_kv_heads, total = keys.shape[1], keys.shape[2]
         group = num_heads // num_kv_heads
         grouped = q.view(n, length, num_kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
         grouped = grouped.reshape(n * num_kv_heads, group * length, head_dim) * scale
         keys_t = keys.transpose(-1, -2).reshape(n * num_kv_heads, head_dim, total)
-        # the causal mask as an additive bias the matmul starts from (-inf where a key comes after the
-        # query), one copy per query head of the group: cheaper than masking the scores afterwards
+        # the mask as an additive bias the matmul starts from (-inf where a key is hidden), one copy per query
+        # head of the group: cheaper than masking the scores afterwards
         causal = torch.zeros(length, total, dtype=q.dtype, device=q.device)
-        future = torch.ones(length, total, dtype=torch.bool, device=q.device).triu_(total - length + 1)
-        causal.masked_fill_(future, float("-inf"))
+        if mask is None:
+            hidden = torch.ones(length, total, dtype=torch.bool, device=q.device).triu_(total - length + 1)
+        else:
+            hidden = ~mask
+        causal.masked_fill_(hidden, float("-inf"))
         scores = torch.baddbmm(causal.repeat(group, 1), grouped, keys_t)  # [n * Hkv, G * Q, S]
         out = torch.matmul(_softmax(scores).view(n, num_kv_heads, group * length, total), values)
         return out.view(n, num_kv_heads, group, length, head_dim).permute(0, 3, 1, 2, 4).reshape(
             n, length, num_heads, head_dim)
 
     @staticmethod
-    def _gather_prefix(k_cache, v_cache, block_tables: torch.Tensor, length: int, dtype: torch.dtype,
-                       kv_scales=(1.0, 1.0)):
-        """K and V of the first ``length`` cached tokens of each table row: ``[n, Hkv, length, D]``."""
+    def _prefill_explicit(q, keys, values, scale: float, mask: torch.Tensor | None, softcap, sinks,
+                          total: int) -> torch.Tensor:
+        """Prompt chunks with soft-capped scores or sinks (``reference.attend``): ``q`` ``[n, Q, Hq, D]``,
+        ``keys``/``values`` ``[n, Hkv, S, D]``, the query heads of a KV head stacked as its group."""
+        n, length, num_heads, head_dim = q.shape
+        num_kv_heads = keys.shape[1]
+        group = num_heads // num_kv_heads
+        grouped = q.view(n, length, num_kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)  # [n, Hkv, G, Q, D]
+        if mask is None:
+            mask = torch.ones(length, total, dtype=torch.bool, device=q.device).tril_(total - length)
+        sinks = None if sinks is None else sinks.view(num_kv_heads, group, 1, 1)
+        out = reference.attend(grouped, keys[:, :, None], values[:, :, None], mask, scale, softcap, sinks)
+        return out.permute(0, 3, 1, 2, 4).reshape(n, length, num_heads, head_dim)
+
+    @staticmethod
+    def _gather_prefix(k_cache, v_cache, block_tables: torch.Tensor, first_block: int, length: int,
+                       dtype: torch.dtype, kv_scales=(1.0, 1.0)):
+        """K and V of cached tokens ``first_block * bs .. length`` of each table row: ``[n, Hkv, L, D]``."""
         _, num_kv_heads, bs, head_dim = k_cache.shape
-        nblk = -(-length // bs)
-        rows = _block_rows(block_tables, nblk, num_kv_heads)
+        nblk = -(-length // bs) - first_block
+        rows = _block_rows(block_tables[:, first_block: first_block + nblk], num_kv_heads)
         n = block_tables.shape[0]
+        span = length - first_block * bs
         keys = k_cache.view(-1, bs, head_dim).index_select(0, rows).view(n, num_kv_heads, nblk * bs, head_dim)
         values = v_cache.view(-1, bs, head_dim).index_select(0, rows).view(n, num_kv_heads, nblk * bs, head_dim)
-        return (dequantize_kv(keys[:, :, :length], dtype, kv_scales[0]),
-                dequantize_kv(values[:, :, :length], dtype, kv_scales[1]))
+        return (dequantize_kv(keys[:, :, :span], dtype, kv_scales[0]),
+                dequantize_kv(values[:, :, :span], dtype, kv_scales[1]))

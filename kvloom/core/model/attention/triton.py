@@ -31,10 +31,15 @@ class TritonAttentionBackend:
         v_scale: float = 1.0,
         rope=None,
         kv_written: bool = False,
+        window: int | None = None,
+        softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """With ``rope`` (``ops.rotary_tables``' CUDA form, ``(positions, cos_sin_cache)``), q and k are
         rotated here first (q in place). ``kv_written``: q and k come rotated and this step's k/v are in
-        the cache already (the qkv projection's kernel did both)."""
+        the cache already (the qkv projection's kernel did both). ``window``/``softcap``/``sinks``: the
+        layer's variant (``AttentionBackend.forward``)."""
+        variant = dict(window=window, softcap=softcap, sinks=None if sinks is None else sinks.float().contiguous())
         k_cache, v_cache = kv_cache
         if not kv_written:
             if rope is not None:
@@ -47,10 +52,10 @@ class TritonAttentionBackend:
             # ``max_seq_len`` is only a hint for the split count; CUDA graphs capture with a fixed one.
             return triton_attention.paged_decode_attention(
                 q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.max_seq_len, scale,
-                k_scale=k_scale, v_scale=v_scale, pdl=self.pdl,
+                k_scale=k_scale, v_scale=v_scale, pdl=self.pdl, **variant,
             )
         # Mixed batches: the prefill kernel handles single-query sequences too, in one launch.
         return triton_attention.paged_prefill_attention(
             q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, meta.max_query_len, scale,
-            k_scale=k_scale, v_scale=v_scale,
+            k_scale=k_scale, v_scale=v_scale, **variant,
         )
