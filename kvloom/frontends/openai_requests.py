@@ -22,7 +22,6 @@ def sampling_params(req: api._GenerationRequest, max_tokens: int | None, logprob
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     if structured is None:
         structured = structured_output(req)
-    bias = logit_bias(req.logit_bias)  # its own 400 names logit_bias: outside the try that rewraps ValueErrors
     try:
         return SamplingParams(
             n=req.n, temperature=1.0 if req.temperature is None else req.temperature,
@@ -31,7 +30,7 @@ def sampling_params(req: api._GenerationRequest, max_tokens: int | None, logprob
             repetition_penalty=req.repetition_penalty, max_tokens=max_tokens, min_tokens=req.min_tokens,
             stop=stop, stop_token_ids=list(req.stop_token_ids), ignore_eos=req.ignore_eos, logprobs=logprobs,
             skip_special_tokens=req.skip_special_tokens, include_stop_str_in_output=req.include_stop_str_in_output,
-            logit_bias=bias, structured=structured, prompt_logprobs=prompt_logprobs,
+            logit_bias=logit_bias(req.logit_bias), structured=structured, prompt_logprobs=prompt_logprobs,
         )
     except ValueError as e:
         raise sampling_error(e) from None

@@ -39,7 +39,10 @@ class PreparedRequest:
 
 
 def sampling_error(error: ValueError) -> RequestError:
-    """The 400 of a SamplingParams that refused a value; its message starts with the field ("top_k=-5 ...")."""
+    """The 400 of a SamplingParams that refused a value; its message starts with the field ("top_k=-5 ...").
+    A RequestError (a ValueError too) already names its field and passes through unchanged."""
+    if isinstance(error, RequestError):
+        return error
     field = str(error).split("=", 1)[0]
     return RequestError(400, str(error), field if field.isidentifier() else None)
 
