@@ -174,17 +174,10 @@ def test_quantized_experts_match_the_reference_on_their_dequantized_weights(tk, 
     # the CPU path dequantizes and runs the reference
     torch.testing.assert_close(fused_experts(x, q13, q2, weights, ids, **kw), want, atol=1e-6, rtol=1e-6)
     dev = tk.device
-    q13d, q2d = (_to(q, dev) for q in (q13, q2))
+    q13d, q2d = q13.to(dev), q2.to(dev)
     got = tk.moe.fused_experts_triton(x.to(dev), q13d, q2d, weights.to(dev), ids.to(dev), activation="silu",
                                       w13_bias=b13.to(dev), w2_bias=b2.to(dev))
     torch.testing.assert_close(got.cpu(), want, atol=5e-5, rtol=5e-5)
-
-
-def _to(q, device):
-    import dataclasses
-
-    fields = {f.name: getattr(q, f.name) for f in dataclasses.fields(q)}
-    return type(q)(**{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in fields.items()})
 
 
 def _mxfp4_checkpoint(n, k, num_experts, gen):
@@ -232,7 +225,7 @@ def test_mxfp4_experts_match_the_reference(tk, num_experts, top_k, num_tokens):
     want = fused_experts_reference(x, q13.dequantize(), q2.dequantize(), weights, ids, **kw)
     assert want.abs().max() > 0.5  # weights of a useful size: the check below is not vacuous
     dev = tk.device
-    got = tk.moe.fused_experts_triton(x.to(dev), _to(q13, dev), _to(q2, dev), weights.to(dev), ids.to(dev),
+    got = tk.moe.fused_experts_triton(x.to(dev), q13.to(dev), q2.to(dev), weights.to(dev), ids.to(dev),
                                       activation="swiglu_oai", w13_bias=b13.to(dev), w2_bias=b2.to(dev))
     torch.testing.assert_close(got.cpu(), want, atol=5e-5, rtol=5e-5)
 

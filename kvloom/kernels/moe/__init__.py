@@ -13,7 +13,17 @@ from kvloom.kernels.moe.weights import ExpertWeights, FP8Experts, IntExperts, MX
 from kvloom.kernels.options import DEFAULT_KERNELS, KernelOptions
 
 __all__ = ["ExpertWeights", "FP8Experts", "IntExperts", "MXFP4Experts", "MoEActivation", "fused_experts",
-           "fused_experts_reference"]
+           "fused_experts_reference", "kernel_name"]
+
+
+def kernel_name(device: torch.device) -> str:
+    """The experts' kernel on ``device``, for the start-up log."""
+    from kvloom.kernels.ops import use_triton
+
+    if use_triton(torch.empty(0, device=device)):
+        return ("Triton fused MoE (rows sorted by expert, one grouped GEMM a projection, the gated activation and "
+                "top-k weights in their epilogues; quantized experts dequantized in registers)")
+    return "PyTorch reference (rows sorted by expert, one matmul a projection for each expert with tokens)"
 
 
 def fused_experts(x: torch.Tensor, w13: torch.Tensor | ExpertWeights, w2: torch.Tensor | ExpertWeights,

@@ -228,4 +228,4 @@ def fused_experts_triton(x: torch.Tensor, w13: torch.Tensor | ExpertWeights, w2:
         act, *args[:4], act if w2_bias is None else w2_bias, topk_weights.reshape(-1).contiguous(), rows_out,
         blocks.sorted_rows, blocks.block_expert, num_rows, hidden, inter, *args[4:],
         HAS_BIAS=w2_bias is not None, DOT_PRECISION=precision, **const, **tile, **launch)
-    return torch.sum(rows_out.view(num_tokens, top_k, hidden), dim=1, out=None).to(x.dtype)
+    return torch.sum(rows_out.view(num_tokens, top_k, hidden), dim=1).to(x.dtype)

@@ -27,6 +27,7 @@ quantized object reaching the CPU path is dequantized on every call. Layouts: ``
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import NamedTuple, Sequence, Union
 
@@ -41,6 +42,8 @@ DENSE, FP8_CHANNEL, FP8_BLOCK, MXFP4, INT = 0, 1, 2, 3, 4
 # e2m1 (MXFP4's element) by nibble: sign bit 3, exponent bits 2-1, mantissa bit 0.
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 MXFP4_BLOCK = 32
+
+DEQUANTIZE_EXPERTS = 8
 
 PerExpert = Sequence[Union[torch.Tensor, tuple]]
 
@@ -104,7 +107,29 @@ class ExpertWeights:
     def device(self) -> torch.device:
         return self.kernel_weight().weight.device
 
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {f.name: v for f in dataclasses.fields(self) if isinstance(v := getattr(self, f.name), torch.Tensor)}
+
+    @property
+    def nbytes(self) -> int:
+        """What the packed tensors hold (``engine plan``, the layer's ``held_bytes``)."""
+        return sum(t.numel() * t.element_size() for t in self.tensors().values())
+
+    def to(self, device: torch.device | str) -> "ExpertWeights":
+        """The same experts with every tensor on ``device``."""
+        return dataclasses.replace(self, **{k: v.to(device) for k, v in self.tensors().items()})
+
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The dense ``[E, N, K]`` weight in ``dtype`` (computed in float32, a few experts at a time so that no
+        float32 copy of every expert is made)."""
+        out = torch.empty(self.shape, dtype=dtype, device=self.device)
+        for lo in range(0, self.num_experts, DEQUANTIZE_EXPERTS):
+            hi = min(lo + DEQUANTIZE_EXPERTS, self.num_experts)
+            out[lo:hi] = self._dequantize(lo, hi)
+        return out
+
+    def _dequantize(self, lo: int, hi: int) -> torch.Tensor:
+        """Experts ``lo .. hi - 1`` dequantized, float32."""
         raise NotImplementedError
 
     def kernel_weight(self) -> KernelWeight:
@@ -172,18 +197,18 @@ class FP8Experts(ExpertWeights):
             scale[e] = s.reshape(-1)
         return cls(weight, scale)
 
-    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        w = self.weight.float()
+    def _dequantize(self, lo: int, hi: int) -> torch.Tensor:
+        w = self.weight[lo:hi].float()
         if self.block is None:
-            return (w * self.scale.unsqueeze(-1)).to(dtype)
+            return w * self.scale[lo:hi].unsqueeze(-1)
         bo, bi = self.block
         n, k = self.out_features // self.halves, self.in_features
         rows = -(-n // bo)
         halves = []
         for h in range(self.halves):
-            s = self.scale[:, h * rows:(h + 1) * rows].repeat_interleave(bo, 1).repeat_interleave(bi, 2)[:, :n, :k]
-            halves.append(w[:, h * n:(h + 1) * n] * s)
-        return torch.cat(halves, 1).to(dtype)
+            s = self.scale[lo:hi, h * rows:(h + 1) * rows].repeat_interleave(bo, 1).repeat_interleave(bi, 2)
+            halves.append(w[:, h * n:(h + 1) * n] * s[:, :n, :k])
+        return torch.cat(halves, 1)
 
     def kernel_weight(self) -> KernelWeight:
         if self.block is None:
@@ -231,12 +256,12 @@ class MXFP4Experts(ExpertWeights):
             blocks, scales = deinterleave_gate_up(blocks, 1), deinterleave_gate_up(scales, 1)
         return cls(blocks, scales)
 
-    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    def _dequantize(self, lo: int, hi: int) -> torch.Tensor:
         lut = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=self.blocks.device)
-        b = self.blocks.long()
-        values = torch.stack([lut[b & 15], lut[b >> 4]], -1).reshape(*b.shape[:2], -1)  # [E, N, K]
-        exponent = (self.scales.int() - 127).repeat_interleave(MXFP4_BLOCK, -1)
-        return torch.ldexp(values, exponent).to(dtype)
+        b = self.blocks[lo:hi].long()
+        values = torch.stack([lut[b & 15], lut[b >> 4]], -1).reshape(*b.shape[:2], -1)  # [e, N, K]
+        exponent = (self.scales[lo:hi].int() - 127).repeat_interleave(MXFP4_BLOCK, -1)
+        return torch.ldexp(values, exponent)
 
     def kernel_weight(self) -> KernelWeight:
         return KernelWeight(MXFP4, self.blocks, self.scales, scale_stride_e=self.scales.stride(0),
@@ -305,17 +330,17 @@ class IntExperts(ExpertWeights):
         return cls(torch.stack([p[0] for p in packed]), torch.stack([p[1] for p in packed]), scale, group_size,
                    bits, order)
 
-    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        q = unpack_int32(self.qweight, self.bits, 1)  # [E, K, N]
+    def _dequantize(self, lo: int, hi: int) -> torch.Tensor:
+        q = unpack_int32(self.qweight[lo:hi], self.bits, 1)  # [e, K, N]
         e, k, n = q.shape
         if self.g_idx is None:
             g = (torch.arange(k, device=q.device) // self.group_size).view(1, k, 1).expand(e, k, n)
         else:  # each half of the columns by its own row of g_idx
             halves = self.g_idx.shape[1]
-            g = self.g_idx.long().transpose(1, 2).repeat_interleave(n // halves, 2)  # [E, K, N]
-        z = torch.gather(self.zeros.long(), 1, g)
-        s = torch.gather(self.scales.float(), 1, g)
-        return ((q - z).float() * s).transpose(1, 2).contiguous().to(dtype)
+            g = self.g_idx[lo:hi].long().transpose(1, 2).repeat_interleave(n // halves, 2)  # [e, K, N]
+        z = torch.gather(self.zeros[lo:hi].long(), 1, g)
+        s = torch.gather(self.scales[lo:hi].float(), 1, g)
+        return ((q - z).float() * s).transpose(1, 2)
 
     def kernel_weight(self) -> KernelWeight:
         return KernelWeight(INT, self.qweight, self.scales, self.zeros, self.g_idx,
