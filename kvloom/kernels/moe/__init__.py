@@ -38,5 +38,6 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor | ExpertWeights, w2: torch.
         from kvloom.kernels.moe.triton import fused_experts_triton
 
         return fused_experts_triton(x, w13, w2, topk_weights, topk_ids, options=options, **kwargs)
+    kwargs.pop("tiles", None)  # the Triton kernel's
     w13, w2 = (w.dequantize(x.dtype) if isinstance(w, ExpertWeights) else w for w in (w13, w2))
     return fused_experts_reference(x, w13, w2, topk_weights, topk_ids, **kwargs)

@@ -327,6 +327,8 @@ class IntExperts(ExpertWeights):
             plain = torch.arange(k, device=order.device) // (k if group_size == -1 else group_size)
             if torch.equal(order, plain.to(order.dtype).expand_as(order)):
                 order = None
+            elif order.shape[1] == 2 and torch.equal(order[:, 0], order[:, 1]):  # gate and up in one order
+                order = order[:, :1]
         return cls(torch.stack([p[0] for p in packed]), torch.stack([p[1] for p in packed]), scale, group_size,
                    bits, order)
 
