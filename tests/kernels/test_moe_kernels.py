@@ -44,6 +44,23 @@ def test_rows_sorted_by_expert_and_padded_to_blocks():
     assert other.sorted_rows.shape == blocks.sorted_rows.shape
 
 
+def _runs(blocks):
+    """(expert, row) of every padded slot, sorted: the order's content, whatever the order within a run."""
+    experts = blocks.block_expert.long().repeat_interleave(blocks.block_m)
+    return sorted(zip(experts.tolist(), blocks.sorted_rows.tolist()))
+
+
+@pytest.mark.parametrize("tokens,top_k,experts,block_m", [(1, 8, 128, 16), (17, 4, 10, 16), (256, 8, 128, 16),
+                                                          (64, 2, 6, 64), (3, 2, 300, 32)])
+def test_align_kernel_builds_the_same_order(tk, tokens, top_k, experts, block_m):
+    gen = torch.Generator().manual_seed(tokens)
+    ids = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(tokens)])
+    want = moe_align(ids, experts, block_m)
+    got = tk.moe.moe_align_triton(ids.to(tk.device), experts, block_m)
+    assert torch.equal(got.block_expert.cpu(), want.block_expert)
+    assert _runs(got._replace(sorted_rows=got.sorted_rows.cpu(), block_expert=got.block_expert.cpu())) == _runs(want)
+
+
 def test_reference_matches_a_loop_over_tokens():
     """The oracle itself: each token's weighted sum over its experts, one token at a time."""
     x, w13, w2, b13, b2, weights, ids = moe_inputs(7, 6, 2)
@@ -255,7 +272,7 @@ def test_tiles_by_rows_per_expert_and_overridable():
 def test_moe_kernel_variants_compile_for_sm90():
     """Every weight format of both GEMMs (dense, FP8 per channel and per block, MXFP4, int4 with and without g_idx,
     int8; gpt-oss's activation and biases; each tile of the table) compiles for an H100/H200 (sm90) on this
-    machine, GPU or not, onto tensor cores. The interpreter runs the kernels as Python and does not catch what
+    machine, GPU or not, onto tensor cores, and so does the align kernel. The interpreter runs the kernels as Python and does not catch what
     only the compiler rejects. In a fresh interpreter: this module's kernels are interpreted."""
     import json
     import os
@@ -267,7 +284,9 @@ def test_moe_kernel_variants_compile_for_sm90():
     run = subprocess.run([sys.executable, "-c", _COMPILE_SM90], env=env, capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stderr[-4000:]
     done = json.loads(run.stdout.strip().splitlines()[-1])
-    assert len(done) == 22 and all(v == "mma" for v in done.values()), done
+    gemms = {k: v for k, v in done.items() if not k.startswith("align/")}
+    assert len(gemms) == 22 and set(gemms.values()) == {"mma"}, done
+    assert [v for k, v in done.items() if k.startswith("align/")] == ["built", "built"], done
 
 
 _COMPILE_SM90 = """
@@ -284,8 +303,9 @@ def build(fn, types, const, launch):
     src = ASTSource(fn, signature, constexprs={(names.index(n),): v for n, v in const.items()}, attrs=attrs)
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=launch)
     ptx = k.asm["ptx"]
-    ok = ".target sm_90" in ptx and len(k.asm["cubin"]) > 0
-    return "mma" if ok and ("mma.sync" in ptx or "wgmma" in ptx) else "no"
+    if ".target sm_90" not in ptx or not k.asm["cubin"]:
+        return "no"
+    return "mma" if "mma.sync" in ptx or "wgmma" in ptx else "built"
 
 # format: (FORMAT, weight, scale, zeros, g_idx, BITS, GIDX_HALVES)
 formats = {"dense": (0, "*bf16", "*bf16", "*bf16", "*bf16", 4, 0), "fp8": (1, "*fp8e4nv", "*fp32", "*fp8e4nv", "*fp8e4nv", 4, 0),
@@ -308,5 +328,10 @@ for name, (fmt, w, s, z, g, bits, halves) in formats.items():
                                                       dict(const, TOP_K=8, ACTIVATION=act), launch)
             types = dict(weights, a_ptr="*bf16", bias_ptr="*bf16", tw_ptr="*fp32", out_ptr="*fp32", N="i32")
             done[f"down/{name}/{i}/{int(bias)}"] = build(moe._moe_down_kernel, types, const, launch)
+types = dict(ids_ptr="*i64", offsets_ptr="*i32", rank_ptr="*i32", sorted_ptr="*i32", expert_ptr="*i32",
+             num_rows="i32", num_experts="i32", num_blocks="i32")
+for block_m, experts in ((16, 128), (64, 512)):
+    const = dict(BLOCK_M=block_m, ROWS=1024, EXPERTS=experts, BLOCKS=max(16, min(64, 8192 // experts)))
+    done[f"align/{block_m}/{experts}"] = build(moe._moe_align_kernel, types, const, dict(num_warps=8))
 print(json.dumps(done))
 """

@@ -1,8 +1,8 @@
 """The fused MoE in Triton: a step's (token, expert) rows sorted by expert and padded to the block size
-(``align.moe_align``), then two grouped GEMMs, one launch each, every program reading its block's expert id:
-gate/up with the gated activation in its epilogue (both halves of a tile's outputs accumulated side by side), and
-down with the bias and top-k weight in its epilogue; a sum over each token's top-k rows ends it. Weights dense or
-quantized (``weights``), dequantized in registers."""
+(``align.moe_align``'s order, built by one small kernel), then two grouped GEMMs, one launch each, every program
+reading its block's expert id: gate/up with the gated activation in its epilogue (both halves of a tile's outputs
+accumulated side by side), and down with the bias and top-k weight in its epilogue; a sum over each token's top-k
+rows ends it. Weights dense or quantized (``weights``), dequantized in registers."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvloom.kernels.moe.align import moe_align
+from kvloom.kernels.moe.align import ExpertBlocks, block_capacity
 from kvloom.kernels.moe.reference import MoEActivation
 from kvloom.kernels.moe.weights import FP8_BLOCK, ExpertWeights, KernelWeight, dense_kernel_weight
 from kvloom.kernels.options import DEFAULT_KERNELS, KernelOptions
@@ -171,6 +171,68 @@ def _moe_down_kernel(
     tl.store(out_ptr + rows64[:, None] * N + rn[None, :], acc, mask=m_ok[:, None] & n_ok[None, :])
 
 
+@triton.jit
+def _moe_align_kernel(ids_ptr, offsets_ptr, rank_ptr, sorted_ptr, expert_ptr, num_rows, num_experts, num_blocks,
+                      BLOCK_M: tl.constexpr, ROWS: tl.constexpr, EXPERTS: tl.constexpr, BLOCKS: tl.constexpr):
+    """``align.moe_align`` in one program (one launch instead of a dozen small PyTorch kernels a layer): each row
+    takes its rank within its expert from an atomic counter, the padded runs' starts are a cumulative sum, then
+    each row is placed at its run's start plus its rank. Phases share global memory behind barriers (one CTA);
+    the order of rows within an expert's run is any (each row's products do not depend on it)."""
+    re = tl.arange(0, EXPERTS)
+    e_ok = re < num_experts
+    tl.store(offsets_ptr + re, tl.zeros((EXPERTS,), dtype=tl.int32), mask=e_ok)
+    tl.debug_barrier()
+    for r0 in range(0, num_rows, ROWS):
+        r = r0 + tl.arange(0, ROWS)
+        ok = r < num_rows
+        e = tl.load(ids_ptr + r, mask=ok, other=0).to(tl.int32)
+        rank = tl.atomic_add(offsets_ptr + e, tl.full((ROWS,), 1, tl.int32), mask=ok, sem="relaxed")
+        tl.store(rank_ptr + r, rank, mask=ok)
+    tl.debug_barrier()
+    counts = tl.load(offsets_ptr + re, mask=e_ok, other=0, cache_modifier=".cg")
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    padded_end = tl.cumsum(padded, 0)
+    total = tl.sum(padded, 0)
+    tl.debug_barrier()  # every thread has read the counts before they become offsets
+    tl.store(offsets_ptr + re, padded_end - padded, mask=e_ok)
+    for b0 in range(0, num_blocks, BLOCKS):
+        b = b0 + tl.arange(0, BLOCKS)
+        start = b * BLOCK_M
+        # a block's expert: how many runs end at or before its start (empty runs included)
+        before = (padded_end[None, :] <= start[:, None]) & e_ok[None, :]
+        expert = tl.where(start < total, tl.sum(before.to(tl.int32), 1), -1)
+        tl.store(expert_ptr + b, expert, mask=b < num_blocks)
+        slots = start[:, None] + tl.arange(0, BLOCK_M)[None, :]
+        tl.store(sorted_ptr + slots, tl.full((BLOCKS, BLOCK_M), 0, tl.int32) + num_rows, mask=(b < num_blocks)[:, None])
+    tl.debug_barrier()
+    for r0 in range(0, num_rows, ROWS):
+        r = r0 + tl.arange(0, ROWS)
+        ok = r < num_rows
+        e = tl.load(ids_ptr + r, mask=ok, other=0).to(tl.int32)
+        dest = tl.load(offsets_ptr + e, mask=ok, other=0, cache_modifier=".cg") + \
+            tl.load(rank_ptr + r, mask=ok, other=0, cache_modifier=".cg")
+        tl.store(sorted_ptr + dest, r, mask=ok)
+
+
+def moe_align_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> ExpertBlocks:
+    """``align.moe_align`` by ``_moe_align_kernel``."""
+    flat = topk_ids.reshape(-1)
+    if not flat.is_contiguous():
+        flat = flat.contiguous()
+    num_rows = flat.numel()
+    capacity = block_capacity(num_rows, num_experts, block_m)
+    device = flat.device
+    sorted_rows = torch.empty(capacity, dtype=torch.int32, device=device)
+    block_expert = torch.empty(capacity // block_m, dtype=torch.int32, device=device)
+    offsets = torch.empty(num_experts, dtype=torch.int32, device=device)
+    rank = torch.empty(max(num_rows, 1), dtype=torch.int32, device=device)
+    experts = triton.next_power_of_2(num_experts)
+    _moe_align_kernel[(1,)](flat, offsets, rank, sorted_rows, block_expert, num_rows, num_experts,
+                            capacity // block_m, BLOCK_M=block_m, ROWS=min(1024, triton.next_power_of_2(num_rows)),
+                            EXPERTS=experts, BLOCKS=max(16, min(64, 8192 // experts)), num_warps=8)
+    return ExpertBlocks(sorted_rows, block_expert, num_rows, block_m)
+
+
 def kernel_weight(w: torch.Tensor | ExpertWeights) -> KernelWeight:
     return w.kernel_weight() if isinstance(w, ExpertWeights) else dense_kernel_weight(w)
 
@@ -208,7 +270,7 @@ def fused_experts_triton(x: torch.Tensor, w13: torch.Tensor | ExpertWeights, w2:
         return out
     tile = dict(tiles or moe_tiles(num_tokens, top_k, num_experts, options))
     launch = dict(num_warps=tile.pop("num_warps", 4), num_stages=tile.pop("num_stages", 2))
-    blocks = moe_align(topk_ids, num_experts, tile["BLOCK_M"])
+    blocks = moe_align_triton(topk_ids, num_experts, tile["BLOCK_M"])
     if x.stride(-1) != 1:
         x = x.contiguous()
     num_rows = num_tokens * top_k

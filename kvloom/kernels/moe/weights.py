@@ -316,7 +316,7 @@ class IntExperts(ExpertWeights):
                   g_idx: PerExpert | None = None, v1_zero_offset: bool = True) -> "IntExperts":
         """GPTQ tensors per expert (``(gate, up)`` pairs for ``w13``); ``g_idx`` under desc_act (kept only where
         it is not plain ``k // group_size``)."""
-        qweight, halves = _cat_outputs(qweights, 1)
+        qweight, _ = _cat_outputs(qweights, 1)
         qzero, _ = _cat_outputs(qzeros, 1)
         scale, _ = _cat_outputs(scales, 1)
         packed = [repack_gptq(qweight[e], qzero[e], bits, v1_zero_offset) for e in range(qweight.shape[0])]
