@@ -219,6 +219,20 @@ def _mxfp4_by_hand(blocks, scales):
     return out.float()
 
 
+def test_gptq_desc_act_down_projection_split_over_ranks():
+    """Tensor parallelism splits w2's inputs: a rank's slice of desc_act inputs (packed rows and g_idx narrowed,
+    every group's zeros and scales kept) is that slice of the whole expert's weight."""
+    gen = torch.Generator().manual_seed(2)
+    w = torch.randn(3, HIDDEN, 64, generator=gen) * 0.1
+    items, deq = _per_expert(w, lambda m: gptq_quantize(m, 4, 16, False, True, False, gen), False)
+    for rank in range(2):
+        rows, cols = slice(rank * 4, rank * 4 + 4), slice(rank * 32, rank * 32 + 32)  # 8 inputs a packed row
+        part = IntExperts.from_gptq([t["qweight"][rows] for t in items], _field(items, "qzeros"),
+                                    _field(items, "scales"), 4, 16, g_idx=[t["g_idx"][cols] for t in items])
+        assert part.shape == (3, HIDDEN, 32)
+        torch.testing.assert_close(part.dequantize(), deq[:, :, cols], atol=1e-6, rtol=1e-6)
+
+
 def test_mxfp4_dequantizes_as_documented_and_as_transformers_does():
     gen = torch.Generator().manual_seed(0)
     blocks, scales = _mxfp4_checkpoint(2 * INTER, HIDDEN, 3, gen)

@@ -290,7 +290,8 @@ class IntExperts(ExpertWeights):
         self.num_experts, self.out_features, self.in_features = e, n, words * 32 // self.bits
         if self.group_size == -1:
             self.group_size = self.in_features
-        groups = -(-self.in_features // self.group_size)
+        # with g_idx, any number of groups (a rank's slice of desc_act inputs keeps every group's row)
+        groups = -(-self.in_features // self.group_size) if self.g_idx is None else self.scales.shape[1]
         for name, t in (("zeros", self.zeros), ("scales", self.scales)):
             if tuple(t.shape) != (e, groups, n):
                 raise ValueError(f"int experts' {name} shape {tuple(t.shape)}: expected {(e, groups, n)} for "
@@ -324,8 +325,9 @@ class IntExperts(ExpertWeights):
         if g_idx is not None:
             order = torch.stack([torch.stack(_pair(item)) for item in g_idx]).to(torch.int32)  # [E, halves, K]
             k = order.shape[-1]
-            plain = torch.arange(k, device=order.device) // (k if group_size == -1 else group_size)
-            if torch.equal(order, plain.to(order.dtype).expand_as(order)):
+            size = k if group_size == -1 else group_size
+            plain = torch.arange(k, device=order.device) // size
+            if scale.shape[1] == -(-k // size) and torch.equal(order, plain.to(order.dtype).expand_as(order)):
                 order = None
             elif order.shape[1] == 2 and torch.equal(order[:, 0], order[:, 1]):  # gate and up in one order
                 order = order[:, :1]
