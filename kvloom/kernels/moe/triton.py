@@ -265,9 +265,8 @@ def fused_experts_triton(x: torch.Tensor, w13: torch.Tensor | ExpertWeights, w2:
     if k13.fmt == FP8_BLOCK and k13.up_scale_row < 0:
         raise ValueError(f"fused_experts: w13's FP8 scale blocks of {k13.block[0]} rows straddle its gate and up "
                          f"halves of {inter} rows: stack gate and up with their own scale grids (halves=2)")
-    out = torch.empty(num_tokens, hidden, dtype=x.dtype, device=x.device)
     if num_tokens == 0:
-        return out
+        return torch.empty(0, hidden, dtype=x.dtype, device=x.device)
     tile = dict(tiles or moe_tiles(num_tokens, top_k, num_experts, options))
     launch = dict(num_warps=tile.pop("num_warps", 4), num_stages=tile.pop("num_stages", 2))
     blocks = moe_align_triton(topk_ids, num_experts, tile["BLOCK_M"])
