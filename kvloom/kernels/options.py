@@ -50,6 +50,9 @@ class KernelOptions:
     # The many-row 4-bit GEMM's tiles by weight shape, ``{(n, k): ((max rows, tile or None), ...)}`` (keys may be
     # written "NxK"); None: the built-in table (``quant.int4_row.INT4_GEMM_TILES``).
     int4_gemm_tiles: Any = None
+    # The fused MoE's tiles by the rows an expert gets on average, ``[[max rows or None, tile dict], ...]``; None: the
+    # built-in table (``moe.triton.MOE_TILES``).
+    moe_tiles: Any = None
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any] | None) -> "KernelOptions":

@@ -37,6 +37,7 @@ def _import_interpreted() -> None:
         import kvloom.kernels.triton_attention  # noqa: F401
         import kvloom.kernels.triton_fused  # noqa: F401
         import kvloom.kernels.triton_lora  # noqa: F401
+        import kvloom.kernels.moe.triton  # noqa: F401
         import kvloom.kernels.quant.dispatch  # noqa: F401 (and with it every quant kernel family)
     except ImportError:
         pass  # no triton: the fixture below skips
@@ -67,6 +68,7 @@ def tk(monkeypatch):
     inputs must live on (``cuda``, or ``cpu`` interpreted)."""
     pytest.importorskip("triton")
     from kvloom.kernels import triton_attention, triton_fused, triton_lora
+    from kvloom.kernels.moe import triton as triton_moe
     from kvloom.kernels.quant import common, dispatch, fp8_rows, fp8_weight_only, int4_row, int_kpacked
 
     if HAS_CUDA:
@@ -81,4 +83,5 @@ def tk(monkeypatch):
         device = "cpu"
     return types.SimpleNamespace(attention=triton_attention, fused=triton_fused, lora=triton_lora, common=common,
                                  dispatch=dispatch, fp8_rows=fp8_rows, fp8_weight_only=fp8_weight_only,
-                                 int4_row=int4_row, int_kpacked=int_kpacked, device=device)
+                                 int4_row=int4_row, int_kpacked=int_kpacked, moe=triton_moe,
+                                 device=device)
