@@ -21,6 +21,18 @@ class _Msg(msgspec.Struct, tag=True, omit_defaults=True, kw_only=True, forbid_un
 
 
 # frontend -> engine -------------------------------------------------------------------------------
+class PoolingParams(msgspec.Struct, omit_defaults=True, kw_only=True, forbid_unknown_fields=True):
+    """A prefill-only request: the prompt's final hidden states are pooled instead of sampled from.
+    ``embed``: the model's pooling (``EngineReady.pooling``) into one vector, truncated to ``dimensions`` and
+    L2-normalized when ``normalize`` (None: as the model's config says). ``score``: the softmax over the
+    logits of ``score_token_ids`` at the last position (a yes/no reranker's relevance is its last entry)."""
+
+    task: str = "embed"
+    dimensions: int | None = None
+    normalize: bool | None = None
+    score_token_ids: list[int] = []
+
+
 class RegisterFrontend(_Msg):
     """First message of every frontend; the engine answers with ``EngineReady`` once the model is
     loaded. Outputs go back to the ZeroMQ identity the frontend registered from."""
@@ -44,6 +56,7 @@ class AddRequest(_Msg):
     queue_deadline: float | None = None  # wall-clock time past which it is dropped if it has not started
     api_key_name: str = ""  # the name of the caller's API key: its quotas are kept in the engine (docs/admission.md)
     lora_name: str = ""  # the LoRA adapter to run with (docs/lora.md); empty: the base model
+    pooling: PoolingParams | None = None  # pool the prompt (embeddings, scores) instead of generating
 
 
 class AbortRequest(_Msg):
@@ -119,6 +132,7 @@ class TokenDelta(_Msg):
     retry_after: float | None = None
     rate_limit: RateLimitInfo | None = None
     prefill_time: float | None = None  # seconds from the first step to the first token, on the delta with it
+    embedding: list[float] | None = None  # a pooling request's vector (or scores), on its only delta
 
 
 class EngineStats(msgspec.Struct, omit_defaults=True, kw_only=True):
@@ -183,6 +197,17 @@ class EngineError(_Msg):
     message: str
 
 
+class PoolingInfo(msgspec.Struct, omit_defaults=True, kw_only=True, forbid_unknown_fields=True):
+    """How an embedding engine pools (from the model's sentence-transformers files) and which truncated
+    sizes ``dimensions`` may ask for: ``matryoshka`` off, none; on with no list, any up to ``hidden_size``."""
+
+    pooling: str = "last"
+    normalize: bool = True
+    hidden_size: int = 0
+    matryoshka: bool = False
+    matryoshka_dimensions: list[int] = []
+
+
 class EngineReady(_Msg):
     """Sent once the engine has loaded the model: what frontends need to validate requests."""
 
@@ -195,6 +220,8 @@ class EngineReady(_Msg):
     plugins: list[str] = []
     pid: int = 0
     max_loras: int = 0  # LoRA device slots; 0: the engine serves no adapters
+    task: str = "generate"  # generate, embed (pooling says how) or score (a yes/no reranker)
+    pooling: PoolingInfo | None = None
 
 
 class Heartbeat(_Msg):

@@ -31,7 +31,7 @@ from starlette.routing import Route
 import kvloom
 from kvloom.core.config import EngineConfig
 from kvloom.core.sampling_params import StructuredOutputSpec
-from kvloom.frontends import anthropic_api, responses_api
+from kvloom.frontends import anthropic_api, pooling_api, responses_api
 from kvloom.frontends import openai_protocol as api
 from kvloom.frontends.access_log import AccessLog, note_model, track_tokens
 from kvloom.frontends.admission import KeyRing, check_timeout, parse_api_keys, replace_prepared
@@ -121,6 +121,7 @@ class OpenAIServer:
             *lora_routes(self),
             *responses_api.routes(self),
             *anthropic_api.routes(self),
+            *pooling_api.routes(self),
         ]
 
     # --- plumbing ----------------------------------------------------------------------------------
