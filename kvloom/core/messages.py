@@ -257,6 +257,22 @@ class Generate(_Msg):
     api_key: str | None = None  # required when the gateway is started with gateway_require_api_key
 
 
+class Embed(_Msg):
+    """Embed each of ``input`` (texts, tokenized as /v1/embeddings does) or ``input_token_ids`` with an
+    embedding model (``model``: a served name; left out, the first served model). ``dimensions`` truncates
+    (models with Matryoshka sizes); ``normalize`` overrides the model's sentence-transformers config. Answered
+    with one ``Embeddings``, or ``RequestFailed`` (400 naming the field and the limit)."""
+
+    request_id: str
+    model: str | None = None
+    input: list[str] | None = None
+    input_token_ids: list[list[int]] | None = None
+    dimensions: int | None = None
+    normalize: bool | None = None
+    priority: int = 0
+    api_key: str | None = None
+
+
 class Cancel(_Msg):
     """Stop one of this client's requests; the gateway answers with its last ``TextChunk``
     (``finish_reason`` ``abort``)."""
@@ -268,7 +284,7 @@ class Ping(_Msg):
     """Ask the gateway whether the engine is up; answered with ``Pong``."""
 
 
-GatewayRequest = Union[Generate, Cancel, Ping]
+GatewayRequest = Union[Generate, Embed, Cancel, Ping]
 
 
 # ZMQ gateway -> service (streamed text out) -------------------------------------------------------
@@ -297,6 +313,14 @@ class TextChunk(_Msg):
     usage: Usage | None = None
 
 
+class Embeddings(_Msg):
+    """The answer to an ``Embed``: one vector per input, in order (float32 values as floats)."""
+
+    request_id: str
+    data: list[list[float]]
+    usage: Usage
+
+
 class RequestFailed(_Msg):
     """The request ended with an error; ``status`` follows HTTP: 400 a bad request (the message names
     the field and the limit), 401 a missing or wrong API key, 408 a deadline passed, 429 too many
@@ -320,7 +344,7 @@ class Pong(_Msg):
     models: list[str] = []
 
 
-GatewayReply = Union[TextChunk, RequestFailed, Pong]
+GatewayReply = Union[TextChunk, Embeddings, RequestFailed, Pong]
 
 _encoder = msgspec.msgpack.Encoder()
 _frontend_decoder = msgspec.msgpack.Decoder(FrontendMessage)

@@ -220,6 +220,16 @@ class FrontendCore:
         finally:
             await deltas.aclose()
 
+    async def pool_many(self, prepared: list[PreparedRequest]) -> list[TokenDelta]:
+        """Every input's ``pool`` delta, in order; one failing cancels the rest (aborted in the engine)."""
+        tasks = [asyncio.ensure_future(self.pool(p)) for p in prepared]
+        try:
+            return await asyncio.gather(*tasks)
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
     async def _next(self, deltas, deadline: float | None, timeout: float | None, limit: str):
         try:
             if deadline is None:

@@ -4,7 +4,6 @@ prefill-only engine request; they go through the same keys, quotas, admission an
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import time
 import uuid
@@ -93,17 +92,6 @@ def encode_embedding(vector: list[float], encoding_format: str) -> list[float] |
     return vector
 
 
-async def pool_all(core: FrontendCore, prepared: list[PreparedRequest]) -> list:
-    """Every input's delta; one failing cancels the rest (which aborts them in the engine)."""
-    tasks = [asyncio.ensure_future(core.pool(p)) for p in prepared]
-    try:
-        return await asyncio.gather(*tasks)
-    finally:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-
-
 def routes(server: "OpenAIServer") -> list:
     async def resolve(request: Request, req: _PoolingRequest) -> FrontendCore:
         await server.note_request(request, req.model, req.timeout)
@@ -129,7 +117,7 @@ def routes(server: "OpenAIServer") -> list:
         server.metrics.count_prompt_tokens(sum(lengths), model)
         started = time.monotonic()
         try:
-            deltas = await cancel_on_disconnect(request.receive, pool_all(core, prepared))
+            deltas = await cancel_on_disconnect(request.receive, core.pool_many(prepared))
         finally:
             admission.release()
         server.metrics.count_pooled(lengths, time.monotonic() - started, key.name if key else None, model)
