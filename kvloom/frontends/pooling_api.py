@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from kvloom.frontends.api_server import OpenAIServer
 
 
-class _PoolingRequest(Struct, kw_only=True, forbid_unknown_fields=True):
+class _PoolingRequest(Struct, kw_only=True):
     model: str | None = None
     user: str | None = None
     truncate_prompt_tokens: int | None = None  # vLLM's: keep the last N tokens of each input (-1: max_model_len)
@@ -37,14 +37,14 @@ class _PoolingRequest(Struct, kw_only=True, forbid_unknown_fields=True):
     timeout: float | None = None  # seconds; may shorten the server's request_timeout (docs/admission.md)
 
 
-class EmbeddingRequest(_PoolingRequest, forbid_unknown_fields=True):
+class EmbeddingRequest(_PoolingRequest):
     input: Any  # a string, a list of strings, a list of token ids or a list of such lists
     encoding_format: str = "float"
     dimensions: int | None = None
     normalize: bool | None = None  # vLLM's: None normalizes as the model's sentence-transformers config says
 
 
-class ScoreRequest(_PoolingRequest, forbid_unknown_fields=True):
+class ScoreRequest(_PoolingRequest):
     """vLLM's /v1/score: each of ``text_2`` scored against ``text_1`` (one, or one per ``text_2``);
     ``queries``/``documents`` are the newer names of the same."""
 
@@ -55,7 +55,7 @@ class ScoreRequest(_PoolingRequest, forbid_unknown_fields=True):
     instruction: str | None = None  # the reranker prompt's task line (the model's default when left out)
 
 
-class RerankRequest(_PoolingRequest, forbid_unknown_fields=True):
+class RerankRequest(_PoolingRequest):
     """Jina's and Cohere's /rerank (vLLM serves it at /rerank, /v1/rerank and /v2/rerank)."""
 
     query: str
@@ -64,6 +64,13 @@ class RerankRequest(_PoolingRequest, forbid_unknown_fields=True):
     return_documents: bool = True
     instruction: str | None = None
 
+
+# Fields of vLLM's pooling requests kvloom does not serve: a 400 naming them, never silently ignored.
+POOLING_RULES = {
+    "messages": ("chat-style embedding input is not served: give the text as input", lambda v, b: v is None),
+    "mm_processor_kwargs": ("multimodal inputs are not served", lambda v, b: not v),
+    "embed_dtype": ("embeddings are float32", lambda v, b: v in (None, "float32")),
+}
 
 # Qwen3-Reranker's prompt, as its model card gives it: the model answers "yes" or "no" after it.
 RERANK_PREFIX = ("<|im_start|>system\nJudge whether the Document meets the requirements based on the Query and "
@@ -125,7 +132,7 @@ def routes(server: "OpenAIServer") -> list:
         return deltas
 
     async def embeddings(request: Request):
-        req: EmbeddingRequest = await server._parse(request, EmbeddingRequest)
+        req: EmbeddingRequest = await server._parse(request, EmbeddingRequest, POOLING_RULES)
         core = await resolve(request, req)
         try:
             texts = split_prompts(req.input) if isinstance(req.input, (str, list)) and req.input else None
@@ -162,7 +169,7 @@ def routes(server: "OpenAIServer") -> list:
         return [d.embedding[-1] for d in deltas], sum(len(p) for p in prompts)
 
     async def score(request: Request):
-        req: ScoreRequest = await server._parse(request, ScoreRequest)
+        req: ScoreRequest = await server._parse(request, ScoreRequest, POOLING_RULES)
         first = req.text_1 if req.text_1 is not None else req.queries
         second = req.text_2 if req.text_2 is not None else req.documents
         if first is None or second is None:
@@ -184,7 +191,7 @@ def routes(server: "OpenAIServer") -> list:
         })
 
     async def rerank(request: Request):
-        req: RerankRequest = await server._parse(request, RerankRequest)
+        req: RerankRequest = await server._parse(request, RerankRequest, POOLING_RULES)
         if req.top_n is not None and req.top_n < 0:
             raise RequestError(400, f"top_n={req.top_n} must be >= 0", "top_n")
         scores, tokens = await score_pairs(request, req, [req.query] * len(req.documents), req.documents,
