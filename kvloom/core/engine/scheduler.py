@@ -391,7 +391,8 @@ class Scheduler:
         """Running requests whose every known token but the newest is computed (and none in flight):
         the ones a proposer may draft for."""
         return [r for r in self.running
-                if r.num_computed_tokens == r.num_tokens - 1 and not r.num_unresolved and not r.awaiting_final_token]
+                if r.num_computed_tokens == r.num_tokens - 1 and not r.num_unresolved and not r.awaiting_final_token
+                and r.pooling is None]  # a pooling request samples nothing to draft after
 
     def _finish(self, req: Request, status: RequestStatus) -> None:
         if req.status is RequestStatus.RUNNING:

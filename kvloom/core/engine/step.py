@@ -44,7 +44,7 @@ class ScheduledSeq:
     # A hybrid KV cache's other layer groups' whole block tables (copies), after ``block_ids`` (the first's)
     extra_block_ids: list[list[int]] = field(default_factory=list)
     lora_slot: int = -1  # the device slot of the request's LoRA adapter (-1: the base model)
-    pooling: "SeqPooling | None" = None  # a pooling request: its hidden states are pooled, never sampled
+    pooling: SeqPooling | None = None  # a pooling request: its hidden states are pooled, never sampled
 
     @property
     def num_new_tokens(self) -> int:
