@@ -308,3 +308,20 @@ def test_llm_embed_over_chunked_prefills_and_its_400s(folders):
         llm.embed([list(range(3, 140))])
     with pytest.raises(ValueError, match="task='embed'"):
         llm.generate("hi", use_tqdm=False)
+
+
+def test_an_embedding_checkpoint_without_an_output_head_loads(folders, tmp_path):
+    """Embedding models ship the bare decoder (sentence-transformers saves ``Qwen3Model``: no ``model.``
+    prefix, no ``lm_head``); an embedding engine loads no output projection, so such a folder serves."""
+    from safetensors.torch import load_file, save_file
+
+    from kvloom import LLM
+
+    bare = tmp_path / "bare"
+    shutil.copytree(folders["last"], bare)
+    weights = load_file(str(bare / "model.safetensors"))
+    save_file({k.removeprefix("model."): v for k, v in weights.items() if not k.startswith("lm_head")},
+              str(bare / "model.safetensors"), metadata={"format": "pt"})
+    ids = tokens(folders["last"], TEXTS[1])
+    got = LLM(str(bare), num_kv_blocks=16).embed([ids], use_tqdm=False)[0].embedding
+    assert_close(got, hf_pooled(folders["last"], ids, "last", True))

@@ -83,6 +83,8 @@ class EngineCore:
         self.vocab_size = self.hf_config.vocab_size
         # generate, or pool prompts (embed, score) with the model folder's pooling
         self.task, self.pooling_config = resolve_task(config.task, self.model_path, self.hf_config)
+        if self.task == "embed":  # no logits: an output projection is neither loaded nor needed (many lack one)
+            self.hf_config.tie_word_embeddings = True
         self.pooled = PooledSums()
 
         check_tp_size(self.hf_config, config.tensor_parallel_size)
