@@ -253,7 +253,8 @@ def test_rerank_and_score_are_a_yes_no_rerankers_probability(server, folders):
     want = [hf_yes_probability(folders["reranker"], rerank_prompt(query, d, None)) for d in docs]
     headers = {"Authorization": "Bearer k-open"}
     r = httpx.post(server.url + "/v1/rerank", headers=headers, timeout=60,
-                   json={"model": "rerank", "query": query, "documents": docs, "top_n": 2})
+                   json={"model": "rerank", "query": query, "documents": [docs[0], {"text": docs[1]}, docs[2]],
+                         "top_n": 2})
     assert r.status_code == 200, r.text
     results = r.json()["results"]
     order = sorted(range(3), key=lambda i: -want[i])[:2]

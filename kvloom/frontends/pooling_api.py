@@ -20,7 +20,7 @@ from kvloom.frontends.asgi import cancel_on_disconnect, json_response
 from kvloom.frontends.errors import RequestError
 from kvloom.frontends.frontend_core import FrontendCore
 from kvloom.frontends.openai_requests import split_prompts, truncate_prompt
-from kvloom.frontends.validation import PreparedRequest, validate_pooling
+from kvloom.frontends.validation import PreparedRequest, check_task, validate_pooling
 
 if TYPE_CHECKING:
     from kvloom.frontends.api_server import OpenAIServer
@@ -59,7 +59,7 @@ class RerankRequest(_PoolingRequest):
     """Jina's and Cohere's /rerank (vLLM serves it at /rerank, /v1/rerank and /v2/rerank)."""
 
     query: str
-    documents: list[str]
+    documents: list[str | dict[str, Any]]  # strings, or Cohere's/Jina's {"text": ...} objects
     top_n: int | None = None
     return_documents: bool = True
     instruction: str | None = None
@@ -158,8 +158,7 @@ def routes(server: "OpenAIServer") -> list:
     async def score_pairs(request: Request, req: _PoolingRequest, queries: list[str], documents: list[str],
                           instruction: str | None) -> tuple[list[float], int]:
         core = await resolve(request, req)
-        if core.limits.task != "score":
-            validate_pooling([], core.limits, PoolingParams(task="score"))  # the 400 naming what it serves
+        check_task(core.limits, "score")
         ids = score_token_ids(core.tokenizer)
         prompts = [await tokenize(core, req, rerank_prompt(q, d, instruction), "documents")
                    for q, d in zip(queries, documents)]
@@ -194,13 +193,17 @@ def routes(server: "OpenAIServer") -> list:
         req: RerankRequest = await server._parse(request, RerankRequest, POOLING_RULES)
         if req.top_n is not None and req.top_n < 0:
             raise RequestError(400, f"top_n={req.top_n} must be >= 0", "top_n")
-        scores, tokens = await score_pairs(request, req, [req.query] * len(req.documents), req.documents,
-                                           req.instruction)
+        texts = [d if isinstance(d, str) else d.get("text") for d in req.documents]
+        bad = next((i for i, t in enumerate(texts) if not isinstance(t, str)), None)
+        if bad is not None:
+            raise RequestError(400, f"documents[{bad}] must be a string or an object with a \"text\" string",
+                               "documents")
+        scores, tokens = await score_pairs(request, req, [req.query] * len(texts), texts, req.instruction)
         order = sorted(range(len(scores)), key=lambda i: -scores[i])
         if req.top_n:
             order = order[: req.top_n]
         results = [{"index": i, "relevance_score": scores[i],
-                    **({"document": {"text": req.documents[i]}} if req.return_documents else {})} for i in order]
+                    **({"document": {"text": texts[i]}} if req.return_documents else {})} for i in order]
         return json_response({"id": server._request_id(request, "rerank", req.request_id),
                               "model": request.state.model, "usage": {"total_tokens": tokens}, "results": results})
 
