@@ -346,7 +346,8 @@ class OpenAIServer:
         ids = await core.encode_chat(text, prompt_param, add_special_tokens=bool(req.add_special_tokens),
                                      truncated=req.truncate_prompt_tokens is not None)
         ids = truncate_prompt(ids, req, core.max_model_len)
-        if constraint is not None and self.config.reasoning_parser and not self.config.structured_outputs_in_reasoning:
+        if (constraint is not None and self.config.reasoning_parser
+                and not self.config.structured_outputs_in_reasoning):
             tail = core.tokenizer.decode(ids[-PROMPT_TAIL_TOKENS:], skip_special_tokens=False)
             if grammar_waits_for_reasoning(tail):  # structured outputs apply to the answer, not the reasoning
                 constraint = msgspec.structs.replace(

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import base64
 import time
-import uuid
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -150,8 +149,8 @@ def routes(server: "OpenAIServer") -> list:
         return json_response({
             "id": server._request_id(request, "embd", req.request_id), "object": "list",
             "created": int(time.time()), "model": request.state.model,
-            "data": [{"object": "embedding", "index": i, "embedding": encode_embedding(d.embedding, req.encoding_format)}
-                     for i, d in enumerate(deltas)],
+            "data": [{"object": "embedding", "index": i,
+                      "embedding": encode_embedding(d.embedding, req.encoding_format)} for i, d in enumerate(deltas)],
             "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
         }, headers={"x-request-id": server._request_id(request, "embd", req.request_id)})
 

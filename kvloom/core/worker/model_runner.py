@@ -251,7 +251,8 @@ class ModelRunner:
         t = self._tokens(order)
         query_start = np.zeros(len(order) + 1, np.int64)
         np.cumsum(t.counts, out=query_start[1:])
-        num_sample = np.fromiter([s.num_sample_rows if s.pooling is None else 0 for s in order], np.int64, len(order))
+        num_sample = np.fromiter([s.num_sample_rows if s.pooling is None else 0 for s in order], np.int64,
+                                 len(order))
         keep = _ranges(query_start[1:] - num_sample, num_sample)
         if any(s.pooling is not None for s in order):  # pooled rows (prefill-only requests), ahead of the sampled
             firsts, counts = pooled_row_ranges(order)
