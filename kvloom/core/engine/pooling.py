@@ -90,12 +90,16 @@ class PooledSums:
             self._sums.pop(rid, None)
 
     def finish(self, request_id: str, pooling: SeqPooling, params: PoolingParams, config: PoolingConfig
-               ) -> list[float]:
+               ) -> list[float] | None:
         """The request's vector: mean (or last/first position), truncated to ``dimensions``, normalized;
-        a score request's softmax over its tokens' logits."""
+        a score request's softmax over its tokens' logits. None if no step pooled it (the frontend then
+        answers 503 instead of the loop failing)."""
         import torch  # the engine process has it loaded; this module is also read by light importers
 
-        vector, count, _ = self._sums.pop(request_id)
+        got = self._sums.pop(request_id, None)
+        if got is None:
+            return None
+        vector, count, _ = got
         if pooling.score_token_ids:
             return torch.softmax(vector.float(), -1).tolist()
         if pooling.type == "mean":
