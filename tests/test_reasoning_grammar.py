@@ -93,3 +93,47 @@ def test_a_block_closed_in_the_prompt_leaves_the_whole_output_to_the_grammar(cli
     assert out.choices[0].finish_reason == "stop"
     assert out.choices[0].message.content in ("yes", "no")
     assert getattr(out.choices[0].message, "reasoning_content", None) is None
+
+
+# --- the engine's bookkeeping, with drafts ---------------------------------------------------------------
+def test_drafts_that_cross_the_marker_are_masked_from_the_token_after_it(tiny_llama):
+    """Speculative decoding: rows before the marker's last draft stay free, the rows after it get the
+    grammar's masks as it stands after each later draft; once the step's tokens are taken, the matcher
+    starts after the marker."""
+    from types import SimpleNamespace
+
+    from kvloom import LLM, SamplingParams
+    from kvloom.core.engine.step import ScheduledSeq
+    from kvloom.core.engine.structured_output import StructuredOutputManager
+    from kvloom.core.sampling_params import StructuredOutputSpec
+
+    tok = LLM(str(tiny_llama)).tokenizer
+    b, a, one, two = (tok.convert_tokens_to_ids(t) for t in ("b", "a", "1", "2"))
+    mgr = StructuredOutputManager(str(tiny_llama), None, 384, [2])
+    try:
+        spec = StructuredOutputSpec(kind="regex", spec="[0-9]+", after=(a,))  # "a" stands for </think>
+        for rid in ("crossing", "free"):
+            mgr.submit(SimpleNamespace(request_id=rid, sampling=SimpleNamespace(structured=spec)))
+        ready: list = []
+        while len(ready) < 2:
+            got, failed = mgr.take_compiled(wait_s=5.0)
+            assert not failed
+            ready += got
+
+        def allowed(seq, row, token) -> bool:
+            return bool((seq.token_bitmask[row, token // 32] >> (token % 32)) & 1)
+
+        crossing = ScheduledSeq("crossing", [b, b, a, one, two], 0, [0], 5, SamplingParams(temperature=0.0),
+                                draft_token_ids=[b, a, one, two])
+        free = ScheduledSeq("free", [b, b, b], 0, [0], 3, SamplingParams(temperature=0.0), draft_token_ids=[b, b])
+        mgr.fill_bitmasks([crossing, free])
+        assert free.token_bitmask is None  # no marker in sight: nothing is masked
+        assert allowed(crossing, 0, b) and allowed(crossing, 1, b)  # reasoning rows: free
+        assert not allowed(crossing, 2, b) and allowed(crossing, 2, one)  # the first token after the marker
+        assert not allowed(crossing, 3, b) and allowed(crossing, 3, two) and allowed(crossing, 4, one)
+        mgr.accept_step(1, {"crossing": [b, a, one], "free": [b, b, b]})
+        assert "crossing" not in mgr._awaited and "free" in mgr._awaited
+        matcher = mgr._matchers["crossing"]
+        assert not matcher.accept_token(b) and matcher.accept_token(two)  # it took "1" after the marker
+    finally:
+        mgr.close()
