@@ -324,11 +324,11 @@ class EngineCore:
             )
         # at its peak: its largest prefill chunk computed with everything before it (sliding layers: their
         # windows' blocks and the chunk's)
-        need = self.kv.sequence_blocks(n + (max_tokens if pooling is None else 0),
-                                       min(n, self.config.max_num_batched_tokens))
+        total = n + (max_tokens if pooling is None else 0)  # a pooling request computes its prompt only
+        need = self.kv.sequence_blocks(total, min(n, self.config.max_num_batched_tokens))
         if need > self.kv.num_blocks:
             raise RequestRejected(
-                f"the request needs {need} KV blocks ({n + max_tokens} tokens) but the whole cache has "
+                f"the request needs {need} KV blocks ({total} tokens) but the whole cache has "
                 f"{self.kv.num_blocks} blocks ({self.capacity.num_tokens} tokens)"
             )
         adapter = self._adapter_of(msg.lora_name)  # an unknown adapter is rejected before the gate counts it

@@ -72,7 +72,7 @@ class PooledSums:
     from its start (preempted) starts its sum again."""
 
     def __init__(self) -> None:
-        self._sums: dict[str, list] = {}  # request id -> [vector, count, next position]
+        self._sums: dict[str, list] = {}  # request id -> [summed vector, rows summed]
 
     def gather(self, pooled: dict[str, PooledChunk], live) -> None:
         for rid, chunk in pooled.items():
@@ -80,7 +80,7 @@ class PooledSums:
                 continue  # finished or aborted meanwhile
             got = self._sums.get(rid)
             if got is None or chunk.start == 0:
-                self._sums[rid] = [chunk.vector, chunk.count, chunk.start + chunk.count]
+                self._sums[rid] = [chunk.vector, chunk.count]
             else:
                 got[0] = got[0] + chunk.vector
                 got[1] += chunk.count
@@ -99,7 +99,7 @@ class PooledSums:
         got = self._sums.pop(request_id, None)
         if got is None:
             return None
-        vector, count, _ = got
+        vector, count = got
         if pooling.score_token_ids:
             return torch.softmax(vector.float(), -1).tolist()
         if pooling.type == "mean":
