@@ -28,6 +28,8 @@ import zmq.asyncio
 from kvloom.core.messages import (
     Cancel,
     ChatMessage,
+    Embed,
+    Embeddings,
     Generate,
     Ping,
     Pong,
@@ -173,6 +175,10 @@ class Client:
         """The whole completion (see ``stream`` for the arguments)."""
         return self._run(self._client.generate(prompt, **kwargs))
 
+    def embed(self, inputs: str | list[str] | list[list[int]], **kwargs: Any) -> Embeddings:
+        """One vector per input (see ``AsyncClient.embed``)."""
+        return self._run(self._client.embed(inputs, **kwargs))
+
     def ping(self) -> Pong:
         return self._run(self._client.ping())
 
@@ -254,6 +260,33 @@ class AsyncClient:
             out = out or Completion(chunk.request_id)
             out.add(chunk)
         return out
+
+    async def embed(self, inputs: str | list[str] | list[list[int]], *, model: str | None = None,
+                    dimensions: int | None = None, normalize: bool | None = None, priority: int = 0,
+                    request_id: str | None = None) -> Embeddings:
+        """Embed texts (a string or a list) or token-id lists with an embedding model; raises GatewayError
+        (with the gateway's status) when refused."""
+        texts = [inputs] if isinstance(inputs, str) else list(inputs)
+        ids = bool(texts) and all(isinstance(t, list) for t in texts)
+        msg = Embed(request_id=request_id or f"{os.getpid()}-{next(_ids)}", model=model, input=None if ids else texts,
+                    input_token_ids=texts if ids else None, dimensions=dimensions, normalize=normalize,
+                    priority=priority, api_key=self.api_key)
+        rid = _claim(self._inbox, msg.request_id)
+        self._start_reader()
+        queue = self._inbox[rid] = asyncio.Queue()
+        finished = False
+        try:
+            await self._sock.send(encode(msg))
+            try:
+                reply = await asyncio.wait_for(queue.get(), self.timeout)
+            except asyncio.TimeoutError:
+                raise _no_reply(self.address, self.timeout) from None
+            finished = True
+            if isinstance(reply, RequestFailed):
+                raise GatewayError(reply.message, reply.status, reply.request_id)
+            return reply
+        finally:
+            _end_stream(self._sock, self._inbox, rid, finished)
 
     async def ping(self) -> Pong:
         self._start_reader()

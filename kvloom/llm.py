@@ -13,11 +13,12 @@ from tqdm.auto import tqdm
 
 from kvloom.builder import build_engine
 from kvloom.core.config import DEFAULT_MODEL, OFFLINE_MAX_NUM_BATCHED_TOKENS, EngineConfig
-from kvloom.core.messages import AddRequest, TokenLogprobs
+from kvloom.core.engine.pooling import pooling_info
+from kvloom.core.messages import AddRequest, PoolingParams, TokenLogprobs
 from kvloom.core.sampling_params import SamplingParams
 from kvloom.frontends.output import CompletionText, fan_out
 from kvloom.frontends.text import apply_chat_template, has_tokenizer, load_tokenizer
-from kvloom.frontends.validation import ModelLimits, validate_request
+from kvloom.frontends.validation import ModelLimits, validate_pooling, validate_request
 
 logger = logging.getLogger("kvloom")
 
@@ -74,6 +75,14 @@ class RequestOutput:
         return self.outputs[0].finish_reason
 
 
+@dataclass
+class EmbeddingOutput:
+    """One input's pooled vector (``LLM.embed``)."""
+
+    prompt_token_ids: list[int]
+    embedding: list[float]
+
+
 class LLM:
     """Offline generation over a batch of prompts with continuous batching. Options are
     ``EngineConfig`` fields; ``max_num_batched_tokens`` defaults to 4096 here (2048 when serving)."""
@@ -89,7 +98,10 @@ class LLM:
         self._ids = itertools.count()
         # Requests are checked as the HTTP server and the gateway check them (validation.py): same limits,
         # same messages, raised as ValueError.
-        self.limits = ModelLimits(self.engine.max_model_len, self.engine.vocab_size)
+        pooling = self.engine.pooling_config
+        self.limits = ModelLimits(self.engine.max_model_len, self.engine.vocab_size, self.engine.task,
+                                  pooling_info(pooling, self.engine.hf_config.hidden_size) if pooling else None,
+                                  self.config.model)
 
     def generate(
         self,
@@ -159,6 +171,37 @@ class LLM:
             if not finished:  # a stop string, a closed iterator or Ctrl-C: nothing may keep running
                 self.engine.abort_requests([rid])
             self.engine.flush()
+
+    def embed(self, inputs: str | Sequence[str] | Sequence[int] | Sequence[list[int]], *,
+              dimensions: int | None = None, normalize: bool | None = None,
+              use_tqdm: bool = True) -> list[EmbeddingOutput]:
+        """Each input's embedding (text or token ids), pooled as the model's sentence-transformers config
+        says; ``dimensions`` truncates (Matryoshka models), ``normalize`` overrides the config's. Inputs
+        are checked as /v1/embeddings checks them (ValueError naming the field and the limit)."""
+        if isinstance(inputs, str) or (inputs and isinstance(inputs[0], int)):
+            inputs = [inputs]  # type: ignore[list-item]
+        prompts = [self._require_tokenizer().encode(p, add_special_tokens=True) if isinstance(p, str) else list(p)
+                   for p in inputs]
+        prepared = validate_pooling(prompts, self.limits, PoolingParams(dimensions=dimensions, normalize=normalize))
+        rids = [str(next(self._ids)) for _ in prepared]
+        vectors: dict[str, list[float]] = {}
+        try:
+            for rid, p in zip(rids, prepared):
+                self.engine.add_request(AddRequest(request_id=rid, prompt_token_ids=p.prompt_token_ids,
+                                                   sampling=p.sampling, arrival_time=time.time(), pooling=p.pooling))
+            with tqdm(total=len(rids), desc="Embedding", unit="req", disable=not use_tqdm) as bar:
+                while len(vectors) < len(rids):
+                    for delta in self.engine.step():
+                        if delta.finish_reason == "error":
+                            raise ValueError(f"input {rids.index(delta.request_id)}: {delta.error}")
+                        if delta.embedding is not None:
+                            vectors[delta.request_id] = delta.embedding
+                            bar.update(1)
+        finally:
+            if len(vectors) < len(rids):
+                self.engine.abort_requests([r for r in rids if r not in vectors])
+            self.engine.flush()
+        return [EmbeddingOutput(p.prompt_token_ids, vectors[rid]) for rid, p in zip(rids, prepared)]
 
     # --- LoRA adapters -------------------------------------------------------------------------------
     def load_lora_adapter(self, name: str, path: str) -> dict:

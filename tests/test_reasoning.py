@@ -85,7 +85,8 @@ def server(request, tiny_llama, tmp_path_factory):
     tmp = tmp_path_factory.mktemp(f"reasoning-{request.param}")
     (tmp / "think.jinja").write_text(TEMPLATE)
     srv = EngineServer(["--model", str(tiny_llama), "--num-kv-blocks", "256", "--served-model-name", SERVED,
-                        "--chat-template", str(tmp / "think.jinja"), "--reasoning-parser", request.param], tmp)
+                        "--chat-template", str(tmp / "think.jinja"), "--reasoning-parser", request.param,
+                        "--structured-outputs-in-reasoning"], tmp)  # the regex writes the think block too
     srv.parser = request.param
     with srv:
         yield srv

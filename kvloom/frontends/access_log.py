@@ -67,6 +67,13 @@ def note_model(scope: dict[str, Any], model: str) -> None:
         record.model = model
 
 
+def note_prompt_tokens(scope: dict[str, Any], prompt_tokens: int) -> None:
+    """A request without output tokens (embeddings, scores): its prompt tokens in its access-log line."""
+    record: AccessRecord | None = scope.get(SCOPE_KEY)
+    if record is not None:
+        record.prompt_tokens = prompt_tokens
+
+
 async def track_tokens(scope: dict[str, Any], prompt_tokens: int,
                        merged: AsyncIterator[tuple[int, Any]]) -> AsyncIterator[tuple[int, Any]]:
     """Pass ``(index, TextDelta)`` through, noting the request's output tokens and first-token time."""

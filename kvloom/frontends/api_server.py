@@ -31,7 +31,7 @@ from starlette.routing import Route
 import kvloom
 from kvloom.core.config import EngineConfig
 from kvloom.core.sampling_params import StructuredOutputSpec
-from kvloom.frontends import anthropic_api, responses_api
+from kvloom.frontends import anthropic_api, pooling_api, responses_api
 from kvloom.frontends import openai_protocol as api
 from kvloom.frontends.access_log import AccessLog, note_model, track_tokens
 from kvloom.frontends.admission import KeyRing, check_timeout, parse_api_keys, replace_prepared
@@ -64,7 +64,8 @@ from kvloom.frontends.openai_requests import (
 )
 from kvloom.frontends.openai_responses import ChatPrompt, CompletionEcho, ResponseBuilder, UsageCounter
 from kvloom.frontends.output import TextDelta, coalesce, fan_out
-from kvloom.frontends.reasoning import starts_in_reasoning
+from kvloom.frontends.reasoning import END as THINK_END
+from kvloom.frontends.reasoning import grammar_waits_for_reasoning, starts_in_reasoning
 from kvloom.frontends.request_fields import CHAT_RULES, COMPLETION_RULES, check_fields
 from kvloom.frontends.responses_store import open_response_store
 from kvloom.frontends.text import load_chat_template
@@ -121,6 +122,7 @@ class OpenAIServer:
             *lora_routes(self),
             *responses_api.routes(self),
             *anthropic_api.routes(self),
+            *pooling_api.routes(self),
         ]
 
     # --- plumbing ----------------------------------------------------------------------------------
@@ -308,7 +310,9 @@ class OpenAIServer:
         prepared = [core.prepare(ids, choice, priority=req.priority, max_tokens_param=max_tokens_param,
                                  prompt_param=prompt_param, lora_name=lora)
                     for choice in fan_out(sp, req.n)]
-        reading = self._reading(core, ids, tools, constrained=constraint is not None, show=req.include_reasoning)
+        # A grammar that waits for </think> leaves the reasoning to the model, as without one.
+        reading = self._reading(core, ids, tools, constrained=constraint is not None and not constraint.after,
+                                show=req.include_reasoning)
         return ChatPlan(core, self.builder(core, lora), prepared, text, ids,
                         UsageCounter([len(ids)], req.n), reading)
 
@@ -341,7 +345,14 @@ class OpenAIServer:
         text = await core.render_chat(messages, prompt_param, **options)
         ids = await core.encode_chat(text, prompt_param, add_special_tokens=bool(req.add_special_tokens),
                                      truncated=req.truncate_prompt_tokens is not None)
-        return tools, constraint, text, truncate_prompt(ids, req, core.max_model_len)
+        ids = truncate_prompt(ids, req, core.max_model_len)
+        if (constraint is not None and self.config.reasoning_parser
+                and not self.config.structured_outputs_in_reasoning):
+            tail = core.tokenizer.decode(ids[-PROMPT_TAIL_TOKENS:], skip_special_tokens=False)
+            if grammar_waits_for_reasoning(tail):  # structured outputs apply to the answer, not the reasoning
+                constraint = msgspec.structs.replace(
+                    constraint, after=tuple(core.tokenizer.encode(THINK_END, add_special_tokens=False)))
+        return tools, constraint, text, ids
 
     def _reading(self, core: FrontendCore, ids: list[int], tools: ToolPlan | None, constrained: bool,
                  show: bool) -> ChatReading:

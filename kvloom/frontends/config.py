@@ -157,6 +157,10 @@ class ServerConfig:
     reasoning_parser: str | None = _opt(None, "Split a reasoning model's <think>...</think> from its answer: "
                                         "reasoning_content in chat, reasoning items in /v1/responses, thinking "
                                         "blocks in /v1/messages (qwen3 or deepseek_r1).")
+    structured_outputs_in_reasoning: bool = _opt(False, "With a reasoning parser, let a structured output (a "
+                                                 "schema, regex, choice or forced tool call) constrain the reasoning "
+                                                 "too (vLLM's enable_in_reasoning); off: the grammar starts after "
+                                                 "</think>, unless the prompt has closed the block already.")
     responses_store_path: str | None = _opt(None, "An SQLite file that keeps /v1/responses' stored responses "
                                             "(store, previous_response_id), shared by every API worker; unset: "
                                             "memory (with several API workers, a file in the server's private "

@@ -25,6 +25,7 @@ from kvloom.core.messages import (
     EngineReady,
     EngineStats,
     Heartbeat,
+    PoolingParams,
     RegisterFrontend,
     StepOutputs,
     TokenDelta,
@@ -116,7 +117,7 @@ class AsyncEngineClient:
     async def generate(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
                        priority: int = 0, arrival_time: float = 0.0, *, deadline: float | None = None,
                        queue_deadline: float | None = None, api_key_name: str = "",
-                       lora_name: str = "") -> AsyncIterator[TokenDelta]:
+                       lora_name: str = "", pooling: PoolingParams | None = None) -> AsyncIterator[TokenDelta]:
         """The deltas of one request, ending with the one that has ``finish_reason``. Leaving the loop
         early (or being cancelled) aborts the request in the engine, which frees its KV blocks."""
         if not self.healthy:
@@ -130,7 +131,7 @@ class AsyncEngineClient:
             self._send(AddRequest(request_id=request_id, prompt_token_ids=prompt_token_ids, sampling=sampling,
                                   priority=priority, arrival_time=arrival_time, deadline=deadline,
                                   queue_deadline=queue_deadline, api_key_name=api_key_name,
-                                  lora_name=lora_name))
+                                  lora_name=lora_name, pooling=pooling))
             while not finished:
                 delta = await queue.get()
                 finished = delta.finish_reason is not None

@@ -13,7 +13,7 @@ import time
 from typing import Any, AsyncIterator
 
 from kvloom.core.config import EngineConfig
-from kvloom.core.messages import EngineReady
+from kvloom.core.messages import EngineReady, TokenDelta
 from kvloom.core.sampling_params import SamplingParams
 from kvloom.frontends.admission import engine_refusal
 from kvloom.frontends.config import ServerConfig
@@ -126,7 +126,8 @@ class FrontendCore:
     # --- validation --------------------------------------------------------------------------------
     @property
     def limits(self) -> ModelLimits:
-        return ModelLimits(self.ready.max_model_len, self.ready.vocab_size)
+        return ModelLimits(self.ready.max_model_len, self.ready.vocab_size, self.ready.task, self.ready.pooling,
+                           self.ready.model_name)
 
     def prepare(self, prompt_token_ids: list[int], sampling: SamplingParams, *, priority: int = 0,
                 max_tokens_param: str = "max_tokens", prompt_param: str = "prompt",
@@ -197,6 +198,37 @@ class FrontendCore:
                     return  # done, or a stop string (closing ``deltas`` aborts the engine's request)
         finally:
             await deltas.aclose()  # aborts the engine request unless it finished
+
+    async def pool(self, req: PreparedRequest) -> TokenDelta:
+        """Run one pooling request (validation.validate_pooling): its only delta, with the vector (or
+        scores) in ``embedding``; an engine refusal raises as ``generate``'s does."""
+        timeout = req.timeout if req.timeout is not None else self.request_timeout
+        limit = req.timeout_param if req.timeout is not None else "request_timeout"
+        now = time.time()
+        deltas = self.client.generate(
+            self.next_request_id(), req.prompt_token_ids, req.sampling, req.priority, now,
+            deadline=None if timeout is None else now + timeout, api_key_name=req.api_key_name,
+            queue_deadline=None if self.queue_timeout is None else now + self.queue_timeout, pooling=req.pooling)
+        deadline = None if timeout is None else time.monotonic() + timeout + DEADLINE_GRACE_S
+        try:
+            delta = await self._next(deltas, deadline, timeout, limit)
+            if delta.finish_reason == "error":
+                raise engine_refusal(delta, timeout, limit, self.queue_timeout)
+            if delta.embedding is None:
+                raise RequestError(503, f"the engine ended a pooling request without a result ({delta.finish_reason})")
+            return delta
+        finally:
+            await deltas.aclose()
+
+    async def pool_many(self, prepared: list[PreparedRequest]) -> list[TokenDelta]:
+        """Every input's ``pool`` delta, in order; one failing cancels the rest (aborted in the engine)."""
+        tasks = [asyncio.ensure_future(self.pool(p)) for p in prepared]
+        try:
+            return await asyncio.gather(*tasks)
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _next(self, deltas, deadline: float | None, timeout: float | None, limit: str):
         try:

@@ -22,8 +22,11 @@ from zmq.utils.monitor import parse_monitor_message
 from kvloom.core.config import EngineConfig
 from kvloom.core.messages import (
     Cancel,
+    Embed,
+    Embeddings,
     Generate,
     Ping,
+    PoolingParams,
     Pong,
     RequestFailed,
     TextChunk,
@@ -36,7 +39,7 @@ from kvloom.frontends.admission import KeyRing, effective_priority, parse_api_ke
 from kvloom.frontends.config import ServerConfig, zmq_address_is_loopback
 from kvloom.frontends.frontend_core import FrontendCore, PreparedRequest, RequestError
 from kvloom.frontends.model_cores import close_cores, core_for, resolve_model, start_model_cores
-from kvloom.frontends.validation import check_sampling
+from kvloom.frontends.validation import check_sampling, validate_pooling
 
 logger = logging.getLogger("kvloom.gateway")
 
@@ -362,7 +365,7 @@ class Gateway:
         except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as e:
             self._reply(peer, _malformed_reply(data, e))
             return
-        if isinstance(msg, Generate):
+        if isinstance(msg, (Generate, Embed)):
             self._generate(peer, msg)
         elif isinstance(msg, Cancel):
             stream = peer.streams.get(msg.request_id)
@@ -378,7 +381,7 @@ class Gateway:
                                    model=first.ready.model_name, max_model_len=first.max_model_len,
                                    message="; ".join(reasons) or None, models=list(self.cores)))
 
-    def _generate(self, peer: _Peer, msg: Generate) -> None:
+    def _generate(self, peer: _Peer, msg: Generate | Embed) -> None:
         try:
             if not self.accepting:
                 raise RequestError(503, "the gateway is shutting down")
@@ -391,7 +394,8 @@ class Gateway:
             self._reply(peer, RequestFailed(request_id=msg.request_id, message=e.message, status=e.status))
             return
         stream = peer.streams[msg.request_id] = _Stream()
-        stream.task = asyncio.create_task(self._stream(peer, stream, msg))
+        work = self._stream if isinstance(msg, Generate) else self._embed
+        stream.task = asyncio.create_task(self._run(peer, stream, msg, work))
 
     async def _prompt_ids(self, core: FrontendCore, msg: Generate) -> list[int]:
         given = [name for name in ("prompt", "messages", "prompt_token_ids") if getattr(msg, name) is not None]
@@ -406,24 +410,11 @@ class Gateway:
             return await core.tokenize_chat([{"role": m.role, "content": m.content} for m in msg.messages])
         return msg.prompt_token_ids
 
-    async def _stream(self, peer: _Peer, stream: _Stream, msg: Generate) -> None:
+    async def _run(self, peer: _Peer, stream: _Stream, msg: Generate | Embed, work) -> None:
+        """Run a request's ``work`` (``_stream``, ``_embed``): a refusal or a stop answers with its reply."""
         request_id = msg.request_id
         try:
-            api_key = self.keys.authenticate(msg.api_key, "send it as Generate.api_key") if self.keys.required \
-                else None
-            core, lora = await resolve_model(self.cores, msg.model)  # a served model or one of its LoRA adapters
-            check_sampling(msg.sampling, core.ready.vocab_size)  # before tokenizing: a cheap refusal stays cheap
-            prompt_param = "prompt_token_ids" if msg.prompt_token_ids is not None else "prompt"
-            # Tokenized here, in the request's own task, so a long prompt never holds up the receive loop.
-            prepared = core.prepare(await self._prompt_ids(core, msg), msg.sampling, prompt_param=prompt_param,
-                                    priority=effective_priority(api_key, msg.priority), lora_name=lora)
-            prepared.api_key_name = api_key.name if api_key else ""
-            stream.prompt_tokens = len(prepared.prompt_token_ids)
-            admission = core.admit(1)
-            try:
-                await self._send_chunks(core, peer, stream, request_id, prepared)
-            finally:
-                admission.release()
+            await work(peer, stream, msg)
         except RequestError as e:
             if stream.ended is None:
                 retry = e.headers.get("Retry-After")
@@ -439,6 +430,48 @@ class Gateway:
             if peer.streams.get(request_id) is stream:
                 del peer.streams[request_id]
             self._forget_if_idle(peer)
+
+    async def _embed(self, peer: _Peer, stream: _Stream, msg: Embed) -> None:
+        """An ``Embed``: every input pooled by its embedding model, answered with one ``Embeddings``."""
+        api_key = self.keys.authenticate(msg.api_key, "send it as Embed.api_key") if self.keys.required else None
+        core = core_for(self.cores, msg.model)
+        given = [name for name in ("input", "input_token_ids") if getattr(msg, name) is not None]
+        if len(given) != 1:
+            raise RequestError(400, f"give exactly one of input, input_token_ids (got {given or 'none'})")
+        prompts = ([await core.tokenize_text(t, "input") for t in msg.input] if msg.input is not None
+                   else msg.input_token_ids)
+        prepared = validate_pooling(prompts, core.limits, PoolingParams(dimensions=msg.dimensions,
+                                                                        normalize=msg.normalize),
+                                    priority=effective_priority(api_key, msg.priority), input_param=given[0])
+        for p in prepared:
+            p.api_key_name = api_key.name if api_key else ""
+        stream.prompt_tokens = tokens = sum(len(p.prompt_token_ids) for p in prepared)
+        admission = core.admit(len(prepared))
+        try:
+            deltas = await core.pool_many(prepared)
+        finally:
+            admission.release()
+        reply = Embeddings(request_id=msg.request_id, data=[d.embedding for d in deltas],
+                           usage=Usage(prompt_tokens=tokens, cached_tokens=sum(d.num_cached_tokens for d in deltas)))
+        if not self._send_or_fail(peer, [peer.ident, encode(reply)]):
+            raise _Undelivered()
+
+    async def _stream(self, peer: _Peer, stream: _Stream, msg: Generate) -> None:
+        api_key = self.keys.authenticate(msg.api_key, "send it as Generate.api_key") if self.keys.required \
+            else None
+        core, lora = await resolve_model(self.cores, msg.model)  # a served model or one of its LoRA adapters
+        check_sampling(msg.sampling, core.ready.vocab_size)  # before tokenizing: a cheap refusal stays cheap
+        prompt_param = "prompt_token_ids" if msg.prompt_token_ids is not None else "prompt"
+        # Tokenized here, in the request's own task, so a long prompt never holds up the receive loop.
+        prepared = core.prepare(await self._prompt_ids(core, msg), msg.sampling, prompt_param=prompt_param,
+                                priority=effective_priority(api_key, msg.priority), lora_name=lora)
+        prepared.api_key_name = api_key.name if api_key else ""
+        stream.prompt_tokens = len(prepared.prompt_token_ids)
+        admission = core.admit(1)
+        try:
+            await self._send_chunks(core, peer, stream, msg.request_id, prepared)
+        finally:
+            admission.release()
 
     def _end(self, peer: _Peer, stream: _Stream, request_id: str) -> None:
         """The last reply of a request that was stopped, by why it was."""

@@ -222,6 +222,20 @@ class FrontendMetrics:
                 self._key_tokens.labels(api_key, "prompt", model).inc(prompt_tokens)
                 self._key_tokens.labels(api_key, "completion", model).inc(sum(completion.values()))
 
+    def count_pooled(self, prompt_tokens: list[int], latency: float, api_key: str | None, model: str | None = None
+                     ) -> None:
+        """Pooling requests (embeddings, scores) that ran: one finished request per input, no generated
+        tokens; their key's request and prompt tokens as a generation's are counted."""
+        model = model or self.model
+        for n in prompt_tokens:
+            self._finished.labels("stop", model).inc()
+            self._request_prompt.labels(model).observe(n)
+            self._request_generation.labels(model).observe(0)
+            self._latency.labels(model).observe(latency)
+        if api_key is not None:
+            self._key_requests.labels(api_key, model).inc()
+            self._key_tokens.labels(api_key, "prompt", model).inc(sum(prompt_tokens))
+
     async def observe(self, deltas: AsyncIterator[Any], model: str | None = None) -> AsyncIterator[Any]:
         """Pass a completion's TextDeltas through, recording its latencies, tokens and finish reason
         under ``model``'s label."""

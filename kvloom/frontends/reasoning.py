@@ -19,6 +19,12 @@ def starts_in_reasoning(parser: str, prompt_tail: str, constrained: bool) -> boo
     return prompt_tail.rfind(START) > prompt_tail.rfind(END)
 
 
+def grammar_waits_for_reasoning(prompt_tail: str) -> bool:
+    """Whether a structured output should start after the output's ``</think>``: unless the prompt has
+    closed a block already (Qwen3's ``enable_thinking: false``), the model may reason first."""
+    return prompt_tail.rfind(END) < prompt_tail.rfind(START) or END not in prompt_tail
+
+
 def _held(text: str, marker: str) -> int:
     """How many characters at the end of ``text`` may be the start of ``marker``."""
     for k in range(min(len(marker) - 1, len(text)), 0, -1):

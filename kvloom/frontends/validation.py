@@ -8,6 +8,8 @@ from dataclasses import dataclass
 
 import msgspec
 
+from kvloom.core.engine.pooling import check_dimensions
+from kvloom.core.messages import PoolingInfo, PoolingParams
 from kvloom.core.sampling_params import SamplingParams, check_priority
 from kvloom.frontends.errors import RequestError
 
@@ -15,6 +17,10 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 1024  # the output holds back this much text while a stop string may still match
 MAX_STOP_TOKEN_IDS = 1024
 MAX_TEMPERATURE = 2.0  # OpenAI's bound (the engine itself takes up to 100)
+MAX_POOLING_INPUTS = 2048  # OpenAI's bound on the inputs of one embeddings request
+ENCODING_FORMATS = ("float", "base64")
+TASK_ROUTES = {"generate": "/v1/completions, /v1/chat/completions", "embed": "/v1/embeddings",
+               "score": "/v1/score or /v1/rerank"}
 
 
 @dataclass(frozen=True)
@@ -23,6 +29,9 @@ class ModelLimits:
 
     max_model_len: int
     vocab_size: int
+    task: str = "generate"  # what the model serves (EngineReady.task)
+    pooling: PoolingInfo | None = None  # an embedding model's pooling and truncation sizes
+    model_name: str = ""
 
 
 @dataclass
@@ -36,6 +45,7 @@ class PreparedRequest:
     timeout: float | None = None  # run timeout in seconds (admission.check_timeout); None: the server's
     timeout_param: str = "request_timeout"  # where ``timeout`` came from, for the 408's message
     lora_name: str = ""  # the LoRA adapter to run with (empty: the base model)
+    pooling: PoolingParams | None = None  # a pooling request (embed, score): prefill only, no text
 
 
 def sampling_error(error: ValueError) -> RequestError:
@@ -84,6 +94,7 @@ def validate_request(prompt_token_ids: list[int], sampling: SamplingParams, limi
                      prompt_param: str = "prompt", lora_name: str = "") -> PreparedRequest:
     """Check a request against the model's limits; ``max_tokens`` left None becomes what the context
     leaves. ``*_param`` name the fields as the door's request spells them. Raises RequestError."""
+    check_task(limits, "generate")
     try:
         check_priority(priority)
     except ValueError as e:
@@ -109,3 +120,50 @@ def validate_request(prompt_token_ids: list[int], sampling: SamplingParams, limi
                            f"requested {n + max_tokens} tokens ({n} in the prompt, {max_tokens} for the "
                            f"completion). Please reduce the prompt or {max_tokens_param}.", max_tokens_param)
     return PreparedRequest(prompt_token_ids, sampling, priority, lora_name=lora_name)
+
+
+def check_task(limits: ModelLimits, task: str) -> None:
+    """A 400 naming ``model`` when the served model does not do ``task`` (an embedding model asked for text)."""
+    if limits.task != task:
+        name = f"`{limits.model_name}` " if limits.model_name else ""
+        raise RequestError(400, f"The model {name}serves task={limits.task!r} ({TASK_ROUTES[limits.task]}), "
+                           f"not {task!r}", "model")
+
+
+def validate_pooling(prompts: list[list[int]], limits: ModelLimits, pooling: PoolingParams, *,
+                     encoding_format: str = "float", priority: int = 0, input_param: str = "input"
+                     ) -> list[PreparedRequest]:
+    """Check a pooling request (embeddings; scores of a reranker): every input's token ids against the
+    context and vocabulary, their number, ``dimensions`` against the model's truncation sizes and
+    ``encoding_format``. One PreparedRequest per input. Raises RequestError."""
+    check_task(limits, pooling.task)
+    try:
+        check_priority(priority)
+    except ValueError as e:
+        raise RequestError(400, str(e), "priority") from None
+    if encoding_format not in ENCODING_FORMATS:
+        raise RequestError(400, f"encoding_format={encoding_format!r} must be one of {list(ENCODING_FORMATS)}",
+                           "encoding_format")
+    if not prompts:
+        raise RequestError(400, f"{input_param} is empty: give at least one input", input_param)
+    if len(prompts) > MAX_POOLING_INPUTS:
+        raise RequestError(400, f"{input_param} has {len(prompts)} items; at most {MAX_POOLING_INPUTS} are allowed "
+                           "in one request", input_param)
+    if pooling.dimensions is not None:
+        info = limits.pooling or PoolingInfo()
+        try:
+            check_dimensions(pooling.dimensions, info, info.hidden_size)
+        except ValueError as e:
+            raise RequestError(400, str(e), "dimensions") from None
+    limit = limits.max_model_len
+    prepared = []
+    for i, ids in enumerate(prompts):
+        where = f"{input_param}[{i}]" if len(prompts) > 1 else input_param
+        check_token_ids(ids, limits.vocab_size, input_param)
+        if not ids:
+            raise RequestError(400, f"{where} is empty: at least one token is needed", input_param)
+        if len(ids) > limit:
+            raise RequestError(400, f"This model's maximum context length is {limit} tokens, and {where} has "
+                               f"{len(ids)} tokens. Please reduce the input.", input_param)
+        prepared.append(PreparedRequest(ids, SamplingParams(max_tokens=1), priority, pooling=pooling))
+    return prepared

@@ -17,6 +17,7 @@ from kvloom.core.engine import capacity
 from kvloom.core.engine.adapters import AdapterInUse, AdapterSlots
 from kvloom.core.engine.gate import AdmissionGate
 from kvloom.core.engine.kv_cache import KVCacheManager
+from kvloom.core.engine.pooling import PooledSums, check_pooling, resolve_task
 from kvloom.core.engine.request import Request, RequestStatus
 from kvloom.core.engine.scheduler import Scheduler
 from kvloom.core.engine.speculation import Speculator, logits_row_weight
@@ -80,6 +81,11 @@ class EngineCore:
         self.kv_cache_dtype = capacity.kv_cache_dtype(config, self.dtype, self.device)
         self.eos_token_ids = _eos_ids(self.hf_config)
         self.vocab_size = self.hf_config.vocab_size
+        # generate, or pool prompts (embed, score) with the model folder's pooling
+        self.task, self.pooling_config = resolve_task(config.task, self.model_path, self.hf_config)
+        if self.task == "embed":  # no logits: an output projection is neither loaded nor needed (many lack one)
+            self.hf_config.tie_word_embeddings = True
+        self.pooled = PooledSums()
 
         check_tp_size(self.hf_config, config.tensor_parallel_size)
         self.thread_governor = None
@@ -297,9 +303,18 @@ class EngineCore:
         # The one check of engine-wide id uniqueness: a live id never gets a second request's outputs.
         if msg.request_id in self.scheduler.requests or self.structured.is_pending(msg.request_id):
             raise RequestRejected(f"request id {msg.request_id!r} is already in use")
+        try:
+            pooling = check_pooling(self.task, self.pooling_config, msg.pooling, self.hf_config.hidden_size,
+                                    self.vocab_size)
+        except ValueError as e:
+            raise RequestRejected(str(e)) from None
         limit = self.max_model_len
         max_tokens = msg.sampling.max_tokens
-        if max_tokens is None:
+        if pooling is not None:  # prefill only: the prompt alone must fit
+            max_tokens = 1
+            if n > limit:
+                raise RequestRejected(f"the prompt has {n} tokens, over max_model_len={limit}")
+        elif max_tokens is None:
             max_tokens = limit - n
             if max_tokens < 1:
                 raise RequestRejected(f"the prompt has {n} tokens, which leaves no room under max_model_len={limit}")
@@ -309,21 +324,23 @@ class EngineCore:
             )
         # at its peak: its largest prefill chunk computed with everything before it (sliding layers: their
         # windows' blocks and the chunk's)
-        need = self.kv.sequence_blocks(n + max_tokens, min(n, self.config.max_num_batched_tokens))
+        total = n + (max_tokens if pooling is None else 0)  # a pooling request computes its prompt only
+        need = self.kv.sequence_blocks(total, min(n, self.config.max_num_batched_tokens))
         if need > self.kv.num_blocks:
             raise RequestRejected(
-                f"the request needs {need} KV blocks ({n + max_tokens} tokens) but the whole cache has "
+                f"the request needs {need} KV blocks ({total} tokens) but the whole cache has "
                 f"{self.kv.num_blocks} blocks ({self.capacity.num_tokens} tokens)"
             )
         adapter = self._adapter_of(msg.lora_name)  # an unknown adapter is rejected before the gate counts it
         waiting = self.scheduler.waiting
         # Raises gate.Refusal (queue full, over a key's quota): the caller maps it to the client's 429.
-        self.gate.admit(msg.request_id, msg.api_key_name, n, max_tokens, len(waiting),
+        self.gate.admit(msg.request_id, msg.api_key_name, n, max_tokens if pooling is None else 0, len(waiting),
                         sum(r.num_tokens - r.num_computed_tokens for r in waiting))
         req = Request.from_message(msg, eos_token_ids=self.eos_token_ids, max_tokens=max_tokens)
         if adapter is not None:
             req.lora_id, req.lora_name, req.lora_key = adapter.id, adapter.name, adapter.key
-        if req.sampling.structured is not None:
+        req.pooling, req.pooling_params = pooling, msg.pooling
+        if req.sampling.structured is not None and pooling is None:
             self.structured.submit(req)  # scheduled once its grammar is compiled
         else:
             self.scheduler.add_request(req)
@@ -414,6 +431,7 @@ class EngineCore:
         self.structured.remove(request_ids)
         for rid in request_ids:
             self._prompt_logprobs.pop(rid, None)
+        self.pooled.drop(request_ids)
         return [
             TokenDelta(request_id=r.request_id, new_token_ids=[], finish_reason="abort",
                        num_prompt_tokens=r.num_prompt_tokens, num_cached_tokens=r.num_cached_tokens)
@@ -474,6 +492,7 @@ class EngineCore:
         first_token_s = max(self.step_s, self.last_step_s) * (2 if self.async_scheduling else 1)
         for req, kind in self.scheduler.expire(first_token_s):
             self._prompt_logprobs.pop(req.request_id, None)
+            self.pooled.drop([req.request_id])
             if kind == "queue_timeout" or req.first_scheduled_time is None:
                 self.num_expired_in_queue += 1
                 message = "the request waited past its deadline in the queue and never ran"
@@ -544,6 +563,8 @@ class EngineCore:
         deltas = []
         if out.prompt_logprobs:
             self._gather_prompt_logprobs(out)
+        if out.pooled:
+            self.pooled.gather(out.pooled, self.scheduler.requests)
         updates = self.scheduler.resolve(plan, out)
         if self.structured.has_matchers:
             self.structured.accept_step(plan.step_id, {u.request.request_id: u.new_token_ids for u in updates})
@@ -565,6 +586,8 @@ class EngineCore:
                 num_prompt_tokens=len(req.prompt_token_ids), num_cached_tokens=req.num_cached_tokens,
                 num_draft_tokens=req.num_draft_tokens, num_accepted_tokens=req.num_accepted_tokens,
                 prefill_time=now - req.first_scheduled_time if first and req.first_scheduled_time else None,
+                embedding=self.pooled.finish(req.request_id, req.pooling, req.pooling_params, self.pooling_config)
+                if req.pooling is not None and u.finished else None,
             ))
         return deltas
 

@@ -130,9 +130,10 @@ class KVCacheManager:
     def get_computed_blocks(self, request: Request) -> list[int]:
         """Cached blocks for a request that has none yet (empty without a prefix cache). Never the
         whole prompt: at least one token must be computed to produce logits. None for a request that
-        asks for prompt logprobs: every prompt position's logits are needed."""
+        asks for prompt logprobs or pools more than the last position: every prompt position is needed."""
         if (self.prefix_cache is None or request.num_computed_tokens > 0
-                or request.sampling.prompt_logprobs is not None):
+                or request.sampling.prompt_logprobs is not None
+                or (request.pooling is not None and request.pooling.type != "last")):
             return []
         max_blocks = (request.num_tokens - 1) // self.block_size
         if self.layout is not None:

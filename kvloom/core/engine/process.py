@@ -23,6 +23,7 @@ import msgspec
 import zmq
 
 from kvloom.core.config import EngineConfig
+from kvloom.core.engine.pooling import pooling_info
 from kvloom.core.engine.stats_log import EngineStatsLog
 from kvloom.core.messages import (
     AbortRequest,
@@ -110,7 +111,9 @@ class EngineServer:
             model_name=self.model_name, max_model_len=self.core.max_model_len, vocab_size=self.core.vocab_size,
             num_kv_blocks=self.core.kv.num_blocks, block_size=self.core.config.block_size,
             eos_token_ids=list(self.core.eos_token_ids), plugins=list(self.config.plugins), pid=os.getpid(),
-            max_loras=self.config.max_loras if self.config.enable_lora else 0,
+            max_loras=self.config.max_loras if self.config.enable_lora else 0, task=self.core.task,
+            pooling=pooling_info(self.core.pooling_config, self.core.hf_config.hidden_size)
+            if self.core.pooling_config is not None else None,
         )
 
     def request_shutdown(self, drain: bool = True) -> None:

@@ -101,6 +101,8 @@ class Request:
         self.lora_name = ""
         self.lora_key = ""
         self.lora_slot = -1
+        self.pooling = None  # step.SeqPooling of a pooling request (prefill only, its hidden states pooled)
+        self.pooling_params = None  # and its messages.PoolingParams (dimensions, normalize)
 
     @classmethod
     def from_message(cls, msg: AddRequest, *, eos_token_ids: tuple[int, ...], max_tokens: int) -> "Request":

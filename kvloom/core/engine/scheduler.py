@@ -248,7 +248,7 @@ class Scheduler:
             sampling, drafts, placeholders if placeholders > 0 else 0, len(req.output_token_ids),
             (req.eos_token_ids + tuple(req.stop_token_ids)) if sampling.min_tokens else (),
             tuple(all_ids) if sampling.uses_penalties else None, len(req.prompt_token_ids),
-            lora_slot=req.lora_slot,
+            lora_slot=req.lora_slot, pooling=req.pooling,
         )
         if req.extra_block_ids:
             seq.extra_block_ids = [t.copy() for t in req.extra_block_ids]
@@ -329,6 +329,14 @@ class Scheduler:
                 continue
             running = req.status is RequestStatus.RUNNING
             computed_end = s.start_pos + len(s.token_ids)
+            if s.pooling is not None and s.num_sample_rows:  # its prompt is pooled: done, nothing sampled
+                req.truncate(req.num_prompt_tokens)
+                req.num_unresolved = 0
+                if caching and running and len(req.block_ids) * block_size >= computed_end:
+                    self.kv.cache_blocks(req, s.num_new_tokens, end=computed_end)
+                self._finish(req, RequestStatus.FINISHED_STOPPED)
+                updates.append(FinishedUpdate(req, [], RequestStatus.FINISHED_STOPPED))
+                continue
             if not s.num_sample_rows:
                 if caching and running and len(req.block_ids) * block_size >= computed_end:
                     self.kv.cache_blocks(req, s.num_new_tokens, end=computed_end)
@@ -383,7 +391,8 @@ class Scheduler:
         """Running requests whose every known token but the newest is computed (and none in flight):
         the ones a proposer may draft for."""
         return [r for r in self.running
-                if r.num_computed_tokens == r.num_tokens - 1 and not r.num_unresolved and not r.awaiting_final_token]
+                if r.num_computed_tokens == r.num_tokens - 1 and not r.num_unresolved and not r.awaiting_final_token
+                and r.pooling is None]  # a pooling request samples nothing to draft after
 
     def _finish(self, req: Request, status: RequestStatus) -> None:
         if req.status is RequestStatus.RUNNING:

@@ -44,6 +44,7 @@ class ScheduledSeq:
     # A hybrid KV cache's other layer groups' whole block tables (copies), after ``block_ids`` (the first's)
     extra_block_ids: list[list[int]] = field(default_factory=list)
     lora_slot: int = -1  # the device slot of the request's LoRA adapter (-1: the base model)
+    pooling: SeqPooling | None = None  # a pooling request: its hidden states are pooled, never sampled
 
     @property
     def num_new_tokens(self) -> int:
@@ -52,6 +53,35 @@ class ScheduledSeq:
     @property
     def samples(self) -> bool:
         return self.num_sample_rows > 0
+
+
+@dataclass(slots=True, frozen=True)
+class SeqPooling:
+    """What the runner keeps of a pooling request's final hidden states: ``type`` ``last`` (the last prompt
+    position's), ``mean`` (a sum over each chunk's positions) or ``cls`` (the first position's); with
+    ``score_token_ids``, the logits of those tokens at the last position instead."""
+
+    type: str
+    score_token_ids: tuple[int, ...] = ()
+
+    def rows(self, start_pos: int, num_new: int, final: bool) -> tuple[int, int]:
+        """The (first, count) rows of a chunk of ``num_new`` tokens from ``start_pos`` that this pooling keeps;
+        ``final``: the chunk ends the prompt."""
+        if self.type == "mean" and not self.score_token_ids:
+            return 0, num_new
+        if self.type == "cls" and not self.score_token_ids:
+            return 0, 1 if start_pos == 0 else 0
+        return (num_new - 1, 1) if final else (0, 0)
+
+
+@dataclass(slots=True)
+class PooledChunk:
+    """A pooling request's share of one step: ``vector`` is the sum of its kept rows' hidden states
+    (``count`` rows from position ``start``), or a score request's logits, as float32 on the host."""
+
+    start: int
+    count: int
+    vector: object  # a float32 torch.Tensor [hidden] (or [len(score_token_ids)])
 
 
 @dataclass(slots=True)
@@ -118,3 +148,4 @@ class RunnerOutput:
     sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
     logprobs: dict[str, LogprobLists] = field(default_factory=dict)
     prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)
+    pooled: dict[str, PooledChunk] = field(default_factory=dict)

@@ -14,6 +14,7 @@ from collections import OrderedDict
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import Any, Callable, Sequence
 
+import msgspec
 import torch
 
 from kvloom.core.engine.step import RunnerOutput, ScheduledSeq
@@ -95,6 +96,31 @@ def xgrammar_accept(matchers: list, tokens: list[int]) -> list[bool]:
     return [m.accept_token(t) for m, t in zip(matchers, tokens)]
 
 
+class AwaitedMarker:
+    """The tokens a held-back grammar waits for (``StructuredOutputSpec.after``: a reasoning block's end)
+    and the newest output tokens, which may be the marker's first part."""
+
+    def __init__(self, marker: Sequence[int]) -> None:
+        self.marker = tuple(marker)
+        self.tail: tuple[int, ...] = ()
+
+    def end_in(self, tokens: Sequence[int]) -> int | None:
+        """The index in ``tokens`` of the marker's last token, where the output completes it first; else None."""
+        seq, m = self.tail + tuple(tokens), len(self.marker)
+        for i in range(len(seq) - m + 1):
+            if seq[i:i + m] == self.marker:
+                return i + m - 1 - len(self.tail)
+        return None
+
+    def feed(self, tokens: Sequence[int]) -> int | None:
+        """``end_in``, remembering the tokens when the marker is not complete yet."""
+        end = self.end_in(tokens)
+        if end is None:
+            self.tail = (self.tail + tuple(tokens))[len(self.tail) + len(tokens) - len(self.marker) + 1:] \
+                if len(self.marker) > 1 else ()
+        return end
+
+
 class StructuredOutputManager:
     """Grammar compilation and per-request matchers. The tokenizer is loaded on the compile thread at
     the first constrained request, so an engine that never sees one pays nothing."""
@@ -108,6 +134,7 @@ class StructuredOutputManager:
         self._grammars: OrderedDict[StructuredOutputSpec, Future] = OrderedDict()
         self._pending: dict[str, tuple[Any, Future]] = {}  # request id -> (request, compiled grammar)
         self._matchers: dict[str, Any] = {}
+        self._awaited: dict[str, AwaitedMarker] = {}  # requests whose grammar starts after a marker
         self._advanced: dict[str, int] = {}  # request id -> the newest step whose tokens its matcher took
         # The step launched and not yet applied (async scheduling): its id, and how to wait for its tokens.
         self._deferred: tuple[int, Callable[[], RunnerOutput]] | None = None
@@ -166,7 +193,10 @@ class StructuredOutputManager:
     def submit(self, request) -> None:
         """Start compiling ``request``'s grammar (or reuse the cached one); ``take_compiled`` hands the
         request back once it can be scheduled."""
-        self._pending[request.request_id] = (request, self._compile_future(request.sampling.structured))
+        spec = request.sampling.structured
+        # The marker a grammar waits for does not change it: one compiled grammar serves both.
+        key = msgspec.structs.replace(spec, after=()) if spec.after else spec
+        self._pending[request.request_id] = (request, self._compile_future(key))
 
     @property
     def has_pending(self) -> bool:
@@ -194,6 +224,8 @@ class StructuredOutputManager:
             import xgrammar
 
             self._matchers[rid] = xgrammar.GrammarMatcher(fut.result())
+            if req.sampling.structured.after:
+                self._awaited[rid] = AwaitedMarker(req.sampling.structured.after)
             ready.append(req)
         return ready, failed
 
@@ -209,6 +241,7 @@ class StructuredOutputManager:
         for rid in request_ids:
             self._matchers.pop(rid, None)
             self._advanced.pop(rid, None)
+            self._awaited.pop(rid, None)
 
     @property
     def has_matchers(self) -> bool:
@@ -230,8 +263,15 @@ class StructuredOutputManager:
         self._take_deferred(seqs)
         # A matcher that accepted a stop token has nothing left to allow (only ignore_eos gets here, or a
         # request whose stop token was taken from the step in flight: this step's token is dropped).
-        constrained = [s for s in seqs if s.samples and s.request_id in self._matchers
-                       and not self._matchers[s.request_id].is_terminated()]
+        constrained, starts = [], []  # and each one's first constrained row
+        for s in seqs:
+            if not s.samples or s.request_id not in self._matchers or self._matchers[s.request_id].is_terminated():
+                continue
+            awaited = self._awaited.get(s.request_id)
+            end = awaited.end_in(s.draft_token_ids) if awaited is not None else -1
+            if end is not None:  # else its marker is not in sight: every row stays free
+                constrained.append(s)
+                starts.append(end + 1)
         if not constrained:
             return
         import xgrammar
@@ -249,11 +289,11 @@ class StructuredOutputManager:
         j = 0
         while walking:
             self._batch.batch_fill_next_token_bitmask([matchers[i] for i in walking], masks,
-                                                      [rows[i] + j for i in walking])
-            walking = [i for i in walking if j < len(constrained[i].draft_token_ids)]
+                                                      [rows[i] + starts[i] + j for i in walking])
+            walking = [i for i in walking if starts[i] + j < len(constrained[i].draft_token_ids)]
             if walking:
                 kept = xgrammar.BatchGrammarMatcher.batch_accept_token(
-                    [matchers[i] for i in walking], [constrained[i].draft_token_ids[j] for i in walking])
+                    [matchers[i] for i in walking], [constrained[i].draft_token_ids[starts[i] + j] for i in walking])
                 walking = [i for i, ok in zip(walking, kept) if ok]
                 for i in walking:
                     advanced[i] += 1
@@ -311,6 +351,15 @@ class StructuredOutputManager:
             if matcher is None or not toks or self._advanced.get(rid, -1) >= step_id:
                 continue
             self._advanced[rid] = step_id
+            awaited = self._awaited.get(rid)
+            if awaited is not None:  # the grammar starts after the marker: only the tokens past it are its
+                end = awaited.feed(toks)
+                if end is None:
+                    continue
+                del self._awaited[rid]
+                toks = toks[end + 1:]
+                if not toks:
+                    continue
             todo.append((rid, matcher, toks))
         j = 0
         while todo:

@@ -17,6 +17,7 @@ import torch
 from kvloom.core.engine.step import RunnerOutput, ScheduledSeq, SchedulerOutput
 from kvloom.core.model.attention.base import AttentionMetadata
 from kvloom.core.model.lora import host_segments
+from kvloom.core.worker.pooler import PooledStates, pooled_row_ranges
 from kvloom.core.worker.sampler import PromptScores, Sampler, SampleResult, score_prompt
 
 logger = logging.getLogger("kvloom")
@@ -250,8 +251,12 @@ class ModelRunner:
         t = self._tokens(order)
         query_start = np.zeros(len(order) + 1, np.int64)
         np.cumsum(t.counts, out=query_start[1:])
-        num_sample = np.fromiter([s.num_sample_rows for s in order], np.int64, len(order))
+        num_sample = np.fromiter([s.num_sample_rows if s.pooling is None else 0 for s in order], np.int64,
+                                 len(order))
         keep = _ranges(query_start[1:] - num_sample, num_sample)
+        if any(s.pooling is not None for s in order):  # pooled rows (prefill-only requests), ahead of the sampled
+            firsts, counts = pooled_row_ranges(order)
+            keep = np.concatenate([_ranges(query_start[:-1] + firsts, counts), keep])
         if any(s.prompt_targets for s in order):  # positions that score prompt tokens, ahead of the sampled rows
             scored = np.fromiter([len(s.prompt_targets or ()) for s in order], np.int64, len(order))
             keep = np.concatenate([_ranges(query_start[:-1], scored), keep])
@@ -354,7 +359,7 @@ class ModelRunner:
             query_lens_cpu=query_lens,
             seq_lens_cpu=seq_lens,
         )
-        sampling = [s for s in order if s.samples]
+        sampling = [s for s in order if s.samples and s.pooling is None]
         self._fill_placeholders(ids_t, dst, src)
         return (ids_t, pos_t, self._group_metas(meta, staged), None if every else rows_t, sampling,
                 self._lora_batch(lora, lora_t))
@@ -375,11 +380,15 @@ class ModelRunner:
             return LaunchedStep(None)
         # Prompt logprobs need logits at prompt positions, which only the eager flat layout keeps.
         scoring = [s for s in batch_order(seqs) if s.prompt_targets] if any(s.prompt_targets for s in seqs) else []
-        prompt = None
-        if not scoring and self.graphs and plan.num_tokens <= self._max_graph_batch and decode_layout(seqs):
+        # Pooling requests keep prompt rows too (never sampled), so they also take the eager flat layout.
+        pooling = [s for s in batch_order(seqs) if s.pooling is not None] if any(s.pooling for s in seqs) else []
+        prompt = pooled = None
+        if not scoring and not pooling and self.graphs and plan.num_tokens <= self._max_graph_batch \
+                and decode_layout(seqs):
             logits, sampling = self._replay(seqs)
         else:
-            as_decodes = not scoring and self.verify_as_decodes and plan.num_draft_tokens and decode_layout(seqs)
+            as_decodes = (not scoring and not pooling and self.verify_as_decodes and plan.num_draft_tokens
+                          and decode_layout(seqs))
             ids, pos, meta, rows, sampling, lora = (self._prepare_decode_rows if as_decodes else self.prepare)(seqs)
             hidden = self.model(ids, pos, meta, self.kv_caches, keep=rows, lora=lora)  # the kept rows' states
             if scoring:
@@ -387,10 +396,14 @@ class ModelRunner:
                 prompt = score_prompt(hidden[:num_scored], scoring, self.model.compute_logits)
                 prompt.start_copy()
                 hidden = hidden[num_scored:]
+            if pooling:
+                num_pooled = int(pooled_row_ranges(pooling)[1].sum())
+                pooled = PooledStates(pooling, hidden[:num_pooled], self.model.compute_logits)
+                hidden = hidden[num_pooled:]
             logits = self.model.compute_logits(hidden) if sampling else None
         if not sampling:
             self._prev_tokens, self._prev_rows = None, {}
-            return LaunchedStep(None, prompt)
+            return LaunchedStep(None, prompt, pooled)
         if self.before_sampling is not None:
             self.before_sampling(sampling)
         result = self.sampler.sample(logits, sampling)
@@ -401,7 +414,7 @@ class ModelRunner:
         for s in sampling:
             self._prev_rows[s.request_id] = row + s.num_sample_rows - 1
             row += s.num_sample_rows
-        return LaunchedStep(result, prompt)
+        return LaunchedStep(result, prompt, pooled)
 
     def _placeholders(self, order: list[ScheduledSeq]) -> tuple[tuple[list[int], type], tuple[list[int], type]]:
         """Where a step's placeholder inputs are in its flat ids, and the previous step's sampled rows that
@@ -518,17 +531,20 @@ class LaunchedStep:
     """A launched step: ``fetch()`` waits for its tokens and returns them as a ``RunnerOutput`` (the same
     one each time: structured outputs take a step's tokens before the engine applies them)."""
 
-    def __init__(self, sample: SampleResult | None, prompt: PromptScores | None = None) -> None:
+    def __init__(self, sample: SampleResult | None, prompt: PromptScores | None = None,
+                 pooled: PooledStates | None = None) -> None:
         self.sample = sample
         self.prompt = prompt
+        self.pooled = pooled
         self._output: RunnerOutput | None = None
 
     def fetch(self) -> RunnerOutput:
         if self._output is None:
             prompt = self.prompt.fetch() if self.prompt is not None else {}
+            pooled = self.pooled.fetch() if self.pooled is not None else {}
             if self.sample is None:
-                self._output = RunnerOutput(prompt_logprobs=prompt)
+                self._output = RunnerOutput(prompt_logprobs=prompt, pooled=pooled)
             else:
                 sampled, logprobs = self.sample.fetch()
-                self._output = RunnerOutput(sampled, logprobs, prompt)
+                self._output = RunnerOutput(sampled, logprobs, prompt, pooled)
         return self._output

@@ -41,7 +41,7 @@ from kvloom.core.model.distributed import (
     destroy_group,
     init_group,
 )
-from kvloom.core.worker.model_runner import LaunchedStep, ModelRunner
+from kvloom.core.worker.model_runner import LaunchedStep, ModelRunner, batch_order
 from kvloom.core.worker.sampler import prompt_logits_slices
 
 logger = logging.getLogger("kvloom")
@@ -252,7 +252,8 @@ class TPWorkerRunner(ModelRunner):
             return
         # Rank 0 runs a step that scores prompt tokens eagerly (graphs keep no prompt positions): so does this one.
         num_scored = sum(len(s.prompt_targets) for s in seqs if s.prompt_targets)
-        if (not num_scored and self.graphs and len(seqs) <= self._max_graph_batch
+        pooling = [s for s in batch_order(seqs) if s.pooling is not None]  # eager on rank 0 too
+        if (not num_scored and not pooling and self.graphs and len(seqs) <= self._max_graph_batch
                 and all(s.num_new_tokens == 1 for s in seqs)):
             _, sampling = self._replay(seqs)
         else:
@@ -262,8 +263,13 @@ class TPWorkerRunner(ModelRunner):
             # score_prompt's slices, then the sampled rows. Only rank 0 reads the logits.
             for rows in prompt_logits_slices(num_scored):
                 self.model.compute_logits(hidden[rows])
+            row = num_scored
+            for s in pooling:  # a scorer's logits, in PooledStates' order
+                row += s.pooling.rows(s.start_pos, s.num_new_tokens, s.num_sample_rows > 0)[1]
+                if s.pooling.score_token_ids and s.num_sample_rows:
+                    self.model.compute_logits(hidden[row - 1: row])
             if sampling:
-                self.model.compute_logits(hidden[num_scored:])
+                self.model.compute_logits(hidden[row:])
         if not sampling:
             self._prev_tokens, self._prev_rows = None, {}
             return
