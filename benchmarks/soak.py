@@ -1,9 +1,11 @@
 """Soak a kvloom server (started here, with the ZMQ gateway) under steady mixed load and report each
 process's memory: RSS of the launcher, the engine, every API worker and the gateway every
-``--sample-s`` seconds, and the slope of the last ``--slope-minutes`` (MB per minute, least squares).
+``--sample-s`` seconds, and the slope of the last ``--slope-minutes`` (MB per minute, least squares, with its
+standard error: ``flat_within_noise`` when it is within two of zero).
 
     python benchmarks/soak.py                      # SmolLM2 (the default model), 30 minutes
     python benchmarks/soak.py --minutes 6 --out benchmarks/results/soak.json
+    python benchmarks/soak.py --report benchmarks/results/soak.json --slope-minutes 5   # refit a saved run
 
 The load, from ``--http-clients`` HTTP clients and ``--gateway-clients`` gateway clients, each one
 request at a time: streamed and whole chat and text completions, ``n`` = 2, logprobs, streams closed
@@ -71,15 +73,43 @@ def server_processes(root: int) -> dict[str, int]:
 
 def slope_mb_per_min(samples: list[tuple[float, float]]) -> float | None:
     """Least-squares slope of (seconds, MB) samples, in MB per minute."""
-    if len(samples) < 2:
-        return None
+    return slope_fit(samples)[0]
+
+
+def slope_fit(samples: list[tuple[float, float]]) -> tuple[float | None, float | None, float | None]:
+    """Least-squares slope of (seconds, MB) samples in MB per minute, its standard error, and the
+    residuals' standard deviation in MB (the samples' swing around the line)."""
     n = len(samples)
+    if n < 2:
+        return None, None, None
     mean_t = sum(t for t, _ in samples) / n
     mean_y = sum(y for _, y in samples) / n
     var = sum((t - mean_t) ** 2 for t, _ in samples)
     if var == 0:
-        return None
-    return 60 * sum((t - mean_t) * (y - mean_y) for t, y in samples) / var
+        return None, None, None
+    slope = sum((t - mean_t) * (y - mean_y) for t, y in samples) / var
+    residuals = [y - mean_y - slope * (t - mean_t) for t, y in samples]
+    if n < 3:
+        return 60 * slope, None, None
+    sd = (sum(r * r for r in residuals) / (n - 2)) ** 0.5
+    return 60 * slope, 60 * sd / var ** 0.5, sd
+
+
+def rss_figures(rows: list[dict], names, slope_minutes: float) -> dict:
+    """Per process: start, end and max RSS, and the fit of the last ``slope_minutes``; ``flat`` when the
+    slope is within two standard errors of zero (its drift is not told apart from the samples' swing)."""
+    window = rows[-1]["t"] - slope_minutes * 60
+    figures = {}
+    for name in names:
+        series = [(r["t"], r[name]) for r in rows if r.get(name) is not None]
+        last = [(t, mb) for t, mb in series if t >= window]
+        slope, stderr, sd = slope_fit(last)
+        figures[name] = {"start_mb": series[0][1], "end_mb": series[-1][1], "max_mb": max(mb for _, mb in series),
+                         "slope_mb_per_min_last_window": slope, "slope_stderr_mb_per_min": stderr,
+                         "residual_sd_mb_last_window": sd,
+                         "flat_within_noise": None if stderr is None else abs(slope) <= 2 * stderr,
+                         "mean_mb_last_window": sum(mb for _, mb in last) / len(last)}
+    return figures
 
 
 class Sampler(threading.Thread):
@@ -188,7 +218,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--engine-arg", action="append", default=[], metavar="FLAG",
                         help="An extra flag for the server, e.g. --engine-arg=--max-num-seqs=16 (repeatable).")
     parser.add_argument("--out", help="Also write the figures to this JSON file.")
+    parser.add_argument("--report", metavar="JSON",
+                        help="Run nothing: print the RSS figures of a saved run's samples (this --slope-minutes).")
     args = parser.parse_args(argv)
+    if args.report:
+        rows = json.loads(Path(args.report).read_text())["samples"]
+        names = [k for k in rows[0] if k != "t"]
+        print(json.dumps(rss_figures(rows, names, args.slope_minutes), indent=2))
+        return 0
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from kvloom.bench.ab import ServerProcess
 
@@ -219,14 +256,7 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             server.stop()
     rows = sampler.rows
-    window = rows[-1]["t"] - args.slope_minutes * 60
-    figures = {}
-    for name in sampler.pids:
-        series = [(r["t"], r[name]) for r in rows if r[name] is not None]
-        last = [(t, mb) for t, mb in series if t >= window]
-        figures[name] = {"start_mb": series[0][1], "end_mb": series[-1][1], "max_mb": max(mb for _, mb in series),
-                         "slope_mb_per_min_last_window": slope_mb_per_min(last),
-                         "mean_mb_last_window": sum(mb for _, mb in last) / len(last)}
+    figures = rss_figures(rows, sampler.pids, args.slope_minutes)
     failures = {k: v for k, v in outcomes.items() if " 5" in k or "transport" in k or "no answer" in k}
     report = {"model": model, "date": time.strftime("%Y-%m-%d", time.localtime(started)), "minutes": args.minutes,
               "slope_window_minutes": min(args.slope_minutes, rows[-1]["t"] / 60), "sample_s": args.sample_s,
