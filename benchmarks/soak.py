@@ -1,7 +1,8 @@
 """Soak a kvloom server (started here, with the ZMQ gateway) under steady mixed load and report each
-process's memory: RSS of the launcher, the engine, every API worker and the gateway every
-``--sample-s`` seconds, and the slope of the last ``--slope-minutes`` (MB per minute, least squares, with its
-standard error: ``flat_within_noise`` when it is within two of zero).
+process's memory: RSS (and its anonymous part, ``NAME_anon``) of the launcher, the engine, every API
+worker and the gateway every ``--sample-s`` seconds, and the slope of the last ``--slope-minutes`` (MB per
+minute, least squares, with its standard error: ``flat_within_noise`` when it is within two of zero or
+under 1 MB over the window).
 
     python benchmarks/soak.py                      # SmolLM2 (the default model), 30 minutes
     python benchmarks/soak.py --minutes 6 --out benchmarks/results/soak.json
@@ -35,10 +36,12 @@ PROCESSES = {"engine": "kvloom.launch.engine_process", "api": "kvloom.frontends.
              "gateway": "kvloom.frontends.gateway"}
 
 
-def rss_mb(pid: int) -> float | None:
+def rss_mb(pid: int, field: str = "VmRSS") -> float | None:
+    """A process's resident memory in MB: all of it (VmRSS), or RssAnon, its anonymous part, without the
+    file pages (code, mapped weights) that the kernel drops and reads back as the machine needs."""
     try:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1]) / 1024
     except OSError:
         return None
@@ -96,8 +99,9 @@ def slope_fit(samples: list[tuple[float, float]]) -> tuple[float | None, float |
 
 
 def rss_figures(rows: list[dict], names, slope_minutes: float) -> dict:
-    """Per process: start, end and max RSS, and the fit of the last ``slope_minutes``; ``flat`` when the
-    slope is within two standard errors of zero (its drift is not told apart from the samples' swing)."""
+    """Per process: start, end and max RSS, and the fit of the last ``slope_minutes``; flat when the slope
+    is within two standard errors of zero (its drift is not told apart from the samples' swing) or drifts
+    less than 1 MB over the window."""
     window = rows[-1]["t"] - slope_minutes * 60
     figures = {}
     for name in names:
@@ -107,7 +111,8 @@ def rss_figures(rows: list[dict], names, slope_minutes: float) -> dict:
         figures[name] = {"start_mb": series[0][1], "end_mb": series[-1][1], "max_mb": max(mb for _, mb in series),
                          "slope_mb_per_min_last_window": slope, "slope_stderr_mb_per_min": stderr,
                          "residual_sd_mb_last_window": sd,
-                         "flat_within_noise": None if stderr is None else abs(slope) <= 2 * stderr,
+                         "flat_within_noise": None if stderr is None else (abs(slope) <= 2 * stderr
+                                                                            or abs(slope) * slope_minutes < 1.0),
                          "mean_mb_last_window": sum(mb for _, mb in last) / len(last)}
     return figures
 
@@ -125,6 +130,7 @@ class Sampler(threading.Thread):
     def sample(self) -> None:
         row = {"t": round(time.monotonic() - self.start_time, 1)}
         row.update({name: rss_mb(pid) for name, pid in self.pids.items()})
+        row.update({f"{name}_anon": rss_mb(pid, "RssAnon") for name, pid in self.pids.items()})
         self.rows.append(row)
         print(json.dumps(row), file=sys.stderr, flush=True)
 
@@ -256,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             server.stop()
     rows = sampler.rows
-    figures = rss_figures(rows, sampler.pids, args.slope_minutes)
+    figures = rss_figures(rows, [k for k in rows[0] if k != "t"], args.slope_minutes)
     failures = {k: v for k, v in outcomes.items() if " 5" in k or "transport" in k or "no answer" in k}
     report = {"model": model, "date": time.strftime("%Y-%m-%d", time.localtime(started)), "minutes": args.minutes,
               "slope_window_minutes": min(args.slope_minutes, rows[-1]["t"] / 60), "sample_s": args.sample_s,
