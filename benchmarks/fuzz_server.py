@@ -1,9 +1,12 @@
 """Fuzz a kvloom server (started here, with the gateway): seeded random bodies for /v1/completions,
 /v1/chat/completions, /v1/responses and /v1/messages and random msgpack messages for the ZMQ gateway,
-mostly malformed, some valid.
-Every answer must be 2xx/4xx within a bound (no 5xx, no hang); the server must not lose a process;
-afterwards its greedy output must be unchanged and every KV block free. tests/test_fuzz.py runs 2,000
-messages of it; by hand, 20,000:
+mostly malformed, some valid, 1% holding a huge array (stop strings, stop token ids, logit_bias, prompt
+tokens or messages by the 10,000s); beside them, gateway clients that disconnect mid-stream and clients
+that stop reading.
+Every answer must be 2xx/4xx within a bound (no 5xx, no hang); every gateway stream must end, its
+last chunk's usage counting exactly the tokens received, or end with RequestFailed (none lost or
+truncated); the server must not lose a process; afterwards its greedy output must be unchanged and
+every KV block free. tests/test_fuzz.py runs 2,000 messages of it; by hand, 20,000:
 
     python benchmarks/fuzz_server.py --tiny-model /tmp/kvloom-tiny --bodies 16000 --gateway-messages 4000
 
@@ -29,6 +32,7 @@ import msgspec
 import zmq
 
 VOCAB = 384  # the tiny test model's; ids beyond the real vocabulary are just more invalid input
+GATEWAY_MAX_UNREAD = 256  # the server's gateway_max_unread: a client that stops reading fills it soon
 HUGE_INTS = [2**31, 2**31 - 1, -(2**31) - 1, 2**53 + 1, 2**63 - 1, 2**63, -(2**63), -(2**63) - 1, 2**64,
              2**64 + 1, 10**30, -(10**30)]
 WEIRD_TEXT = ["", " ", "\x00", "\ud800".encode("utf-8", "surrogatepass").decode("utf-8", "replace"), "é" * 50,
@@ -203,6 +207,8 @@ def http_body(rng: random.Random, model: str) -> tuple[str, bytes]:
             and isinstance(body.get("max_tokens"), int) and rng.random() < 0.4:
         path = rng.choice(sorted(_DOORS))
         body = _other_door(rng, path, body)
+    elif rng.random() < 0.01:  # one huge array: refused by its limit (400) or the body's (413), quickly
+        body.update(_huge_array(rng, chat))
     raw = json.dumps(body).encode()
     roll = rng.random()
     if roll < 0.04:
@@ -214,6 +220,21 @@ def http_body(rng: random.Random, model: str) -> tuple[str, bytes]:
     elif roll < 0.09:
         raw = raw.replace(b"1", b"NaN", 1)
     return path, raw
+
+
+def _huge_array(rng: random.Random, chat: bool) -> dict[str, Any]:
+    """A field holding a huge array (the probe's 1,000,000 stop strings held up every client)."""
+    n = rng.choice([20_000, 200_000])
+    which = rng.choice(["stop", "stop_token_ids", "logit_bias", "prompt"])
+    if which == "stop":
+        return {"stop": ["ab"] * n}
+    if which == "stop_token_ids":
+        return {"stop_token_ids": [rng.randrange(VOCAB) for _ in range(n)]}
+    if which == "logit_bias":
+        return {"logit_bias": {str(i): 1.0 for i in range(n)}}
+    if chat:
+        return {"messages": [{"role": "user", "content": "hi"}] * (n // 20)}
+    return {"prompt": [5] * n}
 
 
 def gateway_message(rng: random.Random, request_id: str) -> tuple[list[bytes], bool]:
@@ -244,6 +265,16 @@ def gateway_message(rng: random.Random, request_id: str) -> tuple[list[bytes], b
     if sampling.get("stop") is None:
         sampling.pop("stop", None)
     msg["sampling"] = sampling
+    if rng.random() < 0.01:
+        huge = _huge_array(rng, which == "messages")
+        if "prompt" in huge or "messages" in huge:
+            for name in ("prompt", "messages", "prompt_token_ids"):
+                msg.pop(name, None)
+            msg["prompt_token_ids" if "prompt" in huge else "messages"] = huge.get("prompt", huge.get("messages"))
+        else:
+            sampling.update({k: ({int(t): v for t, v in value.items()} if k == "logit_bias" else value)
+                             for k, value in huge.items()})
+        return [msgspec.msgpack.encode(msg)], True
     if rng.random() < 0.6:
         for _ in range(rng.randint(1, 3)):
             target = sampling if rng.random() < 0.6 else msg
@@ -352,6 +383,7 @@ def _fuzz_gateway_client(address: str, messages: int, seed: int, result: FuzzRes
 
 
 def _read_until_done(sock, rid: str, generate: bool, result: FuzzResult, frames) -> bool:
+    received = 0  # completion tokens of ``rid`` so far: a last chunk's usage must count exactly these
     while True:
         try:
             reply = msgspec.msgpack.decode(sock.recv())
@@ -367,15 +399,86 @@ def _read_until_done(sock, rid: str, generate: bool, result: FuzzResult, frames)
             if reply.get("request_id") == rid or (generate and reply.get("request_id") == ""):
                 return True
         elif kind == "TextChunk":
+            if reply.get("request_id") == rid:
+                received += len(reply.get("token_ids", []))
             if reply.get("finish_reason") is not None:
                 result.gateway[f"TextChunk {reply['finish_reason']}"] += 1
                 if reply.get("request_id") == rid:
+                    usage = reply.get("usage") or {}
+                    if usage.get("completion_tokens") != received:
+                        result.failures.append(f"truncated: {rid} sent {received} tokens, usage says {usage}")
                     return True
         elif kind == "Pong":
             result.gateway["Pong"] += 1
         else:
             result.failures.append(f"gateway sent an unknown reply {reply}")
             return True
+
+
+def abusive_gateway_clients(address: str, rounds: int, seed: int, result: FuzzResult, pause_s: float = 2.0,
+                            timeout_ms: int = 60_000) -> None:
+    """The probe's clients, ``rounds`` of each: one that disconnects while its 4 long requests stream, and
+    one that sends 8 long requests and reads nothing for ``pause_s`` (the server runs with a small
+    ``gateway_max_unread``, so its queue fills). Reading again, that one must get every request whole
+    (its last chunk's usage counts the tokens it received) or ended by a RequestFailed: none lost."""
+    rng = random.Random(seed)
+    ctx = zmq.Context.instance()
+
+    def long_request(rid: str, max_tokens: int) -> bytes:
+        return msgspec.msgpack.encode({"type": "Generate", "request_id": rid,
+                                       "prompt_token_ids": [rng.randrange(VOCAB) for _ in range(rng.randint(1, 8))],
+                                       "sampling": {"max_tokens": max_tokens, "ignore_eos": True}})
+
+    for r in range(rounds):
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RCVTIMEO, timeout_ms)
+        sock.connect(address)
+        for i in range(4):
+            sock.send(long_request(f"d{r}-{i}", 300))
+        try:
+            for _ in range(rng.randint(1, 6)):
+                sock.recv()
+            result.gateway["client disconnected mid-stream"] += 1
+        except zmq.Again:
+            result.failures.append("hang: a client's first replies never came")
+        sock.close()
+
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RCVTIMEO, timeout_ms)
+        sock.setsockopt(zmq.RCVHWM, 8)
+        sock.setsockopt(zmq.RCVBUF, 4096)
+        sock.connect(address)
+        rids = [f"u{r}-{i}" for i in range(8)]
+        for rid in rids:
+            sock.send(long_request(rid, 400))
+        time.sleep(pause_s)  # not reading
+        received = dict.fromkeys(rids, 0)
+        ended: dict[str, str] = {}
+        while len(ended) < len(rids):
+            try:
+                reply = msgspec.msgpack.decode(sock.recv())
+            except zmq.Again:
+                result.failures.append(f"lost: no last reply for {sorted(set(rids) - set(ended))} of a client that "
+                                       "stopped reading")
+                break
+            rid = reply.get("request_id")
+            if rid in ended:
+                result.failures.append(f"a reply after the last one of {rid}: {reply}")
+            elif reply.get("type") == "RequestFailed":
+                ended[rid] = f"RequestFailed {reply.get('status')}"
+                if reply.get("status") != 429:
+                    result.failures.append(f"a non-reading client's request ended with {reply}")
+            elif reply.get("type") == "TextChunk":
+                received[rid] += len(reply.get("token_ids", []))
+                if reply.get("finish_reason") is not None:
+                    ended[rid] = "whole"
+                    if (reply.get("usage") or {}).get("completion_tokens") != received[rid]:
+                        result.failures.append(f"truncated: {rid} sent {received[rid]} tokens, usage {reply['usage']}")
+        for outcome in ended.values():
+            result.gateway[f"client that stopped reading: {outcome}"] += 1
+        sock.close()
 
 
 def greedy_probe(url: str, model: str, headers: dict[str, str] | None = None) -> list[str]:
@@ -412,6 +515,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gateway-messages", type=int, default=4_000)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--abusive-rounds", type=int, default=50,
+                        help="Rounds of a client disconnecting mid-stream and one that stops reading.")
     args = parser.parse_args(argv)
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from tests.server_utils import EngineServer
@@ -430,18 +535,29 @@ def main(argv: list[str] | None = None) -> int:
 
     with tempfile.TemporaryDirectory() as tmp:
         gateway = f"ipc://{tmp}/gw.sock"
-        server = EngineServer(["--model", model, "--num-kv-blocks", "512", "--gateway", gateway], Path(tmp))
+        server = EngineServer(["--model", model, "--num-kv-blocks", "512", "--gateway", gateway,
+                               "--gateway-max-unread", str(GATEWAY_MAX_UNREAD)], Path(tmp))
         try:
             server.wait_ready()
             before = greedy_probe(server.url, model)
             pids = server.descendants()
             result = FuzzResult()
             t0 = time.monotonic()
+            import threading
+
+            rude = FuzzResult()
+            abusive = threading.Thread(target=abusive_gateway_clients,
+                                       args=(gateway, args.abusive_rounds, args.seed, rude))
+            abusive.start()  # beside the rest of the fuzz, which must not notice it
             asyncio.run(fuzz_http(server.url, model, args.bodies, args.seed, result, args.concurrency))
             fuzz_gateway(gateway, args.gateway_messages, args.seed, result)
+            abusive.join()
+            result.gateway.update(rude.gateway)
+            result.failures += rude.failures
             elapsed = time.monotonic() - t0
             report = result.as_dict()
             report.update(seconds=round(elapsed, 1), bodies=args.bodies, gateway_messages=args.gateway_messages,
+                          abusive_rounds=args.abusive_rounds, abusive_messages=12 * args.abusive_rounds,
                           seed=args.seed, all_processes_alive=server.descendants() == pids and server.proc.poll() is None,
                           greedy_unchanged=greedy_probe(server.url, model) == before,
                           all_kv_blocks_free=wait_all_blocks_free(server.url))

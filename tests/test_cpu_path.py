@@ -98,7 +98,7 @@ def test_cpu_backend_matches_the_reference_layout(query_lens, seq_lens, dtype, v
 
 @pytest.mark.skipif(not packing_supported(torch.float32), reason="this PyTorch build has no oneDNN packed linear")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", [1, 7, 33])
+@pytest.mark.parametrize("rows", [1, 7, 33, 100])
 def test_packed_linear_matches_f_linear(dtype, rows):
     if not packing_supported(dtype):
         pytest.skip(f"no oneDNN packed linear for {dtype} here")
@@ -111,6 +111,89 @@ def test_packed_linear_matches_f_linear(dtype, rows):
     # 3-D inputs and strided views run too
     x3 = torch.randn(2, rows, 80, dtype=dtype)[..., ::2]
     torch.testing.assert_close(packed(x3).float(), F.linear(x3, weight, bias).float(), atol=tol, rtol=tol)
+
+
+_SHAPES_SCRIPT = """
+import random, torch
+from kvloom.core.worker.cpu_malloc import keep_freed_memory
+keep_freed_memory()
+from kvloom.kernels.cpu_linear import PackedLinear
+
+def rss_mb():
+    return next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmRSS")) / 1024
+
+layer = PackedLinear(torch.randn(1536, 576) * 0.02, None, 32)
+with torch.no_grad():
+    layer(torch.randn(17, 576))
+    start = rss_mb()
+    for rows in random.Random(0).sample(range(17, 1025), 200):
+        layer(torch.randn(rows, 576))
+print(rss_mb() - start)
+"""
+
+
+@pytest.mark.skipif(not packing_supported(torch.float32), reason="this PyTorch build has no oneDNN packed linear")
+def test_packed_linears_meet_few_shapes_so_the_engine_does_not_grow_with_every_step_size():
+    import subprocess
+    import sys
+
+    from tests.server_utils import REPO_ROOT, server_env
+
+    # 200 different row counts, as a server's steps bring them: oneDNN kept a primitive and its memory per
+    # count (+167 MB here); rounded to ~40 shapes they stay few (+28 MB), and the growth stops.
+    out = subprocess.run([sys.executable, "-c", _SHAPES_SCRIPT], env=server_env(), cwd=REPO_ROOT,
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr
+    assert float(out.stdout.strip().splitlines()[-1]) < 80
+
+
+_ATTENTION_SHAPES_SCRIPT = """
+from kvloom.core.worker.cpu_threads import prepare_openmp
+prepare_openmp()  # as the engine process does, before torch loads
+import random, torch
+from kvloom.core.worker.cpu_malloc import keep_freed_memory, release_free_memory
+keep_freed_memory()
+
+def rss_mb():
+    return next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmRSS")) / 1024
+
+rng = random.Random(0)
+q = torch.randn(3, 8, 64, dtype=torch.bfloat16)
+q @ q.transpose(1, 2)
+start = rss_mb()
+for _ in range(1200):  # attention's batched matmuls, a new (queries, keys) shape every time
+    queries, keys = rng.randint(1, 600), rng.randint(1, 600)
+    scores = torch.randn(3, queries, 64, dtype=torch.bfloat16) @ torch.randn(3, 64, keys, dtype=torch.bfloat16)
+    scores @ torch.randn(3, keys, 64, dtype=torch.bfloat16)
+release_free_memory()  # as the engine does every minute
+print(rss_mb() - start)
+"""
+
+
+def test_the_engine_does_not_keep_memory_for_every_attention_shape_it_met():
+    import subprocess
+    import sys
+
+    from tests.server_utils import REPO_ROOT, server_env
+
+    # oneDNN's and ideep's caches kept an entry per bf16 matmul shape, 1,024 each: +932 MB here, and a
+    # serving engine meets new attention shapes every step. Capped (prepare_openmp: +253 MB) and with
+    # the heap's free pages given back (+150 MB), the growth stops within a few hundred MB.
+    env = {k: v for k, v in server_env().items() if k not in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")}
+    out = subprocess.run([sys.executable, "-c", _ATTENTION_SHAPES_SCRIPT], env=env, cwd=REPO_ROOT,
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr
+    assert float(out.stdout.strip().splitlines()[-1]) < 300
+
+
+def test_padded_rows_are_few_and_close():
+    from kvloom.kernels.cpu_linear import padded_rows
+
+    counts = range(1, 8193)
+    assert all(rows <= padded_rows(rows) <= rows * 1.125 or padded_rows(rows) - rows < 8 for rows in counts)
+    assert [padded_rows(rows) for rows in (1, 16, 17, 64, 65, 128, 129, 2048, 2049)] == \
+        [1, 16, 24, 64, 72, 128, 144, 2048, 2304]
+    assert len({padded_rows(rows) for rows in counts}) < 100
 
 
 @pytest.mark.skipif(not packing_supported(torch.float32), reason="this PyTorch build has no oneDNN packed linear")

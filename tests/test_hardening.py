@@ -571,3 +571,22 @@ def test_a_gateway_address_in_use_fails_before_the_model_loads(tiny_llama, tmp_p
         assert "Traceback" not in srv.log()
     finally:
         taken.close(linger=0)
+
+
+def test_peer_warnings_let_a_few_through_per_peer_and_window_and_count_the_rest(caplog):
+    from kvloom.core.peer_warnings import PeerWarnings
+
+    now = [0.0]
+    warnings = PeerWarnings(logging.getLogger("kvloom.test"), burst=2, window_s=60.0, max_peers=2,
+                            clock=lambda: now[0])
+    caplog.set_level("WARNING", logger="kvloom.test")
+    logged = [warnings.warning(b"a", "junk from %r", b"a") for _ in range(50)]
+    assert logged[:2] == [True, True] and not any(logged[2:])
+    assert warnings.warning(b"b", "junk from b") and warnings.warning(b"b", "junk from b")
+    # A third peer beyond max_peers shares one budget with every other stranger.
+    assert warnings.warning(b"c", "junk from c") and warnings.warning(b"d", "junk from d")
+    assert not warnings.warning(b"e", "junk from e")
+    now[0] = 61.0  # a new window: a's next warning says how many were held back
+    assert warnings.warning(b"a", "junk from %r", b"a")
+    assert caplog.records[-1].getMessage().endswith("(48 similar warning(s) about this peer were held back)")
+    assert len(caplog.records) == 7

@@ -124,11 +124,13 @@ class Gateway:
         self.socket.monitor(monitor_address, zmq.EVENT_DISCONNECTED)
         self.monitor = zmq.Context.shadow(self.ctx.underlying).socket(zmq.PAIR)
         self.monitor.connect(monitor_address)
+        self._bound = False  # only a socket file this gateway bound is removed on exit
         try:
             self.socket.bind(address)
         except zmq.ZMQError as e:
             self._close_sockets(linger=0)
             raise OSError(f"cannot bind the gateway to {address}: {e}") from None
+        self._bound = True
         self.peers: dict[bytes, _Peer] = {}
         self.by_fd: dict[int, bytes] = {}  # connection -> the client identity last heard on it
         self.warnings = PeerWarnings(logger)
@@ -183,7 +185,7 @@ class Gateway:
     def _remove_ipc_file(self) -> None:
         """An ipc:// socket file outlives its socket; remove it, so the path is free and nothing looks
         like a live gateway there."""
-        if not self.address.startswith("ipc://"):
+        if not self._bound or not self.address.startswith("ipc://"):
             return
         path = self.address[len("ipc://"):]
         with contextlib.suppress(OSError):

@@ -41,6 +41,21 @@ def packing_supported(dtype: torch.dtype) -> bool:
     return True
 
 
+EXACT_ROWS = 16  # up to this many rows (decoding a few requests) a call runs with its own row count
+
+
+def padded_rows(rows: int) -> int:
+    """The row count a packed linear runs with. oneDNN (and PyTorch's ideep layer above it) keeps a
+    primitive with its own memory for every input shape it meets, so a server whose steps carry every
+    token count from 1 to 2,048 grew by megabytes per count (an engine soak: +700 MB in 10 minutes);
+    rounded up, to a multiple of 8 up to 64 rows and to 8 steps per doubling beyond (at most 12.5% more
+    rows), the shapes stay few and their primitives stay cached."""
+    if rows <= EXACT_ROWS:
+        return rows
+    step = 8 if rows <= 64 else 1 << ((rows - 1).bit_length() - 4)
+    return -(-rows // step) * step
+
+
 class PackedLinear(nn.Module):
     """``x @ W.T + b`` with ``W`` held in oneDNN's blocked layout (an opaque tensor: CPU only, not
     a parameter; the plain weight is dropped)."""
@@ -53,7 +68,13 @@ class PackedLinear(nn.Module):
         self.register_buffer("bias", None if bias is None else bias.detach().clone(), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
+        rows = x.numel() // self.in_features
+        padded = padded_rows(rows)
+        if padded == rows:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
+        flat = torch.nn.functional.pad(x.reshape(rows, self.in_features), (0, 0, 0, padded - rows))
+        out = torch.ops.mkldnn._linear_pointwise(flat, self.packed_weight, self.bias, "none", [], "")
+        return out[:rows].reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"

@@ -47,6 +47,7 @@ logger = logging.getLogger("kvloom.engine")
 # What a frontend may call through ``Utility``; anything else is refused by name.
 UTILITY_METHODS = ("stats", "reset_prefix_cache", "load_lora_adapter", "unload_lora_adapter", "list_lora_adapters")
 IDLE_POLL_MS = 100  # how often an idle engine wakes up to notice signals
+HEAP_TRIM_INTERVAL_S = 60.0  # a CPU engine hands its heap's free pages back this often (cpu_malloc)
 _STOP = b"stop"  # loop -> inbox thread: send what is queued, then close the socket
 _GONE = object()  # inbox thread -> loop: a frontend can no longer be reached
 
@@ -96,6 +97,7 @@ class EngineServer:
         self.draining = False  # finish what is running, refuse new requests, then exit
         self.stop_now = False
         self.stats_log = EngineStatsLog(config.stats_log_interval)
+        self._next_trim: float | None = None  # a CPU engine's next heap trim (time.monotonic())
 
     # --- lifecycle ---------------------------------------------------------------------------------
     def load(self) -> None:
@@ -115,6 +117,8 @@ class EngineServer:
             pooling=pooling_info(self.core.pooling_config, self.core.hf_config.hidden_size)
             if self.core.pooling_config is not None else None,
         )
+        if self.core.device.type == "cpu":
+            self._next_trim = time.monotonic() + HEAP_TRIM_INTERVAL_S
 
     def request_shutdown(self, drain: bool = True) -> None:
         if drain and not self.draining:
@@ -139,11 +143,20 @@ class EngineServer:
                 self.stats_log.record_step(core.last_step_tokens, sum(len(d.new_token_ids) for d in deltas))
             self._flush()
             self.stats_log.maybe_log(core.stats)
+            self._trim_heap()
             self._beat()
         if core.has_unfinished():
             for delta in core.abort_requests(list(self.owners)):
                 self._route(delta)
             self._flush()
+
+    def _trim_heap(self) -> None:
+        if self._next_trim is None or time.monotonic() < self._next_trim:
+            return
+        from kvloom.core.worker.cpu_malloc import release_free_memory
+
+        release_free_memory()
+        self._next_trim = time.monotonic() + HEAP_TRIM_INTERVAL_S
 
     def _beat(self) -> None:
         # Sent from the loop itself, between steps: a loop stuck in one step (or stopped) stops beating.

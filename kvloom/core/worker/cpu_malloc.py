@@ -44,3 +44,20 @@ def keep_freed_memory(mmap_threshold: int = 1 << 30, trim_threshold: int = 4 << 
         logger.info("CPU: glibc malloc keeps freed blocks (mmap threshold %d MiB, trim threshold %d MiB)",
                     mmap_threshold >> 20, min(trim_threshold, 2**31 - 1) >> 20)
     return ok
+
+
+def release_free_memory() -> bool:
+    """Give the free pages of every malloc arena back to the kernel (glibc's ``malloc_trim``). With
+    freed blocks kept (``keep_freed_memory``) a long-running engine's heap only grows as blocks of new
+    sizes miss the holes it has; the engine calls this now and then (every ``HEAP_TRIM_INTERVAL_S``),
+    so its resident memory is what is in use, at the cost of re-faulting the pages one step touches
+    again. False where the C library has no ``malloc_trim``."""
+    try:
+        trim = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return False
+    trim.argtypes = [ctypes.c_size_t]
+    trim.restype = ctypes.c_int
+    trim(0)
+    return True
+

@@ -36,6 +36,11 @@ logger = logging.getLogger("kvloom")
 # OpenMP settings of the engine process; a value the user set for OpenMP itself is kept.
 OPENMP_ENVIRONMENT = {"GOMP_SPINCOUNT": "20000"}
 OPENMP_VARIABLES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME")  # any of these: the user chose
+# oneDNN's primitive cache and PyTorch's ideep cache above it keep one entry, with its memory, per input
+# shape of a bf16 matmul or a packed linear; attention's shapes change with every step's lengths, so at
+# their default (1,024 entries each) an engine grew by ~1 GB before they filled. Each is set unless the
+# user set it.
+ONEDNN_ENVIRONMENT = {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "256", "LRU_CACHE_CAPACITY": "256"}
 
 
 def available_core_ids() -> list[int]:
@@ -52,12 +57,14 @@ def available_cores() -> int:
 
 
 def prepare_openmp() -> bool:
-    """Put the engine's OpenMP settings in this process's environment; True if they can still take
-    effect (torch, and with it OpenMP, not loaded yet)."""
+    """Put the engine's OpenMP and oneDNN cache settings in this process's environment; True if they
+    can still take effect (torch, and with it OpenMP and oneDNN, not loaded yet)."""
     if "torch" in sys.modules:
         return False
     if not any(name in os.environ for name in OPENMP_VARIABLES):
         os.environ.update(OPENMP_ENVIRONMENT)
+    for name, value in ONEDNN_ENVIRONMENT.items():
+        os.environ.setdefault(name, value)
     return True
 
 
