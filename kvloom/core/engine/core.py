@@ -112,6 +112,8 @@ class EngineCore:
             quantization=self.quantization, tp=tp, kernels=kernels,
         )
         logger.info("Loaded %s (%s, %s) in %.1fs", config.model, self.dtype, self.device, time.perf_counter() - t0)
+        if hasattr(self.model, "describe_moe"):
+            logger.info(self.model.describe_moe())
         if self.thread_governor is not None:
             # Checked inside the forward, every few layers: a long prefill step must not run out its whole
             # length on a team that another process has just started to slow down.
