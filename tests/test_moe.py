@@ -266,3 +266,14 @@ def test_cpu_plan_equals_the_engines_moe_weights(tiny_mixtral, capsys):
     llm = LLM(str(tiny_mixtral))
     assert main(["plan", "--model", str(tiny_mixtral), "--device", "cpu", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["weight_bytes"] == checkpoint_bytes(llm.engine.model)
+
+
+def test_cuda_graphs_stay_off_while_the_experts_run_on_the_reference(tiny_mixtral, monkeypatch):
+    """The reference reads each expert's row count on the host, which a CUDA graph capture forbids: the
+    engine asks the model before capturing (a kernel that names itself lifts it)."""
+    from kvloom.kernels import moe as moe_kernels
+
+    model = LLM(str(tiny_mixtral)).engine.model
+    assert "PyTorch reference" in model.cuda_graphs_refusal()
+    monkeypatch.setattr(moe_kernels, "kernel_name", lambda device: "triton", raising=False)
+    assert model.cuda_graphs_refusal() is None

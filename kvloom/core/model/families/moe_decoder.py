@@ -158,6 +158,13 @@ class MoEDecoderLM(DecoderLM):
         inactive = sum(held - used for held, used in (b.parameter_counts() for b in self.moe_blocks()))
         return total, total - inactive
 
+    def cuda_graphs_refusal(self) -> str | None:
+        """Why decode steps cannot be captured in CUDA graphs (None when they can)."""
+        blocks = self.moe_blocks()
+        if blocks and kernel_name(next(iter(blocks[0].experts.parameters())).device) == "reference":
+            return "the MoE experts run on the PyTorch reference, which reads each expert's row count on the host"
+        return None
+
     def describe_moe(self) -> str:
         """The start-up log line: experts, top-k and routing, sparse layers, sizes and the kernel."""
         blocks = self.moe_blocks()
