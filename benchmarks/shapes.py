@@ -26,6 +26,30 @@ SHAPES = {
         max_position_embeddings=40960, rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=True,
         bos_token_id=151643, eos_token_id=151645,
     ),
+    # Mixture-of-experts shapes (config.json of the published checkpoints, trimmed to what kvloom reads).
+    "mixtral-8x7b": dict(
+        architectures=["MixtralForCausalLM"], model_type="mixtral", hidden_size=4096, intermediate_size=14336,
+        num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, vocab_size=32000,
+        num_local_experts=8, num_experts_per_tok=2, max_position_embeddings=32768, rms_norm_eps=1e-5,
+        rope_theta=1000000.0, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+    ),
+    "qwen3-30b-a3b": dict(
+        architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", hidden_size=2048, intermediate_size=6144,
+        moe_intermediate_size=768, num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4,
+        head_dim=128, vocab_size=151936, num_experts=128, num_experts_per_tok=8, norm_topk_prob=True,
+        decoder_sparse_step=1, mlp_only_layers=[], max_position_embeddings=40960, rms_norm_eps=1e-6,
+        rope_theta=1000000.0, tie_word_embeddings=False, bos_token_id=151643, eos_token_id=151645,
+    ),
+    "gpt-oss-20b": dict(
+        architectures=["GptOssForCausalLM"], model_type="gpt_oss", hidden_size=2880, intermediate_size=2880,
+        num_hidden_layers=24, num_attention_heads=64, num_key_value_heads=8, head_dim=64, vocab_size=201088,
+        num_local_experts=32, num_experts_per_tok=4, sliding_window=128, attention_bias=True,
+        layer_types=["sliding_attention", "full_attention"] * 12, max_position_embeddings=131072,
+        rope_scaling={"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                      "truncate": False, "original_max_position_embeddings": 4096},
+        rope_theta=150000.0, rms_norm_eps=1e-5, swiglu_limit=7.0, tie_word_embeddings=False,
+        bos_token_id=199998, eos_token_id=200002,
+    ),
 }
 
 

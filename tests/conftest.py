@@ -66,6 +66,35 @@ TINY_FAMILIES = {
         tie_word_embeddings=True)),
 }
 
+# Mixture-of-experts families (tests/test_moe.py, tests/test_families_moe.py): odd shapes, odd expert counts,
+# top-k 2 and 4, the shared expert on (Qwen2-MoE) and off, norm_topk_prob both ways, dense layers among the sparse;
+# untied and with larger weights than the dense families', so that greedy tokens vary instead of repeating.
+MOE_FAMILIES = {
+    # Mixtral: 6 experts, top-2, always renormalised; a window on every layer shorter than the long prompts.
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(
+        ODD_SHAPES, intermediate_size=40, num_local_experts=6, num_experts_per_tok=2, sliding_window=13,
+        tie_word_embeddings=False, initializer_range=0.2)),
+    # Qwen2-MoE: 10 experts, top-4 not renormalised, a shared expert behind its sigmoid gate, q/k/v biases, and
+    # layer 1 a dense MLP (mlp_only_layers).
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", dict(
+        ODD_SHAPES, num_hidden_layers=3, num_experts=10, num_experts_per_tok=4, moe_intermediate_size=24,
+        shared_expert_intermediate_size=36, norm_topk_prob=False, mlp_only_layers=[1], tie_word_embeddings=False,
+        initializer_range=0.2)),
+    # Qwen3-MoE: q/k norms, 10 experts, top-4 renormalised, sparse on every second layer (decoder_sparse_step=2).
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
+        ODD_SHAPES, num_hidden_layers=3, head_dim=16, num_experts=10, num_experts_per_tok=4,
+        moe_intermediate_size=24, norm_topk_prob=True, decoder_sparse_step=2, tie_word_embeddings=False,
+        initializer_range=0.2)),
+    # gpt-oss: 6 experts, top-2 of the biased logits, a clamp low enough to cut random activations, biases
+    # everywhere, sinks, a 6-token window on alternate layers, yarn.
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", dict(
+        ODD_SHAPES, num_hidden_layers=3, head_dim=12, num_local_experts=6, num_experts_per_tok=2,
+        intermediate_size=32, sliding_window=6, swiglu_limit=1.2, swiglu_alpha=1.5, tie_word_embeddings=False,
+        initializer_range=0.2,
+        rope_parameters={"rope_type": "yarn", "factor": 8.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                         "original_max_position_embeddings": 64, "rope_theta": 150000.0})),
+}
+
 CORPUS = [
     "The quick brown fox jumps over the lazy dog.",
     "Paris is the capital of France. Berlin is the capital of Germany.",
@@ -98,10 +127,15 @@ def make_tokenizer(path: Path) -> None:
 def make_tiny_model(path: Path, family: str, seed: int = 0, max_shard_size: str | None = None) -> Path:
     import transformers
 
-    cls_name, arch, extra = TINY_FAMILIES[family]
+    cls_name, arch, extra = {**TINY_FAMILIES, **MOE_FAMILIES}[family]
     config = getattr(transformers, cls_name)(**{**TINY_COMMON, **extra}, architectures=[arch])
     torch.manual_seed(seed)
     model = getattr(transformers, arch)(config).eval()
+    if family in MOE_FAMILIES:  # transformers starts biases at zero: random ones show where each one lands
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("bias") and not p.any():
+                    p.normal_(0.0, 0.2)
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(str(path), safe_serialization=True, **kwargs)
     make_tokenizer(path)

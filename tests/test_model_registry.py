@@ -9,12 +9,12 @@ import pytest
 
 from kvloom.cli.main import main
 from kvloom.core.model.families import registry, supported_architectures
-from tests.conftest import TINY_FAMILIES
+from tests.conftest import MOE_FAMILIES, TINY_FAMILIES
 
 
 def test_every_tiny_family_is_registered_by_its_own_file():
     served = registry()
-    for _, arch, _ in TINY_FAMILIES.values():
+    for _, arch, _ in [*TINY_FAMILIES.values(), *MOE_FAMILIES.values()]:
         assert arch in served
     # one file per family: each class lives in its own module and names what it serves
     assert len({cls.__module__ for cls in served.values()}) == len(set(served.values()))

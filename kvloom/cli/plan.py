@@ -27,7 +27,9 @@ class ParameterCount:
 
     linear_weights: int = 0
     linear_out_features: int = 0
-    other: int = 0
+    other: int = 0  # the MoE experts' weights included
+    expert_weights: int = 0  # MoE: every expert's stacked weights and biases
+    active: int | None = None  # MoE: the parameters one token uses (the top-k experts of each sparse layer)
 
     @property
     def total(self) -> int:
@@ -46,6 +48,12 @@ def count_parameters(hf_config) -> ParameterCount:
             count.linear_weights += layer.input_size * layer.output_size
             count.linear_out_features += layer.output_size
     count.other = sum(p.numel() for p in model.parameters()) - count.linear_weights
+    if hasattr(model, "parameter_counts"):
+        from kvloom.core.model.moe import FusedMoE
+
+        count.expert_weights = sum(p.numel() for m in model.modules() if isinstance(m, FusedMoE)
+                                   for p in m.parameters())
+        count.active = model.parameter_counts()[1]
     return count
 
 
@@ -70,13 +78,38 @@ def activation_bytes(hf_config, config: EngineConfig, dtype: torch.dtype, max_mo
     here as headroom, so the estimate errs on the safe side)."""
     n = min(config.max_num_batched_tokens, max_model_len)
     layers, kv_heads, head_dim = capacity.model_dims(hf_config)
-    hidden, inter = hf_config.hidden_size, hf_config.intermediate_size
+    hidden, inter = hf_config.hidden_size, _mlp_width(hf_config)
     q = hf_config.num_attention_heads * head_dim
     per_token = (2 * hidden + 2 * q + 2 * kv_heads * head_dim + 3 * inter) * capacity.dtype_size(dtype)
     logits = 2 * min(sample_rows or config.max_num_seqs, n) * hf_config.vocab_size * 4
     profile_kv = -(-n // config.block_size) * config.block_size * capacity.kv_bytes_per_token(
         hf_config, capacity.kv_cache_dtype(config, dtype))
     return n * per_token + logits + profile_kv
+
+
+def _mlp_width(hf_config) -> int:
+    """The widest feed-forward intermediate one token makes: the dense MLP's, or an MoE layer's top-k experts'
+    and shared expert's."""
+    inter = hf_config.intermediate_size
+    k = getattr(hf_config, "num_experts_per_tok", None)
+    if k:
+        experts = getattr(hf_config, "moe_intermediate_size", None) or inter
+        inter = max(inter, k * experts + (getattr(hf_config, "shared_expert_intermediate_size", None) or 0))
+    return inter
+
+
+def moe_dims(hf_config) -> dict[str, Any]:
+    """The MoE sizes ``engine plan`` shows (empty for a dense model)."""
+    from kvloom.core.model.families import model_class
+
+    family = model_class(hf_config)
+    if not hasattr(family, "router_spec"):
+        return {}
+    spec = family.router_spec(hf_config)
+    return dict(experts=spec.num_experts, experts_per_token=spec.top_k,
+                expert_intermediate_size=family.expert_intermediate_size(hf_config),
+                shared_expert_intermediate_size=family.shared_expert_size(hf_config),
+                sparse_layers=sum(family.is_sparse(hf_config, i) for i in range(hf_config.num_hidden_layers)))
 
 
 @dataclass
@@ -295,9 +328,9 @@ def make_plan(config: EngineConfig, hf_config, model_name: str, *, gpu_memory_gi
         notes.append(f"GPU: an estimate. The engine measures weights + activations at start-up; here the "
                      f"activations are estimated and {CUDA_CONTEXT_GIB:g} GiB is set aside for the CUDA context")
         if tps != [1]:
-            notes.append("tensor parallel > 1: each GPU holds its heads, its share of the MLP and vocabulary and "
-                         "the replicated norms, and its heads' share of every token, so KV tokens is the whole "
-                         "group's capacity (--tensor-parallel-size N runs it)")
+            notes.append("tensor parallel > 1: each GPU holds its heads, its share of the MLP (of every expert, in "
+                         "an MoE) and vocabulary and the replicated norms, and its heads' share of every token, so KV "
+                         "tokens is the whole group's capacity (--tensor-parallel-size N runs it)")
         for r in rows:
             if r.kv.num_blocks == 0:
                 notes.append(f"TP={r.tensor_parallel}: the weights and activations leave no room for a KV cache")
@@ -305,7 +338,7 @@ def make_plan(config: EngineConfig, hf_config, model_name: str, *, gpu_memory_gi
                 kv_heads=kv_heads, head_dim=head_dim, intermediate_size=hf_config.intermediate_size,
                 vocab_size=hf_config.vocab_size,
                 tied_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
-                max_position_embeddings=getattr(hf_config, "max_position_embeddings", None))
+                max_position_embeddings=getattr(hf_config, "max_position_embeddings", None), **moe_dims(hf_config))
     replicas = replica_rows(rows, weights, dp_sizes)
     if replicas:
         notes.append("data parallel: each replica is a whole engine (--data-parallel-size N) with its own weights "
@@ -346,10 +379,14 @@ def format_plan(plan: Plan) -> str:
     lines = [
         f"Model: {plan.model} ({plan.architecture}): {d['layers']} layers, hidden {d['hidden_size']}, "
         f"{d['heads']} heads, {d['kv_heads']} KV heads x {d['head_dim']}, vocab {d['vocab_size']}"
-        f"{', tied embeddings' if d['tied_embeddings'] else ''}",
+        f"{', tied embeddings' if d['tied_embeddings'] else ''}"
+        + (f"; MoE: {d['experts']} experts, top-{d['experts_per_token']}, expert intermediate "
+           f"{d['expert_intermediate_size']}, on {d['sparse_layers']} layers" if "experts" in d else ""),
         f"Device: {plan.device}, dtype {plan.dtype}, block size {plan.block_size}, max_model_len {plan.max_model_len}"
         + (f", {plan.gpu_memory_gib:g} GiB x {plan.gpu_memory_utilization:g} per GPU" if plan.gpu_memory_gib else ""),
-        f"Parameters: {plan.parameters.total:,} ({plan.parameters.linear_weights:,} in linear layers)",
+        f"Parameters: {plan.parameters.total:,} ({plan.parameters.linear_weights:,} in linear layers"
+        + (f", {plan.parameters.expert_weights:,} in MoE experts; {plan.parameters.active:,} active per token)"
+           if plan.parameters.active is not None else ")"),
         f"Weights: {_gib(plan.weight_bytes)}" + (f" ({plan.quantization})" if plan.quantization else ""),
         f"KV bytes per token{' per rank' if first.tensor_parallel > 1 else ''}"
         f"{' of a block (one layer group)' if first.kv.hybrid else ''}: {first.kv.bytes_per_token:,} = "

@@ -118,6 +118,8 @@ class EngineCore:
             quantization=self.quantization, tp=tp, kernels=kernels,
         )
         logger.info("Loaded %s (%s, %s) in %.1fs", config.model, self.dtype, self.device, time.perf_counter() - t0)
+        if hasattr(self.model, "describe_moe"):
+            logger.info(self.model.describe_moe())
         if self.thread_governor is not None:
             # Checked inside the forward, every few layers: a long prefill step must not run out its whole
             # length on a team that another process has just started to slow down.
@@ -189,7 +191,10 @@ class EngineCore:
             self.runner = TPDriverRunner(self.model, kv_caches, config.block_size, self.device, config.seed,
                                          num_groups, driver=self.tp_driver, share_tokens=self.async_scheduling,
                                          lora=self.lora)
-        if self.device.type == "cuda" and not config.enforce_eager:
+        graphs_refusal = getattr(self.model, "cuda_graphs_refusal", lambda: None)()
+        if self.device.type == "cuda" and not config.enforce_eager and graphs_refusal:
+            logger.info("CUDA graphs off: %s", graphs_refusal)
+        elif self.device.type == "cuda" and not config.enforce_eager:
             spec = self.speculator
             self.runner.capture_graphs(config.max_num_seqs, self.max_model_len, *(
                 (spec.k + 1, spec.policy.max_batch_size or config.max_num_seqs) if spec is not None else ()))

@@ -29,6 +29,9 @@ def tp_refusal(hf_config, tp: int) -> str | None:
     kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
     sizes = [("num_attention_heads", heads), ("num_key_value_heads", kv_heads),
              ("intermediate_size", hf_config.intermediate_size), ("vocab_size", hf_config.vocab_size)]
+    # MoE: each expert's (and the shared expert's) intermediate dim is split too
+    sizes += [(name, getattr(hf_config, name)) for name in ("moe_intermediate_size", "shared_expert_intermediate_size")
+              if getattr(hf_config, name, None)]
     for name, value in sizes:
         if value % tp:
             extra = (" (replicating KV heads across ranks is not implemented)"

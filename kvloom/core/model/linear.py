@@ -155,6 +155,8 @@ class LinearBase(nn.Module):
     @torch.no_grad()
     def weight_loader(self, param: nn.Parameter, tensor: torch.Tensor, shard_id=None) -> None:
         """Put checkpoint ``tensor`` (of shard ``shard_id``; None for the whole layer) into ``param``."""
+        if self.parallel == "row" and self.tp_rank > 0 and param is self.bias:
+            tensor = torch.zeros_like(tensor)  # the ranks' partial sums are all-reduced: rank 0 adds the bias
         tensor = self._narrow_for_rank(param, tensor)
         index = self.shard_index(shard_id)
         if param.per_shard:

@@ -22,6 +22,7 @@ from kvloom.core.model.cpu_packing import pack_layer, pack_tied_output
 from kvloom.core.model.families import architecture_of, decoder_config, model_class
 from kvloom.core.model.families.decoder import DecoderLM
 from kvloom.core.model.linear import LinearBase
+from kvloom.core.model.moe import FusedMoE
 from kvloom.kernels.options import DEFAULT_KERNELS, KernelOptions
 
 logger = logging.getLogger("kvloom")
@@ -266,7 +267,7 @@ def weight_bytes(hf_config, dtype: torch.dtype, method, device_type: str, tp=Non
     model = make_model(hf_config, TorchAttentionBackend(), dtype, method, tp)
     total = 0
     for module in model.modules():
-        if isinstance(module, LinearBase):
+        if isinstance(module, (LinearBase, FusedMoE)):
             total += module.method.held_bytes(module, device_type)
         else:
             total += sum(p.numel() * p.element_size() for p in module.parameters(recurse=False))

@@ -6,7 +6,8 @@ from __future__ import annotations
 import importlib
 
 # The family files, imported on first use of the registry.
-FAMILY_MODULES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3")
+FAMILY_MODULES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "mixtral", "qwen2_moe",
+                  "qwen3_moe", "gpt_oss")
 
 _REGISTRY: dict[str, type] = {}
 _loaded = False

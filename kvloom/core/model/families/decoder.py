@@ -284,15 +284,18 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    """The gated MLP: ``down(act(gate(x)) * up(x))`` with gate and up in one matmul."""
+    """The gated MLP: ``down(act(gate(x)) * up(x))`` with gate and up in one matmul. ``prefix``/``intermediate_size``
+    /``reduce=False``: an MoE block's shared expert (its partial sums reduced with the experts')."""
 
     def __init__(self, config, layer_idx: int, family: type["DecoderLM"], quantization=None,
-                 tp: TensorParallel | None = None, kernels: KernelOptions = DEFAULT_KERNELS) -> None:
+                 tp: TensorParallel | None = None, kernels: KernelOptions = DEFAULT_KERNELS, *,
+                 prefix: str | None = None, intermediate_size: int | None = None, reduce: bool = True) -> None:
         super().__init__()
         self.kernels = kernels
         self.tp = tp = tp or TensorParallel()
-        prefix = f"model.layers.{layer_idx}.mlp"
-        inter = config.intermediate_size
+        self.reduce = reduce
+        prefix = prefix or f"model.layers.{layer_idx}.mlp"
+        inter = intermediate_size or config.intermediate_size
         ranks = dict(tp_rank=tp.rank, tp_size=tp.size)
         gate_up_names = [f"{prefix}.{p}" for p in family.checkpoint_names("gate_up_proj")]
         self.gate_up_proj = MergedColumnLinear(
@@ -309,7 +312,11 @@ class MLP(nn.Module):
                                                          kernels=self.kernels)
         else:
             act = ops.gelu_tanh_and_mul(self.gate_up_proj(h))
-        return self.tp.all_reduce(self.down_proj(act))
+        out = self.down_proj(act)
+        return self.tp.all_reduce(out) if self.reduce else out
+
+    def takes_fp8_rows(self, rows: int) -> bool:
+        return self.gate_up_proj.takes_fp8_rows(rows)
 
 
 ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
@@ -322,7 +329,7 @@ class DecoderLayer(nn.Module):
         super().__init__()
         norm, eps = family.norm_class, config.rms_norm_eps
         self.self_attn = Attention(config, layer_idx, spec, family, backend, quantization, tp, kernels)
-        self.mlp = MLP(config, layer_idx, family, quantization, tp, kernels)
+        self.mlp = family.make_mlp(config, layer_idx, quantization, tp, kernels)
         self.input_layernorm = norm(config.hidden_size, eps, kernels)
         self.post_attention_layernorm = norm(config.hidden_size, eps, kernels)
         self.sandwich_norms = family.sandwich_norms
@@ -343,7 +350,7 @@ class DecoderLayer(nn.Module):
             h, residual = h[keep], residual[keep]
             if h.shape[0] == 0:
                 return h, residual
-        fp8 = self.mlp.gate_up_proj.takes_fp8_rows(h.shape[0])
+        fp8 = self.mlp.takes_fp8_rows(h.shape[0])
         if self.sandwich_norms:
             h = self.post_attention_layernorm(h)
             h, residual = self.pre_feedforward_layernorm(h, residual, fp8=fp8)
@@ -420,6 +427,11 @@ class DecoderLM(nn.Module):
         if name not in ACTIVATIONS:
             raise ValueError(f"activation {name!r} is not supported; supported: {sorted(ACTIVATIONS)}")
         return ACTIVATIONS[name]
+
+    @classmethod
+    def make_mlp(cls, config, layer_idx: int, quantization, tp: TensorParallel, kernels: KernelOptions) -> nn.Module:
+        """The layer's feed-forward block (an MoE family's sparse layers make theirs)."""
+        return MLP(config, layer_idx, cls, quantization, tp, kernels)
 
     @staticmethod
     def final_logit_softcap(config) -> float | None:
