@@ -116,3 +116,42 @@ def test_float32_keeps_the_dequantized_weights():
 
     llm = LLM(dtype="float32", max_model_len=256)
     assert not any(hasattr(layer, "int4_weight") for layer in llm.engine.model.linear_layers())
+
+
+def test_held_bytes_count_fused_layers_only_when_all_their_tensors_are_4_bit():
+    from kvloom.kernels.cpu_int4 import int4_held_bytes
+
+    types = {"blk.0.attn_q.weight": ("Q4_K", 64, 256), "blk.0.attn_k.weight": ("Q4_K", 32, 256),
+             "blk.0.attn_v.weight": ("Q6_K", 32, 256),  # so q/k/v stay dense
+             "blk.0.attn_output.weight": ("Q4_1", 256, 64), "blk.0.ffn_down.weight": ("Q8_0", 256, 64)}
+    # o_proj alone: 256 x 64 half-bytes, and a bf16 scale and zero per 32
+    assert int4_held_bytes(types, torch.bfloat16) == 256 * 64 // 2 + 256 * 2 * 2 * 2
+
+
+@pytest.mark.slow
+def test_engine_plan_counts_the_4_bit_copies(smollm2_path):
+    from kvloom.cli.plan import make_plan
+    from kvloom.core.config import EngineConfig
+    from kvloom.core.model.loader import load_hf_config
+
+    hf_config = load_hf_config(smollm2_path)
+    plans = {on: make_plan(EngineConfig(device="cpu", dtype="bfloat16", gguf_int4=on), hf_config, "smollm2")
+             for on in (True, False)}
+    extra = plans[True].rows[0].weight_bytes_per_gpu - plans[False].rows[0].weight_bytes_per_gpu
+    # 30 layers x 106M linear weights at half a byte, plus scales and zeros: the 63.3 MiB the engine logs
+    assert 60 << 20 < extra < 66 << 20, extra
+
+
+def test_cpu_kv_cache_memory_is_resident_only_where_written():
+    from kvloom.core.worker.model_runner import make_kv_caches
+
+    def rss_mib() -> float:
+        return next(int(x.split()[1]) for x in open("/proc/self/status") if x.startswith("VmRSS")) / 1024
+
+    before = rss_mib()
+    caches = make_kv_caches(8, (512, 32, 4, 64), torch.bfloat16, torch.device("cpu"))  # 256 MiB reserved
+    k, v = caches[0]
+    assert k.abs().sum() == 0 and v.shape == (512, 32, 4, 64)  # zeroed as before
+    k[3] = 1.0  # a written block reads back
+    assert float(k[3].sum()) == 32 * 4 * 64 and float(k[4].sum()) == 0
+    assert rss_mib() - before < 64

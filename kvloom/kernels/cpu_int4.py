@@ -22,6 +22,21 @@ def int4_supported() -> bool:
     return hasattr(ops, "_weight_int4pack_mm_for_cpu") and hasattr(ops, "_convert_weight_to_int4pack_for_cpu")
 
 
+def int4_held_bytes(types: dict, dtype: torch.dtype) -> int:
+    """Bytes the packed copies take of the 4-bit tensors in ``types`` (GGUF name -> (type, rows, cols)): half a
+    byte a weight, and a scale and a zero in ``dtype`` per 32; q/k/v and gate/up count only when all their
+    tensors are 4-bit, since each set runs as one fused layer."""
+    size = torch.empty((), dtype=dtype).element_size()
+    fused = {"attn_q": "qkv", "attn_k": "qkv", "attn_v": "qkv", "ffn_gate": "gate_up", "ffn_up": "gate_up"}
+    layers: dict[tuple, list] = {}
+    for name, entry in types.items():
+        stem = name.rsplit(".", 1)[0]
+        block, _, kind = stem.rpartition(".")
+        layers.setdefault((block, fused.get(kind, kind)), []).append(entry)
+    return sum(r * c // 2 + r * (c // GROUP) * 2 * size for entries in layers.values()
+               if all(t in GGUF_INT4_TYPES for t, _, _ in entries) for _, r, c in entries)
+
+
 def _nibbles(qs: np.ndarray, size: int) -> np.ndarray:
     """GGUF's 4-bit codes of blocks of ``size`` bytes ``qs`` [n, size]: low nibbles first, then high ones."""
     return np.concatenate([qs & 0x0F, qs >> 4], axis=-1)

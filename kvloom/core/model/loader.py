@@ -123,6 +123,9 @@ def _gguf_config(path: Path):
         kwargs["sliding_window"] = a("attention.sliding_window")
     config = getattr(transformers, cls_name)(**kwargs)
     config.gguf_architecture = arch
+    # linear weights' types and [rows, cols]: what ``engine plan`` counts of the ones kept at 4 bits
+    config.gguf_tensor_types = {t.name: (t.tensor_type.name, int(t.shape[1]), int(t.shape[0]))
+                                for t in reader.tensors if t.name.startswith("blk.") and len(t.shape) == 2}
     return config
 
 
@@ -147,6 +150,9 @@ def _reverse_llama_permute(w: torch.Tensor, n_head: int) -> torch.Tensor:
     """Undo llama.cpp's interleaving of rotary halves in q/k weights (its converter permutes them)."""
     dim = w.shape[0] // n_head // 2
     return w.reshape(n_head, dim, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+DEQUANTIZED = "dequantized"  # the key of ``iter_gguf``'s ``int4`` naming what it did not keep at 4 bits
 
 
 def iter_gguf(path: Path, config, int4: dict | None = None) -> Iterator[tuple[str, torch.Tensor]]:
@@ -186,6 +192,8 @@ def iter_gguf(path: Path, config, int4: dict | None = None) -> Iterator[tuple[st
             if heads is not None:  # rows move with their codes, scales and zeros
                 codes = [_reverse_llama_permute(c, heads) for c in codes]
             int4[name] = (qtype, *codes)
+        elif int4 is not None and qtype not in ("F32", "F16", "BF16"):
+            int4.setdefault(DEQUANTIZED, set()).add(f"{qtype} ({stem.rpartition('.')[2]})")
         yield name, tensor
 
 
@@ -345,14 +353,15 @@ def uses_gguf_int4(device: torch.device, dtype: torch.dtype, quantization=None, 
 def _attach_gguf_int4(model: DecoderLM, int4: dict, dtype: torch.dtype) -> None:
     from kvloom.core.model.cpu_packing import attach_int4
 
+    others = sorted(int4.pop(DEQUANTIZED, ()))
     layers, held = attach_int4(model, int4, type(model).stacked, dtype)
     dense = sum(layer.method.dense.held_bytes(layer, "cpu") for layer in model.linear_layers()
                 if hasattr(layer.method, "dense"))
-    types = sorted({v[0] for v in int4.values()})
+    name = str(dtype).removeprefix("torch.")
     logger.info("GGUF %s weights of %d linear layers kept at 4 bits on the CPU (%.1f MiB, for steps of <= %d "
-                "rows) beside their %s copy (%.1f MiB, for bigger steps); other tensors dequantized to %s",
-                "/".join(types), layers, held / 2**20, _int4_max_rows(), str(dtype).removeprefix("torch."),
-                dense / 2**20, str(dtype).removeprefix("torch."))
+                "rows) beside their %s copy (%.1f MiB, for bigger steps); dequantized to %s at load: %s",
+                "/".join(sorted({v[0] for v in int4.values()})) or "4-bit", layers, held / 2**20, _int4_max_rows(),
+                name, dense / 2**20, name, ", ".join(others) or "none")
 
 
 def _int4_max_rows() -> int:
