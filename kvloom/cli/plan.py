@@ -155,6 +155,18 @@ def valid_tp_sizes(hf_config, sizes) -> list[int]:
     return [tp for tp in sizes if heads % tp == 0 and (kv_heads % tp == 0 or tp % kv_heads == 0)]
 
 
+def gguf_int4_bytes(hf_config, config: EngineConfig, dtype: torch.dtype, device: torch.device, method) -> int:
+    """Bytes of the 4-bit copies the engine keeps of a GGUF file's Q4_0/Q4_1/Q4_K linear layers (0: none)."""
+    from kvloom.core.model.loader import uses_gguf_int4
+    from kvloom.kernels.cpu_int4 import int4_held_bytes
+
+    types = getattr(hf_config, "gguf_tensor_types", None)
+    if not types or config.tensor_parallel_size != 1 or not uses_gguf_int4(device, dtype, method, None,
+                                                                            config.gguf_int4):
+        return 0
+    return int4_held_bytes(types, dtype)
+
+
 def rank_weight_bytes(hf_config, dtype: torch.dtype, method, device_type: str, tp: int) -> tuple[int, str | None]:
     """(bytes of weights one rank holds, None), or (0, why the engine refuses to split ``tp`` ways)."""
     from kvloom.core.model.distributed import TensorParallel, tp_refusal
@@ -262,7 +274,13 @@ def make_plan(config: EngineConfig, hf_config, model_name: str, *, gpu_memory_gi
                 "held in the format on the GPU")
         notes.append(f"{method.describe().split('; kernel')[0].removeprefix('Quantization: ')}; {held}; "
                      f"embeddings, norms and lm_head in {str(dtype).removeprefix('torch.')}")
-    if getattr(hf_config, "gguf_file_bytes", None):
+    int4 = gguf_int4_bytes(hf_config, config, dtype, device, method)
+    if int4:
+        weights += int4
+        notes.append(f"weights as the engine holds them: the GGUF file's 4-bit linear weights ({_gib(int4)}, counted "
+                     f"in weights) stay packed at 4 bits for decode steps of few rows, beside their "
+                     f"{str(dtype).removeprefix('torch.')} copy for bigger steps (--no-gguf-int4: the copy alone)")
+    elif getattr(hf_config, "gguf_file_bytes", None):
         notes.append(f"weights as the engine holds them: the GGUF file ({_gib(hf_config.gguf_file_bytes)} on disk) "
                      f"is dequantized to {str(dtype).removeprefix('torch.')} at load")
     proposer = spec_proposer(config, hf_config)
@@ -282,13 +300,15 @@ def make_plan(config: EngineConfig, hf_config, model_name: str, *, gpu_memory_gi
         share, refusal = rank_weight_bytes(hf_config, dtype, method, device.type, tp)
         if refusal:
             raise ConfigError(refusal)
+        share += int4
         kv = capacity.kv_capacity(config, hf_config, dtype, max_len, None, tp, draft_kv, layout)
         rows.append(PlanRow(tp, share, None, None, kv))
         if tp > 1:
             notes.append(f"tensor parallel {tp} on the CPU (gloo): weights/KV are per rank; each rank holds its "
                          "heads' share of every token")
         notes.append("CPU: the KV cache is sized by --kv-cache-memory-gib (default "
-                     f"{capacity.DEFAULT_CPU_KV_GIB:g} GiB) or --num-kv-blocks, exactly as the engine sizes it")
+                     f"{capacity.DEFAULT_CPU_KV_GIB:g} GiB) or --num-kv-blocks, exactly as the engine sizes it; "
+                     "that is address space: its pages become resident only as requests first write its blocks")
         from kvloom.kernels.cpu_linear import packing_supported
 
         if getattr(hf_config, "tie_word_embeddings", False) and packing_supported(dtype):

@@ -115,7 +115,7 @@ class EngineCore:
         self.model = build_model(
             self.model_path, self.hf_config, load_format=config.load_format, device=self.device,
             dtype=self.dtype, backend=self.attention_backend, max_positions=self.max_model_len, seed=config.seed,
-            quantization=self.quantization, tp=tp, kernels=kernels,
+            quantization=self.quantization, tp=tp, kernels=kernels, gguf_int4=config.gguf_int4,
         )
         logger.info("Loaded %s (%s, %s) in %.1fs", config.model, self.dtype, self.device, time.perf_counter() - t0)
         if hasattr(self.model, "describe_moe"):

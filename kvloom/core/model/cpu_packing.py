@@ -1,5 +1,5 @@
-"""Dense linear layers packed for the CPU after loading: each weight handed to oneDNN's blocked layout
-once (``kvloom.kernels.cpu_linear.PackedLinear``), and the layer's method switched to the packed call."""
+"""Linear layers packed for the CPU after loading: each dense weight handed to oneDNN's blocked layout
+once (``kvloom.kernels.cpu_linear.PackedLinear``), and a GGUF file's 4-bit weights kept at 4 bits beside it."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from kvloom.core.model.linear import LinearBase, UnquantizedLinearMethod
+from kvloom.kernels.cpu_int4 import int4_mm, pack_int4
 from kvloom.kernels.cpu_linear import PackedLinear, packing_supported
 
 
@@ -23,6 +24,14 @@ class PackedCPUMethod:
 
     def process_weights_after_loading(self, layer) -> None:
         pass
+
+    def held_bytes(self, layer, device_type: str) -> int:
+        # oneDNN's blocked weight is opaque: sized as the dense weight it holds
+        return layer.output_size * layer.input_size * layer.params_dtype.itemsize + param_bytes(layer)
+
+
+def param_bytes(layer) -> int:
+    return sum(p.numel() * p.element_size() for p in layer.parameters(recurse=False))
 
 
 @torch.no_grad()
@@ -72,3 +81,66 @@ def pack_linear_layers(model: nn.Module, batch_hint: int = 32) -> int:
                 setattr(parent, name, PackedLinear(child.weight, child.bias, batch_hint))
                 count += 1
     return count + pack_tied_output(model, batch_hint)
+
+
+# Steps of at most this many rows run on the 4-bit weights; bigger ones on the oneDNN bf16 copy, which
+# computes faster once a step reads each weight for several rows (benchmarks/cpu_int4.py, docs/benchmarks.md).
+INT4_MAX_ROWS = 4
+
+
+class Int4CPUMethod:
+    """A layer holding its weight twice on the CPU: 4-bit packed codes with per-32 scales and zeros
+    (``kvloom.kernels.cpu_int4``) for decode steps of few rows, and the dense (oneDNN-packed) weight for
+    bigger steps. ``source``: the GGUF types it came from, for the log."""
+
+    def __init__(self, dense, source: str, max_rows: int = INT4_MAX_ROWS) -> None:
+        self.dense, self.source, self.max_rows = dense, source, max_rows
+        self.name = f"int4 ({source}) for steps of <= {max_rows} rows, else {getattr(dense, 'name', 'dense')}"
+
+    def create_weights(self, layer) -> None:
+        raise RuntimeError("an int4 CPU layer is made from a loaded one")
+
+    def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() != 2 or x.shape[0] > self.max_rows or x.dtype != layer.int4_scale_zeros.dtype:
+            return self.dense.apply(layer, x)
+        y = int4_mm(x.contiguous(), layer.int4_weight, layer.int4_scale_zeros)
+        return y if layer.bias is None else y + layer.bias
+
+    def process_weights_after_loading(self, layer) -> None:
+        pass
+
+    def held_bytes(self, layer, device_type: str) -> int:
+        return int4_bytes(layer) + self.dense.held_bytes(layer, device_type)
+
+
+def int4_bytes(layer) -> int:
+    return sum(b.numel() * b.element_size() for n, b in layer.named_buffers(recurse=False) if n.startswith("int4_"))
+
+
+@torch.no_grad()
+def attach_int4(model: nn.Module, codes: dict, stacked: dict, dtype: torch.dtype) -> tuple[int, int]:
+    """Give every linear layer whose checkpoint tensors all came as 4-bit codes (``codes``: checkpoint
+    weight name -> (type name, q, scale, zero), ``kvloom.kernels.cpu_int4.gguf_int4_codes``) its packed
+    4-bit copy and ``Int4CPUMethod``. ``stacked``: the family's checkpoint module -> (fused layer, shard).
+    Returns (layers given one, bytes of the 4-bit copies)."""
+    count = total = 0
+    for layer in [m for m in model.modules() if isinstance(m, LinearBase)]:
+        if layer.tp_size != 1 or not hasattr(layer.method, "apply"):
+            continue
+        head, _, last = layer.prefix.rpartition(".")
+        if layer.shard_ids is None:
+            names = [f"{layer.prefix}.weight"]
+        else:
+            by_shard = {shard: name for name, (fused, shard) in stacked.items() if fused == last}
+            names = [f"{head}.{by_shard.get(s)}.weight" for s in layer.shard_ids]
+        parts = [codes.get(n) for n in names]
+        if any(p is None for p in parts):
+            continue
+        q, scale, zero = (torch.cat([p[i] for p in parts]) for i in (1, 2, 3))
+        packed, sz = pack_int4(q, scale, zero, dtype)
+        layer.register_buffer("int4_weight", packed, persistent=False)
+        layer.register_buffer("int4_scale_zeros", sz, persistent=False)
+        layer.method = Int4CPUMethod(layer.method, "/".join(sorted({p[0] for p in parts})))
+        count += 1
+        total += int4_bytes(layer)
+    return count, total

@@ -124,6 +124,9 @@ def _gguf_config(path: Path):
         kwargs["sliding_window"] = a("attention.sliding_window")
     config = getattr(transformers, cls_name)(**kwargs)
     config.gguf_architecture = arch
+    # linear weights' types and [rows, cols]: what ``engine plan`` counts of the ones kept at 4 bits
+    config.gguf_tensor_types = {t.name: (t.tensor_type.name, int(t.shape[1]), int(t.shape[0]))
+                                for t in reader.tensors if t.name.startswith("blk.") and len(t.shape) == 2}
     return config
 
 
@@ -150,9 +153,16 @@ def _reverse_llama_permute(w: torch.Tensor, n_head: int) -> torch.Tensor:
     return w.reshape(n_head, dim, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def iter_gguf(path: Path, config) -> Iterator[tuple[str, torch.Tensor]]:
+DEQUANTIZED = "dequantized"  # the key of ``iter_gguf``'s ``int4`` naming what it did not keep at 4 bits
+
+
+def iter_gguf(path: Path, config, int4: dict | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """The file's tensors under Hugging Face names, dequantized to float32. With ``int4`` (a dict), the 4-bit
+    codes of its Q4_0/Q4_1/Q4_K linear weights are put there too, by name (``attach_int4`` keeps them packed)."""
     from gguf import GGUFReader
     from gguf.quants import dequantize
+
+    from kvloom.kernels.cpu_int4 import GGUF_INT4_TYPES, gguf_int4_codes
 
     reader = GGUFReader(str(path))
     arch = getattr(config, "gguf_architecture", "llama")
@@ -173,10 +183,18 @@ def iter_gguf(path: Path, config) -> Iterator[tuple[str, torch.Tensor]]:
         tensor = torch.from_numpy(dequantize(t.data, t.tensor_type).copy())
         if gemma and stem.endswith("norm"):
             tensor = tensor - 1
-        if permute and stem.endswith("attn_q"):
-            tensor = _reverse_llama_permute(tensor, config.num_attention_heads)
-        elif permute and stem.endswith("attn_k"):
-            tensor = _reverse_llama_permute(tensor, config.num_key_value_heads)
+        heads = (config.num_attention_heads if stem.endswith("attn_q") else config.num_key_value_heads
+                 if stem.endswith("attn_k") else None) if permute else None
+        if heads is not None:
+            tensor = _reverse_llama_permute(tensor, heads)
+        qtype = t.tensor_type.name
+        if int4 is not None and qtype in GGUF_INT4_TYPES and parts[0] == "blk" and tensor.dim() == 2:
+            codes = [torch.from_numpy(a) for a in gguf_int4_codes(t.data, qtype, *tensor.shape)]
+            if heads is not None:  # rows move with their codes, scales and zeros
+                codes = [_reverse_llama_permute(c, heads) for c in codes]
+            int4[name] = (qtype, *codes)
+        elif int4 is not None and qtype not in ("F32", "F16", "BF16"):
+            int4.setdefault(DEQUANTIZED, set()).add(f"{qtype} ({stem.rpartition('.')[2]})")
         yield name, tensor
 
 
@@ -296,16 +314,20 @@ def build_model(
     pack_cpu_weights: bool = True,
     tp=None,
     kernels: KernelOptions = DEFAULT_KERNELS,
+    gguf_int4: bool = True,
 ) -> DecoderLM:
     """Create the model on ``device`` (its linear layers in ``quantization``'s format, or dense), fill its
     weights from ``path`` (or randomly for ``dummy``), then process them once: the format's repacking,
-    then on the CPU oneDNN packing of dense weights unless ``pack_cpu_weights`` is false."""
+    then on the CPU oneDNN packing of dense weights unless ``pack_cpu_weights`` is false. ``gguf_int4``:
+    on the CPU in bfloat16, a GGUF file's 4-bit linear weights are also kept packed at 4 bits."""
     model = _materialize(make_model(config, backend, dtype, quantization, tp, kernels), device)
+    int4 = None
     if load_format == "dummy":
         _init_dummy(model, seed)
     else:
         fmt = load_format if load_format != "auto" else ("gguf" if is_gguf(path) else "safetensors")
-        weights = iter_gguf(path, config) if fmt == "gguf" else iter_safetensors(path)
+        int4 = {} if fmt == "gguf" and uses_gguf_int4(device, dtype, quantization, tp, gguf_int4) else None
+        weights = iter_gguf(path, config, int4) if fmt == "gguf" else iter_safetensors(path)
         kv_scales = KVCacheScales()
         loaded = model.load_weights(kv_scales.split(weights))
         missing = [_weight_name(n, s) for n, s in model.required_weights() if (n, s) not in loaded]
@@ -315,7 +337,38 @@ def build_model(
         kv_scales.apply(model)
     model.init_rope(max_positions)
     process_weights_after_loading(model, pack_cpu=pack_cpu_weights)
+    if int4 is not None:
+        _attach_gguf_int4(model, int4, dtype)
     return model.eval()
+
+
+def uses_gguf_int4(device: torch.device, dtype: torch.dtype, quantization=None, tp=None, enabled: bool = True) -> bool:
+    """Whether a GGUF file's Q4_0/Q4_1/Q4_K weights stay at 4 bits: on the CPU, in bfloat16 (float32 keeps
+    transformers' dequantized numerics), one rank, no other format, where torch has the int4 kernel."""
+    from kvloom.kernels.cpu_int4 import int4_supported
+
+    return (enabled and device.type == "cpu" and dtype == torch.bfloat16 and quantization is None
+            and (tp is None or tp.size == 1) and int4_supported())
+
+
+def _attach_gguf_int4(model: DecoderLM, int4: dict, dtype: torch.dtype) -> None:
+    from kvloom.core.model.cpu_packing import attach_int4
+
+    others = sorted(int4.pop(DEQUANTIZED, ()))
+    layers, held = attach_int4(model, int4, type(model).stacked, dtype)
+    dense = sum(layer.method.dense.held_bytes(layer, "cpu") for layer in model.linear_layers()
+                if hasattr(layer.method, "dense"))
+    name = str(dtype).removeprefix("torch.")
+    logger.info("GGUF %s weights of %d linear layers kept at 4 bits on the CPU (%.1f MiB, for steps of <= %d "
+                "rows) beside their %s copy (%.1f MiB, for bigger steps); dequantized to %s at load: %s",
+                "/".join(sorted({v[0] for v in int4.values()})) or "4-bit", layers, held / 2**20, _int4_max_rows(),
+                name, dense / 2**20, name, ", ".join(others) or "none")
+
+
+def _int4_max_rows() -> int:
+    from kvloom.core.model.cpu_packing import INT4_MAX_ROWS
+
+    return INT4_MAX_ROWS
 
 
 def _materialize(model: DecoderLM, device: torch.device) -> DecoderLM:

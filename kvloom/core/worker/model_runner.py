@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
+import mmap
 import time
 from typing import Callable, NamedTuple
 
@@ -90,11 +92,21 @@ def make_kv_caches(num_layers: int, shape: tuple[int, ...], dtype: torch.dtype, 
     same place of different groups share one pair of tensors: a block id is a page across the groups' layers,
     and whichever group holds the block writes it."""
     if layout is None or not layout.hybrid:
-        return [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-                for _ in range(num_layers)]
-    pages = [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-             for _ in range(layout.slots)]
+        return [(_zeros(shape, dtype, device), _zeros(shape, dtype, device)) for _ in range(num_layers)]
+    pages = [(_zeros(shape, dtype, device), _zeros(shape, dtype, device)) for _ in range(layout.slots)]
     return [pages[slot] for slot in layout.slot_of_layer()]
+
+
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zeroed cache tensor. On the CPU, anonymous mapped memory: zero pages that become resident only
+    when a block is first written, so the reserve costs the memory that requests use, not its full size."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    if nbytes == 0:
+        return torch.zeros(shape, dtype=dtype)
+    buf = mmap.mmap(-1, nbytes)  # the tensor keeps the mapping alive
+    return torch.frombuffer(buf, dtype=torch.uint8).view(dtype).view(shape)
 
 
 class _Tokens(NamedTuple):

@@ -1,0 +1,67 @@
+"""The CPU int4 matmul (``kvloom.kernels.cpu_int4``, torch's ``_weight_int4pack_mm_for_cpu``) against the
+oneDNN-packed bf16 one, over every linear layer of a model in turn (so the weights stream from memory, as in
+a decode step, rather than sit in cache), at several row counts; the timings alternate and the ratio of
+medians is printed. Where the ratio falls below 1 is where ``INT4_MAX_ROWS`` belongs.
+
+    python benchmarks/cpu_int4.py                          # SmolLM2-135M shapes, 2 threads
+    python benchmarks/cpu_int4.py --threads 1 --rows 1,2,4,8,32
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import torch
+
+from kvloom.kernels.cpu_int4 import int4_mm, int4_supported
+from kvloom.kernels.cpu_linear import PackedLinear
+
+# (out, in) of one layer's q/k/v, o, gate/up and down projections
+SHAPES = {"smollm2-135m": ((960, 576), (576, 576), (3072, 576), (576, 1536), 30),
+          "gemma3-270m": ((1536, 640), (640, 1024), (4096, 640), (640, 2048), 18)}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", default="smollm2-135m", choices=sorted(SHAPES))
+    p.add_argument("--rows", default="1,2,4,8,16,32")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=9)
+    args = p.parse_args()
+    if not int4_supported():
+        raise SystemExit("this torch has no CPU int4 matmul")
+    torch.set_num_threads(args.threads)
+    *shapes, layers = SHAPES[args.shape]
+    gen = torch.Generator().manual_seed(0)
+    dense, packed = [], []
+    for n, k in shapes * layers:
+        dense.append((k, PackedLinear((torch.randn(n, k, generator=gen) * 0.02).bfloat16(), None, 32)))
+        q = torch.randint(0, 16, (n, k), dtype=torch.int32, generator=gen)
+        packed.append((k, torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1),
+                       torch.randn(k // 32, n, 2, generator=gen).bfloat16()))
+    rows_out = []
+    for rows in (int(r) for r in args.rows.split(",")):
+        xs = {k: torch.randn(rows, k, generator=gen).bfloat16() for k in {k for _, k in shapes}}
+        times: dict[str, list[float]] = {"bf16": [], "int4": []}
+        for _ in range(args.repeats):
+            t = time.perf_counter()
+            for k, layer in dense:
+                layer(xs[k])
+            times["bf16"].append(time.perf_counter() - t)
+            t = time.perf_counter()
+            for k, w, sz in packed:
+                int4_mm(xs[k], w, sz)
+            times["int4"].append(time.perf_counter() - t)
+        bf16, int4 = (statistics.median(times[n]) * 1e3 for n in ("bf16", "int4"))
+        rows_out.append({"rows": rows, "bf16_ms": round(bf16, 3), "int4_ms": round(int4, 3),
+                         "bf16_over_int4": round(bf16 / int4, 2)})
+    print(json.dumps({"benchmark": "cpu_int4", "shape": args.shape, "threads": args.threads,
+                      "linear_layers": len(dense), "load": os.getloadavg(), "rows": rows_out}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

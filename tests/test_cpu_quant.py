@@ -1,0 +1,157 @@
+"""GGUF 4-bit weights kept packed on the CPU: the block decoding against gguf's own dequantizer, torch's
+int4 matmul against the dequantized weight, and on the real SmolLM2 Q4_1 file the 4-bit path's greedy
+choices against the dequantized bf16 path's over a real text."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from gguf.constants import GGMLQuantizationType
+from gguf.quants import dequantize
+
+from kvloom.kernels.cpu_int4 import GGUF_INT4_TYPES, dequantize_int4, gguf_int4_codes, int4_mm, int4_supported, pack_int4
+
+needs_int4 = pytest.mark.skipif(not int4_supported(), reason="this torch has no CPU int4 matmul")
+
+
+def random_blocks(type_name: str, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
+    """Valid GGUF bytes of a [rows, cols] tensor: random codes (and Q4_K sub-block scales), sane fp16 scales."""
+    block, nbytes = GGUF_INT4_TYPES[type_name]
+    b = rng.integers(0, 256, size=(rows * cols // block, nbytes), dtype=np.uint8)
+    halves = 2 if type_name == "Q4_0" else 4
+    scales = rng.uniform(-0.05, 0.05, size=(b.shape[0], halves // 2)).astype(np.float16)
+    b[:, :halves] = scales.view(np.uint8).reshape(b.shape[0], halves)
+    return b.reshape(rows, cols // block * nbytes)
+
+
+@pytest.mark.parametrize("type_name", sorted(GGUF_INT4_TYPES))
+def test_codes_scales_and_zeros_reproduce_gguf_dequantization(type_name):
+    rng = np.random.default_rng(0)
+    raw = random_blocks(type_name, 24, 512, rng)
+    ref = dequantize(raw, GGMLQuantizationType[type_name])
+    q, scale, zero = (torch.from_numpy(a) for a in gguf_int4_codes(raw, type_name, 24, 512))
+    assert q.dtype == torch.uint8 and int(q.max()) <= 15 and scale.shape == (24, 16)
+    torch.testing.assert_close(dequantize_int4(q, scale, zero), torch.from_numpy(ref), rtol=0, atol=1e-6)
+
+
+@needs_int4
+@pytest.mark.parametrize("rows", [1, 3, 8])
+def test_packed_int4_matmul_equals_the_dequantized_weight(rows):
+    rng = np.random.default_rng(1)
+    raw = random_blocks("Q4_K", 96, 256, rng)
+    q, scale, zero = (torch.from_numpy(a) for a in gguf_int4_codes(raw, "Q4_K", 96, 256))
+    w = dequantize_int4(q, scale, zero)
+    x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(0)).bfloat16()
+    packed, sz = pack_int4(q, scale, zero, torch.bfloat16)
+    got = int4_mm(x, packed, sz).float()
+    ref = x.float() @ w.T
+    # bf16 scales/zeros and accumulation: within 1% of the output's scale
+    assert (got - ref).abs().max() <= 0.01 * ref.abs().max(), (got - ref).abs().max()
+
+
+TEXT = (Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md").read_text()[:3000]
+AGREEMENT = 0.93  # measured 0.965 over 511 positions of this text (SmolLM2 Q4_1, 2026-12-05)
+
+
+@pytest.fixture(scope="module")
+def int4_llm():
+    from kvloom import LLM
+
+    return LLM(dtype="bfloat16", max_model_len=1024)
+
+
+@pytest.fixture(scope="module")
+def dense_llm():
+    from kvloom import LLM
+
+    return LLM(dtype="bfloat16", max_model_len=1024, gguf_int4=False)
+
+
+def argmax_over_text(llm, ids):
+    from kvloom import SamplingParams
+
+    out = llm.generate([ids], SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1), use_tqdm=False)[0]
+    return [lp.top[0].token_id for lp in out.prompt_logprobs]
+
+
+@pytest.mark.slow
+@needs_int4
+def test_int4_greedy_choices_agree_with_the_dequantized_bf16_path_over_a_real_text(int4_llm, dense_llm):
+    layers = int4_llm.engine.model.linear_layers()
+    assert all(layer.method.name.startswith("int4 (Q4_1)") for layer in layers)  # every q/k/v/o/gate/up/down
+    assert not any(hasattr(layer, "int4_weight") for layer in dense_llm.engine.model.linear_layers())
+    for layer in layers:  # the prompt pass runs on the 4-bit weights too, so that every position is theirs
+        layer.method.max_rows = 1 << 30
+    try:
+        ids = int4_llm.tokenizer.encode(TEXT)[:512]
+        a, b = argmax_over_text(int4_llm, ids), argmax_over_text(dense_llm, ids)
+    finally:
+        for layer in layers:
+            layer.method.max_rows = 4
+    share = sum(x == y for x, y in zip(a, b)) / len(a)
+    assert len(a) == len(ids) - 1 and share >= AGREEMENT, share
+
+
+@pytest.mark.slow
+@needs_int4
+def test_int4_decoding_answers_and_batches_like_one_at_a_time(int4_llm):
+    from kvloom import SamplingParams
+
+    sp = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    prompts = [int4_llm.tokenizer.encode(p) for p in ("The capital of Italy is", "def fibonacci(n):", "1, 2, 3,")]
+    together = [o.token_ids for o in int4_llm.generate(prompts, sp, use_tqdm=False)]  # 3 rows: the 4-bit path
+    alone = [int4_llm.generate([p], sp, use_tqdm=False)[0].token_ids for p in prompts]
+    assert together == alone
+    answer = int4_llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                           SamplingParams(temperature=0.0, max_tokens=32))[0]
+    assert "Paris" in answer.text
+
+
+@pytest.mark.slow
+def test_float32_keeps_the_dequantized_weights():
+    from kvloom import LLM
+
+    llm = LLM(dtype="float32", max_model_len=256)
+    assert not any(hasattr(layer, "int4_weight") for layer in llm.engine.model.linear_layers())
+
+
+def test_held_bytes_count_fused_layers_only_when_all_their_tensors_are_4_bit():
+    from kvloom.kernels.cpu_int4 import int4_held_bytes
+
+    types = {"blk.0.attn_q.weight": ("Q4_K", 64, 256), "blk.0.attn_k.weight": ("Q4_K", 32, 256),
+             "blk.0.attn_v.weight": ("Q6_K", 32, 256),  # so q/k/v stay dense
+             "blk.0.attn_output.weight": ("Q4_1", 256, 64), "blk.0.ffn_down.weight": ("Q8_0", 256, 64)}
+    # o_proj alone: 256 x 64 half-bytes, and a bf16 scale and zero per 32
+    assert int4_held_bytes(types, torch.bfloat16) == 256 * 64 // 2 + 256 * 2 * 2 * 2
+
+
+@pytest.mark.slow
+def test_engine_plan_counts_the_4_bit_copies(smollm2_path):
+    from kvloom.cli.plan import make_plan
+    from kvloom.core.config import EngineConfig
+    from kvloom.core.model.loader import load_hf_config
+
+    hf_config = load_hf_config(smollm2_path)
+    plans = {on: make_plan(EngineConfig(device="cpu", dtype="bfloat16", gguf_int4=on), hf_config, "smollm2")
+             for on in (True, False)}
+    extra = plans[True].rows[0].weight_bytes_per_gpu - plans[False].rows[0].weight_bytes_per_gpu
+    # 30 layers x 106M linear weights at half a byte, plus scales and zeros: the 63.3 MiB the engine logs
+    assert 60 << 20 < extra < 66 << 20, extra
+
+
+def test_cpu_kv_cache_memory_is_resident_only_where_written():
+    from kvloom.core.worker.model_runner import make_kv_caches
+
+    def rss_mib() -> float:
+        return next(int(x.split()[1]) for x in open("/proc/self/status") if x.startswith("VmRSS")) / 1024
+
+    before = rss_mib()
+    caches = make_kv_caches(8, (512, 32, 4, 64), torch.bfloat16, torch.device("cpu"))  # 256 MiB reserved
+    k, v = caches[0]
+    assert k.abs().sum() == 0 and v.shape == (512, 32, 4, 64)  # zeroed as before
+    k[3] = 1.0  # a written block reads back
+    assert float(k[3].sum()) == 32 * 4 * 64 and float(k[4].sum()) == 0
+    assert rss_mib() - before < 64
