@@ -182,8 +182,9 @@ def test_kill_9_of_the_engine_ends_requests_and_the_server_exits_non_zero_at_onc
         code = server.proc.wait(timeout=30)
         exited_in = time.monotonic() - killed
         assert code == 1, server.log()
-        # The drain has nothing to wait for (the engine's requests are over), so it is not drain_timeout.
-        assert exited_in < 10, f"the server took {exited_in:.1f}s to exit after the engine died"
+        # The drain has nothing to wait for (the engine's requests are over), so it is well under drain_timeout
+        # (60 s); the margin is for a loaded machine, where the workers' own exit takes seconds.
+        assert exited_in < 30, f"the server took {exited_in:.1f}s to exit after the engine died"
         assert "so that its supervisor restarts it" in server.log()
     finally:
         server.stop()
