@@ -1,0 +1,155 @@
+"""Quantized MoE experts: tiny Qwen3-MoE checkpoints in FP8 (block and per-tensor scales, and
+``--quantization fp8`` of a dense one), AWQ and GPTQ, and a tiny gpt-oss in MXFP4, each packed here from the
+format's documented layout (tests/quant_checkpoints.py), decode token for token like transformers' float32
+model on the dequantized weights; the start-up log names the experts' format."""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvloom import LLM, SamplingParams
+from tests.conftest import hf_greedy
+from tests.quant_checkpoints import LINEARS, awq_quantize, fp8_quantize, gptq_quantize
+
+MAX_NEW = 12
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+QWEN3_MOE = dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=64, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=10, num_experts_per_tok=4,
+                 norm_topk_prob=True, mlp_only_layers=[1], vocab_size=384, tie_word_embeddings=False,
+                 max_position_embeddings=512, bos_token_id=1, eos_token_id=2, pad_token_id=0, initializer_range=0.1)
+
+
+def _prompts(seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 384) for _ in range(k)] for k in (1, 5, 17, 33, 70)]
+
+
+def _tokens(path, **options) -> tuple[LLM, list[list[int]]]:
+    llm = LLM(str(path), dtype="float32", **options)
+    return llm, [o.token_ids for o in llm.generate(_prompts(), GREEDY, use_tqdm=False)]
+
+
+def _quantize(w: torch.Tensor, fmt: str, settings: dict, gen) -> tuple[dict, torch.Tensor]:
+    if fmt == "awq":
+        return awq_quantize(w, settings["group_size"])
+    if fmt == "gptq":
+        return gptq_quantize(w, settings["bits"], settings["group_size"], settings["sym"], settings["desc_act"],
+                             settings.get("checkpoint_format") == "gptq_v2", gen)
+    return fp8_quantize(w, settings["strategy"], settings.get("block"))
+
+
+def _quant_config(fmt: str, settings: dict) -> dict:
+    if fmt == "awq":
+        return {"quant_method": "awq", "bits": 4, "group_size": settings["group_size"], "zero_point": True,
+                "version": "gemm"}
+    if fmt == "gptq":
+        return {"quant_method": "gptq", "bits": settings["bits"], "group_size": settings["group_size"],
+                "desc_act": settings["desc_act"], "sym": settings["sym"],
+                "checkpoint_format": settings.get("checkpoint_format", "gptq")}
+    qc = {"quant_method": "fp8", "activation_scheme": "dynamic"}
+    if settings.get("block"):
+        qc["weight_block_size"] = [settings["block"]] * 2
+    return qc
+
+
+def write_qwen3_moe(path: Path, fmt: str, seed: int = 0, **settings) -> tuple[Path, Path]:
+    """(quantized checkpoint, float32 reference) of a tiny Qwen3-MoE: every linear layer and every expert's
+    gate/up/down projection quantized (per expert, as the checkpoints on the Hub hold them), the router dense."""
+    import transformers
+    from safetensors.torch import save_file
+
+    config = transformers.Qwen3MoeConfig(**QWEN3_MOE, architectures=["Qwen3MoeForCausalLM"])
+    torch.manual_seed(seed)
+    model = transformers.Qwen3MoeForCausalLM(config).eval()
+    gen = torch.Generator().manual_seed(seed + 1)
+    tensors = {}
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            leaf_module = name.rsplit(".", 2)[-2]
+            if name.endswith(".weight") and leaf_module in LINEARS:
+                t, deq = _quantize(p.detach().float(), fmt, settings, gen)
+                tensors.update({f"{name[:-len('.weight')]}.{k}": v for k, v in t.items()})
+                p.copy_(deq)
+            elif name.endswith("experts.gate_up_proj"):
+                base, i = name[:-len("gate_up_proj")], p.shape[1] // 2
+                for e in range(p.shape[0]):
+                    for proj, rows in (("gate_proj", slice(0, i)), ("up_proj", slice(i, 2 * i))):
+                        t, deq = _quantize(p[e, rows].float(), fmt, settings, gen)
+                        tensors.update({f"{base}{e}.{proj}.{k}": v for k, v in t.items()})
+                        p[e, rows] = deq
+            elif name.endswith("experts.down_proj"):
+                base = name[:-len("down_proj")]
+                for e in range(p.shape[0]):
+                    t, deq = _quantize(p[e].float(), fmt, settings, gen)
+                    tensors.update({f"{base}{e}.down_proj.{k}": v for k, v in t.items()})
+                    p[e] = deq
+            else:
+                tensors[name] = p.detach().clone()
+    quant, ref = path / f"qwen3_moe-{fmt}", path / f"qwen3_moe-{fmt}-reference"
+    quant.mkdir(parents=True)
+    cfg = model.config.to_dict()
+    cfg["quantization_config"] = _quant_config(fmt, settings)
+    (quant / "config.json").write_text(json.dumps(cfg))
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(quant / "model.safetensors"))
+    model.save_pretrained(str(ref), safe_serialization=True)
+    return quant, ref
+
+
+CASES = {
+    "fp8-block": ("fp8", dict(strategy="block", block=32)),
+    "fp8-tensor": ("fp8", dict(strategy="tensor")),
+    "fp8-channel": ("fp8", dict(strategy="channel")),
+    "awq-g32": ("awq", dict(group_size=32)),
+    "gptq-4bit-descact-asym": ("gptq", dict(bits=4, group_size=32, sym=False, desc_act=True)),
+    "gptq-4bit-sym-v2": ("gptq", dict(bits=4, group_size=64, sym=True, desc_act=False, checkpoint_format="gptq_v2")),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_quantized_qwen3_moe_decodes_like_transformers_on_its_dequantized_weights(case, tmp_path, caplog):
+    fmt, settings = CASES[case]
+    quant, ref = write_qwen3_moe(tmp_path, fmt, **settings)
+    expected = hf_greedy(ref, _prompts(), MAX_NEW)
+    with caplog.at_level(logging.INFO, logger="kvloom"):
+        llm, got = _tokens(quant)
+    assert got == expected
+    messages = [r.getMessage() for r in caplog.records]
+    assert any(m.startswith(f"Quantization: {fmt}") for m in messages)
+    moe = next(m for m in messages if m.startswith("MoE:"))
+    assert f"experts {fmt}" in moe
+    experts = llm.engine.model.moe_blocks()[0].experts
+    assert experts.method.name == fmt and experts.w13_weight.dtype == torch.float32  # dequantized once at load
+
+
+def test_online_fp8_rounds_each_experts_weight_per_output_channel(tmp_path, caplog):
+    """``--quantization fp8`` of a dense Qwen3-MoE: every expert (and linear layer) rounded to e4m3 with a
+    scale per output channel, as transformers' model with those rounded weights computes."""
+    import transformers
+
+    dense = tmp_path / "dense"
+    config = transformers.Qwen3MoeConfig(**QWEN3_MOE, architectures=["Qwen3MoeForCausalLM"])
+    torch.manual_seed(0)
+    model = transformers.Qwen3MoeForCausalLM(config).eval()
+    model.save_pretrained(str(dense), safe_serialization=True)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(".weight") and name.rsplit(".", 2)[-2] in LINEARS:
+                p.copy_(fp8_quantize(p.float(), "channel")[1])
+            elif name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+                for e in range(p.shape[0]):
+                    p[e] = fp8_quantize(p[e].float(), "channel")[1]
+    model.save_pretrained(str(tmp_path / "rounded"), safe_serialization=True)
+    expected = hf_greedy(tmp_path / "rounded", _prompts(), MAX_NEW)
+    with caplog.at_level(logging.INFO, logger="kvloom"):
+        llm, got = _tokens(dense, quantization="fp8")
+    assert got == expected
+    assert any("experts fp8" in r.getMessage() for r in caplog.records)
+    experts = llm.engine.model.moe_blocks()[0].experts
+    w = experts.w13_weight.data[3]  # already on the e4m3 grid of its rows' scales: rounding again changes nothing
+    assert experts.method.name == "fp8" and torch.equal(fp8_quantize(w, "channel")[1], w)
