@@ -153,3 +153,78 @@ def test_online_fp8_rounds_each_experts_weight_per_output_channel(tmp_path, capl
     experts = llm.engine.model.moe_blocks()[0].experts
     w = experts.w13_weight.data[3]  # already on the e4m3 grid of its rows' scales: rounding again changes nothing
     assert experts.method.name == "fp8" and torch.equal(fp8_quantize(w, "channel")[1], w)
+
+
+# --- gpt-oss MXFP4 ----------------------------------------------------------------------------------
+def write_gpt_oss_mxfp4(path: Path, seed: int = 0) -> tuple[Path, Path]:
+    """(MXFP4 checkpoint, float32 reference) of a tiny gpt-oss: random e2m1 ``*_blocks`` ``[E, N, K / 32, 16]``
+    and e8m0 ``*_scales`` ``[E, N, K / 32]`` (gate and up rows interleaved, as gpt-oss stores them), the
+    reference's experts set to transformers' own dequantization of them (integrations/mxfp4.py)."""
+    import transformers
+    from safetensors.torch import save_file
+
+    mxfp4 = pytest.importorskip("transformers.integrations.mxfp4")
+    from tests.conftest import MOE_FAMILIES, TINY_COMMON
+
+    extra = {**TINY_COMMON, **MOE_FAMILIES["gpt_oss"][2], "hidden_size": 64, "intermediate_size": 64,
+             "num_attention_heads": 4, "head_dim": 16, "vocab_size": 384}
+    config = transformers.GptOssConfig(**extra, architectures=["GptOssForCausalLM"])
+    torch.manual_seed(seed)
+    model = transformers.GptOssForCausalLM(config).eval()
+    gen = torch.Generator().manual_seed(seed + 1)
+    tensors = {}
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0.0, 0.2, generator=gen)  # transformers starts them at zero
+            if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+                e, k, n = p.shape  # x @ W: [E, in, out]
+                blocks = torch.randint(0, 256, (e, n, k // 32, 16), dtype=torch.uint8, generator=gen)
+                scales = torch.randint(119, 124, (e, n, k // 32), dtype=torch.uint8, generator=gen)
+                tensors[f"{name}_blocks"], tensors[f"{name}_scales"] = blocks, scales
+                p.copy_(mxfp4.convert_moe_packed_tensors(blocks, scales, dtype=torch.float32))
+            else:
+                tensors[name] = p.detach().clone()
+    quant, ref = path / "gpt_oss-mxfp4", path / "gpt_oss-mxfp4-reference"
+    quant.mkdir(parents=True)
+    cfg = model.config.to_dict()
+    cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    (quant / "config.json").write_text(json.dumps(cfg))
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(quant / "model.safetensors"))
+    model.save_pretrained(str(ref), safe_serialization=True)
+    return quant, ref
+
+
+def test_gpt_oss_mxfp4_decodes_like_transformers_on_its_dequantized_weights(tmp_path, caplog):
+    quant, ref = write_gpt_oss_mxfp4(tmp_path)
+    expected = hf_greedy(ref, _prompts(), MAX_NEW)
+    with caplog.at_level(logging.INFO, logger="kvloom"):
+        llm, got = _tokens(quant, max_num_batched_tokens=7, block_size=8, plugins=["prefix_cache"])
+    assert got == expected
+    messages = [r.getMessage() for r in caplog.records]
+    assert any(m.startswith("Quantization: mxfp4") and "kernel: dequantized at load" in m for m in messages)
+    assert any(m.startswith("MoE:") and "experts mxfp4" in m for m in messages)
+    again = [o.token_ids for o in llm.generate(_prompts(), GREEDY, use_tqdm=False)]
+    assert again == expected and llm.engine.scheduler.prefix_cache_hits > 0
+
+
+@pytest.mark.parametrize("quantization", ["fp8", "awq", "gptq"])
+def test_dummy_quantized_experts_run_and_are_deterministic(tmp_path, quantization):
+    """``load_format=dummy`` of a Qwen3-MoE config in each format (the usual settings: AWQ and GPTQ group 128,
+    so the experts' inputs are 128 here): random weights in the format, two runs the same tokens."""
+    import transformers
+
+    folder = tmp_path / "config-only"
+    folder.mkdir()
+    shapes = {**QWEN3_MOE, "hidden_size": 128, "moe_intermediate_size": 128, "intermediate_size": 256, "head_dim": 32}
+    config = transformers.Qwen3MoeConfig(**shapes, architectures=["Qwen3MoeForCausalLM"])
+    (folder / "config.json").write_text(json.dumps(config.to_dict()))
+    prompts = [[5, 6, 7, 8], [9, 10, 11]]
+    runs = []
+    for _ in range(2):
+        llm = LLM(str(folder), load_format="dummy", quantization=quantization, seed=3, dtype="float32")
+        runs.append([o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)])
+    assert runs[0] == runs[1] and all(len(t) == MAX_NEW for t in runs[0])
+    assert llm.engine.model.moe_blocks()[0].experts.method.name == quantization
+    assert len(set(runs[0][0])) > 1  # random weights of sane scale: not one token repeated

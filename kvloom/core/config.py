@@ -47,7 +47,7 @@ class EngineConfig:
                       choices=("auto", "float32", "bfloat16", "float16"))
     quantization: str | None = _opt(None, "Weight format of the linear layers (default: the checkpoint's "
                                     "quantization_config; fp8 also quantizes a dense checkpoint at load).",
-                                    choices=("fp8", "awq", "gptq"))
+                                    choices=("fp8", "awq", "gptq", "mxfp4"))
     kv_cache_dtype: str = _opt("auto", "KV-cache element type (auto: the model dtype; fp8: float8 e4m3 with a "
                                "per-tensor scale of 1.0, half the bytes per token of bf16, dequantized on read).",
                                choices=("auto", "fp8"))

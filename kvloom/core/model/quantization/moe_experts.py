@@ -103,6 +103,22 @@ class QuantizedMoEMethod:
     def packed_bytes(self, layer) -> int:
         return sum(p.numel() * p.element_size() for n, p in layer._parameters.items() if not n.endswith("_bias"))
 
+    @torch.no_grad()
+    def init_dummy(self, layer, gen: torch.Generator) -> None:
+        """Random packed words and zero points; fp16 scales that give weights of about N(0, 0.02) (the loader
+        fills float weights and biases itself)."""
+        for leaf, *_ in self.layout(layer):
+            p = getattr(layer, leaf)
+            if p.dtype == torch.int32 and leaf.endswith("g_idx"):
+                k = p.shape[-1]
+                groups = self.method.group_size if self.method.group_size > 0 else k
+                order = torch.randperm(k, generator=gen, device=p.device)
+                p.copy_((order // groups).to(torch.int32).expand_as(p))
+            elif p.dtype == torch.int32:
+                p.copy_(torch.randint(-2**31, 2**31 - 1, p.shape, generator=gen, device=p.device, dtype=torch.int64))
+            elif p.dtype == torch.float16:
+                p.uniform_(0.002, 0.006, generator=gen)
+
 
 def _pair(t: torch.Tensor, dim: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Each expert's ``(gate, up)`` halves of a stacked ``[E, ...]`` w13 tensor split along ``dim`` (per expert)."""
@@ -155,6 +171,17 @@ class FP8MoEMethod(QuantizedMoEMethod):
             return FP8Experts(getattr(layer, f"{prefix}_weight").data, getattr(layer, f"{prefix}_weight_scale_inv").data,
                               self.method.block, 2 if prefix == "w13" else 1)
         return FP8Experts(getattr(layer, f"{prefix}_weight").data, getattr(layer, f"{prefix}_weight_scale").data)
+
+    @torch.no_grad()
+    def init_dummy(self, layer, gen: torch.Generator) -> None:
+        """FP8 values of N(0, 1) times scales of 0.02."""
+        if self.method.source == "online":
+            return  # dense weights: the loader's own random init
+        for prefix in ("w13", "w2"):
+            w = getattr(layer, f"{prefix}_weight")
+            w.copy_(torch.randn(w.shape, generator=gen, device=w.device).clamp(-448, 448).to(FP8_DTYPE))
+            scale = getattr(layer, f"{prefix}_weight_scale_inv", None)
+            (scale if scale is not None else getattr(layer, f"{prefix}_weight_scale")).fill_(0.02)
 
     def process_weights_after_loading(self, layer) -> None:
         if self.method.source != "online":
