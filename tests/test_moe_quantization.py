@@ -228,3 +228,70 @@ def test_dummy_quantized_experts_run_and_are_deterministic(tmp_path, quantizatio
     assert runs[0] == runs[1] and all(len(t) == MAX_NEW for t in runs[0])
     assert llm.engine.model.moe_blocks()[0].experts.method.name == quantization
     assert len(set(runs[0][0])) > 1  # random weights of sane scale: not one token repeated
+
+
+# --- engine plan ----------------------------------------------------------------------------------------
+def _plan(tmp_path, shape: str, quantization: str | None, capsys, device: list[str]) -> int:
+    from benchmarks.shapes import SHAPES
+    from kvloom.cli.main import main
+
+    path = tmp_path / f"{shape}.json"
+    path.write_text(json.dumps(SHAPES[shape]))
+    argv = ["plan", "--config-json", str(path), "--tensor-parallel-sizes", "1", "--json", *device]
+    assert main(argv + (["--quantization", quantization] if quantization else [])) == 0
+    return json.loads(capsys.readouterr().out)["weight_bytes"]
+
+
+def _all_but_experts(shape: str, quantization: str | None, device_type: str) -> int:
+    """What the plan's model holds besides its experts (the linear layers' formats are tests/test_quantization's)."""
+    import transformers
+
+    from benchmarks.shapes import SHAPES
+    from kvloom.cli.plan import quantization_method
+    from kvloom.core.model.attention.base import TorchAttentionBackend
+    from kvloom.core.model.linear import LinearBase
+    from kvloom.core.model.loader import make_model
+    from kvloom.core.model.moe import FusedMoE
+
+    config = transformers.AutoConfig.for_model(**SHAPES[shape])
+    method = quantization_method(config, quantization)
+    model = make_model(config, TorchAttentionBackend(), torch.bfloat16, method)
+    total = 0
+    for m in model.modules():
+        if isinstance(m, LinearBase):
+            total += m.method.held_bytes(m, device_type)
+        elif not isinstance(m, FusedMoE):
+            total += sum(p.numel() * p.element_size() for p in m.parameters(recurse=False))
+    return total
+
+
+GPU = ["--gpu-memory", "141", "--dtype", "bfloat16"]
+# Qwen3-30B-A3B: 48 layers of 128 experts, hidden 2048, expert intermediate 768; int4 in groups of 128
+# (AWQ and GPTQ alike: half a byte a weight, an fp16 scale and a uint8 zero point per group and output).
+QWEN3_EXPERTS = 48 * 128 * 3 * 768 * 2048
+PLAN_EXPERTS = {
+    None: QWEN3_EXPERTS * 2,
+    "fp8": QWEN3_EXPERTS + 48 * 128 * 4 * (2 * 768 + 2048),  # e4m3, a float32 scale per output channel
+    "awq": QWEN3_EXPERTS // 2 + QWEN3_EXPERTS // 128 * 3,
+    "gptq": QWEN3_EXPERTS // 2 + QWEN3_EXPERTS // 128 * 3,
+}
+
+
+@pytest.mark.parametrize("quantization", [None, "fp8", "awq", "gptq"])
+def test_engine_plan_sizes_quantized_experts_per_format(tmp_path, capsys, quantization):
+    got = _plan(tmp_path, "qwen3-30b-a3b", quantization, capsys, GPU)
+    assert got - _all_but_experts("qwen3-30b-a3b", quantization, "cuda") == PLAN_EXPERTS[quantization]
+    # on the CPU the experts are dequantized at load: dense bf16 whatever the format
+    cpu = _plan(tmp_path, "qwen3-30b-a3b", quantization, capsys, ["--device", "cpu", "--dtype", "bfloat16"])
+    assert cpu - _all_but_experts("qwen3-30b-a3b", quantization, "cpu") == QWEN3_EXPERTS * 2
+
+
+def test_engine_plan_sizes_gpt_oss_mxfp4_experts_at_four_and_a_quarter_bits(tmp_path, capsys):
+    """gpt-oss-20b: 24 layers of 32 experts of 2880 x 2880; MXFP4 half a byte a weight and a byte of scale per
+    32, the biases bf16; the rest of the model dense in either case."""
+    weights = 24 * 32 * 3 * 2880 * 2880
+    biases = 24 * 32 * (2 * 2880 + 2880) * 2
+    dense = _plan(tmp_path, "gpt-oss-20b", None, capsys, GPU)
+    mxfp4 = _plan(tmp_path, "gpt-oss-20b", "mxfp4", capsys, GPU)
+    assert dense - mxfp4 == weights * 2 - (weights // 2 + weights // 32)
+    assert mxfp4 - _all_but_experts("gpt-oss-20b", "mxfp4", "cuda") == weights // 2 + weights // 32 + biases
