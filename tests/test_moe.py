@@ -229,7 +229,8 @@ def test_start_up_log_names_experts_top_k_and_kernel(tiny_mixtral, caplog):
         LLM(str(tiny_mixtral))
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("MoE:")]
     assert lines == ["MoE: 6 experts, top-2 (softmax, top-k renormalised) on 2 of 2 layers; expert intermediate "
-                     "size 40; activation silu; experts dense; kernel reference"]
+                     "size 40; activation silu; experts dense; kernel PyTorch reference (rows sorted by expert, one "
+                     "matmul a projection for each expert with tokens)"]
 
 
 # --- engine plan ----------------------------------------------------------------------------------------

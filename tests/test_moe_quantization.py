@@ -295,3 +295,85 @@ def test_engine_plan_sizes_gpt_oss_mxfp4_experts_at_four_and_a_quarter_bits(tmp_
     mxfp4 = _plan(tmp_path, "gpt-oss-20b", "mxfp4", capsys, GPU)
     assert dense - mxfp4 == weights * 2 - (weights // 2 + weights // 32)
     assert mxfp4 - _all_but_experts("gpt-oss-20b", "mxfp4", "cuda") == weights // 2 + weights // 32 + biases
+
+
+# --- tensor parallelism ---------------------------------------------------------------------------------
+def _expert_layer(fmt: str, settings: dict, tp):
+    from kvloom.core.model.distributed import TensorParallel
+    from kvloom.core.model.moe import FusedMoE
+    from kvloom.core.model.quantization import make_method
+
+    qc = {"quant_method": "mxfp4"} if fmt == "mxfp4" else _quant_config(fmt, settings)
+    method = make_method(fmt, type("HF", (), {"quantization_config": qc})())
+    return FusedMoE(4, 64, 128, prefix="model.layers.0.mlp.experts", activation="swiglu_oai" if fmt == "mxfp4" else "silu",
+                    bias=fmt == "mxfp4", tp=TensorParallel(*tp) if tp else None, method=method.moe_method("experts"))
+
+
+def _checkpoint_tensors(fmt: str, settings: dict, gen) -> dict[str, torch.Tensor]:
+    """One layer's experts as a checkpoint names them (``mlp.experts.<rest>``), 4 experts of 64 x 128."""
+    if fmt == "mxfp4":
+        out = {}
+        for name, (n, k) in {"gate_up_proj": (256, 64), "down_proj": (64, 128)}.items():
+            out[f"{name}_blocks"] = torch.randint(0, 256, (4, n, k // 32, 16), dtype=torch.uint8, generator=gen)
+            out[f"{name}_scales"] = torch.randint(119, 124, (4, n, k // 32), dtype=torch.uint8, generator=gen)
+            out[f"{name}_bias"] = torch.randn(4, n, generator=gen) * 0.2
+        return out
+    out = {}
+    for e in range(4):
+        for proj, shape in (("gate_proj", (128, 64)), ("up_proj", (128, 64)), ("down_proj", (64, 128))):
+            t, _ = _quantize(torch.randn(*shape, generator=gen) * 0.1, fmt, settings, gen)
+            out.update({f"{e}.{proj}.{k}": v for k, v in t.items()})
+    return out
+
+
+@pytest.mark.parametrize("case", ["fp8-block", "fp8-tensor", "awq-g32", "gptq-4bit-descact-asym",
+                                  "gptq-4bit-sym-v2", "mxfp4"])
+def test_quantized_experts_split_over_two_ranks_sum_to_the_whole(case):
+    """Each rank loads its slice of every expert's intermediate dim from the same checkpoint tensors; the two
+    ranks' partial outputs (which the engine all-reduces) add up to one rank's output."""
+    from kvloom.core.model.families.gpt_oss import GptOssForCausalLM
+
+    fmt, settings = ("mxfp4", {}) if case == "mxfp4" else CASES[case]
+    gen = torch.Generator().manual_seed(5)
+    tensors = _checkpoint_tensors(fmt, settings, gen)
+    x = torch.randn(9, 64, generator=gen)
+    weights, ids = torch.rand(9, 2, generator=gen), torch.stack([torch.randperm(4, generator=gen)[:2] for _ in range(9)])
+    outs = []
+    for tp in (None, (0, 2), (1, 2)):
+        layer = _expert_layer(fmt, settings, tp)
+        for rest, tensor in tensors.items():
+            for leaf, shard, piece in GptOssForCausalLM.expert_tensors(rest, tensor, rest):
+                if leaf not in getattr(layer.method, "ignored", ()):
+                    param = layer._parameters[leaf]
+                    param.weight_loader(param, piece, shard)
+        layer.process_weights_after_loading()
+        outs.append(layer(x, weights, ids))
+    assert layer.w13_weight.shape == (4, 128, 64)  # half of each expert's 2 x 128 gate/up rows
+    torch.testing.assert_close(outs[1] + outs[2], outs[0], atol=1e-5, rtol=1e-5)
+    assert outs[0].abs().mean() > 1e-3
+
+
+@pytest.mark.parametrize("case", ["fp8-block", "fp8-channel", "awq-g32", "gptq-4bit-descact-asym", "mxfp4"])
+def test_the_gpu_layout_kept_packed_computes_the_dequantized_experts(case):
+    """What a CUDA device keeps (the packed expert weights, as buffers; no dense copy), run here through the
+    reference path, gives the same output as the CPU's experts dequantized at load."""
+    fmt, settings = ("mxfp4", {}) if case == "mxfp4" else CASES[case]
+    from kvloom.core.model.families.gpt_oss import GptOssForCausalLM
+
+    gen = torch.Generator().manual_seed(7)
+    tensors = _checkpoint_tensors(fmt, settings, gen)
+    x = torch.randn(9, 64, generator=gen)
+    weights, ids = torch.rand(9, 2, generator=gen), torch.stack([torch.randperm(4, generator=gen)[:2] for _ in range(9)])
+    outs = []
+    for packed in (False, True):
+        layer = _expert_layer(fmt, settings, None)
+        layer.method.method.keep_packed = packed
+        for rest, tensor in tensors.items():
+            for leaf, shard, piece in GptOssForCausalLM.expert_tensors(rest, tensor, rest):
+                if leaf not in getattr(layer.method, "ignored", ()):
+                    layer._parameters[leaf].weight_loader(layer._parameters[leaf], piece, shard)
+        layer.process_weights_after_loading()
+        outs.append(layer(x, weights, ids))
+    assert "w13_weight" not in layer._parameters and any(n.startswith("w13_packed_") for n, _ in layer.named_buffers())
+    assert layer.device.type == "cpu"
+    torch.testing.assert_close(outs[1], outs[0], atol=1e-5, rtol=1e-5)

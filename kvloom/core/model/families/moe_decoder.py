@@ -164,7 +164,7 @@ class MoEDecoderLM(DecoderLM):
     def cuda_graphs_refusal(self) -> str | None:
         """Why decode steps cannot be captured in CUDA graphs (None when they can)."""
         blocks = self.moe_blocks()
-        if blocks and kernel_name(next(iter(blocks[0].experts.parameters())).device) == "reference":
+        if blocks and "reference" in kernel_name(blocks[0].experts.device):
             return "the MoE experts run on the PyTorch reference, which reads each expert's row count on the host"
         return None
 
@@ -180,6 +180,6 @@ class MoEDecoderLM(DecoderLM):
         shared = blocks[0].shared_expert
         if shared is not None:
             size += f", a shared expert of {shared.down_proj.input_size * self.tp.size} behind a sigmoid gate"
-        device = next(iter(experts.parameters())).device
+        device = experts.device
         return (f"MoE: {blocks[0].gate.spec.describe()} on {len(blocks)} of {len(self.layers)} layers; {size}; "
                 f"activation {experts.activation}; experts {experts.method.name}; kernel {kernel_name(device)}")

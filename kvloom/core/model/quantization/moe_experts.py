@@ -16,7 +16,9 @@ from kvloom.kernels.quant_reference import FP8_DTYPE
 class QuantizedMoEMethod:
     """Stacked parameters ``w13_<leaf>`` / ``w2_<leaf>`` per checkpoint tensor kind (``layout``), each filled
     per expert: gate and up halves side by side along ``out_dim`` of each expert's tensor (``None``: the
-    whole stacked tensor, gate and up already together). ``ignored``: checkpoint leaves not needed."""
+    whole stacked tensor, gate and up already together). Under tensor parallelism a rank keeps its slice of
+    the intermediate dim, ``tp_dim`` of each expert's tensor (``None``: replicated). ``ignored``: checkpoint
+    leaves not needed."""
 
     name = "?"
     ignored: tuple[str, ...] = ()
@@ -26,8 +28,9 @@ class QuantizedMoEMethod:
         self.w13 = self.w2 = None  # the kernels' expert weights, on CUDA
 
     # --- what a format states ----------------------------------------------------------------------
-    def layout(self, layer) -> list[tuple[str, tuple[int, ...], torch.dtype, int | None]]:
-        """``(leaf, per-expert shape, dtype, out_dim)`` for every parameter (leaf with its w13_/w2_ prefix)."""
+    def layout(self, layer) -> list[tuple[str, tuple[int, ...], torch.dtype, int | None, int | None]]:
+        """``(leaf, this rank's per-expert shape, dtype, out_dim, tp_dim)`` for every parameter (leaf with its
+        w13_/w2_ prefix)."""
         raise NotImplementedError
 
     def experts(self, layer, prefix: str):
@@ -36,21 +39,25 @@ class QuantizedMoEMethod:
 
     # --- the MoE method ----------------------------------------------------------------------------
     def create_weights(self, layer) -> None:
-        if layer.tp.size > 1:
-            raise ConfigError(f"{layer.prefix}: {self.name} experts under tensor_parallel_size={layer.tp.size} are "
-                              "not supported yet; supported: tensor_parallel_size=1")
         e = layer.num_experts
-        for leaf, shape, dtype, out_dim in self.layout(layer):
+        for leaf, shape, dtype, out_dim, tp_dim in self.layout(layer):
             param = layer.add_param(leaf, torch.empty(e, *shape, dtype=dtype))
-            param.weight_loader = self._loader(layer, leaf, out_dim)
-        if layer.has_bias:
-            layer.add_param("w13_bias", torch.empty(e, 2 * layer.intermediate_size, dtype=layer.params_dtype))
+            param.weight_loader = self._loader(layer, leaf, out_dim, tp_dim)
+        if layer.has_bias:  # loaded (and split over ranks) by the layer's own loader
+            layer.add_param("w13_bias", torch.empty(e, 2 * layer.local_intermediate, dtype=layer.params_dtype))
             layer.add_param("w2_bias", torch.empty(e, layer.hidden_size, dtype=layer.params_dtype))
 
-    def _loader(self, layer, leaf: str, out_dim: int | None):
+    def _loader(self, layer, leaf: str, out_dim: int | None, tp_dim: int | None):
         @torch.no_grad()
         def load(param, tensor: torch.Tensor, shard_id) -> None:
             expert, projection = shard_id
+            if tp_dim is not None and layer.tp.size > 1:  # this rank's slice of the intermediate dim
+                dim, tp = tp_dim + (1 if expert is None else 0), layer.tp
+                if tensor.dim() <= dim or tensor.shape[dim] % tp.size:
+                    raise ValueError(f"{layer.prefix}.{leaf} shard {shard_id!r}: checkpoint shape "
+                                     f"{tuple(tensor.shape)} does not split {tp.size} ways along dim {dim}")
+                n = tensor.shape[dim] // tp.size
+                tensor = tensor.narrow(dim, tp.rank * n, n)
             if out_dim is None:  # the whole stacked tensor: set once, with the gate shard
                 if projection != "up":
                     self._copy(layer, leaf, param.data if expert is None else param.data[expert], tensor, shard_id)
@@ -74,14 +81,27 @@ class QuantizedMoEMethod:
         w13, w2 = self.experts(layer, "w13"), self.experts(layer, "w2")
         for leaf, *_ in self.layout(layer):
             delattr(layer, leaf)
-        if w13.device.type == "cuda":
-            self.w13, self.w2 = w13, w2
-            self.method.kernel = f"{moe_kernels.kernel_name(w13.device)}"
+        if self.keep_packed(w13.device):
+            self._keep_packed(layer, w13, w2)
             return
         layer.add_param("w13_weight", w13.dequantize(layer.params_dtype))
         layer.add_param("w2_weight", w2.dequantize(layer.params_dtype))
         self.method.kernel = (f"dequantized at load to {str(layer.params_dtype).removeprefix('torch.')} "
                               f"({w13.device.type}: dense matmuls)")
+
+    def keep_packed(self, device: torch.device) -> bool:
+        """Packed for the Triton kernel on CUDA; dequantized once at load elsewhere (the format's
+        ``keep_packed``, where set, overrides: tests run the packed path on the CPU)."""
+        forced = getattr(self.method, "keep_packed", None)
+        return device.type == "cuda" if forced is None else forced
+
+    def _keep_packed(self, layer, w13, w2) -> None:
+        """The kernel's expert weights, their tensors also the layer's buffers (its device, its memory)."""
+        self.w13, self.w2 = w13, w2
+        for prefix, weights in (("w13", w13), ("w2", w2)):
+            for name, t in weights.tensors().items():
+                layer.register_buffer(f"{prefix}_packed_{name}", t, persistent=False)
+        self.method.kernel = moe_kernels.kernel_name(w13.device)
 
     def apply(self, layer, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         w13 = self.w13 if self.w13 is not None else layer.w13_weight
@@ -145,24 +165,27 @@ class FP8MoEMethod(QuantizedMoEMethod):
         super().create_weights(layer)
 
     def layout(self, layer):
-        i, h, block = layer.intermediate_size, layer.hidden_size, self.method.block
-        out = [("w13_weight", (2 * i, h), FP8_DTYPE, 0), ("w2_weight", (h, i), FP8_DTYPE, 0)]
+        i, h, block = layer.local_intermediate, layer.hidden_size, self.method.block
+        out = [("w13_weight", (2 * i, h), FP8_DTYPE, 0, 0), ("w2_weight", (h, i), FP8_DTYPE, 0, 1)]
         if block:
             bo, bi = block
-            out += [("w13_weight_scale_inv", (2 * -(-i // bo), -(-h // bi)), torch.float32, 0),
-                    ("w2_weight_scale_inv", (-(-h // bo), -(-i // bi)), torch.float32, 0)]
+            if layer.tp.size > 1 and (i % bo or i % bi):
+                raise ConfigError(f"{layer.prefix}: each rank's {i} of the experts' intermediate size does not "
+                                  f"split into whole quantization_config.weight_block_size={list(block)} blocks "
+                                  f"(tensor_parallel_size={layer.tp.size})")
+            out += [("w13_weight_scale_inv", (2 * -(-i // bo), -(-h // bi)), torch.float32, 0, 0),
+                    ("w2_weight_scale_inv", (-(-h // bo), -(-i // bi)), torch.float32, 0, 1)]
         else:  # one value per expert's tensor, or one per output channel: held per channel
-            out += [("w13_weight_scale", (2 * i,), torch.float32, 0), ("w2_weight_scale", (h,), torch.float32, 0)]
+            out += [("w13_weight_scale", (2 * i,), torch.float32, 0, 0), ("w2_weight_scale", (h,), torch.float32, 0, None)]
         return out
 
-    def _loader(self, layer, leaf, out_dim):
-        load = super()._loader(layer, leaf, out_dim)
+    def _loader(self, layer, leaf, out_dim, tp_dim):
+        load = super()._loader(layer, leaf, out_dim, tp_dim)
         if not leaf.endswith("_weight_scale"):
             return load
 
         def load_scale(param, tensor, shard_id):  # a per-tensor scale fills each of its rows
-            projection = shard_id[1]
-            rows = param.shape[-1] // (2 if projection in ("gate", "up") else 1)
+            rows = layer.intermediate_size if shard_id[1] in ("gate", "up") else layer.hidden_size
             load(param, tensor.float().reshape(-1).expand(rows) if tensor.numel() == 1 else tensor, shard_id)
         return load_scale
 
@@ -187,11 +210,10 @@ class FP8MoEMethod(QuantizedMoEMethod):
         if self.method.source != "online":
             return super().process_weights_after_loading(layer)
         w13, w2 = FP8Experts.quantize(layer.w13_weight.data), FP8Experts.quantize(layer.w2_weight.data)
-        if w13.device.type == "cuda":
-            self.w13, self.w2 = w13, w2
+        if self.keep_packed(w13.device):
             delattr(layer, "w13_weight")
             delattr(layer, "w2_weight")
-            self.method.kernel = moe_kernels.kernel_name(w13.device)
+            self._keep_packed(layer, w13, w2)
             return
         layer.w13_weight.data.copy_(w13.dequantize(layer.params_dtype))  # weight-only: the FP8 rounding kept
         layer.w2_weight.data.copy_(w2.dequantize(layer.params_dtype))
@@ -216,12 +238,15 @@ class MXFP4MoEMethod(QuantizedMoEMethod):
     name = "mxfp4"
 
     def layout(self, layer):
-        i, h = layer.intermediate_size, layer.hidden_size
+        i, h = layer.local_intermediate, layer.hidden_size
         for size in (i, h):
             if size % 32:
-                raise ConfigError(f"{layer.prefix}: {size} inputs do not split into MXFP4 blocks of 32")
-        return [("w13_blocks", (2 * i, h // 32, 16), torch.uint8, None), ("w13_scales", (2 * i, h // 32), torch.uint8, None),
-                ("w2_blocks", (h, i // 32, 16), torch.uint8, None), ("w2_scales", (h, i // 32), torch.uint8, None)]
+                raise ConfigError(f"{layer.prefix}: {size} inputs do not split into MXFP4 blocks of 32"
+                                  + (f" (tensor_parallel_size={layer.tp.size})" if layer.tp.size > 1 else ""))
+        # a rank's gate/up rows are a contiguous run of the interleaved rows
+        return [("w13_blocks", (2 * i, h // 32, 16), torch.uint8, None, 0),
+                ("w13_scales", (2 * i, h // 32), torch.uint8, None, 0),
+                ("w2_blocks", (h, i // 32, 16), torch.uint8, None, 1), ("w2_scales", (h, i // 32), torch.uint8, None, 1)]
 
     def experts(self, layer, prefix):
         return MXFP4Experts.from_checkpoint(getattr(layer, f"{prefix}_blocks").data,
@@ -244,15 +269,16 @@ class AWQMoEMethod(QuantizedMoEMethod):
     name = "awq"
 
     def layout(self, layer):
-        g, i, h = self.method.group_size, layer.intermediate_size, layer.hidden_size
+        g, i, h = self.method.group_size, layer.local_intermediate, layer.hidden_size
         shapes = []
-        for prefix, k, n in (("w13", h, 2 * i), ("w2", i, h)):
+        for prefix, k, n, tp_dim in (("w13", h, 2 * i, 1), ("w2", i, h, 0)):
             if k % g or n % 16:
-                raise ConfigError(f"{layer.prefix}: {prefix} of {k} inputs and {n} outputs does not fit AWQ groups of "
+                raise ConfigError(f"{layer.prefix}: {prefix} of {k} inputs and {n} outputs (a rank's, of "
+                                  f"tensor_parallel_size={layer.tp.size}) does not fit AWQ groups of "
                                   f"quantization_config.group_size={g} and its packing of 8 outputs a word")
-            shapes += [(f"{prefix}_qweight", (k, n // 8), torch.int32, 1),
-                       (f"{prefix}_qzeros", (k // g, n // 8), torch.int32, 1),
-                       (f"{prefix}_scales", (k // g, n), torch.float16, 1)]
+            shapes += [(f"{prefix}_qweight", (k, n // 8), torch.int32, 1, tp_dim),
+                       (f"{prefix}_qzeros", (k // g, n // 8), torch.int32, 1, tp_dim),
+                       (f"{prefix}_scales", (k // g, n), torch.float16, 1, tp_dim)]
         return shapes
 
     def experts(self, layer, prefix):
@@ -277,19 +303,26 @@ class GPTQMoEMethod(QuantizedMoEMethod):
         self.ignored = () if method.desc_act else ("w13_g_idx", "w2_g_idx")
 
     def layout(self, layer):
-        bits, g, i, h = self.method.bits, self.method.group_size, layer.intermediate_size, layer.hidden_size
+        m, i, h = self.method, layer.local_intermediate, layer.hidden_size
+        bits, g, tp = m.bits, m.group_size, layer.tp.size
         per_word = 32 // bits
         shapes = []
         for prefix, k, n in (("w13", h, 2 * i), ("w2", i, h)):
-            if k % per_word or n % (2 * per_word) or (g != -1 and not self.method.desc_act and k % g):
-                raise ConfigError(f"{layer.prefix}: {prefix} of {k} inputs and {n} outputs does not fit {bits}-bit "
-                                  f"GPTQ packing in groups of quantization_config.group_size={g}")
-            groups = 1 if g == -1 else -(-k // g)
-            shapes += [(f"{prefix}_qweight", (k // per_word, n), torch.int32, 1),
-                       (f"{prefix}_qzeros", (groups, n // per_word), torch.int32, 1),
-                       (f"{prefix}_scales", (groups, n), torch.float16, 1)]
-            if self.method.desc_act:
-                shapes.append((f"{prefix}_g_idx", (2 if prefix == "w13" else 1, k), torch.int32, 0))
+            if k % per_word or n % (2 * per_word) or (g != -1 and not m.desc_act and k % g):
+                raise ConfigError(f"{layer.prefix}: {prefix} of {k} inputs and {n} outputs (a rank's, of "
+                                  f"tensor_parallel_size={tp}) does not fit {bits}-bit GPTQ packing in groups of "
+                                  f"quantization_config.group_size={g}")
+            # w2's groups: a rank's run of inputs, except under desc_act (every group's row kept; g_idx picks)
+            whole = k * (tp if prefix == "w2" and m.desc_act else 1)
+            groups = 1 if g == -1 else -(-whole // g)
+            # w13 splits its outputs; w2 its packed input rows, and its groups' rows unless they are shared
+            weight_dim, group_dim = (1, 1) if prefix == "w13" else (0, None if m.desc_act or g == -1 else 0)
+            shapes += [(f"{prefix}_qweight", (k // per_word, n), torch.int32, 1, weight_dim),
+                       (f"{prefix}_qzeros", (groups, n // per_word), torch.int32, 1, group_dim),
+                       (f"{prefix}_scales", (groups, n), torch.float16, 1, group_dim)]
+            if m.desc_act:  # each expert's g_idx [K]: w13's inputs whole, w2's a rank's slice
+                shapes.append((f"{prefix}_g_idx", (2 if prefix == "w13" else 1, k), torch.int32, 0,
+                               None if prefix == "w13" else 0))
         return shapes
 
     def experts(self, layer, prefix):
