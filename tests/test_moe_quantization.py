@@ -399,3 +399,41 @@ def test_quantized_qwen3_moe_on_two_ranks_over_gloo(fmt, settings, tmp_path):
         assert experts.method.name == fmt and experts.local_intermediate * 2 == experts.intermediate_size
     finally:
         llm.engine.shutdown()
+
+
+def test_online_fp8_experts_kept_packed_compute_what_the_cpu_rounding_does():
+    """``--quantization fp8`` of dense experts: the CUDA layout (e4m3 with a scale per output channel, no dense
+    copy) and the CPU's weights rounded at load give the same output."""
+    from kvloom.core.model.moe import FusedMoE
+    from kvloom.core.model.quantization import make_method
+
+    gen = torch.Generator().manual_seed(9)
+    w13, w2 = torch.randn(4, 256, 64, generator=gen) * 0.1, torch.randn(4, 64, 128, generator=gen) * 0.1
+    x = torch.randn(9, 64, generator=gen)
+    weights, ids = torch.rand(9, 2, generator=gen), torch.stack([torch.randperm(4, generator=gen)[:2] for _ in range(9)])
+    outs = []
+    for packed in (False, True):
+        method = make_method("fp8", type("HF", (), {"quantization_config": None})())
+        method.keep_packed = packed
+        layer = FusedMoE(4, 64, 128, prefix="experts", method=method.moe_method("experts"))
+        layer.w13_weight.weight_loader(layer.w13_weight, w13[:, :128], (None, "gate"))
+        layer.w13_weight.weight_loader(layer.w13_weight, w13[:, 128:], (None, "up"))
+        layer.w2_weight.weight_loader(layer.w2_weight, w2, (None, "down"))
+        layer.process_weights_after_loading()
+        outs.append(layer(x, weights, ids))
+    assert "w13_weight" not in layer._parameters and layer.w13_packed_weight.dtype == torch.float8_e4m3fn
+    torch.testing.assert_close(outs[1], outs[0], atol=1e-6, rtol=1e-6)
+    dense = FusedMoE(4, 64, 128, prefix="experts")
+    dense.w13_weight.data.copy_(w13)
+    dense.w2_weight.data.copy_(w2)
+    assert not torch.allclose(dense(x, weights, ids), outs[0], atol=1e-6)  # the rounding is there
+
+
+def test_compressed_tensors_fp8_experts_are_refused_at_start_up_naming_the_format():
+    from kvloom.core.config import ConfigError
+    from kvloom.core.model.moe import FusedMoE
+    from kvloom.core.model.quantization.fp8 import FP8Method
+
+    method = FP8Method("compressed-tensors", "dynamic", None, "channel")
+    with pytest.raises(ConfigError, match="compressed-tensors FP8 experts are not supported yet"):
+        FusedMoE(4, 64, 128, prefix="model.layers.0.mlp.experts", method=method.moe_method("x"))
