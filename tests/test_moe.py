@@ -217,8 +217,9 @@ def test_missing_or_misshapen_expert_tensors_are_named(tiny_mixtral, tmp_path):
 
 
 def test_quantized_experts_and_unsplittable_sizes_are_refused_at_start_up(tiny_mixtral):
-    with pytest.raises(ConfigError, match=r"quantization 'fp8' does not support MoE experts yet"):
-        LLM(str(tiny_mixtral), quantization="fp8")
+    # Mixtral's experts of 72 and 40 inputs: no whole MXFP4 blocks of 32
+    with pytest.raises(ConfigError, match=r"layers.0.mlp.experts: 40 inputs do not split into MXFP4 blocks of 32"):
+        LLM(str(tiny_mixtral), quantization="mxfp4", load_format="dummy")
     config = _hf_config("qwen3_moe", moe_intermediate_size=25)
     assert tp_refusal(config, 2) == "tensor_parallel_size=2 does not divide the model's moe_intermediate_size=25"
 
@@ -228,7 +229,8 @@ def test_start_up_log_names_experts_top_k_and_kernel(tiny_mixtral, caplog):
         LLM(str(tiny_mixtral))
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("MoE:")]
     assert lines == ["MoE: 6 experts, top-2 (softmax, top-k renormalised) on 2 of 2 layers; expert intermediate "
-                     "size 40; activation silu; experts dense; kernel reference"]
+                     "size 40; activation silu; experts dense; kernel PyTorch reference (rows sorted by expert, one "
+                     "matmul a projection for each expert with tokens)"]
 
 
 # --- engine plan ----------------------------------------------------------------------------------------

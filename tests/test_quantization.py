@@ -175,7 +175,7 @@ BAD = [
     ({**CT, "config_groups": {"g": {**CT["config_groups"]["g"], "input_activations": None}}},
      r"input_activations=None \(weight-only FP8\) is not supported"),
     ({"quant_method": "bitsandbytes"}, r"quantization_config.quant_method='bitsandbytes' is not supported; supported: "
-                                       r"\['awq', 'compressed-tensors', 'fp8', 'gptq'\]"),
+                                       r"\['awq', 'compressed-tensors', 'fp8', 'gptq', 'mxfp4'\]"),
 ]
 
 
@@ -193,7 +193,7 @@ def test_forced_quantization_must_match_the_checkpoint(tmp_path, tiny_llama):
     dense = _folder(tmp_path, tiny_llama, None, "dense")
     with pytest.raises(ConfigError, match=r"quantization='gptq' needs a checkpoint quantized with gptq"):
         LLM(str(dense), quantization="gptq")
-    with pytest.raises(ConfigError, match=r"quantization='int4' is not one of \['fp8', 'awq', 'gptq'\]"):
+    with pytest.raises(ConfigError, match=r"quantization='int4' is not one of \['fp8', 'awq', 'gptq', 'mxfp4'\]"):
         EngineConfig(quantization="int4").validate()
 
 

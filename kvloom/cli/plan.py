@@ -60,12 +60,13 @@ def count_parameters(hf_config) -> ParameterCount:
 def quantization_method(hf_config, quantization: str | None):
     """The method the engine would load this checkpoint with: the checkpoint's own (checked against
     ``quantization``), else ``quantization`` with its usual settings (to size a checkpoint not made yet)."""
-    from kvloom.core.model.quantization import checkpoint_quantization_config, make_method, resolve_quantization
+    from kvloom.core.model.quantization import (QUANTIZATIONS, checkpoint_quantization_config, make_method,
+                                                resolve_quantization)
 
     if checkpoint_quantization_config(hf_config) is not None:
         quantization = resolve_quantization(quantization, hf_config)
-    elif quantization is not None and quantization not in ("fp8", "awq", "gptq"):
-        raise ConfigError(f"quantization={quantization!r} is not one of ['fp8', 'awq', 'gptq']")
+    elif quantization is not None and quantization not in QUANTIZATIONS:
+        raise ConfigError(f"quantization={quantization!r} is not one of {list(QUANTIZATIONS)}")
     return None if quantization is None else make_method(quantization, hf_config, plan_defaults=True)
 
 

@@ -47,7 +47,7 @@ class EngineConfig:
                       choices=("auto", "float32", "bfloat16", "float16"))
     quantization: str | None = _opt(None, "Weight format of the linear layers (default: the checkpoint's "
                                     "quantization_config; fp8 also quantizes a dense checkpoint at load).",
-                                    choices=("fp8", "awq", "gptq"))
+                                    choices=("fp8", "awq", "gptq", "mxfp4"))
     gguf_int4: bool = _opt(True, "On the CPU in bfloat16: keep a GGUF file's Q4_0/Q4_1/Q4_K linear weights at 4 bits "
                            "for decode steps of few rows (torch's int4 matmul; a bf16 copy serves bigger steps); "
                            "off: dequantize them to the model dtype only.")

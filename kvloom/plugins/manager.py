@@ -35,9 +35,10 @@ BUILTIN_PLUGINS = (
     "kvloom.plugins.builtin.quantization:fp8",
     "kvloom.plugins.builtin.quantization:awq",
     "kvloom.plugins.builtin.quantization:gptq",
+    "kvloom.plugins.builtin.quantization:mxfp4",
 )
 # The built-in quantization plugins: one per format, picked by a checkpoint's quantization_config.
-BUILTIN_QUANTIZATIONS = ("fp8", "awq", "gptq")
+BUILTIN_QUANTIZATIONS = ("fp8", "awq", "gptq", "mxfp4")
 ENTRY_POINT_GROUP = "kvloom.plugins"
 # The plugin of each kind that is active when none of that kind is chosen.
 DEFAULTS = {"scheduler": "fcfs", "kv_allocator": "free_list"}

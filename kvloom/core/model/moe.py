@@ -172,6 +172,11 @@ class FusedMoE(nn.Module):
     def process_weights_after_loading(self) -> None:
         self.method.process_weights_after_loading(self)
 
+    @property
+    def device(self) -> torch.device:
+        """Where the experts are (a quantized format's packed tensors are buffers once loaded on CUDA)."""
+        return next(t for t in (*self.parameters(recurse=False), *self.buffers(recurse=False))).device
+
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         """This rank's partial sum of the experts' output (the caller all-reduces)."""
         return self.method.apply(self, x, topk_weights, topk_ids)

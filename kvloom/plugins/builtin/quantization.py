@@ -1,4 +1,4 @@
-"""The built-in quantization plugins ``fp8``, ``awq`` and ``gptq``: one plugin object per weight format, each
+"""The built-in quantization plugins ``fp8``, ``awq``, ``gptq`` and ``mxfp4``: one plugin object per weight format, each
 handing the engine the format's method (``kvloom.core.model.quantization.make_method``)."""
 
 from __future__ import annotations
@@ -42,3 +42,6 @@ awq = QuantizationPlugin("awq", "AWQ int4 checkpoints (AutoAWQ GEMM layout); pic
 # GPTQ checkpoints (4 or 8 bits, any group size incl. -1, desc_act, sym or asym, v1 or gptq_v2 zero points).
 gptq = QuantizationPlugin("gptq", "GPTQ int4/int8 checkpoints (desc_act, sym/asym, v1 and gptq_v2); picked "
                                   "automatically from the checkpoint's quantization_config.")
+# gpt-oss's MXFP4 checkpoints (the MoE experts in e2m1 with e8m0 scales; other layers dense).
+mxfp4 = QuantizationPlugin("mxfp4", "gpt-oss MXFP4 checkpoints: MoE experts in 4-bit e2m1 with e8m0 scales, kept "
+                                    "4-bit on the GPU, dequantized at load on the CPU.")

@@ -59,4 +59,9 @@ class GptOssForCausalLM(MoEDecoderLM):
             return [("w2_weight", (None, "down"), tensor.transpose(1, 2))]
         if rest == "down_proj_bias":
             return [("w2_bias", (None, "down"), tensor)]
+        if rest in ("gate_up_proj_blocks", "gate_up_proj_scales"):  # MXFP4, gate and up rows interleaved
+            leaf = "w13_" + rest.rsplit("_", 1)[1]
+            return [(leaf, (None, "gate"), tensor), (leaf, (None, "up"), tensor)]
+        if rest in ("down_proj_blocks", "down_proj_scales"):
+            return [("w2_" + rest.rsplit("_", 1)[1], (None, "down"), tensor)]
         return super().expert_tensors(rest, tensor, name)

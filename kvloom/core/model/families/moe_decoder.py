@@ -23,7 +23,8 @@ from kvloom.kernels.options import KernelOptions
 
 _EXPERTS = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(.+)$")
 # One expert's projection, as Mixtral (w1/w3/w2) and Qwen (gate/up/down_proj) checkpoints name them.
-_PER_EXPERT = re.compile(r"^(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$")
+# The tensor kind after it: ``weight``, or a quantized format's (``qweight``, ``weight_scale_inv``, ...).
+_PER_EXPERT = re.compile(r"^(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)\.(\w+)$")
 _PROJECTION = {"w1": "gate", "gate_proj": "gate", "w3": "up", "up_proj": "up", "w2": "down", "down_proj": "down"}
 
 
@@ -94,14 +95,14 @@ class MoEDecoderLM(DecoderLM):
         m = _PER_EXPERT.match(rest)
         if m is not None:
             projection = _PROJECTION[m.group(2)]
-            return [("w2_weight" if projection == "down" else "w13_weight", (int(m.group(1)), projection), tensor)]
+            leaf = ("w2_" if projection == "down" else "w13_") + m.group(3)
+            return [(leaf, (int(m.group(1)), projection), tensor)]
         if rest == "gate_up_proj":
             gate, up = tensor.chunk(2, dim=1)
             return [("w13_weight", (None, "gate"), gate), ("w13_weight", (None, "up"), up)]
         if rest == "down_proj":
             return [("w2_weight", (None, "down"), tensor)]
-        raise ValueError(f"checkpoint tensor {name!r} has no matching parameter in {cls.__name__} "
-                         "(quantized experts are not supported yet)")
+        raise ValueError(f"checkpoint tensor {name!r} has no matching parameter in {cls.__name__}")
 
     # --- the skeleton's extensions ---------------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[tuple[str, object]]:
@@ -121,6 +122,8 @@ class MoEDecoderLM(DecoderLM):
                     raise ValueError(f"checkpoint tensor {name!r}: layer {layer} of {type(self).__name__} has no "
                                      "experts (a dense MLP layer, or past the config's layers)")
                 for leaf, (expert, projection), piece in self.expert_tensors(m.group(2), tensor, name):
+                    if leaf in getattr(experts.method, "ignored", ()):
+                        continue  # a tensor the format does not need (GPTQ's plain g_idx, static FP8 input scales)
                     param = experts._parameters.get(leaf)
                     if param is None:
                         raise ValueError(f"checkpoint tensor {name!r} has no matching parameter {leaf!r} in "
@@ -161,7 +164,7 @@ class MoEDecoderLM(DecoderLM):
     def cuda_graphs_refusal(self) -> str | None:
         """Why decode steps cannot be captured in CUDA graphs (None when they can)."""
         blocks = self.moe_blocks()
-        if blocks and kernel_name(next(iter(blocks[0].experts.parameters())).device) == "reference":
+        if blocks and "reference" in kernel_name(blocks[0].experts.device):
             return "the MoE experts run on the PyTorch reference, which reads each expert's row count on the host"
         return None
 
@@ -177,6 +180,6 @@ class MoEDecoderLM(DecoderLM):
         shared = blocks[0].shared_expert
         if shared is not None:
             size += f", a shared expert of {shared.down_proj.input_size * self.tp.size} behind a sigmoid gate"
-        device = next(iter(experts.parameters())).device
+        device = experts.device
         return (f"MoE: {blocks[0].gate.spec.describe()} on {len(blocks)} of {len(self.layers)} layers; {size}; "
                 f"activation {experts.activation}; experts {experts.method.name}; kernel {kernel_name(device)}")

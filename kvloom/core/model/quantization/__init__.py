@@ -1,6 +1,6 @@
 """Quantized weight formats: which one a checkpoint is in (its ``quantization_config``), checked against
 ``--quantization``, and the base of the methods that make the model's linear layers in that format.
-The formats themselves are ``awq``, ``gptq`` and ``fp8`` beside this file; the built-in plugins of the
+The formats themselves are ``awq``, ``gptq``, ``fp8`` and ``mxfp4`` (gpt-oss's experts) beside this file; the built-in plugins of the
 same names hand them to the engine."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from kvloom.core.config import ConfigError
 from kvloom.core.model.quantization.base import (QuantizationMethod, check_choice, dense_bytes,  # noqa: F401
                                                  dequantized_kernel, param_bytes)
 
-QUANTIZATIONS = ("fp8", "awq", "gptq")
+QUANTIZATIONS = ("fp8", "awq", "gptq", "mxfp4")
 # quantization_config.quant_method -> the method that loads it
-CHECKPOINT_METHODS = {"awq": "awq", "gptq": "gptq", "fp8": "fp8", "compressed-tensors": "fp8"}
+CHECKPOINT_METHODS = {"awq": "awq", "gptq": "gptq", "fp8": "fp8", "compressed-tensors": "fp8", "mxfp4": "mxfp4"}
 
 
 def checkpoint_quantization_config(hf_config) -> dict[str, Any] | None:
@@ -74,6 +74,10 @@ def make_method(name: str, hf_config, *, plan_defaults: bool = False, kernels=No
         from kvloom.core.model.quantization.fp8 import FP8Method
 
         method = FP8Method.from_config(qc)
+    elif name == "mxfp4":
+        from kvloom.core.model.quantization.mxfp4 import MXFP4Method
+
+        method = MXFP4Method.from_config(qc or {})
     else:
         raise ConfigError(f"quantization={name!r} is not one of {list(QUANTIZATIONS)}")
     if kernels is not None:

@@ -59,6 +59,12 @@ class QuantizationMethod:
     def quantized_linear_method(self, prefix: str) -> LinearMethod:
         raise NotImplementedError
 
+    def moe_method(self, prefix: str):
+        """The method of the MoE experts at ``prefix`` (``kvloom.core.model.quantization.moe_experts``)."""
+        from kvloom.core.model.quantization.moe_experts import moe_method
+
+        return moe_method(self, prefix)
+
     def describe(self) -> str:
         """The start-up log line: format, bits, group size and kernel."""
         raise NotImplementedError
