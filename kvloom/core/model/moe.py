@@ -97,8 +97,7 @@ class UnquantizedMoEMethod:
 
 def kernel_name(device: torch.device) -> str:
     """The experts' kernel on ``device``, for the start-up log (the kernels package names its own)."""
-    named = getattr(moe_kernels, "kernel_name", None)
-    return named(device) if named is not None else "reference"
+    return moe_kernels.kernel_name(device)
 
 
 class FusedMoE(nn.Module):
