@@ -110,19 +110,31 @@ def make_tiny_model(path: Path, family: str, seed: int = 0, max_shard_size: str 
     return path
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _return_freed_memory():
-    """After each test module, hand the memory its in-process engines freed back to the system: an engine
-    raises glibc's trim threshold (cpu_malloc.keep_freed_memory), so a dropped engine's KV cache stays in
-    pytest's heap, and freeze_startup_heap hides what it froze from the collector. Without this, pytest
-    keeps the largest heap of any module it ran and the suite's peak memory adds up across modules."""
-    yield
-    gc.unfreeze()
-    gc.collect()
+def _malloc_trim() -> None:
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):  # not glibc: nothing was kept
         pass
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _return_freed_memory_after_each_module():
+    """Hand the memory a module's in-process engines freed back to the system: an engine raises glibc's trim
+    threshold (cpu_malloc.keep_freed_memory), so a dropped engine's KV cache stays in pytest's heap, and
+    freeze_startup_heap hides what it froze from the collector. Without this, pytest keeps the largest heap
+    of any module it ran and the suite's peak memory adds up across modules."""
+    yield
+    gc.unfreeze()
+    gc.collect()
+    _malloc_trim()
+
+
+@pytest.fixture(autouse=True)
+def _return_freed_memory_after_each_test():
+    """The same after each test, without the collection (milliseconds): engines a test dropped leave pytest
+    before the next test starts servers of its own."""
+    yield
+    _malloc_trim()
 
 
 @pytest.fixture(scope="session", params=sorted(TINY_FAMILIES))
