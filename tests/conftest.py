@@ -3,6 +3,8 @@ made tokenizer) and the real SmolLM2 GGUF file."""
 
 from __future__ import annotations
 
+import ctypes
+import gc
 import json
 from pathlib import Path
 
@@ -140,6 +142,33 @@ def make_tiny_model(path: Path, family: str, seed: int = 0, max_shard_size: str 
     model.save_pretrained(str(path), safe_serialization=True, **kwargs)
     make_tokenizer(path)
     return path
+
+
+def _malloc_trim() -> None:
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing was kept
+        pass
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _return_freed_memory_after_each_module():
+    """Hand the memory a module's in-process engines freed back to the system: an engine raises glibc's trim
+    threshold (cpu_malloc.keep_freed_memory), so a dropped engine's KV cache stays in pytest's heap, and
+    freeze_startup_heap hides what it froze from the collector. Without this, pytest keeps the largest heap
+    of any module it ran and the suite's peak memory adds up across modules."""
+    yield
+    gc.unfreeze()
+    gc.collect()
+    _malloc_trim()
+
+
+@pytest.fixture(autouse=True)
+def _return_freed_memory_after_each_test():
+    """The same after each test, without the collection (milliseconds): engines a test dropped leave pytest
+    before the next test starts servers of its own."""
+    yield
+    _malloc_trim()
 
 
 @pytest.fixture(scope="session", params=sorted(TINY_FAMILIES))

@@ -25,8 +25,37 @@ def tiny_qwen3(tmp_path_factory):
     return make_tiny_model(tmp_path_factory.mktemp("tiny-qwen3-models"), "qwen3", seed=1)
 
 
+CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 6, "temperature": 1.0, "seed": 3}
+
+
+def greedy(server: EngineServer, model: str, prompt: str) -> str:
+    r = httpx.post(server.url + "/v1/completions", timeout=60, json={
+        "model": model, "prompt": prompt, "max_tokens": 12, "ignore_eos": True, "temperature": 0.0})
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["text"]
+
+
 @pytest.fixture(scope="module")
-def servers(tiny_llama, tiny_qwen3, tmp_path_factory):
+def alone(tiny_llama, tiny_qwen3, tmp_path_factory):
+    """Each model's answers served alone: texts(), a chat, greedy completions of PROMPTS. The servers run
+    one at a time, before the two-model one, so that the module never holds three servers' processes."""
+    tmp = tmp_path_factory.mktemp("alone")
+    answers = {}
+    for name, args in (
+        ("llama", ["--model", f"llama={tiny_llama}", "--num-kv-blocks", "96", "--max-model-len", "256",
+                   "--max-num-seqs", "8"]),
+        ("qwen", ["--model", f"qwen={tiny_qwen3}", "--num-kv-blocks", "64", "--max-model-len", "128",
+                  "--max-num-seqs", "8", "--plugins", "prefix_cache"]),
+    ):
+        with EngineServer(args, tmp) as srv:
+            chat = httpx.post(srv.url + "/v1/chat/completions", json={"model": name, **CHAT}, timeout=60).json()
+            answers[name] = {"texts": texts(srv, name), "chat": chat["choices"][0]["message"],
+                             "greedy": {prompt: greedy(srv, name, prompt) for prompt in PROMPTS[:2]}}
+    return answers
+
+
+@pytest.fixture(scope="module")
+def servers(alone, tiny_llama, tiny_qwen3, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("models")
     port = free_port()
     config = tmp / "two.toml"
@@ -35,13 +64,7 @@ def servers(tiny_llama, tiny_qwen3, tmp_path_factory):
                       f'[[models]]\nname = "llama"\nmodel = "{tiny_llama}"\nnum_kv_blocks = 96\nmax_model_len = 256\n'
                       f'[[models]]\nname = "qwen"\nmodel = "{tiny_qwen3}"\nnum_kv_blocks = 64\nmax_model_len = 128\n'
                       'plugins = ["prefix_cache"]\n')
-    started = {
-        "both": EngineServer(["--config", str(config)], tmp, port=port),
-        "llama": EngineServer(["--model", f"llama={tiny_llama}", "--num-kv-blocks", "96", "--max-model-len", "256",
-                               "--max-num-seqs", "8"], tmp),
-        "qwen": EngineServer(["--model", f"qwen={tiny_qwen3}", "--num-kv-blocks", "64", "--max-model-len", "128",
-                              "--max-num-seqs", "8", "--plugins", "prefix_cache"], tmp),
-    }
+    started = {"both": EngineServer(["--config", str(config)], tmp, port=port)}
     started["both"].gateway = gateway
     try:
         for s in started.values():
@@ -64,17 +87,14 @@ def texts(server: EngineServer, model: str) -> list[str]:
     return out
 
 
-def test_two_models_answer_by_name_as_each_does_alone(servers):
+def test_two_models_answer_by_name_as_each_does_alone(servers, alone):
     both = servers["both"]
     for name in ("llama", "qwen"):
-        assert texts(both, name) == texts(servers[name], name), name
+        assert texts(both, name) == alone[name]["texts"], name
     # A chat goes to its model too (each model's own tokenizer and template).
     for name in ("llama", "qwen"):
-        body = {"model": name, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 6,
-                "temperature": 1.0, "seed": 3}
-        got = httpx.post(both.url + "/v1/chat/completions", json=body, timeout=60).json()
-        alone = httpx.post(servers[name].url + "/v1/chat/completions", json=body, timeout=60).json()
-        assert got["choices"][0]["message"] == alone["choices"][0]["message"]
+        got = httpx.post(both.url + "/v1/chat/completions", json={"model": name, **CHAT}, timeout=60).json()
+        assert got["choices"][0]["message"] == alone[name]["chat"]
 
 
 def test_models_list_unknown_model_404_and_per_model_limits(servers):
@@ -111,17 +131,15 @@ def test_metrics_and_health_name_each_model(servers):
     assert health["status"] == "ok" and sorted(health["models"]) == ["llama", "qwen"]
 
 
-def test_the_gateway_serves_each_model_by_name(servers):
+def test_the_gateway_serves_each_model_by_name(servers, alone):
     both, gateway = servers["both"], servers["both"].gateway
     with Client(gateway, timeout=60) as gw:
         pong = gw.ping()
         assert pong.healthy and pong.models == ["llama", "qwen"] and (pong.model, pong.max_model_len) == ("llama", 256)
         for name in ("llama", "qwen"):
             for prompt in PROMPTS[:2]:
-                alone = httpx.post(servers[name].url + "/v1/completions", timeout=60, json={
-                    "model": name, "prompt": prompt, "max_tokens": 12, "ignore_eos": True, "temperature": 0.0}).json()
                 got = gw.generate(prompt, model=name, max_tokens=12, ignore_eos=True, temperature=0.0)
-                assert got.text == alone["choices"][0]["text"], (name, prompt)
+                assert got.text == alone[name]["greedy"][prompt], (name, prompt)
         # No model named: the first one answers.
         assert (gw.generate(PROMPTS[0], max_tokens=12, ignore_eos=True, temperature=0.0).text
                 == gw.generate(PROMPTS[0], model="llama", max_tokens=12, ignore_eos=True, temperature=0.0).text)

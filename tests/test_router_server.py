@@ -29,21 +29,34 @@ def start(model, tmp_path_factory, name: str, *flags: str) -> EngineServer:
 
 
 @pytest.fixture(scope="module")
-def servers(tiny_llama, tmp_path_factory):
-    """One engine, two replicas routed by prefix affinity, two replicas routed round-robin; started
-    together so their model loads overlap."""
+def single(tiny_llama, tmp_path_factory):
+    """One engine: the outputs the replicated servers must give."""
+    with start(tiny_llama, tmp_path_factory, "single") as srv:
+        yield srv
+
+
+@pytest.fixture
+def restart_server(single, tiny_llama, tmp_path_factory):
+    """Two replicas routed round-robin, a killed one restarted: only for its test (the first in this file),
+    so that it never runs beside the module's other replicated servers."""
+    with start(tiny_llama, tmp_path_factory, "restart", "--data-parallel-size", "2", "--routing-policy",
+               "round_robin", "--restart-engine") as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def servers(single, tiny_llama, tmp_path_factory):
+    """The single engine, two replicas routed by prefix affinity, two replicas routed round-robin; the last
+    two started together so their model loads overlap."""
     started = {
-        "single": start(tiny_llama, tmp_path_factory, "single"),
         "affinity": start(tiny_llama, tmp_path_factory, "affinity", "--data-parallel-size", "2"),
         "round_robin": start(tiny_llama, tmp_path_factory, "rr", "--data-parallel-size", "2",
                              "--routing-policy", "round_robin", "--engine-heartbeat-timeout", str(HEARTBEAT_S)),
-        "restart": start(tiny_llama, tmp_path_factory, "restart", "--data-parallel-size", "2",
-                         "--routing-policy", "round_robin", "--restart-engine"),
     }
     try:
         for s in started.values():
             s.wait_ready()
-        yield started
+        yield {"single": single, **started}
     finally:
         for s in started.values():
             s.stop()
@@ -66,6 +79,25 @@ def hit_rate_delta(server: EngineServer, before: dict[str, float]) -> float:
     queries = after["kvloom_prefix_cache_queries_total"] - before["kvloom_prefix_cache_queries_total"]
     hits = after["kvloom_prefix_cache_hits_total"] - before["kvloom_prefix_cache_hits_total"]
     return hits / queries
+
+
+def test_killed_replica_restarts_and_rejoins(restart_server, single):
+    server = restart_server
+    engines = replica_engines(server)
+    errors, finished = one_stream_per_replica_then(server, lambda: os.kill(engines[0], signal.SIGKILL))
+    assert len(errors) == 1 and errors[0]["code"] == 503 and "went away" in errors[0]["message"]
+    assert finished == ["length"]
+    # A new engine process imports torch and loads the model before it answers: out until then.
+    assert [r["healthy"] for r in wait_for_health(server, "degraded", 5)["replicas"]] == [False, True]
+    for _ in range(3):  # served by the other replica while the launcher restarts this one
+        assert complete(server, [9, 10, 11], 4)["choices"][0]["finish_reason"] == "length"
+    states = wait_for_health(server, "ok", 180)  # the new engine loads the model, then the frontend rejoins
+    assert [r["healthy"] for r in states["replicas"]] == [True, True]
+    restarted = replica_engines(server)
+    assert restarted[0] != engines[0] and restarted[1] == engines[1]
+    burst_lands_on_both(server, single)
+    healthy = {s.labels["replica"]: s.value for s in metric_families(server.url, "kvloom_engine_healthy")}
+    assert healthy == {"0": 1.0, "1": 1.0}
 
 
 def test_burst_lands_on_both_replicas_with_outputs_unchanged(servers):
@@ -194,25 +226,6 @@ def test_stopped_replica_is_taken_out_and_rejoins_on_sigcont(servers):
     states = wait_for_health(server, "ok", 30)
     assert [r["healthy"] for r in states["replicas"]] == [True, True]
     burst_lands_on_both(server, servers["single"])
-
-
-def test_killed_replica_restarts_and_rejoins(servers):
-    server = servers["restart"]
-    engines = replica_engines(server)
-    errors, finished = one_stream_per_replica_then(server, lambda: os.kill(engines[0], signal.SIGKILL))
-    assert len(errors) == 1 and errors[0]["code"] == 503 and "went away" in errors[0]["message"]
-    assert finished == ["length"]
-    # A new engine process imports torch and loads the model before it answers: out until then.
-    assert [r["healthy"] for r in wait_for_health(server, "degraded", 5)["replicas"]] == [False, True]
-    for _ in range(3):  # served by the other replica while the launcher restarts this one
-        assert complete(server, [9, 10, 11], 4)["choices"][0]["finish_reason"] == "length"
-    states = wait_for_health(server, "ok", 180)  # the new engine loads the model, then the frontend rejoins
-    assert [r["healthy"] for r in states["replicas"]] == [True, True]
-    restarted = replica_engines(server)
-    assert restarted[0] != engines[0] and restarted[1] == engines[1]
-    burst_lands_on_both(server, servers["single"])
-    healthy = {s.labels["replica"]: s.value for s in metric_families(server.url, "kvloom_engine_healthy")}
-    assert healthy == {"0": 1.0, "1": 1.0}
 
 
 def metric_families(url: str, name: str) -> list:

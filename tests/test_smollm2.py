@@ -10,18 +10,21 @@ from kvloom import LLM, SamplingParams
 
 pytestmark = pytest.mark.slow
 
+# Its KV cache: 0.25 GiB holds ~5,800 float32 tokens, far more than these requests; the CPU default (1 GiB)
+# would only add to the suite's memory.
+KV_GIB = 0.25
 PROMPTS = ["The capital of Italy is", "def fibonacci(n):", "Once upon a time, in a small village,"]
 TOLERANCE_BF16 = 0.5  # nats; the worst measured here was 0.19 (3 prompts x 8 steps x top-5)
 
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM(dtype="float32")  # the default model, in transformers' reference dtype
+    return LLM(dtype="float32", kv_cache_memory_gib=KV_GIB)  # the default model, in transformers' reference dtype
 
 
 @pytest.fixture(scope="module")
 def llm_auto():
-    return LLM()  # the default model and dtype (bfloat16 on CPUs with native bf16)
+    return LLM(kv_cache_memory_gib=KV_GIB)  # the default model and dtype (bfloat16 on CPUs with native bf16)
 
 
 @pytest.fixture(scope="module")

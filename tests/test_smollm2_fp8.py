@@ -29,12 +29,12 @@ MIN_AGREEMENT = 0.85
 
 @pytest.fixture(scope="module")
 def llm_fp8():
-    return LLM(quantization="fp8", dtype="bfloat16")
+    return LLM(quantization="fp8", dtype="bfloat16", kv_cache_memory_gib=0.25)  # ample here
 
 
 @pytest.fixture(scope="module")
 def llm_bf16():
-    return LLM(dtype="bfloat16")
+    return LLM(dtype="bfloat16", kv_cache_memory_gib=0.25)
 
 
 @torch.inference_mode()

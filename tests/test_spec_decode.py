@@ -470,10 +470,10 @@ def test_smollm2_greedy_outputs_equal_without_spec_decode_in_one_mixed_batch():
     ngram speculation as without."""
     from kvloom.frontends.text import apply_chat_template
 
-    plain = LLM(dtype="float32")
+    plain = LLM(dtype="float32", kv_cache_memory_gib=0.25)  # two SmolLM2 engines: a small cache each
     # The policy off: every step verifies drafts, so the parity below covers verification throughout
     # (with it on, the free-form prompts' misses can stop drafting before the copy starts).
-    spec = LLM(dtype="float32", plugins=["spec_decode"],
+    spec = LLM(dtype="float32", kv_cache_memory_gib=0.25, plugins=["spec_decode"],
                plugin_options={"spec_decode": {"num_speculative_tokens": 4, "adaptive": False}})
     # A fixed passage (after README's opening), not a live docs file: an edit to the docs must not change what
     # the model copies. SmolLM2 copies it nearly verbatim, which ngram drafts.

@@ -53,6 +53,8 @@ def _satisfies(kind: str, text: str) -> bool:
     return re.fullmatch(r"(ab|cd| ){1,12}\.", text) is not None
 
 
+KV_GIB = 0.0625  # the tiny model's cache: over 60,000 tokens; the CPU default (1 GiB) only adds memory
+
 def _spec(**extra) -> dict:
     return {"spec_decode": {"num_speculative_tokens": 3, "prompt_lookup_min": 1, "adaptive": False, **extra}}
 
@@ -61,7 +63,7 @@ def _spec(**extra) -> dict:
 def batch(tiny_llama):
     """One batch: a request of each constraint kind and two unconstrained ones, and its outputs without
     speculation."""
-    plain = LLM(str(tiny_llama))
+    plain = LLM(str(tiny_llama), kv_cache_memory_gib=KV_GIB)
     prompt = plain.tokenizer.encode(SOURCE * 2)
     prompts = [prompt] * len(SPECS) + [[5, 6, 7, 8] * 6, prompt[:30]]
     params = [SamplingParams(temperature=0.0, max_tokens=MAX_NEW, structured=s) for s in SPECS.values()]
@@ -73,7 +75,7 @@ def batch(tiny_llama):
 def test_greedy_constrained_outputs_equal_without_spec_decode(batch, tiny_llama, method):
     prompts, params, want = batch
     extra = {"method": "draft", "draft_model": str(tiny_llama)} if method == "own_draft" else {}
-    llm = LLM(str(tiny_llama), plugins=["spec_decode"], plugin_options=_spec(**extra))
+    llm = LLM(str(tiny_llama), kv_cache_memory_gib=KV_GIB, plugins=["spec_decode"], plugin_options=_spec(**extra))
     got = llm.generate(prompts, params, use_tqdm=False)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     for kind, out in zip(SPECS, got):
@@ -95,14 +97,15 @@ def test_greedy_constrained_outputs_equal_without_spec_decode(batch, tiny_llama,
 def test_drafts_the_grammar_forbids_are_all_rejected(tiny_llama):
     # The prompt alternates digits and "a": n-gram lookup on a digit proposes "a" next, which "[0-9]+"
     # forbids, so under the grammar no draft of the prompt's survives, while without it they do.
-    plain = LLM(str(tiny_llama))
+    plain = LLM(str(tiny_llama), kv_cache_memory_gib=KV_GIB)
     tok = plain.tokenizer
     digits, letter = [tok.convert_tokens_to_ids(str(d)) for d in range(10)], tok.convert_tokens_to_ids("a")
     prompt = [t for d in digits for t in (d, letter)] * 2
     spec = StructuredOutputSpec(kind="regex", spec="[0-9]{1,6}")
     params = SamplingParams(temperature=0.0, max_tokens=8, structured=spec)
     want = plain.generate([prompt], params, use_tqdm=False)[0]
-    llm = LLM(str(tiny_llama), plugins=["spec_decode"], plugin_options=_spec(prompt_lookup_max=1))
+    llm = LLM(str(tiny_llama), kv_cache_memory_gib=KV_GIB, plugins=["spec_decode"],
+              plugin_options=_spec(prompt_lookup_max=1))
     got = llm.generate([prompt], params, use_tqdm=False)[0]
     assert got.token_ids == want.token_ids and re.fullmatch("[0-9]{1,6}", got.outputs[0].text)
     assert got.metrics.num_draft_tokens > 0 and got.metrics.num_accepted_tokens == 0
@@ -125,7 +128,7 @@ def _matched(mgr: StructuredOutputManager, rid: str, spec: StructuredOutputSpec)
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_a_forbidden_draft_is_rejected_at_its_row_and_the_matcher_is_left_as_it_was(manager, tiny_llama, temperature):
-    tok = LLM(str(tiny_llama)).tokenizer  # the tokenizer the manager's masks were built from
+    tok = LLM(str(tiny_llama), kv_cache_memory_gib=KV_GIB).tokenizer  # the one the manager's masks were built from
     one, a, two = (tok.convert_tokens_to_ids(t) for t in ("1", "a", "2"))
     rid = f"forbidden-{temperature}"
     _matched(manager, rid, StructuredOutputSpec(kind="regex", spec="[0-9]+"))
@@ -154,7 +157,7 @@ def test_a_forbidden_draft_is_rejected_at_its_row_and_the_matcher_is_left_as_it_
 def test_rows_after_a_stop_token_draft_are_left_unconstrained(manager, tiny_llama):
     # A draft that completes the grammar and then its stop token: the row after the stop has no grammar
     # state to mask from (the request ends there if the stop is kept), and the matcher is rolled back.
-    tok = LLM(str(tiny_llama)).tokenizer
+    tok = LLM(str(tiny_llama), kv_cache_memory_gib=KV_GIB).tokenizer
     one, two = tok.convert_tokens_to_ids("1"), tok.convert_tokens_to_ids("2")
     _matched(manager, "stop", StructuredOutputSpec(kind="regex", spec="[0-9]{2}"))
     seq = ScheduledSeq("stop", [one, one, two, 2], 0, [0], 4, SamplingParams(temperature=0.0),
@@ -169,7 +172,7 @@ def test_rows_after_a_stop_token_draft_are_left_unconstrained(manager, tiny_llam
 
 @pytest.mark.parametrize("kind", ["json_schema", "regex"])
 def test_sampled_constrained_outputs_with_spec_decode_satisfy_the_grammar(tiny_llama, kind):
-    llm = LLM(str(tiny_llama), plugins=["spec_decode"], plugin_options=_spec())
+    llm = LLM(str(tiny_llama), kv_cache_memory_gib=KV_GIB, plugins=["spec_decode"], plugin_options=_spec())
     prompt = llm.tokenizer.encode(SOURCE * 2)
     params = [SamplingParams(temperature=1.0, seed=seed, max_tokens=80, structured=SPECS[kind]) for seed in range(4)]
     outs = llm.generate([prompt] * 4, params, use_tqdm=False)
@@ -222,8 +225,8 @@ def test_server_with_spec_decode_serves_json_schema_strict(spec_server):
         texts[temperature] = text
     # Greedy, the served output is the constrained output without speculation.
     spec = StructuredOutputSpec(kind="json", spec=json.dumps(PERSON), strict=True)
-    plain = LLM(DEFAULT_MODEL).chat(messages, SamplingParams(temperature=0.0, max_tokens=120, structured=spec),
-                                    use_tqdm=False)[0]
+    plain = LLM(DEFAULT_MODEL, kv_cache_memory_gib=0.25).chat(  # beside the server: a small cache
+        messages, SamplingParams(temperature=0.0, max_tokens=120, structured=spec), use_tqdm=False)[0]
     assert texts[0.0] == plain.outputs[0].text
     samples = {s.name: s.value for fam in text_string_to_metric_families(httpx.get(spec_server.url + "/metrics").text)
                for s in fam.samples}

@@ -1,3 +1,4 @@
+# Over ~600 lines on purpose: cache-write, decode and prefill kernels share one layout and these helpers.
 """Triton kernels for the paged KV cache: cache writes, decode attention and (chunked) prefill attention.
 
 The PyTorch functions in ``reference.py`` are the specification; these kernels compute the same thing on

@@ -10,13 +10,13 @@ import logging
 import time
 from typing import Protocol
 
-import torch
-
 from kvloom.core.config import ConfigError, EngineConfig, resolve_device, resolve_dtype
 from kvloom.core.engine import capacity
-from kvloom.core.engine.adapters import AdapterInUse, AdapterSlots
+from kvloom.core.engine.adapters import AdapterSlots
 from kvloom.core.engine.gate import AdmissionGate
 from kvloom.core.engine.kv_cache import KVCacheManager
+from kvloom.core.engine.lora_adapters import LoRAAdapterMethods
+from kvloom.core.engine.memory_profile import loaded_draft, profile_free_gpu_memory
 from kvloom.core.engine.pooling import PooledSums, check_pooling, resolve_task
 from kvloom.core.engine.request import Request, RequestStatus
 from kvloom.core.engine.scheduler import Scheduler
@@ -67,7 +67,7 @@ class EngineParts(Protocol):
     def make_scheduler_policy(self, config: EngineConfig): ...
 
 
-class EngineCore:
+class EngineCore(LoRAAdapterMethods):
     def __init__(self, config: EngineConfig, parts: EngineParts, tp_worker_module: str | None = None) -> None:
         """``tp_worker_module``: what ``python -m`` runs for ranks 1..N-1 (needed only with tensor parallelism)."""
         config.validate()
@@ -219,55 +219,11 @@ class EngineCore:
 
     def _kv_capacity(self) -> capacity.KVCapacity:
         # One function for the engine and ``engine plan``; on CUDA the budget is profiled (only if needed).
-        profile = self._profile_free_gpu_memory if self._gpu_start is not None else None  # on CUDA
-        draft = _loaded_draft(self)  # its blocks (the target's ids) come out of the same budget
+        profile = (lambda: profile_free_gpu_memory(self)) if self._gpu_start is not None else None  # on CUDA
+        draft = loaded_draft(self)  # its blocks (the target's ids) come out of the same budget
         return capacity.kv_capacity(self.config, self.hf_config, self.dtype, self.max_model_len, profile,
                                     self.config.tensor_parallel_size,
                                     draft.kv_bytes_per_token if draft is not None else 0, self.kv_layout)
-
-    @torch.inference_mode()
-    def _profile_free_gpu_memory(self) -> int:
-        """Bytes for the KV cache (both models' when there is a draft model): run the largest step
-        through the target and the draft model once, and budget from PyTorch's own figures for this
-        engine (capacity.GpuProfile): ``gpu_memory_utilization * total`` less the weights loaded since
-        the start-up snapshot, the forwards' activation peak and this process's growth outside PyTorch,
-        within what is free on the device."""
-        cfg, dev = self.config, self.device
-        start = self._gpu_start
-        torch.cuda.synchronize(dev)
-        weights = torch.cuda.memory_allocated(dev) - start.allocated
-        n = min(cfg.max_num_batched_tokens, self.max_model_len)
-        kv_dtype = capacity.kv_cache_dtype(cfg, self.dtype, dev)
-        draft = _loaded_draft(self)
-        # A verify step samples a row per draft: up to max_num_seqs * (k + 1) rows of logits.
-        proposer = getattr(self, "proposer", None)  # a TP worker shares this profile and has none
-        rows = min(n, cfg.max_num_seqs * (1 + (proposer.num_speculative_tokens if proposer is not None else 0)))
-        runs = [_ProfileRun(self.model, self.attention_backend, self.hf_config.num_hidden_layers, kv_dtype, n,
-                            cfg.block_size, rows, dev)]
-        if draft is not None:  # its first forward after a long prompt is as large (chunked the same way)
-            runs.append(_ProfileRun(draft.model, draft.backend, draft.hf_config.num_hidden_layers, draft.dtype, n,
-                                    cfg.block_size, cfg.max_num_seqs, dev))
-        torch.cuda.synchronize(dev)
-        torch.cuda.reset_peak_memory_stats(dev)
-        before = torch.cuda.memory_allocated(dev)  # weights and the profile's own KV blocks
-        for run in runs:
-            run()
-        torch.cuda.synchronize(dev)
-        activations = max(0, torch.cuda.max_memory_allocated(dev) - before)
-        del runs
-        profile = capacity.GpuProfile.measure(start, weights, activations, capacity.gpu_memory_snapshot(dev))
-        budget = profile.kv_budget(cfg.gpu_memory_utilization)
-        mib = 1 << 20  # small models' figures round to 0.00 GiB
-        logger.info("Memory profile: total %.1f GiB; this engine: weights %.1f MiB, activation peak %.1f MiB, "
-                    "outside PyTorch %.1f MiB; KV budget %.2f GiB", profile.total / capacity.GiB,
-                    weights / mib, activations / mib, profile.non_torch / mib, budget / capacity.GiB)
-        if profile.fits() < profile.share(cfg.gpu_memory_utilization):
-            logger.warning("Only %.2f GiB of the GPU is free beside other processes and engines: the KV cache "
-                           "gets %.2f GiB instead of the %.2f GiB that gpu_memory_utilization=%g would give",
-                           profile.available / capacity.GiB, budget / capacity.GiB,
-                           max(0, profile.share(cfg.gpu_memory_utilization)) / capacity.GiB,
-                           cfg.gpu_memory_utilization)
-        return budget
 
     # --- requests ----------------------------------------------------------------------------------
     @property
@@ -362,75 +318,6 @@ class EngineCore:
         if adapter is None:
             raise UnknownAdapter(f"unknown LoRA adapter {name!r}; loaded: {sorted(self.adapters.by_name) or 'none'}")
         return adapter
-
-    def _check_lora_enabled(self) -> None:
-        if self.adapters is None:
-            raise ValueError("LoRA is off in this engine: start it with --enable-lora to load adapters")
-
-    def load_lora_adapter(self, name: str, path: str) -> dict:
-        """Read and check the PEFT adapter at ``path`` and serve it as ``name`` (its weights reach a device
-        slot when a request needs them); ValueError naming what is wrong."""
-        from kvloom.core.engine.adapters import Adapter
-
-        self._check_lora_enabled()
-        if not isinstance(name, str) or not name or not isinstance(path, str) or not path:
-            raise ValueError("a LoRA adapter needs a non-empty name and path")
-        if name in self.adapters.by_name:
-            raise ValueError(f"LoRA adapter {name!r} is already loaded (from {self.adapters.by_name[name].path!r}); "
-                             "unload it first")
-        adapter_id = self.adapters.new_id()
-        weights = self.lora.read(adapter_id, name, path)
-        adapter = Adapter(adapter_id, name, path, weights.digest, weights.rank, weights.targets)
-        self.adapters.add(adapter)
-        logger.info("LoRA adapter %r loaded from %s: rank %d on %s", name, path, adapter.rank,
-                    ", ".join(adapter.targets))
-        return self._adapter_card(adapter)
-
-    def unload_lora_adapter(self, name: str) -> dict:
-        """Stop serving adapter ``name``. Refused (ValueError) while requests of it are unfinished: none of
-        them is cut short; unload again once they are done."""
-        self._check_lora_enabled()
-        adapter = self.adapters.by_name.get(name)
-        if adapter is None:
-            raise LookupError(f"LoRA adapter {name!r} is not loaded; loaded: {sorted(self.adapters.by_name) or 'none'}")
-        users = [r for r in [*self.scheduler.requests.values(), *self.structured.pending_requests()]
-                 if r.lora_id == adapter.id]
-        if users:
-            raise AdapterInUse(f"LoRA adapter {name!r} is in use by {len(users)} unfinished request(s); it was not "
-                             "unloaded (unload it again once they finish)")
-        self.adapters.remove(name)
-        self.lora.forget(adapter.id)
-        logger.info("LoRA adapter %r unloaded", name)
-        return self._adapter_card(adapter)
-
-    def _read_adapters(self, plan: SchedulerOutput) -> list[TokenDelta]:
-        """Make sure each adapter the plan loads is in host memory, read again from its folder if the host
-        LRU let it go; an adapter that cannot be read any more fails its requests (the engine runs on)."""
-        from kvloom.core.model.lora import LoRAError
-
-        deltas = []
-        for load in list(plan.lora_loads):
-            try:
-                self.lora.prefetch(load.adapter_id, load.name, load.path)
-            except LoRAError as e:
-                plan.lora_loads.remove(load)
-                self.adapters.cancel_load(load)
-                users = [r.request_id for r in self.scheduler.waiting if r.lora_id == load.adapter_id]
-                logger.error("LoRA adapter %r cannot be read again; failing its %d waiting request(s): %s",
-                             load.name, len(users), e)
-                self.structured.remove(users)
-                for req in self.scheduler.abort(users, RequestStatus.FINISHED_ERROR):
-                    deltas.append(TokenDelta(request_id=req.request_id, new_token_ids=[], finish_reason="error",
-                                             error=str(e), error_kind="rejected",
-                                             num_prompt_tokens=req.num_prompt_tokens))
-        return deltas
-
-    def list_lora_adapters(self) -> list[dict]:
-        return [self._adapter_card(a) for a in self.adapters.by_name.values()] if self.adapters is not None else []
-
-    @staticmethod
-    def _adapter_card(adapter) -> dict:
-        return {"name": adapter.name, "path": adapter.path, "rank": adapter.rank, "targets": adapter.targets}
 
     def abort_requests(self, request_ids: list[str]) -> list[TokenDelta]:
         self.structured.remove(request_ids)
@@ -612,16 +499,6 @@ class EngineCore:
             **(self._lora_stats() if self.adapters is not None else {}),
         )
 
-    def _lora_stats(self) -> dict:
-        running: dict[str, int] = {}
-        waiting: dict[str, int] = {}
-        for counts, reqs in ((running, self.scheduler.running), (waiting, self.scheduler.waiting)):
-            for r in reqs:
-                if r.lora_id:
-                    counts[r.lora_name] = counts.get(r.lora_name, 0) + 1
-        return dict(lora_running=running, lora_waiting=waiting, lora_loaded=len(self.adapters.by_name),
-                    lora_slot_loads=self.adapters.num_loads)
-
     def check_health(self) -> None:
         """Raise if the engine cannot step any more (a tensor-parallel worker died)."""
         if self.tp_driver is not None:
@@ -664,36 +541,3 @@ def _eos_ids(hf_config) -> tuple[int, ...]:
         return ()
     return tuple(eos) if isinstance(eos, (list, tuple)) else (eos,)
 
-
-def _loaded_draft(engine):
-    """The spec_decode draft-model proposer once its model is loaded, else None (an ngram proposer, no
-    speculation, or a TP worker, which runs the same profile)."""
-    proposer = getattr(engine, "proposer", None)
-    return proposer if getattr(proposer, "model", None) is not None else None
-
-
-class _ProfileRun:
-    """One forward of ``n`` prompt tokens (the largest step) over KV blocks of its own, then softmax over
-    ``rows`` rows of logits: what a model's step costs beyond its weights."""
-
-    def __init__(self, model, backend, layers: int, kv_dtype: torch.dtype, n: int, block_size: int, rows: int,
-                 device: torch.device) -> None:
-        from kvloom.core.model.attention.base import AttentionMetadata
-
-        self.model, self.n, self.rows, self.device = model, n, rows, device
-        blocks = -(-n // block_size)
-        shape = backend.kv_cache_shape(blocks, block_size, model.num_kv_heads, model.head_dim)
-        self.caches = [(torch.empty(shape, dtype=kv_dtype, device=device),) * 2 for _ in range(layers)]
-        self.meta = AttentionMetadata(
-            slot_mapping=torch.arange(n, device=device),
-            block_tables=torch.arange(blocks, device=device, dtype=torch.int32)[None],
-            seq_lens=torch.tensor([n], device=device, dtype=torch.int32),
-            query_start_loc=torch.tensor([0, n], device=device, dtype=torch.int32),
-            num_decodes=0, max_query_len=n, max_seq_len=n, query_lens_cpu=[n], seq_lens_cpu=[n],
-        )
-
-    def __call__(self) -> None:
-        n, dev = self.n, self.device
-        hidden = self.model(torch.zeros(n, dtype=torch.long, device=dev), torch.arange(n, device=dev), self.meta,
-                            self.caches)
-        self.model.compute_logits(hidden[: self.rows]).softmax(-1)

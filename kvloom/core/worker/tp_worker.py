@@ -48,7 +48,7 @@ class TPWorker:
         self.max_model_len = capacity.resolve_max_model_len(self.hf_config, config.max_model_len)
         kernels = config.kernels()
         self.attention_backend = get_attention_backend(device, kernels)
-        # What the shared memory profile (EngineCore._profile_free_gpu_memory) counts from.
+        # What the shared memory profile (memory_profile.profile_free_gpu_memory) counts from.
         self._gpu_start = capacity.gpu_memory_snapshot(device) if device.type == "cuda" else None
         self.model = build_model(
             resolve_model(config.model), self.hf_config, load_format=config.load_format, device=device,
@@ -82,10 +82,10 @@ class TPWorker:
         freeze_startup_heap()  # as rank 0's engine does
 
     def _profile(self) -> int:
-        from kvloom.core.engine.core import EngineCore
+        from kvloom.core.engine.memory_profile import profile_free_gpu_memory
 
         # The same profile as rank 0's, at the same time: its forward runs the same collectives.
-        return EngineCore._profile_free_gpu_memory(self)
+        return profile_free_gpu_memory(self)
 
     def serve(self, address: str) -> int:
         import zmq
