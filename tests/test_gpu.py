@@ -37,6 +37,30 @@ def test_float32_greedy_parity_is_exact_on_gpu(tiny_llama):
     assert [o.token_ids for o in outs] == expected
 
 
+@pytest.mark.parametrize("family", ["gemma2", "gemma3_text", "phi3", "phi4", "mistral_window", "qwen2_window",
+                                    "mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss"])
+def test_newer_families_are_exact_on_gpu(family, tmp_path):
+    """The newer families through the Triton kernels (sliding windows, soft-caps, sinks, odd head sizes, the
+    fused MoE) with CUDA graphs, chunked prefill across the windows' edges and prefix-cache hits, in float32:
+    token for token like transformers on the CPU."""
+    from kvloom import LLM, SamplingParams
+    from tests.conftest import hf_greedy, make_tiny_model
+
+    path = make_tiny_model(tmp_path / family, family)
+    rng = random.Random(1)
+    shared = [rng.randrange(3, 384) for _ in range(16)]
+    prompts = [[rng.randrange(3, 384)], shared + [rng.randrange(3, 384) for _ in range(5)],
+               [rng.randrange(3, 384) for _ in range(41)], shared + [rng.randrange(3, 384) for _ in range(27)]]
+    expected = hf_greedy(path, prompts, 12)
+    llm = LLM(str(path), dtype="float32", device="cuda", block_size=8, max_num_batched_tokens=7,
+              plugins=["prefix_cache"], kv_cache_memory_gib=0.25)
+    assert llm.engine.runner.graphs, "CUDA graphs were not captured"
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    for _ in range(2):
+        assert [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == expected
+    assert llm.engine.scheduler.prefix_cache_hits > 0
+
+
 def test_bf16_greedy_parity_with_transformers_on_gpu(tiny_llama):
     from transformers import AutoModelForCausalLM
 
