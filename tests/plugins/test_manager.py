@@ -19,7 +19,7 @@ from kvloom.plugins.info import PluginInfo, PluginOption
 from kvloom.plugins.manager import PluginConflictError, PluginError, PluginManager, UnknownPluginError
 
 BUILTINS = {"fcfs": "scheduler", "priority": "scheduler", "sjf": "scheduler", "free_list": "kv_allocator",
-            "fp8": "quantization", "awq": "quantization", "gptq": "quantization",
+            "fp8": "quantization", "awq": "quantization", "gptq": "quantization", "mxfp4": "quantization",
             "prefix_cache": "prefix_cache", "spec_decode": "spec_decode"}
 
 

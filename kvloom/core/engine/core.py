@@ -29,7 +29,7 @@ from kvloom.core.model.distributed import check_tp_size, threads_per_rank
 from kvloom.core.model.files import resolve_model
 from kvloom.core.model.loader import build_model, load_hf_config
 from kvloom.core.sampling_params import check_priority
-from kvloom.core.worker.cpu_malloc import keep_freed_memory
+from kvloom.core.worker.cpu_malloc import keep_freed_memory, release_free_memory
 from kvloom.core.worker.cpu_threads import ThreadGovernor, available_core_ids, available_cores, configure_threads
 from kvloom.core.worker.model_runner import ModelRunner, make_kv_caches
 
@@ -212,6 +212,8 @@ class EngineCore(LoRAAdapterMethods):
         for name, path in config.lora_modules.items():
             self.load_lora_adapter(name, path)
         freeze_startup_heap()
+        if self.device.type == "cpu":
+            release_free_memory()  # the loader's temporaries (dequantized copies, casts) go back now
 
     # --- set-up ------------------------------------------------------------------------------------
     def _resolve_max_model_len(self) -> int:
