@@ -1,6 +1,6 @@
 """kvloom against the CPU engines people pick for a GGUF file: llama.cpp's own server and vLLM's CPU build,
 on the same model, the same `engine bench serve` load, servers started in turn and alternated; prints the
-table of issue 44 (output tok/s and TPOT per concurrency, the ratios) and each server's peak resident memory.
+table of output tok/s and TPOT per concurrency with the ratios, and each server's peak resident memory.
 
     ../shared/tools/llama-cpp-peer.sh              # once: llama-server (about 10 minutes on 2 cores)
     ../shared/tools/vllm-cpu-peer.sh               # once: vLLM's CPU build in its own virtualenv

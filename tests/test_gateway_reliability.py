@@ -1,4 +1,4 @@
-"""The ZMQ gateway keeps the HTTP server's promises (issue 39), on the real server and a real gateway
+"""The ZMQ gateway keeps the HTTP server's promises, on the real server and a real gateway
 socket: a client that disconnects or stops reading has its requests stopped at once, nothing it is
 sent is silently lost or miscounted, every door refuses a request over a limit with the same 400, and
 the gateway asks for the server's API keys."""

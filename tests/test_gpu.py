@@ -153,7 +153,7 @@ def test_silu_and_mul_fused_into_quantized_one_row_decode_changes_no_token_on_gp
 @pytest.mark.parametrize("name,kv_dtype", [("ct-fp8-llama-tensor", "auto"), ("ct-fp8-qwen2-channel", "auto"),
                                            ("fp8-llama-tensor-static", "fp8")])
 def test_rotary_and_cache_write_in_the_fp8_qkv_gemv_change_no_token_on_gpu(name, kv_dtype, tmp_path, monkeypatch):
-    """Decoding one request at a time with ``fp8_qkv_rope`` (on by default since session 15 timed it), the
+    """Decoding one request at a time with ``fp8_qkv_rope`` (on by default since it measured faster), the
     qkv GEMV rotates q/k and writes the KV cache in its epilogue, the rotary + cache-write kernel gone: in
     float32 the same tokens and logprobs as without, for Llama, Qwen2 (qkv bias) and an fp8 cache."""
     from kvloom import LLM, SamplingParams

@@ -1,4 +1,4 @@
-"""One client must never take the service down: each test here replays a defect of issue 13 against the
+"""One client must never take the service down: each test here replays a defect found by a reliability probe against the
 real server (or the engine process's loop over a real socket) and checks the answer a user would see,
 then that the server still serves."""
 
