@@ -236,18 +236,12 @@ class AsyncClient:
         cancels the request. ``model``: a served model's name (``ping().models``); None: the first."""
         msg = _generate_message(prompt, messages, prompt_token_ids, request_id, priority, model, sampling,
                                 self.api_key)
-        rid = _claim(self._inbox, msg.request_id)
-        self._start_reader()
-        queue = self._inbox[rid] = asyncio.Queue()
+        rid, queue = self._open(msg.request_id)
         finished = False
         try:
             await self._sock.send(encode(msg))
             while not finished:
-                try:
-                    reply = await asyncio.wait_for(queue.get(), self.timeout)
-                except asyncio.TimeoutError:
-                    raise _no_reply(self.address, self.timeout) from None
-                chunk = _check(reply)
+                chunk = _check(await self._reply(queue))
                 finished = chunk.finish_reason is not None
                 yield chunk
         finally:
@@ -271,22 +265,30 @@ class AsyncClient:
         msg = Embed(request_id=request_id or f"{os.getpid()}-{next(_ids)}", model=model, input=None if ids else texts,
                     input_token_ids=texts if ids else None, dimensions=dimensions, normalize=normalize,
                     priority=priority, api_key=self.api_key)
-        rid = _claim(self._inbox, msg.request_id)
-        self._start_reader()
-        queue = self._inbox[rid] = asyncio.Queue()
+        rid, queue = self._open(msg.request_id)
         finished = False
         try:
             await self._sock.send(encode(msg))
-            try:
-                reply = await asyncio.wait_for(queue.get(), self.timeout)
-            except asyncio.TimeoutError:
-                raise _no_reply(self.address, self.timeout) from None
+            reply = await self._reply(queue)
             finished = True
             if isinstance(reply, RequestFailed):
                 raise GatewayError(reply.message, reply.status, reply.request_id)
             return reply
         finally:
             _end_stream(self._sock, self._inbox, rid, finished)
+
+    def _open(self, request_id: str) -> tuple[str, asyncio.Queue]:
+        """Claim ``request_id`` on this client and the queue its replies arrive in."""
+        rid = _claim(self._inbox, request_id)
+        self._start_reader()
+        queue = self._inbox[rid] = asyncio.Queue()
+        return rid, queue
+
+    async def _reply(self, queue: asyncio.Queue):
+        try:
+            return await asyncio.wait_for(queue.get(), self.timeout)
+        except asyncio.TimeoutError:
+            raise _no_reply(self.address, self.timeout) from None
 
     async def ping(self) -> Pong:
         self._start_reader()
