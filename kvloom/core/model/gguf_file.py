@@ -52,17 +52,29 @@ class GGUFFile:
 
     def __init__(self, path: str | Path, max_array: int = 1024) -> None:
         self.path = str(path)
+        with open(self.path, "rb") as f:
+            if f.read(4) != _MAGIC or len(f.read(20)) < 20:  # the magic, the version and the two counts
+                raise ValueError(f"{self.path!r} is not a GGUF file (no GGUF header)")
         self.data = np.memmap(self.path, mode="r")
         self._buf = memoryview(self.data)
-        self._pos = 0
-        if bytes(self._buf[:4]) != _MAGIC:
-            raise ValueError(f"{self.path!r} is not a GGUF file (no GGUF magic)")
         self._pos = 4
         version = self._scalar(4)
         if version not in _VERSIONS:
             raise ValueError(f"{self.path!r}: GGUF version {version} (big-endian or unknown); supported: {_VERSIONS}")
-        n_tensors, n_fields = self._scalar(10), self._scalar(10)
         self.fields: dict[str, object] = {}
+        try:
+            infos = self._read_header(max_array)
+        except (struct.error, UnicodeDecodeError, ValueError) as e:
+            raise ValueError(f"{self.path!r}: GGUF metadata cut short or corrupt at byte {self._pos} ({e})") from None
+        alignment = self.fields.get("general.alignment", _DEFAULT_ALIGNMENT)
+        if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
+            raise ValueError(f"{self.path!r}: general.alignment {alignment!r} is not a power of two")
+        start = -(-self._pos // alignment) * alignment
+        self.tensors = [self._tensor(name, qtype, dims, start + offset) for name, qtype, dims, offset in infos]
+        del self._buf
+
+    def _read_header(self, max_array: int) -> list[tuple]:
+        n_tensors, n_fields = self._scalar(10), self._scalar(10)
         for _ in range(n_fields):
             key = self._string()
             self.fields[key] = self._value(self._scalar(4), max_array)
@@ -71,12 +83,7 @@ class GGUFFile:
             name = self._string()
             dims = tuple(self._scalar(10) for _ in range(self._scalar(4)))
             infos.append((name, GGMLQuantizationType(self._scalar(4)), dims, self._scalar(10)))
-        alignment = self.fields.get("general.alignment", _DEFAULT_ALIGNMENT)
-        if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
-            raise ValueError(f"{self.path!r}: general.alignment {alignment!r} is not a power of two")
-        start = -(-self._pos // alignment) * alignment
-        self.tensors = [self._tensor(name, qtype, dims, start + offset) for name, qtype, dims, offset in infos]
-        del self._buf
+        return infos
 
     def _scalar(self, vtype: int):
         fmt = _SCALARS[vtype]
@@ -86,6 +93,8 @@ class GGUFFile:
 
     def _string(self) -> str:
         n = self._scalar(10)
+        if self._pos + n > len(self._buf):
+            raise ValueError(f"a string of {n} bytes runs past the end of the file")
         text = bytes(self._buf[self._pos:self._pos + n]).decode("utf-8")
         self._pos += n
         return text
@@ -94,6 +103,8 @@ class GGUFFile:
         buf, pos, unpack = self._buf, self._pos, struct.Struct("<Q").unpack_from
         for _ in range(count):
             pos += 8 + unpack(buf, pos)[0]
+        if pos > len(buf):
+            raise ValueError("a string array runs past the end of the file")
         self._pos = pos
 
     def _value(self, vtype: int, max_array: int):
