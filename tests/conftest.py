@@ -6,10 +6,18 @@ from __future__ import annotations
 import ctypes
 import gc
 import json
+import os
 from pathlib import Path
 
-import pytest
-import torch
+# The engine compiles its CPU decode step at start-up (tens of seconds a model); the suite starts hundreds of
+# engines, so it runs them eagerly, child processes included (torch reads this once, at import), and
+# tests/test_cpu_compile.py turns compiling back on where it is under test.
+os.environ["TORCH_COMPILE_DISABLE"] = "1"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+torch._dynamo.config.disable = True  # in case a plugin imported torch before this file
 
 TINY_COMMON = dict(
     hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,

@@ -68,13 +68,28 @@ class PackedLinear(nn.Module):
         self.register_buffer("bias", None if bias is None else bias.detach().clone(), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.numel() // self.in_features
-        padded = padded_rows(rows)
-        if padded == rows:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
-        flat = torch.nn.functional.pad(x.reshape(rows, self.in_features), (0, 0, 0, padded - rows))
-        out = torch.ops.mkldnn._linear_pointwise(flat, self.packed_weight, self.bias, "none", [], "")
-        return out[:rows].reshape(*x.shape[:-1], self.out_features)
+        if torch.compiler.is_compiling():  # inductor cannot lower oneDNN's opaque weight: an opaque op
+            return torch.ops.kvloom.packed_linear(x, self.packed_weight, self.bias, self.out_features)
+        return packed_linear(x, self.packed_weight, self.bias, self.out_features)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+@torch.library.custom_op("kvloom::packed_linear", mutates_args=())
+def packed_linear(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None,
+                  out_features: int) -> torch.Tensor:
+    """``x @ W.T + b`` with ``W`` in oneDNN's blocked layout (``PackedLinear``)."""
+    in_features = x.shape[-1]
+    rows = x.numel() // in_features
+    padded = padded_rows(rows)
+    if padded == rows:
+        return torch.ops.mkldnn._linear_pointwise(x, packed_weight, bias, "none", [], "")
+    flat = torch.nn.functional.pad(x.reshape(rows, in_features), (0, 0, 0, padded - rows))
+    out = torch.ops.mkldnn._linear_pointwise(flat, packed_weight, bias, "none", [], "")
+    return out[:rows].reshape(*x.shape[:-1], out_features)
+
+
+@packed_linear.register_fake
+def _(x, packed_weight, bias, out_features):
+    return x.new_empty((*x.shape[:-1], out_features))

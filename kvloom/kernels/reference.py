@@ -241,6 +241,8 @@ def _adjacent_heads(q: torch.Tensor, k: torch.Tensor) -> bool:
     """Whether each row of ``k`` directly follows the same row of ``q`` in memory (``[T, H, D]`` views of one
     ``[T, (Hq + Hkv + ...) * D]`` projection output), so that ``q``'s heads and ``k``'s are one ``[T, Hq + Hkv, D]``
     view."""
+    if torch.compiler.is_compiling():  # storage pointers cannot be traced; the compiler fuses both anyway
+        return False
     head_dim = q.shape[-1]
     return (q.dtype == k.dtype and q.device == k.device and q.shape[0] == k.shape[0] and q.shape[0] > 0
             and q.stride() == k.stride() and q.stride(2) == 1 and q.stride(1) == head_dim

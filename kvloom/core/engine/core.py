@@ -10,6 +10,8 @@ import logging
 import time
 from typing import Protocol
 
+import torch
+
 from kvloom.core.config import ConfigError, EngineConfig, resolve_device, resolve_dtype
 from kvloom.core.engine import capacity
 from kvloom.core.engine.adapters import AdapterSlots
@@ -127,7 +129,8 @@ class EngineCore(LoRAAdapterMethods):
             governor = self.thread_governor
 
             def check_threads(module, args) -> None:  # a pre-hook's return value would replace the inputs
-                governor.maybe_adjust()
+                if not torch.compiler.is_compiling():  # the compiled decode step checks once, before it runs
+                    governor.maybe_adjust()
 
             for layer in list(self.model.layers)[::GOVERNOR_LAYER_STRIDE]:
                 layer.register_forward_pre_hook(check_threads)
@@ -200,6 +203,10 @@ class EngineCore(LoRAAdapterMethods):
                 (spec.k + 1, spec.policy.max_batch_size or config.max_num_seqs) if spec is not None else ()))
             if draft_kv is not None:
                 proposer.capture_graphs(config.max_num_seqs, self.max_model_len)
+        elif self.device.type == "cpu" and not config.enforce_eager and self.tp_driver is None:
+            governor = self.thread_governor
+            self.runner.compile_decode(config.max_num_seqs, None if governor is None else governor.maybe_adjust,
+                                       torch.get_num_threads() if governor is None else governor.max_threads)
         self.last_step_tokens = 0
         self.num_overlapped_steps = 0  # launched while the previous step was still in flight
         self._in_flight: tuple | None = None  # (plan, launched step, when its step began) not yet resolved

@@ -213,6 +213,7 @@ class ModelRunner:
         # Called with a step's sequences once its forward is launched and before it samples: the engine
         # fills grammar masks there, on the host while the GPU runs the forward.
         self.before_sampling: Callable[[list[ScheduledSeq]], None] | None = None
+        self.compiled_decode = None  # on the CPU: runs decode-only steps (kvloom.core.worker.cpu_compile)
 
     # --- inputs --------------------------------------------------------------------------------
     def _tokens(self, seqs: list[ScheduledSeq]) -> _Tokens:
@@ -402,7 +403,11 @@ class ModelRunner:
             as_decodes = (not scoring and not pooling and self.verify_as_decodes and plan.num_draft_tokens
                           and decode_layout(seqs))
             ids, pos, meta, rows, sampling, lora = (self._prepare_decode_rows if as_decodes else self.prepare)(seqs)
-            hidden = self.model(ids, pos, meta, self.kv_caches, keep=rows, lora=lora)  # the kept rows' states
+            if (self.compiled_decode is not None and not scoring and not pooling and rows is None
+                    and not plan.num_draft_tokens and all(s.num_new_tokens == 1 for s in seqs)):
+                hidden = self.compiled_decode(ids, pos, meta)
+            else:
+                hidden = self.model(ids, pos, meta, self.kv_caches, keep=rows, lora=lora)  # the kept rows' states
             if scoring:
                 num_scored = sum(len(s.prompt_targets) for s in scoring)
                 prompt = score_prompt(hidden[:num_scored], scoring, self.model.compute_logits)
@@ -494,6 +499,35 @@ class ModelRunner:
         torch.cuda.synchronize()
         logger.info("Captured CUDA graphs for %d decode-layout token counts (1..%d) in %.1fs",
                     len(sizes), max_b, time.perf_counter() - t0)
+
+    def compile_decode(self, max_num_seqs: int, adjust_threads=None, threads: int = 1) -> None:
+        """On the CPU: compile the decode step (``kvloom.core.worker.cpu_compile``) now, for every batch size
+        at ``threads`` threads, or say in the log why it stays eager. ``adjust_threads()``: the thread
+        governor's check, run before each compiled step (its layer hooks do not run inside the graph)."""
+        from kvloom.core.worker.cpu_compile import CompiledDecode, compile_refusal
+
+        backend = self.model.layers[0].self_attn.backend if hasattr(self.model, "layers") else None
+        refusal = compile_refusal(self.model, backend, self.kv_caches, self.lora)
+        if refusal is not None:
+            logger.info("CPU decode step eager: %s", refusal)
+            return
+        compiled = CompiledDecode(self.model, backend, self.kv_caches, adjust_threads)
+        seconds = compiled.warm_up(max_num_seqs, self.block_size, self._scratch_meta, threads)
+        self.compiled_decode = compiled
+        logger.info("CPU decode step compiled (torch.compile, %d threads) in %.1fs; --enforce-eager runs it "
+                    "eagerly", threads, seconds)
+
+    def _scratch_meta(self, n: int, length: int):
+        """Decode metadata of ``n`` rows at ``length`` positions over the cache's first blocks (before any
+        request holds them)."""
+        bs = self.block_size
+        table = torch.arange(-(-length // bs), dtype=torch.int32).repeat(n, 1)
+        slots = torch.full((n,), length - 1, dtype=torch.int64)
+        meta = AttentionMetadata(
+            slot_mapping=slots, block_tables=table, seq_lens=torch.full((n,), length, dtype=torch.int32),
+            query_start_loc=torch.arange(n + 1, dtype=torch.int32), num_decodes=n, max_query_len=1,
+            max_seq_len=length, query_lens_cpu=[1] * n, seq_lens_cpu=[length] * n)
+        return self._group_metas(meta, [t for _ in self.group_tables for t in (slots, table)])
 
     def _static_meta(self, b: int):
         s = self._static

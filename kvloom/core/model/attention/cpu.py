@@ -73,8 +73,31 @@ def _first_block(s_len: int, q_len: int, window: int | None, bs: int) -> int:
     return max(0, s_len - q_len - window + 1) // bs
 
 
+@dataclass
+class DecodeStep:
+    """A decode-only step's indices, built before the layers run (``CPUAttentionBackend.decode_step``): what the
+    compiled decode step (``kvloom.core.worker.cpu_compile``) hands its layers instead of the metadata, so the
+    traced code reads tensors only."""
+
+    write_rows: torch.Tensor
+    decode: dict  # a layer's window (None: full attention) -> (cache rows to gather, additive mask)
+
+
 class CPUAttentionBackend:
     name = "cpu"
+
+    def decode_step(self, meta: AttentionMetadata, k_cache: torch.Tensor, dtype: torch.dtype,
+                    windows: set) -> DecodeStep:
+        """The indices of a decode-only step for layers with these ``windows`` (None: full attention)."""
+        write_rows = self._index(meta, k_cache).write_rows
+        longest = max(meta.seq_lens_cpu)
+        decode = {}
+        for window in windows:
+            key = None if window is not None and longest <= window else window
+            # two blocks at least: a gather of one block would take another shape in the compiled code
+            index = self._decode_index(meta, k_cache, dtype, key, min_blocks=2)
+            decode[window] = (index.rows, index.bias)
+        return DecodeStep(write_rows, decode)
 
     @staticmethod
     def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
@@ -101,9 +124,10 @@ class CPUAttentionBackend:
 
     @staticmethod
     def _decode_index(meta: AttentionMetadata, k_cache: torch.Tensor, dtype: torch.dtype,
-                      window: int | None) -> _DecodeIndex:
+                      window: int | None, min_blocks: int = 1) -> _DecodeIndex:
         """The blocks each decode row reads: all of its sequence's, or only those its window covers (so a
-        long sequence with a small window gathers a few blocks, whatever its length)."""
+        long sequence with a small window gathers a few blocks, whatever its length); at least
+        ``min_blocks``, the extra ones masked out."""
         _, num_kv_heads, bs, _ = k_cache.shape
         nd = meta.num_decodes
         lens_cpu = meta.seq_lens_cpu[:nd]
@@ -111,12 +135,13 @@ class CPUAttentionBackend:
         tables = meta.block_tables[:nd]
         device = tables.device
         if window is None:
-            nblk = -(-max(lens_cpu) // bs)
-            table_cols = tables[:, :nblk]
+            nblk = max(-(-max(lens_cpu) // bs), min_blocks)
+            cols = torch.arange(nblk, device=device).clamp_(max=tables.shape[1] - 1)
+            table_cols = tables[:, :nblk] if nblk <= tables.shape[1] else tables[:, cols]
             first_pos = torch.zeros_like(lens)
         else:
             first_blocks = [max(0, n - window) // bs for n in lens_cpu]
-            nblk = max(-(-n // bs) - f for n, f in zip(lens_cpu, first_blocks))
+            nblk = max(max(-(-n // bs) - f for n, f in zip(lens_cpu, first_blocks)), min_blocks)
             first_blk = torch.tensor(first_blocks, dtype=torch.long, device=device)
             cols = (first_blk[:, None] + torch.arange(nblk, device=device)[None, :]).clamp_(max=tables.shape[1] - 1)
             table_cols = torch.gather(tables, 1, cols)
@@ -143,6 +168,14 @@ class CPUAttentionBackend:
     ) -> torch.Tensor:
         """See ``AttentionBackend.forward`` (the layer's variant: ``window``, ``softcap``, ``sinks``)."""
         k_cache, v_cache = kv_cache
+        if isinstance(meta, DecodeStep):  # plain ops, traceable: the compiler fuses the mask and scale in
+            rows, bias = meta.decode[window]
+            head_dim = k_cache.shape[-1]
+            k_cache.view(-1, head_dim).index_copy_(0, meta.write_rows, k.reshape(-1, head_dim))
+            v_cache.view(-1, head_dim).index_copy_(0, meta.write_rows, v.reshape(-1, head_dim))
+            explicit = softcap is not None or sinks is not None
+            index = _DecodeIndex(rows, bias.shape[-1] // k_cache.shape[2], bias, bias == 0 if explicit else None)
+            return self._decode(q, k_cache, v_cache, index, scale, softcap=softcap, sinks=sinks)
         kv_scales = (k_scale, v_scale)
         index = meta.backend_data
         if index is None:  # first layer of the step

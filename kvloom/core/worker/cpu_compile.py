@@ -1,0 +1,119 @@
+"""The CPU decode step compiled (``torch.compile``, inductor): the norms, rotary, activations, residual adds and
+attention's index work of every layer become a few C++ loops around the matmuls, one call a step instead of
+~5,500 small ops (docs/benchmarks.md, "CPU: the compiled decode step").
+
+Attention reads a ``DecodeStep`` (``CPUAttentionBackend.decode_step``): indices built once a step outside
+the graph, so the traced code sees tensors only. Shapes are dynamic in the batch and the context length;
+the step is compiled at start-up for the variants its guards tell apart (a batch of 1, of a few rows,
+of more rows than the 4-bit matmuls take), so no request waits for a compile, and steps then skip the
+guards. Kernels are cached on disk (inductor's cache, under ``~/.cache/kvloom/inductor``) for the
+next start. Inductor bakes the thread count into its kernels: a step run with another count (the
+thread governor's, under contention) runs eagerly.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import torch
+
+from kvloom.core.model.attention.base import AttentionMetadata
+from kvloom.core.model.attention.cpu import CPUAttentionBackend
+
+logger = logging.getLogger("kvloom")
+
+
+def compile_refusal(model, backend, kv_caches, lora) -> str | None:
+    """Why the CPU decode step cannot be compiled for this model, or None."""
+    from kvloom.core.model.families.decoder import DecoderLayer, DecoderLM
+
+    if torch._dynamo.config.disable:
+        return "torch.compile is disabled (TORCH_COMPILE_DISABLE=1)"
+    if not isinstance(backend, CPUAttentionBackend):
+        return f"the {getattr(backend, 'name', type(backend).__name__)} attention backend"
+    if not isinstance(model, DecoderLM) or not all(type(layer) is DecoderLayer for layer in model.layers):
+        return f"{type(model).__name__}'s layers are not plain decoder layers"
+    if lora is not None:
+        return "LoRA adapters"
+    if any(k.dtype != model.embed_tokens.weight.dtype for k, _ in kv_caches):
+        return "a KV cache dtype other than the model's"
+    if model.tp.size != 1:
+        return "tensor parallelism"
+    try:
+        from torch._inductor.cpp_builder import get_cpp_compiler
+
+        get_cpp_compiler()
+    except Exception as exc:  # noqa: BLE001 - no C++ compiler: inductor cannot build its CPU kernels
+        return f"no C++ compiler ({exc})"
+    return None
+
+
+def _forward(model, ids, positions, step, kv_caches):
+    return model(ids, positions, step, kv_caches)
+
+
+class CompiledDecode:
+    """Runs decode-only steps of ``model`` compiled; called as ``(ids, positions, metadata)``."""
+
+    def __init__(self, model, backend: CPUAttentionBackend, kv_caches, adjust_threads=None) -> None:
+        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR",
+                              os.path.join(os.path.expanduser("~"), ".cache", "kvloom", "inductor"))
+        # one engine's three variants, and room for other models' in the same process (tests, LLM objects)
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+        self.model, self.backend, self.kv_caches = model, backend, kv_caches
+        self.compiled = torch.compile(_forward, dynamic=True)
+        groups = model.kv_groups or [0] * len(model.layers)
+        self.windows: dict[int, set] = {}  # layer group -> the windows its layers attend with
+        for group, layer in zip(groups, model.layers):
+            self.windows.setdefault(group, set()).add(layer.self_attn.variant.get("window"))
+        self.first_layer = {g: groups.index(g) for g in self.windows}
+        self.adjust_threads = adjust_threads
+        self.threads = 0  # the thread count compiled for
+
+    def steps(self, meta: AttentionMetadata | list[AttentionMetadata]):
+        dtype = self.model.embed_tokens.weight.dtype
+        metas = meta if isinstance(meta, (list, tuple)) else [meta]
+        steps = [self.backend.decode_step(m, self.kv_caches[self.first_layer[g]][0], dtype, self.windows[g])
+                 for g, m in enumerate(metas)]
+        for step in steps:  # the context's length varies step to step: never a constant of the compiled code
+            for rows, bias in step.decode.values():
+                torch._dynamo.maybe_mark_dynamic(rows, 0)
+                torch._dynamo.maybe_mark_dynamic(bias, 3)
+        return steps if isinstance(meta, (list, tuple)) else steps[0]
+
+    def __call__(self, ids: torch.Tensor, positions: torch.Tensor,
+                 meta: AttentionMetadata | list[AttentionMetadata]) -> torch.Tensor:
+        if self.adjust_threads is not None:
+            self.adjust_threads()
+        step = self.steps(meta)
+        if torch.get_num_threads() != self.threads:
+            return self.model(ids, positions, step, self.kv_caches)
+        try:
+            with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
+                return self.compiled(self.model, ids, positions, step, self.kv_caches)
+        except RuntimeError as exc:
+            if "skip_guard_eval_unsafe" not in str(exc):
+                raise
+        logger.warning("CPU decode step: a shape the start-up did not compile for (batch %d); compiling it now",
+                       ids.shape[0])
+        return self.compiled(self.model, ids, positions, step, self.kv_caches)
+
+    @torch.inference_mode()
+    def warm_up(self, max_rows: int, block_size: int, metas, threads: int) -> float:
+        """Compile for the batch sizes the guards tell apart (1, a few, more than 4) at ``threads`` threads
+        before any request comes; ``metas(n, length)``: decode metadata of ``n`` rows with ``length`` cached
+        positions each. Returns the seconds it took."""
+        t0 = time.perf_counter()
+        current = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            for n in sorted({1, min(2, max_rows), min(8, max_rows)}):
+                meta = metas(n, 3 * block_size)  # 3 blocks: 1 would be specialized, 2 might equal a head size
+                ids = torch.zeros(n, dtype=torch.long)
+                self.compiled(self.model, ids, ids.clone(), self.steps(meta), self.kv_caches)
+        finally:
+            torch.set_num_threads(current)
+        self.threads = threads
+        return time.perf_counter() - t0

@@ -1,0 +1,91 @@
+"""The compiled CPU decode step (``kvloom.core.worker.cpu_compile``): greedy tokens equal transformers' (float32)
+with one, three and seven requests decoding together (the three variants compiled at start-up), on a plain
+family and on ones with sliding windows, soft-capped scores, q/k norms and a hybrid KV cache; the decode
+steps really run compiled; ``enforce_eager`` and what cannot compile stay eager.
+
+The rest of the suite runs engines eagerly (tests/conftest.py); these tests turn compiling back on."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from kvloom import LLM, SamplingParams
+
+from tests.conftest import hf_greedy, make_tiny_model
+
+NEW_TOKENS = 12
+
+
+@pytest.fixture
+def compiling(monkeypatch):
+    monkeypatch.setattr(torch._dynamo.config, "disable", False)
+
+
+def _counting(llm: LLM) -> list[int]:
+    """Counts the decode steps that run compiled (at the thread count compiled for)."""
+    compiled = llm.engine.runner.compiled_decode
+    assert compiled is not None
+    calls = [0]
+    inner = compiled.compiled
+
+    def counted(*args):
+        calls[0] += 1
+        return inner(*args)
+
+    compiled.compiled = counted
+    return calls
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2", "gemma3_text"])
+def test_compiled_decode_equals_transformers(family, compiling, tmp_path):
+    path = make_tiny_model(tmp_path / family, family)
+    rng = random.Random(3)
+    prompts = [[rng.randrange(3, 380) for _ in range(rng.randrange(5, 40))] for _ in range(7)]
+    expected = hf_greedy(path, prompts, NEW_TOKENS)
+    # one thread: no governor changing the count the step was compiled for on a busy machine
+    llm = LLM(str(path), dtype="float32", max_num_seqs=8, max_model_len=128, threads=1)
+    calls = _counting(llm)
+    sp = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    got = []
+    for batch in (prompts[:1], prompts[1:4], prompts):  # 1, 3, then 7 rows a decode step
+        got.append([o.outputs[0].token_ids for o in llm.generate(batch, sp, use_tqdm=False)])
+    assert got[0] == expected[:1]
+    assert got[1] == expected[1:4]
+    assert got[2] == expected
+    assert calls[0] >= 3 * (NEW_TOKENS - 1)  # every decode step of the three runs, none eager
+
+
+def test_bf16_compiled_step_matches_eager(compiling, tiny_llama):
+    """bf16: the compiler fuses the elementwise work in float32 and rounds once where the eager ops round each
+    time, so a step's logits differ by bf16 rounding only: one decode step of 5 rows over 40 cached positions,
+    compiled and eager, on the same cache."""
+    llm = LLM(str(tiny_llama), dtype="bfloat16", max_num_seqs=8, max_model_len=128, threads=1)
+    runner = llm.engine.runner
+    torch.manual_seed(0)
+    for k, v in runner.kv_caches:  # a history to attend to
+        k.normal_()
+        v.normal_()
+    ids, pos = torch.randint(3, 380, (5,)), torch.full((5,), 40)
+    with torch.inference_mode():
+        eager = runner.model.compute_logits(runner.model(ids, pos, runner._scratch_meta(5, 41), runner.kv_caches))
+        compiled = runner.model.compute_logits(runner.compiled_decode(ids, pos, runner._scratch_meta(5, 41)))
+    scale = eager.abs().max()
+    assert (compiled - eager).abs().max() <= 0.03 * scale, ((compiled - eager).abs().max(), scale)
+    assert (compiled.argmax(-1) == eager.argmax(-1)).sum() >= 4
+
+
+def test_what_cannot_compile_stays_eager(compiling, tiny_llama):
+    from kvloom.core.worker.cpu_compile import compile_refusal
+
+    llm = LLM(str(tiny_llama), dtype="float32", max_model_len=128, threads=1, kv_cache_dtype="fp8",
+              max_num_seqs=2)
+    runner = llm.engine.runner
+    assert runner.compiled_decode is None
+    backend = runner.model.layers[0].self_attn.backend
+    assert "KV cache dtype" in compile_refusal(runner.model, backend, runner.kv_caches, None)
+    assert "LoRA" in compile_refusal(runner.model, backend, runner.kv_caches, lora=object())
+    out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4
