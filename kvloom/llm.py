@@ -105,21 +105,24 @@ class LLM:
 
     def generate(
         self,
-        prompts: str | Sequence[str] | Sequence[list[int]],
+        prompts: str | dict | Sequence[str] | Sequence[list[int]] | Sequence[dict],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         use_tqdm: bool = True,
         priority: int | Sequence[int] = 0,
         lora: str | None | Sequence[str | None] = None,
     ) -> list[RequestOutput]:
-        """Complete each prompt (text or token ids). Outputs come back in the order of ``prompts``.
+        """Complete each prompt (text, token ids, or vLLM's ``{"prompt": text}`` / ``{"prompt_token_ids": ids}``).
+        Outputs come back in the order of ``prompts``.
         ``priority`` (one for all, or one per prompt; lower runs first) matters under the ``priority``
         scheduler plugin. ``lora`` names the LoRA adapter to run with (one for all, or one per prompt;
         None: the base model), among those loaded (``lora_modules``, ``load_lora_adapter``)."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         encoded = []
         for p in prompts:
+            if isinstance(p, dict):  # vLLM's TextPrompt / TokensPrompt
+                p = _prompt_of(p)
             if isinstance(p, str):
                 encoded.append((p, self._require_tokenizer().encode(p, add_special_tokens=True)))
             else:
@@ -308,3 +311,15 @@ def _per_prompt(value: Any, n: int, what: str) -> list:
     if len(values) != n:
         raise ValueError(f"got {len(values)} {what} for {n} prompts")
     return values
+
+
+def _prompt_of(p: dict) -> str | list[int]:
+    """The text or token ids of a vLLM-style prompt dict; other keys (multimodal data, ...) are refused by name."""
+    extra = sorted(set(p) - {"prompt", "prompt_token_ids"})
+    if extra:
+        raise ValueError(f"prompt keys {extra} are not supported; give 'prompt' (text) or 'prompt_token_ids'")
+    if "prompt_token_ids" in p:
+        return list(p["prompt_token_ids"])
+    if "prompt" in p:
+        return p["prompt"]
+    raise ValueError("a prompt dict needs 'prompt' (text) or 'prompt_token_ids'")

@@ -289,3 +289,20 @@ def test_gateway_prompt_logprobs_on_a_raw_socket(server, expected):
             assert needle in refused["message"]
     finally:
         sock.close()
+
+
+def test_offline_llm_takes_vllm_prompt_dicts(tiny_llama):
+    """vLLM's ``TokensPrompt``/``TextPrompt`` dicts give what the bare ids and text give; other keys are refused
+    by name."""
+    from kvloom import LLM
+
+    llm = LLM(str(tiny_llama), dtype="float32", num_kv_blocks=32)
+    sp = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    ids = [5, 17, 33, 8]
+    bare = [o.outputs[0].token_ids for o in llm.generate([ids, "hello"], sp, use_tqdm=False)]
+    dicts = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": ids}, {"prompt": "hello"}], sp,
+                                                         use_tqdm=False)]
+    assert dicts == bare
+    assert llm.generate({"prompt_token_ids": ids}, sp, use_tqdm=False)[0].outputs[0].token_ids == bare[0]
+    with pytest.raises(ValueError, match="multi_modal_data"):
+        llm.generate([{"prompt": "hi", "multi_modal_data": {}}], sp, use_tqdm=False)
