@@ -63,14 +63,16 @@ class CompiledDecode:
         # one engine's three variants, and room for other models' in the same process (tests, LLM objects)
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
         self.model, self.backend, self.kv_caches = model, backend, kv_caches
-        self.compiled = torch.compile(_forward, dynamic=True)
+        # Decode's fused loops are small (a few thousand values a row): one thread each, so the kernels do not
+        # depend on the thread count the governor sets; the matmuls between them use the current count.
+        self.compiled = torch.compile(_forward, dynamic=True, options={"cpp.threads": 1})
         groups = model.kv_groups or [0] * len(model.layers)
         self.windows: dict[int, set] = {}  # layer group -> the windows its layers attend with
         for group, layer in zip(groups, model.layers):
             self.windows.setdefault(group, set()).add(layer.self_attn.variant.get("window"))
         self.first_layer = {g: groups.index(g) for g in self.windows}
         self.adjust_threads = adjust_threads
-        self.threads = 0  # the thread count compiled for
+        self.threads: set[int] = set()  # the thread counts compiled for
 
     def steps(self, meta: AttentionMetadata | list[AttentionMetadata]):
         dtype = self.model.embed_tokens.weight.dtype
@@ -88,7 +90,7 @@ class CompiledDecode:
         if self.adjust_threads is not None:
             self.adjust_threads()
         step = self.steps(meta)
-        if torch.get_num_threads() != self.threads:
+        if torch.get_num_threads() not in self.threads:
             return self.model(ids, positions, step, self.kv_caches)
         try:
             with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
@@ -101,19 +103,20 @@ class CompiledDecode:
         return self.compiled(self.model, ids, positions, step, self.kv_caches)
 
     @torch.inference_mode()
-    def warm_up(self, max_rows: int, block_size: int, metas, threads: int) -> float:
-        """Compile for the batch sizes the guards tell apart (1, a few, more than 4) at ``threads`` threads
-        before any request comes; ``metas(n, length)``: decode metadata of ``n`` rows with ``length`` cached
-        positions each. Returns the seconds it took."""
+    def warm_up(self, max_rows: int, block_size: int, metas, thread_counts) -> float:
+        """Compile for the batch sizes the guards tell apart (1, a few, more than 4) at each of ``thread_counts``
+        (the guards hold the count too) before any request comes; ``metas(n, length)``: decode metadata of ``n``
+        rows with ``length`` cached positions each. Returns the seconds it took."""
         t0 = time.perf_counter()
         current = torch.get_num_threads()
-        torch.set_num_threads(threads)
         try:
-            for n in sorted({1, min(2, max_rows), min(8, max_rows)}):
-                meta = metas(n, 3 * block_size)  # 3 blocks: 1 would be specialized, 2 might equal a head size
-                ids = torch.zeros(n, dtype=torch.long)
-                self.compiled(self.model, ids, ids.clone(), self.steps(meta), self.kv_caches)
+            for threads in thread_counts:
+                torch.set_num_threads(threads)
+                for n in sorted({1, min(2, max_rows), min(8, max_rows)}):
+                    meta = metas(n, 3 * block_size)  # 3 blocks: 1 would be specialized, 2 might equal a head size
+                    ids = torch.zeros(n, dtype=torch.long)
+                    self.compiled(self.model, ids, ids.clone(), self.steps(meta), self.kv_caches)
+                self.threads.add(threads)
         finally:
             torch.set_num_threads(current)
-        self.threads = threads
         return time.perf_counter() - t0
