@@ -36,9 +36,8 @@ def awq_layer(n: int, k: int, group: int, gen: torch.Generator):
     from kvloom.kernels.cpu_int4 import pack_int4, zero_point_codes
     from kvloom.kernels.quant_reference import awq_codes, dequantize_awq
 
-    words = lambda rows: torch.randint(-2**31, 2**31 - 1, (rows, n // 8), generator=gen, dtype=torch.int64).to(  # noqa: E731
-        torch.int32)
-    qweight, qzeros = words(k), words(k // group)
+    qweight, qzeros = (torch.randint(-2**31, 2**31 - 1, (rows, n // 8), generator=gen, dtype=torch.int64)
+                       .to(torch.int32) for rows in (k, k // group))
     scales = (torch.rand(k // group, n, generator=gen) * 0.004 + 0.002).half()
     codes = zero_point_codes(*awq_codes(qweight, qzeros), scales, group)
     return dequantize_awq(qweight, qzeros, scales, group, torch.bfloat16), *pack_int4(*codes, torch.bfloat16)

@@ -164,7 +164,7 @@ def test_act_order_gptq_stays_dense_and_says_why_while_group_ordered_desc_act_ru
         llm = LLM(str(quant), dtype="bfloat16")
     line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("Quantization:"))
     assert line.endswith("kernel: dequantized at load to bfloat16 (cpu: dense matmuls); dense only (no 4-bit "
-                         "copy): 8 layers act-order g_idx (inputs not in group order)"), line
+                         "copy): 8 layers (act-order: g_idx not in group order)"), line
     assert not any(hasattr(layer, "int4_weight") for layer in llm.engine.model.linear_layers())
     # desc_act=True with one group per column: every g_idx is 0, in group order; it runs as groups of 128/256
     ordered, _ = write_checkpoint(tmp_path / "b", "llama", "gptq", bits=4, group_size=-1, sym=False, desc_act=True)

@@ -123,14 +123,17 @@ class GPTQLinearMethod:
         where ``engine plan`` counts no copy)."""
         m = self.method
         if m.bits != 4:
-            return 0, f"{m.bits} bits"
+            return 0, f"{m.bits}-bit"
         k = layer.input_size
         g = m.group_size if m.group_size > 0 else next((s for s in (256, 128, 64, 32) if k % s == 0), None)
+        if g is None:
+            return 0, f"one group of {k} inputs: no group size of the int4 matmul divides it"
         if m.desc_act:
             g_idx = layer.g_idx.data
-            if g_idx.is_meta or g is None or k % g or not torch.equal(
-                    g_idx.long(), (torch.arange(k, device=g_idx.device) // g).expand_as(g_idx)):
-                return 0, "act-order g_idx (inputs not in group order)"
+            own = m.group_size if m.group_size > 0 else k
+            if g_idx.is_meta or k % g or not torch.equal(
+                    g_idx.long(), (torch.arange(k, device=g_idx.device) // own).expand_as(g_idx)):
+                return 0, "act-order: g_idx not in group order"
         refusal = cpu_int4_refusal(layer, g, m.cpu_int4 and m.keep_packed is None)
         return (0, refusal) if refusal is not None else (g, None)
 

@@ -179,7 +179,7 @@ def cpu_int4_refusal(layer: LinearBase, group_size: int | None, enabled: bool) -
     if layer.tp_size != 1:
         return "tensor parallel"
     if group_size not in INT4_GROUPS or layer.input_size % group_size:
-        return f"group size {group_size} (the int4 matmul takes {list(INT4_GROUPS)})"
+        return f"group size {group_size}: the int4 matmul takes {list(INT4_GROUPS)}"
     if layer.output_size % INT4_N_MULTIPLE:
         return f"outputs not a multiple of {INT4_N_MULTIPLE}"
     if not int4_supported():
@@ -213,9 +213,10 @@ def set_cpu_weights(layer: LinearBase, method, weight: torch.Tensor, codes, grou
         tally["int4"] += 1
         tally["int4_bytes"] += int4_bytes(layer)
     dtype = str(layer.params_dtype).removeprefix("torch.")
-    dense = [f"{n} layers {why}" for why, n in sorted(tally["dense"].items()) if why not in QUIET]
+    dense = [f"{n} layers ({why})" for why, n in sorted(tally["dense"].items()) if why not in QUIET]
     line = f"dequantized at load to {dtype} (cpu: dense matmuls)"
     if tally["int4"]:
         line = (f"{tally['int4']} layers kept at 4 bits on the CPU ({tally['int4_bytes'] / 2**20:.1f} MiB, torch's "
-                f"int4 matmul for steps of <= {INT4_MAX_ROWS} rows) beside their {dtype} copy, {line}, for bigger steps")
+                f"int4 matmul for steps of <= {INT4_MAX_ROWS} rows) beside their {dtype} copy, {line}, "
+                "for bigger steps")
     method.kernel = line + (f"; dense only (no 4-bit copy): {', '.join(dense)}" if dense else "")
