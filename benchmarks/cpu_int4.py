@@ -10,6 +10,13 @@ and zero per ``G`` inputs, the bf16 copy from ``dequantize_awq`` (what the CPU r
     python benchmarks/cpu_int4.py                          # SmolLM2-135M shapes, 2 threads
     python benchmarks/cpu_int4.py --threads 1 --rows 1,2,4,8,32
     python benchmarks/cpu_int4.py --shape qwen2.5-0.5b --awq-group 128 --layers 12
+
+``--offline-awq MODEL`` instead times ``kvloom.LLM`` end to end: a ``benchmarks/shapes.py`` config with an AWQ
+quantization_config (group ``--awq-group``, default 128) and dummy weights, in bfloat16, with the 4-bit copies
+and without (``gguf_int4=False``), alternated over ``--rounds``; greedy 48 tokens after 32-token prompts at batch
+1 and 4, each run in its own process so that both start alike.
+
+    python benchmarks/cpu_int4.py --offline-awq qwen3-0.6b --rounds 2
 """
 
 from __future__ import annotations
@@ -43,6 +50,43 @@ def awq_layer(n: int, k: int, group: int, gen: torch.Generator):
     return dequantize_awq(qweight, qzeros, scales, group, torch.bfloat16), *pack_int4(*codes, torch.bfloat16)
 
 
+def offline_awq(model: str, group: int, rounds: int) -> None:
+    import subprocess
+    import sys
+    import tempfile
+    from pathlib import Path
+
+    from benchmarks.shapes import SHAPES as CONFIGS
+
+    folder = Path(tempfile.mkdtemp())
+    config = dict(CONFIGS[model], quantization_config={"quant_method": "awq", "bits": 4, "group_size": group,
+                                                       "zero_point": True, "version": "gemm"})
+    (folder / "config.json").write_text(json.dumps(config))
+    runs = []
+    for r in range(rounds):
+        for on in (True, False):
+            out = subprocess.run([sys.executable, __file__, "--offline-run", str(folder), "--int4", str(int(on))],
+                                 capture_output=True, text=True, check=True).stdout
+            runs.append(dict(json.loads(out.strip().splitlines()[-1]), round=r))
+    print(json.dumps({"benchmark": "cpu_int4 offline awq", "model": model, "group": group, "runs": runs,
+                      "load": os.getloadavg()}, indent=1))
+
+
+def offline_run(folder: str, int4: bool) -> None:
+    from kvloom import LLM, SamplingParams
+
+    llm = LLM(folder, load_format="dummy", dtype="bfloat16", gguf_int4=int4, max_model_len=512)
+    sp = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    llm.generate([[5, 6, 7, 8] * 8], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    result = {"int4": int4, "kernel": llm.engine.quantization.kernel[:60]}
+    for batch in (1, 4):
+        t = time.perf_counter()
+        llm.generate([[5 + i, 6, 7, 8] * 8 for i in range(batch)], sp, use_tqdm=False)
+        result[f"batch{batch}_tok_s"] = round(batch * 48 / (time.perf_counter() - t), 1)
+    result["threads"] = torch.get_num_threads()  # the engine's governor may drop to one under load
+    print(json.dumps(result))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", default="smollm2-135m", choices=sorted(SHAPES))
@@ -51,9 +95,17 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=9)
     p.add_argument("--awq-group", type=int, default=0, help="AWQ layers with this group size (0: GGUF-style, 32)")
     p.add_argument("--layers", type=int, default=0, help="decoder layers (0: the model's)")
+    p.add_argument("--offline-awq", default=None, help="a benchmarks/shapes.py model: time kvloom.LLM end to end")
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--offline-run", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--int4", type=int, default=1, help=argparse.SUPPRESS)
     args = p.parse_args()
     if not int4_supported():
         raise SystemExit("this torch has no CPU int4 matmul")
+    if args.offline_run:
+        return offline_run(args.offline_run, bool(args.int4))
+    if args.offline_awq:
+        return offline_awq(args.offline_awq, args.awq_group or 128, args.rounds)
     torch.set_num_threads(args.threads)
     *shapes, layers = SHAPES[args.shape]
     layers = args.layers or layers
