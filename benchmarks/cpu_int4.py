@@ -3,8 +3,20 @@ oneDNN-packed bf16 one, over every linear layer of a model in turn (so the weigh
 a decode step, rather than sit in cache), at several row counts; the timings alternate and the ratio of
 medians is printed. Where the ratio falls below 1 is where ``INT4_MAX_ROWS`` belongs.
 
+With ``--awq-group G`` the layers are AWQ checkpoint layers (random codes, zero points and fp16 scales in
+AutoAWQ's packing) made the engine's way: the 4-bit copy from ``awq_codes`` + ``zero_point_codes`` with a scale
+and zero per ``G`` inputs, the bf16 copy from ``dequantize_awq`` (what the CPU ran before the 4-bit copy).
+
     python benchmarks/cpu_int4.py                          # SmolLM2-135M shapes, 2 threads
     python benchmarks/cpu_int4.py --threads 1 --rows 1,2,4,8,32
+    python benchmarks/cpu_int4.py --shape qwen2.5-0.5b --awq-group 128 --layers 12
+
+``--offline-awq MODEL`` instead times ``kvloom.LLM`` end to end: a ``benchmarks/shapes.py`` config with an AWQ
+quantization_config (group ``--awq-group``, default 128) and dummy weights, in bfloat16, with the 4-bit copies
+and without (``gguf_int4=False``), alternated over ``--rounds``; greedy 48 tokens after 32-token prompts at batch
+1 and 4, each run in its own process so that both start alike.
+
+    python benchmarks/cpu_int4.py --offline-awq qwen3-0.6b --rounds 2
 """
 
 from __future__ import annotations
@@ -22,7 +34,57 @@ from kvloom.kernels.cpu_linear import PackedLinear
 
 # (out, in) of one layer's q/k/v, o, gate/up and down projections
 SHAPES = {"smollm2-135m": ((960, 576), (576, 576), (3072, 576), (576, 1536), 30),
-          "gemma3-270m": ((1536, 640), (640, 1024), (4096, 640), (640, 2048), 18)}
+          "gemma3-270m": ((1536, 640), (640, 1024), (4096, 640), (640, 2048), 18),
+          "qwen2.5-0.5b": ((1152, 896), (896, 896), (9728, 896), (896, 4864), 24)}  # its AWQ release's shapes
+
+
+def awq_layer(n: int, k: int, group: int, gen: torch.Generator):
+    """(bf16 weight, packed 4-bit weight, scales-and-zeros) of a random AWQ GEMM layer of ``n`` x ``k``."""
+    from kvloom.kernels.cpu_int4 import pack_int4, zero_point_codes
+    from kvloom.kernels.quant_reference import awq_codes, dequantize_awq
+
+    qweight, qzeros = (torch.randint(-2**31, 2**31 - 1, (rows, n // 8), generator=gen, dtype=torch.int64)
+                       .to(torch.int32) for rows in (k, k // group))
+    scales = (torch.rand(k // group, n, generator=gen) * 0.004 + 0.002).half()
+    codes = zero_point_codes(*awq_codes(qweight, qzeros), scales, group)
+    return dequantize_awq(qweight, qzeros, scales, group, torch.bfloat16), *pack_int4(*codes, torch.bfloat16)
+
+
+def offline_awq(model: str, group: int, rounds: int) -> None:
+    import subprocess
+    import sys
+    import tempfile
+    from pathlib import Path
+
+    from benchmarks.shapes import SHAPES as CONFIGS
+
+    folder = Path(tempfile.mkdtemp())
+    config = dict(CONFIGS[model], quantization_config={"quant_method": "awq", "bits": 4, "group_size": group,
+                                                       "zero_point": True, "version": "gemm"})
+    (folder / "config.json").write_text(json.dumps(config))
+    runs = []
+    for r in range(rounds):
+        for on in (True, False):
+            out = subprocess.run([sys.executable, __file__, "--offline-run", str(folder), "--int4", str(int(on))],
+                                 capture_output=True, text=True, check=True).stdout
+            runs.append(dict(json.loads(out.strip().splitlines()[-1]), round=r))
+    print(json.dumps({"benchmark": "cpu_int4 offline awq", "model": model, "group": group, "runs": runs,
+                      "load": os.getloadavg()}, indent=1))
+
+
+def offline_run(folder: str, int4: bool) -> None:
+    from kvloom import LLM, SamplingParams
+
+    llm = LLM(folder, load_format="dummy", dtype="bfloat16", gguf_int4=int4, max_model_len=512)
+    sp = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    llm.generate([[5, 6, 7, 8] * 8], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    result = {"int4": int4, "kernel": llm.engine.quantization.kernel[:60]}
+    for batch in (1, 4):
+        t = time.perf_counter()
+        llm.generate([[5 + i, 6, 7, 8] * 8 for i in range(batch)], sp, use_tqdm=False)
+        result[f"batch{batch}_tok_s"] = round(batch * 48 / (time.perf_counter() - t), 1)
+    result["threads"] = torch.get_num_threads()  # the engine's governor may drop to one under load
+    print(json.dumps(result))
 
 
 def main() -> None:
@@ -31,14 +93,31 @@ def main() -> None:
     p.add_argument("--rows", default="1,2,4,8,16,32")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--repeats", type=int, default=9)
+    p.add_argument("--awq-group", type=int, default=0, help="AWQ layers with this group size (0: GGUF-style, 32)")
+    p.add_argument("--layers", type=int, default=0, help="decoder layers (0: the model's)")
+    p.add_argument("--offline-awq", default=None, help="a benchmarks/shapes.py model: time kvloom.LLM end to end")
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--offline-run", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--int4", type=int, default=1, help=argparse.SUPPRESS)
     args = p.parse_args()
     if not int4_supported():
         raise SystemExit("this torch has no CPU int4 matmul")
+    if args.offline_run:
+        return offline_run(args.offline_run, bool(args.int4))
+    if args.offline_awq:
+        return offline_awq(args.offline_awq, args.awq_group or 128, args.rounds)
     torch.set_num_threads(args.threads)
     *shapes, layers = SHAPES[args.shape]
+    layers = args.layers or layers
+    group = args.awq_group or 32
     gen = torch.Generator().manual_seed(0)
     dense, packed = [], []
     for n, k in shapes * layers:
+        if args.awq_group:
+            weight, w4, sz = awq_layer(n, k, group, gen)
+            dense.append((k, PackedLinear(weight, None, 32)))
+            packed.append((k, w4, sz))
+            continue
         dense.append((k, PackedLinear((torch.randn(n, k, generator=gen) * 0.02).bfloat16(), None, 32)))
         q = torch.randint(0, 16, (n, k), dtype=torch.int32, generator=gen)
         packed.append((k, torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1),
@@ -54,12 +133,13 @@ def main() -> None:
             times["bf16"].append(time.perf_counter() - t)
             t = time.perf_counter()
             for k, w, sz in packed:
-                int4_mm(xs[k], w, sz)
+                int4_mm(xs[k], w, sz, group)
             times["int4"].append(time.perf_counter() - t)
         bf16, int4 = (statistics.median(times[n]) * 1e3 for n in ("bf16", "int4"))
         rows_out.append({"rows": rows, "bf16_ms": round(bf16, 3), "int4_ms": round(int4, 3),
                          "bf16_over_int4": round(bf16 / int4, 2)})
     print(json.dumps({"benchmark": "cpu_int4", "shape": args.shape, "threads": args.threads,
+                      "weights": f"awq, group {group}" if args.awq_group else "gguf-style, group 32",
                       "linear_layers": len(dense), "load": os.getloadavg(), "rows": rows_out}, indent=1))
 
 

@@ -267,12 +267,21 @@ def make_plan(config: EngineConfig, hf_config, model_name: str, *, gpu_memory_gi
     dtype = resolve_dtype(config.dtype, device, hf_config)
     max_len = capacity.resolve_max_model_len(hf_config, config.max_model_len)
     params = count_parameters(hf_config)
+    if hasattr(method, "cpu_int4"):  # AWQ/GPTQ's 4-bit copies on the CPU follow the engine's option
+        method.cpu_int4 = config.gguf_int4
     weights = weight_bytes(hf_config, dtype, method, device.type)
     layers, kv_heads, head_dim = capacity.model_dims(hf_config)
     notes = []
     if method is not None:
         held = ("dequantized at load to dense weights on the CPU" if device.type == "cpu" else
                 "held in the format on the GPU")
+        if device.type == "cpu" and getattr(method, "cpu_int4", False):
+            method.cpu_int4 = False
+            copies = weights - weight_bytes(hf_config, dtype, method, device.type)
+            method.cpu_int4 = True
+            if copies:
+                held += (f", and its 4-bit layers also kept packed at 4 bits ({_gib(copies)}, counted in weights) "
+                         "for decode steps of few rows (--no-gguf-int4: the dense copy alone)")
         notes.append(f"{method.describe().split('; kernel')[0].removeprefix('Quantization: ')}; {held}; "
                      f"embeddings, norms and lm_head in {str(dtype).removeprefix('torch.')}")
     int4 = gguf_int4_bytes(hf_config, config, dtype, device, method)

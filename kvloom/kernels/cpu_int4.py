@@ -14,6 +14,8 @@ import torch
 # GGUF type name -> (elements a block, bytes a block)
 GGUF_INT4_TYPES = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q4_K": (256, 144)}
 GROUP = 32  # every one of these formats has a scale (and a min) per 32 weights
+INT4_GROUPS = (32, 64, 128, 256)  # the group sizes the kernel takes (it raises on others)
+INT4_N_MULTIPLE = 16  # its packing needs whole blocks of 16 outputs
 
 
 def int4_supported() -> bool:
@@ -72,6 +74,18 @@ def gguf_int4_codes(raw: np.ndarray, type_name: str, rows: int, cols: int):
     q = q.reshape(rows, cols)
     groups = cols // GROUP
     return q, scale.reshape(rows, groups), zero.reshape(rows, groups)
+
+
+def zero_point_codes(q: torch.Tensor, z: torch.Tensor, scales: torch.Tensor, group: int):
+    """The codes ``q`` (uint8 [N, K]), ``scale`` and ``zero`` (float32 [N, K / group]) of an AWQ/GPTQ-style
+    layer: codes ``q [K, N]`` (0..15), zero points ``z`` and ``scales`` ``[G, N]`` (input ``i`` in group
+    ``i // group``; a single row ``G == 1`` is spread over every group), such that ``(q - 8) * scale + zero``
+    equals ``(q - z) * scales`` exactly in float32 (``scales`` fp16: each product needs at most 16 bits)."""
+    k = q.shape[0]
+    s, zp = scales.float(), z.float()
+    if s.shape[0] == 1:
+        s, zp = s.expand(k // group, -1), zp.expand(k // group, -1)
+    return q.t().to(torch.uint8).contiguous(), s.t().contiguous(), ((8 - zp) * s).t().contiguous()
 
 
 def pack_int4(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, dtype: torch.dtype):

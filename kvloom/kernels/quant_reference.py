@@ -55,9 +55,20 @@ def pack_int32(values: torch.Tensor, bits: int, dim: int, order: tuple[int, ...]
 def dequantize_awq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, group_size: int,
                    dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The ``[out, in]`` weight of an AWQ GEMM layer (computed in float32, then cast to ``dtype``)."""
-    q = unpack_int32(qweight, 4, 1, AWQ_COLUMN_NIBBLE)
-    z = unpack_int32(qzeros, 4, 1, AWQ_COLUMN_NIBBLE)
+    q, z = awq_codes(qweight, qzeros)
     return _dequantize(q, z, scales, group_size, None, dtype)
+
+
+def awq_codes(qweight: torch.Tensor, qzeros: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """AWQ's codes ``q [in, out]`` and zero points ``z [groups, out]`` (int32, 0..15): ``W[o, i] = (q - z) * s``."""
+    return unpack_int32(qweight, 4, 1, AWQ_COLUMN_NIBBLE), unpack_int32(qzeros, 4, 1, AWQ_COLUMN_NIBBLE)
+
+
+def gptq_codes(qweight: torch.Tensor, qzeros: torch.Tensor, bits: int,
+               v1_zero_offset: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """GPTQ's codes ``q [in, out]`` and effective zero points ``z [groups, out]`` (v1's stored ones plus one,
+    without wrap-around, as GPTQ's own kernels do: a stored ``2**bits - 1`` means ``2**bits``)."""
+    return unpack_int32(qweight, bits, 0), unpack_int32(qzeros, bits, 1) + int(v1_zero_offset)
 
 
 def dequantize_gptq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor | None,
@@ -65,10 +76,7 @@ def dequantize_gptq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.T
                     dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The ``[out, in]`` weight of a GPTQ layer; ``g_idx`` None means input ``i`` is in group ``i // group_size``
     (``group_size`` -1: one group)."""
-    q = unpack_int32(qweight, bits, 0)
-    z = unpack_int32(qzeros, bits, 1)
-    if v1_zero_offset:  # as GPTQ's own kernels do: no wrap-around (a stored 2**bits - 1 means 2**bits)
-        z = z + 1
+    q, z = gptq_codes(qweight, qzeros, bits, v1_zero_offset)
     return _dequantize(q, z, scales, group_size, g_idx, dtype)
 
 
@@ -149,8 +157,7 @@ def int_matmul(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor, scal
 
 def repack_awq(qweight: torch.Tensor, qzeros: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """AWQ's ``qweight [K, N // 8]``/``qzeros`` -> the K-packed ``qweight [K // 8, N]`` and uint8 zeros."""
-    q = unpack_int32(qweight, 4, 1, AWQ_COLUMN_NIBBLE)
-    z = unpack_int32(qzeros, 4, 1, AWQ_COLUMN_NIBBLE)
+    q, z = awq_codes(qweight, qzeros)
     return pack_int32(q, 4, 0).contiguous(), z.to(torch.uint8).contiguous()
 
 

@@ -1,5 +1,5 @@
 """Linear layers packed for the CPU after loading: each dense weight handed to oneDNN's blocked layout
-once (``kvloom.kernels.cpu_linear.PackedLinear``), and a GGUF file's 4-bit weights kept at 4 bits beside it."""
+once (``kvloom.kernels.cpu_linear.PackedLinear``), and 4-bit weights (GGUF, AWQ, GPTQ) kept at 4 bits beside it."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from kvloom.core.model.linear import LinearBase, UnquantizedLinearMethod
-from kvloom.kernels.cpu_int4 import int4_mm, pack_int4
+from kvloom.kernels.cpu_int4 import GROUP, int4_mm, pack_int4
 from kvloom.kernels.cpu_linear import PackedLinear, packing_supported
 
 
@@ -37,15 +37,21 @@ def param_bytes(layer) -> int:
 @torch.no_grad()
 def pack_layer(layer, batch_hint: int = 32) -> bool:
     """The CPU step after loading of a layer with a dense weight (``kvloom.core.model.linear``): hold it
-    in oneDNN's blocked layout. Returns whether it was packed (not when unsupported, or not dense)."""
+    in oneDNN's blocked layout (for an ``Int4CPUMethod`` layer, its dense copy). Returns whether it was packed
+    (not when unsupported, or not dense)."""
     weight = getattr(layer, "weight", None)
-    if (type(layer.method) is not UnquantizedLinearMethod or weight is None or weight.device.type != "cpu"
+    int4 = layer.method if isinstance(layer.method, Int4CPUMethod) else None
+    dense = int4.dense if int4 is not None else layer.method
+    if (type(dense) is not UnquantizedLinearMethod or weight is None or weight.device.type != "cpu"
             or not packing_supported(weight.dtype)):
         return False
     layer.packed = PackedLinear(weight, layer.bias, batch_hint)
     del layer.weight
     layer.register_parameter("bias", None)
-    layer.method = PackedCPUMethod()
+    if int4 is not None:
+        int4.dense = PackedCPUMethod()
+    else:
+        layer.method = PackedCPUMethod()
     return True
 
 
@@ -89,13 +95,16 @@ INT4_MAX_ROWS = 4
 
 
 class Int4CPUMethod:
-    """A layer holding its weight twice on the CPU: 4-bit packed codes with per-32 scales and zeros
-    (``kvloom.kernels.cpu_int4``) for decode steps of few rows, and the dense (oneDNN-packed) weight for
-    bigger steps. ``source``: the GGUF types it came from, for the log."""
+    """A layer holding its weight twice on the CPU: 4-bit packed codes with a scale and zero per ``group``
+    inputs (``kvloom.kernels.cpu_int4``) for decode steps of few rows, and the dense (oneDNN-packed) weight
+    for bigger steps. ``source``: the format it came from (GGUF types, awq, gptq), for the log."""
 
-    def __init__(self, dense, source: str, max_rows: int = INT4_MAX_ROWS) -> None:
-        self.dense, self.source, self.max_rows = dense, source, max_rows
-        self.name = f"int4 ({source}) for steps of <= {max_rows} rows, else {getattr(dense, 'name', 'dense')}"
+    def __init__(self, dense, source: str, max_rows: int = INT4_MAX_ROWS, group: int = GROUP) -> None:
+        self.dense, self.source, self.max_rows, self.group = dense, source, max_rows, group
+
+    @property
+    def name(self) -> str:
+        return f"int4 ({self.source}) for steps of <= {self.max_rows} rows, else {getattr(self.dense, 'name', 'dense')}"
 
     def create_weights(self, layer) -> None:
         raise RuntimeError("an int4 CPU layer is made from a loaded one")
@@ -103,8 +112,10 @@ class Int4CPUMethod:
     def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
         if x.dim() != 2 or x.shape[0] > self.max_rows or x.dtype != layer.int4_scale_zeros.dtype:
             return self.dense.apply(layer, x)
-        y = int4_mm(x.contiguous(), layer.int4_weight, layer.int4_scale_zeros)
-        return y if layer.bias is None else y + layer.bias
+        y = int4_mm(x.contiguous(), layer.int4_weight, layer.int4_scale_zeros, self.group)
+        # once the dense copy is oneDNN-packed, the bias lives with it
+        bias = layer.bias if layer.bias is not None else getattr(getattr(layer, "packed", None), "bias", None)
+        return y if bias is None else y + bias
 
     def process_weights_after_loading(self, layer) -> None:
         pass
@@ -137,10 +148,18 @@ def attach_int4(model: nn.Module, codes: dict, stacked: dict, dtype: torch.dtype
         if any(p is None for p in parts):
             continue
         q, scale, zero = (torch.cat([p[i] for p in parts]) for i in (1, 2, 3))
-        packed, sz = pack_int4(q, scale, zero, dtype)
-        layer.register_buffer("int4_weight", packed, persistent=False)
-        layer.register_buffer("int4_scale_zeros", sz, persistent=False)
-        layer.method = Int4CPUMethod(layer.method, "/".join(sorted({p[0] for p in parts})))
+        attach_layer_int4(layer, q, scale, zero, GROUP, "/".join(sorted({p[0] for p in parts})), dtype)
         count += 1
         total += int4_bytes(layer)
     return count, total
+
+
+@torch.no_grad()
+def attach_layer_int4(layer, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group: int, source: str,
+                      dtype: torch.dtype) -> None:
+    """Give ``layer`` (dense, or its dense copy oneDNN-packed) the 4-bit copy of codes ``q`` [N, K] with
+    ``scale``/``zero`` [N, K / group] (``W = (q - 8) * scale + zero``) and ``Int4CPUMethod``."""
+    packed, sz = pack_int4(q, scale, zero, dtype)
+    layer.register_buffer("int4_weight", packed, persistent=False)
+    layer.register_buffer("int4_scale_zeros", sz, persistent=False)
+    layer.method = Int4CPUMethod(layer.method, source, group=group)

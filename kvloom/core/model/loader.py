@@ -343,7 +343,10 @@ def build_model(
     """Create the model on ``device`` (its linear layers in ``quantization``'s format, or dense), fill its
     weights from ``path`` (or randomly for ``dummy``), then process them once: the format's repacking,
     then on the CPU oneDNN packing of dense weights unless ``pack_cpu_weights`` is false. ``gguf_int4``:
-    on the CPU in bfloat16, a GGUF file's 4-bit linear weights are also kept packed at 4 bits."""
+    on the CPU in bfloat16, a GGUF file's (or an AWQ/GPTQ checkpoint's) 4-bit linear weights are also kept packed
+    at 4 bits."""
+    if hasattr(quantization, "cpu_int4"):  # AWQ/GPTQ: their 4-bit layers' CPU copy follows the same option
+        quantization.cpu_int4 = gguf_int4
     model = _materialize(make_model(config, backend, dtype, quantization, tp, kernels), device)
     int4 = None
     if load_format == "dummy":

@@ -7,11 +7,11 @@ from __future__ import annotations
 import torch
 
 from kvloom.core.config import ConfigError
-from kvloom.core.model.linear import LinearBase, set_dense_weight
-from kvloom.core.model.quantization.base import (QuantizationMethod, check_choice, dense_bytes, dequantized_kernel,
-                                            param_bytes)
-from kvloom.core.model.quantization.packed_int import INT_KERNELS, keep_packed, set_packed_weight, tinygemm_bytes
-from kvloom.kernels.quant_reference import dequantize_awq, repack_awq
+from kvloom.core.model.linear import LinearBase
+from kvloom.core.model.quantization.base import QuantizationMethod, check_choice, dense_bytes, param_bytes
+from kvloom.core.model.quantization.packed_int import (INT_KERNELS, cpu_int4_bytes, cpu_int4_refusal, keep_packed,
+                                                      set_cpu_weights, set_packed_weight, tinygemm_bytes)
+from kvloom.kernels.quant_reference import awq_codes, dequantize_awq, repack_awq
 
 AWQ_GROUP_SIZES = (32, 64, 128)
 PACK = 8  # 4-bit values per int32
@@ -25,6 +25,8 @@ class AWQMethod(QuantizationMethod):
         super().__init__(modules_to_not_convert)
         self.group_size, self.zero_point = group_size, zero_point
         self.keep_packed: bool | None = None  # None: packed on CUDA, dequantized at load on the CPU
+        self.cpu_int4 = True  # on the CPU in bfloat16 also a 4-bit copy for decode steps (the gguf_int4 option)
+        self.cpu_tally: dict = {"int4": 0, "int4_bytes": 0, "dense": {}}
 
     @classmethod
     def from_config(cls, qc: dict) -> "AWQMethod":
@@ -70,9 +72,15 @@ class AWQLinearMethod:
     def process_weights_after_loading(self, layer: LinearBase) -> None:
         m = self.method
         if not keep_packed(layer.qweight.device, m.keep_packed):  # the CPU: dense matmuls beat unpacking
+            refusal = cpu_int4_refusal(layer, m.group_size, m.cpu_int4 and m.keep_packed is None)
+            codes = None
+            if refusal is None:
+                from kvloom.kernels.cpu_int4 import zero_point_codes
+
+                codes = zero_point_codes(*awq_codes(layer.qweight.data, layer.qzeros.data), layer.scales.data,
+                                         m.group_size)
             weight = dequantize_awq(layer.qweight.data, layer.qzeros.data, layer.scales.data, m.group_size)
-            m.kernel = dequantized_kernel(weight.device, layer.params_dtype)
-            set_dense_weight(layer, weight)
+            set_cpu_weights(layer, m, weight, codes, m.group_size, refusal)
             return
         qweight, zeros = repack_awq(layer.qweight.data, layer.qzeros.data)
         set_packed_weight(layer, qweight, zeros, layer.scales.data, m.group_size, 4, kernels=m.kernels)
@@ -83,7 +91,9 @@ class AWQLinearMethod:
 
     def held_bytes(self, layer: LinearBase, device_type: str) -> int:
         if device_type == "cpu":
-            return dense_bytes(layer)
+            g = self.method.group_size
+            keeps = cpu_int4_refusal(layer, g, self.method.cpu_int4 and self.method.keep_packed is None) is None
+            return dense_bytes(layer) + (cpu_int4_bytes(layer, g) if keeps else 0)
         zeros = layer.qzeros.numel() * 8  # unpacked to a uint8 each
         return (param_bytes(layer) - layer.qzeros.numel() * 4 + zeros
                 + tinygemm_bytes(layer, 4, self.method.group_size, device_type, self.method.kernels))

@@ -9,10 +9,10 @@ import torch
 
 from kvloom.core.config import ConfigError
 from kvloom.core.model.linear import LinearBase, set_dense_weight
-from kvloom.core.model.quantization.base import (QuantizationMethod, check_choice, dense_bytes, dequantized_kernel,
-                                            param_bytes)
-from kvloom.core.model.quantization.packed_int import INT_KERNELS, keep_packed, set_packed_weight, tinygemm_bytes
-from kvloom.kernels.quant_reference import dequantize_gptq, repack_gptq
+from kvloom.core.model.quantization.base import QuantizationMethod, check_choice, dense_bytes, param_bytes
+from kvloom.core.model.quantization.packed_int import (INT_KERNELS, cpu_int4_bytes, cpu_int4_refusal, keep_packed,
+                                                      set_cpu_weights, set_packed_weight, tinygemm_bytes)
+from kvloom.kernels.quant_reference import dequantize_gptq, gptq_codes, repack_gptq
 
 GPTQ_BITS = (4, 8)
 GPTQ_GROUP_SIZES = (-1, 32, 64, 128)
@@ -27,6 +27,8 @@ class GPTQMethod(QuantizationMethod):
         super().__init__(modules_to_not_convert)
         self.keep_packed: bool | None = None  # None: packed on CUDA, dequantized at load on the CPU
         self.dense_layers: list[str] = []  # packed-path layers that had to be dequantized instead
+        self.cpu_int4 = True  # on the CPU in bfloat16 4-bit layers also keep a 4-bit copy (the gguf_int4 option)
+        self.cpu_tally: dict = {"int4": 0, "int4_bytes": 0, "dense": {}}
         self.bits, self.group_size, self.desc_act, self.sym = bits, group_size, desc_act, sym
         self.checkpoint_format = checkpoint_format
 
@@ -114,16 +116,44 @@ class GPTQLinearMethod:
             return False, g
         return perm, g
 
+    def cpu_int4_group(self, layer: LinearBase) -> tuple[int, str | None]:
+        """(group size, None) of the CPU's 4-bit copy of this layer, or (0, why it keeps none). One group per
+        column runs as groups of the largest size the int4 matmul takes; under desc_act the inputs must be
+        in group order already (``g_idx`` ``i // group_size`` in every shard; unknown on the meta device,
+        where ``engine plan`` counts no copy)."""
+        m = self.method
+        if m.bits != 4:
+            return 0, f"{m.bits}-bit"
+        k = layer.input_size
+        g = m.group_size if m.group_size > 0 else next((s for s in (256, 128, 64, 32) if k % s == 0), None)
+        if g is None:
+            return 0, f"one group of {k} inputs: no group size of the int4 matmul divides it"
+        if m.desc_act:
+            g_idx = layer.g_idx.data
+            own = m.group_size if m.group_size > 0 else k
+            if g_idx.is_meta or k % g or not torch.equal(
+                    g_idx.long(), (torch.arange(k, device=g_idx.device) // own).expand_as(g_idx)):
+                return 0, "act-order: g_idx not in group order"
+        refusal = cpu_int4_refusal(layer, g, m.cpu_int4 and m.keep_packed is None)
+        return (0, refusal) if refusal is not None else (g, None)
+
     def process_weights_after_loading(self, layer: LinearBase) -> None:
         m = self.method
         packed = keep_packed(layer.qweight.device, m.keep_packed)
         perm, g = self._input_order(layer) if packed else (False, 0)
-        if perm is False:  # the CPU (dense matmuls beat unpacking), or an order the kernel cannot take
+        if perm is False and not packed:  # the CPU: dense matmuls beat unpacking, a 4-bit copy for decode steps
+            g, refusal = self.cpu_int4_group(layer)
+            codes = None
+            if refusal is None:
+                from kvloom.kernels.cpu_int4 import zero_point_codes
+
+                q, z = gptq_codes(layer.qweight.data, layer.qzeros.data, 4, m.checkpoint_format == "gptq")
+                codes = zero_point_codes(q, z, layer.scales.data, g)
+            set_cpu_weights(layer, m, self.dequantize(layer), codes, g, refusal)
+            return
+        if perm is False:  # q, k and v with their own input orders cannot share one sorted matmul
             weight = self.dequantize(layer)
-            if packed:  # q, k and v with their own input orders cannot share one sorted matmul
-                m.dense_layers.append(layer.prefix)
-            else:
-                m.kernel = dequantized_kernel(weight.device, layer.params_dtype)
+            m.dense_layers.append(layer.prefix)
             set_dense_weight(layer, weight)
             return
         qweight, zeros = repack_gptq(layer.qweight.data, layer.qzeros.data, m.bits, m.checkpoint_format == "gptq", perm)
@@ -136,7 +166,8 @@ class GPTQLinearMethod:
 
     def held_bytes(self, layer: LinearBase, device_type: str) -> int:
         if device_type == "cpu":
-            return dense_bytes(layer)
+            g, refusal = self.cpu_int4_group(layer)
+            return dense_bytes(layer) + (cpu_int4_bytes(layer, g) if refusal is None else 0)
         per_word = 32 // self.method.bits
         group = self.method.group_size if self.method.group_size > 0 else layer.input_size
         return (param_bytes(layer) - layer.qzeros.numel() * 4 + layer.qzeros.numel() * per_word

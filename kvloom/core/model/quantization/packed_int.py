@@ -4,14 +4,15 @@ weights in one ``[N, K / 8]`` int32 layout that every 4-bit kernel of the GPU re
 MMA row layout, ``quant.gluon_int4.int4_mma_pack``; elsewhere the row layout, ``quant.int4_row.int4_row_pack``),
 plus PyTorch's int4 copy (tinygemm) for 1-4 rows where it takes the shape (on Hopper only for weights of
 4096 x 4096 and less, whose one row it runs); 8-bit weights packed along the inputs. On the CPU
-the formats are dequantized at load instead, where dense oneDNN matmuls are faster than unpacking
-nibbles on every call."""
+the formats are dequantized at load instead (dense oneDNN matmuls beat unpacking nibbles in Python), and in
+bfloat16 4-bit layers also keep their codes for torch's CPU int4 matmul, which serves decode steps of few rows
+(``set_cpu_weights``)."""
 
 from __future__ import annotations
 
 import torch
 
-from kvloom.core.model.linear import LinearBase
+from kvloom.core.model.linear import LinearBase, set_dense_weight
 from kvloom.kernels.options import DEFAULT_KERNELS, KernelOptions
 
 
@@ -163,3 +164,59 @@ def tinygemm_bytes(layer: LinearBase, bits: int, group_size: int, device_type: s
     if layer.params_dtype != torch.bfloat16 or group_size not in (32, 64, 128, 256) or k % 1024:
         return 0
     return k * n // 2 + (k // group_size) * n * 4
+
+
+# --- the CPU: dense weights, and for 4-bit layers in bfloat16 a 4-bit copy beside them -------------------
+def cpu_int4_refusal(layer: LinearBase, group_size: int | None, enabled: bool) -> str | None:
+    """Why a 4-bit AWQ/GPTQ layer on the CPU holds no 4-bit copy for torch's int4 matmul (None: it holds
+    one); ``group_size`` None: the format's groups cannot be run in order (the reason is the caller's)."""
+    from kvloom.kernels.cpu_int4 import INT4_GROUPS, INT4_N_MULTIPLE, int4_supported
+
+    if not enabled:
+        return "off"
+    if layer.params_dtype != torch.bfloat16:
+        return "not bfloat16"
+    if layer.tp_size != 1:
+        return "tensor parallel"
+    if group_size not in INT4_GROUPS or layer.input_size % group_size:
+        return f"group size {group_size}: the int4 matmul takes {list(INT4_GROUPS)}"
+    if layer.output_size % INT4_N_MULTIPLE:
+        return f"outputs not a multiple of {INT4_N_MULTIPLE}"
+    if not int4_supported():
+        return "no CPU int4 matmul in this torch"
+    return None
+
+
+def cpu_int4_bytes(layer: LinearBase, group_size: int) -> int:
+    """The 4-bit copy's bytes: half a byte a weight, and a bf16 scale and zero per group and output."""
+    n, k = layer.output_size, layer.input_size
+    return n * k // 2 + n * (k // group_size) * 2 * 2
+
+
+QUIET = ("off", "not bfloat16")  # reasons that need no word in the start-up line
+
+
+@torch.no_grad()
+def set_cpu_weights(layer: LinearBase, method, weight: torch.Tensor, codes, group_size: int,
+                    refusal: str | None) -> None:
+    """The CPU's layer: the dense ``weight`` (oneDNN-packed later by the loader), plus, where ``codes`` (q, scale,
+    zero from ``cpu_int4.zero_point_codes``) are given, their 4-bit copy for decode steps (``Int4CPUMethod``).
+    Tallies both on ``method`` (an AWQ/GPTQ ``QuantizationMethod``) for its start-up line."""
+    from kvloom.core.model.cpu_packing import INT4_MAX_ROWS, attach_layer_int4, int4_bytes
+
+    set_dense_weight(layer, weight)
+    tally = method.cpu_tally
+    if codes is None:
+        tally["dense"][refusal] = tally["dense"].get(refusal, 0) + 1
+    else:
+        attach_layer_int4(layer, *codes, group_size, method.name, layer.params_dtype)
+        tally["int4"] += 1
+        tally["int4_bytes"] += int4_bytes(layer)
+    dtype = str(layer.params_dtype).removeprefix("torch.")
+    dense = [f"{n} layers ({why})" for why, n in sorted(tally["dense"].items()) if why not in QUIET]
+    line = f"dequantized at load to {dtype} (cpu: dense matmuls)"
+    if tally["int4"]:
+        line = (f"{tally['int4']} layers kept at 4 bits on the CPU ({tally['int4_bytes'] / 2**20:.1f} MiB, torch's "
+                f"int4 matmul for steps of <= {INT4_MAX_ROWS} rows) beside their {dtype} copy, {line}, "
+                "for bigger steps")
+    method.kernel = line + (f"; dense only (no 4-bit copy): {', '.join(dense)}" if dense else "")
