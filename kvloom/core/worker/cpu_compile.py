@@ -29,6 +29,9 @@ def compile_refusal(model, backend, kv_caches, lora) -> str | None:
     """Why the CPU decode step cannot be compiled for this model, or None."""
     from kvloom.core.model.families.decoder import DecoderLayer, DecoderLM
 
+    # before inductor first asks for its cache folder (then it keeps the one it found: /tmp by default)
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR",
+                          os.path.join(os.path.expanduser("~"), ".cache", "kvloom", "inductor"))
     if torch._dynamo.config.disable:
         return "torch.compile is disabled (TORCH_COMPILE_DISABLE=1)"
     if not isinstance(backend, CPUAttentionBackend):
@@ -58,8 +61,6 @@ class CompiledDecode:
     """Runs decode-only steps of ``model`` compiled; called as ``(ids, positions, metadata)``."""
 
     def __init__(self, model, backend: CPUAttentionBackend, kv_caches, adjust_threads=None) -> None:
-        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR",
-                              os.path.join(os.path.expanduser("~"), ".cache", "kvloom", "inductor"))
         # one engine's three variants, and room for other models' in the same process (tests, LLM objects)
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
         self.model, self.backend, self.kv_caches = model, backend, kv_caches
