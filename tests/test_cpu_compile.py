@@ -20,8 +20,11 @@ NEW_TOKENS = 12
 
 
 @pytest.fixture
-def compiling(monkeypatch):
-    monkeypatch.setattr(torch._dynamo.config, "disable", False)
+def compiling():
+    # torch's config module, not monkeypatch: undoing a module attribute pytest did not find in the module's
+    # dict deletes it, and with it the option
+    with torch._dynamo.config.patch(disable=False):
+        yield
 
 
 def _counting(llm: LLM) -> list[int]:
