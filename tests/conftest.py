@@ -15,9 +15,7 @@ from pathlib import Path
 os.environ["TORCH_COMPILE_DISABLE"] = "1"
 
 import pytest  # noqa: E402
-import torch  # noqa: E402
-
-torch._dynamo.config.disable = True  # in case a plugin imported torch before this file
+import torch  # noqa: E402  (not torch._dynamo: it imports triton, which tests/kernels must load interpreted)
 
 TINY_COMMON = dict(
     hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
