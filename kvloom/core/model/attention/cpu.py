@@ -73,6 +73,12 @@ def _first_block(s_len: int, q_len: int, window: int | None, bs: int) -> int:
     return max(0, s_len - q_len - window + 1) // bs
 
 
+def _window_key(window: int | None, longest: int) -> int | None:
+    """The window decode rows of at most ``longest`` positions read through: None where every row sees its
+    whole sequence."""
+    return None if window is not None and longest <= window else window
+
+
 @dataclass
 class DecodeStep:
     """A decode-only step's indices, built before the layers run (``CPUAttentionBackend.decode_step``): what the
@@ -93,7 +99,7 @@ class CPUAttentionBackend:
         longest = max(meta.seq_lens_cpu)
         decode = {}
         for window in windows:
-            key = None if window is not None and longest <= window else window
+            key = _window_key(window, longest)
             # two blocks at least: a gather of one block would take another shape in the compiled code
             index = self._decode_index(meta, k_cache, dtype, key, min_blocks=2)
             decode[window] = (index.rows, index.bias)
@@ -136,8 +142,10 @@ class CPUAttentionBackend:
         device = tables.device
         if window is None:
             nblk = max(-(-max(lens_cpu) // bs), min_blocks)
-            cols = torch.arange(nblk, device=device).clamp_(max=tables.shape[1] - 1)
-            table_cols = tables[:, :nblk] if nblk <= tables.shape[1] else tables[:, cols]
+            if nblk <= tables.shape[1]:
+                table_cols = tables[:, :nblk]
+            else:  # min_blocks past the table's width: repeat its last block, masked out below
+                table_cols = tables[:, torch.arange(nblk, device=device).clamp_(max=tables.shape[1] - 1)]
             first_pos = torch.zeros_like(lens)
         else:
             first_blocks = [max(0, n - window) // bs for n in lens_cpu]
@@ -170,9 +178,7 @@ class CPUAttentionBackend:
         k_cache, v_cache = kv_cache
         if isinstance(meta, DecodeStep):  # plain ops, traceable: the compiler fuses the mask and scale in
             rows, bias = meta.decode[window]
-            head_dim = k_cache.shape[-1]
-            k_cache.view(-1, head_dim).index_copy_(0, meta.write_rows, k.reshape(-1, head_dim))
-            v_cache.view(-1, head_dim).index_copy_(0, meta.write_rows, v.reshape(-1, head_dim))
+            self._write(k, v, k_cache, v_cache, meta.write_rows, k_scale, v_scale)
             explicit = softcap is not None or sinks is not None
             index = _DecodeIndex(rows, bias.shape[-1] // k_cache.shape[2], bias, bias == 0 if explicit else None)
             return self._decode(q, k_cache, v_cache, index, scale, softcap=softcap, sinks=sinks)
@@ -181,20 +187,11 @@ class CPUAttentionBackend:
         if index is None:  # first layer of the step
             index = meta.backend_data = self._index(meta, k_cache)
         head_dim = k_cache.shape[-1]
-        if is_fp8(k_cache.dtype):  # index_copy_ has no float8 kernels: copy the quantized bytes
-            for x, cache, s in ((k, k_cache, k_scale), (v, v_cache, v_scale)):
-                rows = quantize_kv(x.reshape(-1, head_dim), cache.dtype, s).view(torch.uint8)
-                cache.view(torch.uint8).view(-1, head_dim).index_copy_(0, index.write_rows, rows)
-        else:
-            k_cache.view(-1, head_dim).index_copy_(0, index.write_rows, k.reshape(-1, head_dim))
-            v_cache.view(-1, head_dim).index_copy_(0, index.write_rows, v.reshape(-1, head_dim))
+        self._write(k, v, k_cache, v_cache, index.write_rows, k_scale, v_scale)
         explicit = softcap is not None or sinks is not None  # scores written out (no fused kernel does these)
         nd = meta.num_decodes
         if nd:
-            if window is not None and max(meta.seq_lens_cpu[:nd]) <= window:
-                window_key = None  # every decode row sees its whole sequence
-            else:
-                window_key = window
+            window_key = _window_key(window, max(meta.seq_lens_cpu[:nd]))
             dec = index.decode.get(window_key)
             if dec is None:
                 dec = index.decode[window_key] = self._decode_index(meta, k_cache, q.dtype, window_key)
@@ -252,6 +249,18 @@ class CPUAttentionBackend:
                 for j, i in enumerate(seqs):
                     out[starts[i]: starts[i] + q_len] = o[j]
         return out
+
+    @staticmethod
+    def _write(k, v, k_cache, v_cache, write_rows: torch.Tensor, k_scale: float, v_scale: float) -> None:
+        """The step's new K/V into their cache rows (``_StepIndex.write_rows``)."""
+        head_dim = k_cache.shape[-1]
+        if is_fp8(k_cache.dtype):  # index_copy_ has no float8 kernels: copy the quantized bytes
+            for x, cache, s in ((k, k_cache, k_scale), (v, v_cache, v_scale)):
+                rows = quantize_kv(x.reshape(-1, head_dim), cache.dtype, s).view(torch.uint8)
+                cache.view(torch.uint8).view(-1, head_dim).index_copy_(0, write_rows, rows)
+        else:
+            k_cache.view(-1, head_dim).index_copy_(0, write_rows, k.reshape(-1, head_dim))
+            v_cache.view(-1, head_dim).index_copy_(0, write_rows, v.reshape(-1, head_dim))
 
     @staticmethod
     def _decode(q, k_cache, v_cache, index: _DecodeIndex, scale: float, kv_scales=(1.0, 1.0), softcap=None,
