@@ -208,7 +208,7 @@ class EngineCore(LoRAAdapterMethods):
             # for the quiet machine's count: each count costs the whole compile again (the guards hold it), and
             # the governor's fewer threads under contention run the step eagerly
             self.runner.compile_decode(config.max_num_seqs, None if governor is None else governor.maybe_adjust,
-                                       [torch.get_num_threads() if governor is None else governor.max_threads])
+                                       torch.get_num_threads() if governor is None else governor.max_threads)
         self.last_step_tokens = 0
         self.num_overlapped_steps = 0  # launched while the previous step was still in flight
         self._in_flight: tuple | None = None  # (plan, launched step, when its step began) not yet resolved

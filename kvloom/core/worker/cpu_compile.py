@@ -73,7 +73,7 @@ class CompiledDecode:
             self.windows.setdefault(group, set()).add(layer.self_attn.variant.get("window"))
         self.first_layer = {g: groups.index(g) for g in self.windows}
         self.adjust_threads = adjust_threads
-        self.threads: set[int] = set()  # the thread counts compiled for
+        self.threads = 0  # the thread count compiled for (0: not yet)
 
     def steps(self, meta: AttentionMetadata | list[AttentionMetadata]):
         dtype = self.model.embed_tokens.weight.dtype
@@ -91,7 +91,7 @@ class CompiledDecode:
         if self.adjust_threads is not None:
             self.adjust_threads()
         step = self.steps(meta)
-        if torch.get_num_threads() not in self.threads:
+        if torch.get_num_threads() != self.threads:
             return self.model(ids, positions, step, self.kv_caches)
         try:
             with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
@@ -104,20 +104,19 @@ class CompiledDecode:
         return self.compiled(self.model, ids, positions, step, self.kv_caches)
 
     @torch.inference_mode()
-    def warm_up(self, max_rows: int, block_size: int, metas, thread_counts) -> float:
-        """Compile for the batch sizes the guards tell apart (1, a few, more than 4) at each of ``thread_counts``
-        (the guards hold the count too) before any request comes; ``metas(n, length)``: decode metadata of ``n``
-        rows with ``length`` cached positions each. Returns the seconds it took."""
+    def warm_up(self, max_rows: int, block_size: int, metas, threads: int) -> float:
+        """Compile for the batch sizes the guards tell apart (1, a few, more than 4) at ``threads`` threads (the
+        guards hold the count too) before any request comes; ``metas(n, length)``: decode metadata of ``n`` rows
+        with ``length`` cached positions each. Returns the seconds it took."""
         t0 = time.perf_counter()
         current = torch.get_num_threads()
+        torch.set_num_threads(threads)
         try:
-            for threads in thread_counts:
-                torch.set_num_threads(threads)
-                for n in sorted({1, min(2, max_rows), min(8, max_rows)}):
-                    meta = metas(n, 3 * block_size)  # 3 blocks: 1 would be specialized, 2 might equal a head size
-                    ids = torch.zeros(n, dtype=torch.long)
-                    self.compiled(self.model, ids, ids.clone(), self.steps(meta), self.kv_caches)
-                self.threads.add(threads)
+            for n in sorted({1, min(2, max_rows), min(8, max_rows)}):
+                meta = metas(n, 3 * block_size)  # 3 blocks: 1 would be specialized, 2 might equal a head size
+                ids = torch.zeros(n, dtype=torch.long)
+                self.compiled(self.model, ids, ids.clone(), self.steps(meta), self.kv_caches)
         finally:
             torch.set_num_threads(current)
+        self.threads = threads
         return time.perf_counter() - t0

@@ -404,7 +404,7 @@ class ModelRunner:
                           and decode_layout(seqs))
             ids, pos, meta, rows, sampling, lora = (self._prepare_decode_rows if as_decodes else self.prepare)(seqs)
             if (self.compiled_decode is not None and not scoring and not pooling and rows is None
-                    and not plan.num_draft_tokens and all(s.num_new_tokens == 1 for s in seqs)):
+                    and all(s.num_new_tokens == 1 for s in seqs)):  # one token each: no drafts either
                 hidden = self.compiled_decode(ids, pos, meta)
             else:
                 hidden = self.model(ids, pos, meta, self.kv_caches, keep=rows, lora=lora)  # the kept rows' states
@@ -500,9 +500,9 @@ class ModelRunner:
         logger.info("Captured CUDA graphs for %d decode-layout token counts (1..%d) in %.1fs",
                     len(sizes), max_b, time.perf_counter() - t0)
 
-    def compile_decode(self, max_num_seqs: int, adjust_threads=None, thread_counts=(1,)) -> None:
+    def compile_decode(self, max_num_seqs: int, adjust_threads=None, threads: int = 1) -> None:
         """On the CPU: compile the decode step (``kvloom.core.worker.cpu_compile``) now, for every batch size
-        at each of ``thread_counts``, or say in the log why it stays eager. ``adjust_threads()``: the thread
+        at ``threads`` threads, or say in the log why it stays eager. ``adjust_threads()``: the thread
         governor's check, run before each compiled step (its layer hooks do not run inside the graph)."""
         from kvloom.core.worker.cpu_compile import CompiledDecode, compile_refusal
 
@@ -512,10 +512,10 @@ class ModelRunner:
             logger.info("CPU decode step eager: %s", refusal)
             return
         compiled = CompiledDecode(self.model, backend, self.kv_caches, adjust_threads)
-        seconds = compiled.warm_up(max_num_seqs, self.block_size, self._scratch_meta, thread_counts)
+        seconds = compiled.warm_up(max_num_seqs, self.block_size, self._scratch_meta, threads)
         self.compiled_decode = compiled
-        logger.info("CPU decode step compiled (torch.compile, for %s threads) in %.1fs; --enforce-eager runs it "
-                    "eagerly", "/".join(map(str, thread_counts)), seconds)
+        logger.info("CPU decode step compiled (torch.compile, for %d threads) in %.1fs; --enforce-eager runs it "
+                    "eagerly", threads, seconds)
 
     def _scratch_meta(self, n: int, length: int):
         """Decode metadata of ``n`` rows at ``length`` positions over the cache's first blocks (before any
