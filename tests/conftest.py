@@ -144,6 +144,11 @@ def make_tiny_model(path: Path, family: str, seed: int = 0, max_shard_size: str 
             for name, p in model.named_parameters():
                 if name.endswith("bias") and not p.any():
                     p.normal_(0.0, 0.2)
+    if family == "gpt_oss":
+        # older transformers (5.17) computes gpt-oss's clamp with its constants (alpha 1.702, limit 7.0), whatever
+        # the config says: there the saved config carries those, so kvloom and the reference compute alike
+        experts = model.model.layers[0].mlp.experts
+        config.swiglu_alpha, config.swiglu_limit = experts.alpha, experts.limit
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(str(path), safe_serialization=True, **kwargs)
     make_tokenizer(path)

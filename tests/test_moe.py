@@ -91,7 +91,10 @@ def _hf_block(family: str, config):
 
     cls = {"mixtral": MixtralSparseMoeBlock, "qwen2_moe": Qwen2MoeSparseMoeBlock,
            "qwen3_moe": Qwen3MoeSparseMoeBlock, "gpt_oss": GptOssMLP}[family]
-    return _randomize(cls(config))
+    block = cls(config)
+    if family == "gpt_oss":  # older transformers (5.17) sets its constants here, not the config's clamp
+        block.experts.alpha, block.experts.limit = config.swiglu_alpha, config.swiglu_limit
+    return _randomize(block)
 
 
 def _kvloom_block(family: str, config, hf_block, tp: TensorParallel | None = None):
