@@ -13,6 +13,12 @@ from pathlib import Path
 # engines, so it runs them eagerly, child processes included (torch reads this once, at import), and
 # tests/test_cpu_compile.py turns compiling back on where it is under test.
 os.environ["TORCH_COMPILE_DISABLE"] = "1"
+# oneDNN's primitive cache and ideep's above it keep an entry, with its memory, per matmul shape (set before
+# torch loads): the suite's hundreds of tiny models of odd shapes filled the default 1,024 entries in pytest and its
+# engines, hundreds of MB that stayed to the end. The engine's own cap (cpu_threads.ONEDNN_ENVIRONMENT) is for
+# one model's shapes; a few entries are enough for a test's.
+os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "16")
+os.environ.setdefault("LRU_CACHE_CAPACITY", "16")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402  (not torch._dynamo: it imports triton, which tests/kernels must load interpreted)
