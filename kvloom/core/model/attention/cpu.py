@@ -59,6 +59,12 @@ def _softmax(scores: torch.Tensor) -> torch.Tensor:
     return torch.softmax(scores, dim=-1)
 
 
+# The compiled decode step's attention runs torch's fused CPU kernel up to this many rows (the bf16 batched
+# matmuls beyond): at batch 1 it saved ~1 ms a token on SmolLM2 (docs/benchmarks.md); 4 is the 4-bit matmuls'
+# cut too, so it adds no variant to compile.
+SDPA_DECODE_ROWS = 4
+
+
 def _block_rows(table_cols: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
     """Rows ``block * Hkv + head`` of each table row's blocks ``[seq, blocks]``, ordered ``[seq, head, block]``."""
     heads = torch.arange(num_kv_heads, device=table_cols.device)
@@ -181,7 +187,8 @@ class CPUAttentionBackend:
             self._write(k, v, k_cache, v_cache, meta.write_rows, k_scale, v_scale)
             explicit = softcap is not None or sinks is not None
             index = _DecodeIndex(rows, bias.shape[-1] // k_cache.shape[2], bias, bias == 0 if explicit else None)
-            return self._decode(q, k_cache, v_cache, index, scale, softcap=softcap, sinks=sinks)
+            return self._decode(q, k_cache, v_cache, index, scale, softcap=softcap, sinks=sinks,
+                                sdpa=q.shape[0] <= SDPA_DECODE_ROWS)
         kv_scales = (k_scale, v_scale)
         index = meta.backend_data
         if index is None:  # first layer of the step
@@ -264,7 +271,7 @@ class CPUAttentionBackend:
 
     @staticmethod
     def _decode(q, k_cache, v_cache, index: _DecodeIndex, scale: float, kv_scales=(1.0, 1.0), softcap=None,
-                sinks=None) -> torch.Tensor:
+                sinks=None, sdpa: bool = False) -> torch.Tensor:
         _, num_kv_heads, bs, head_dim = k_cache.shape
         batch, num_heads, _ = q.shape
         length = index.blocks * bs
@@ -276,8 +283,9 @@ class CPUAttentionBackend:
             sinks = None if sinks is None else sinks.view(num_kv_heads, -1, 1)
             out = reference.attend(grouped, keys, values, index.mask, scale, softcap, sinks)
             return out.view(batch, num_heads, head_dim)
-        if q.dtype == torch.float32:
-            # float32 batched matmuls this small run in MKL at a fraction of the fused kernel's speed
+        if q.dtype == torch.float32 or sdpa:
+            # float32 batched matmuls this small run in MKL at a fraction of the fused kernel's speed; in bf16
+            # the fused kernel wins where the step has few rows (``sdpa``, the compiled step's)
             out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=index.bias, scale=scale)
             return out.view(batch, num_heads, head_dim)
         scores = torch.matmul(grouped, keys.transpose(-1, -2))  # [B, Hkv, G, L]
