@@ -61,6 +61,21 @@ def test_compiled_decode_equals_transformers(family, compiling, tmp_path):
     assert calls[0] >= 3 * (NEW_TOKENS - 1)  # every decode step of the three runs, none eager
 
 
+def test_steps_of_more_rows_than_compiled_for_run_eagerly(compiling, tiny_llama):
+    from kvloom.core.worker.cpu_compile import MAX_ROWS
+
+    rng = random.Random(5)
+    prompts = [[rng.randrange(3, 380) for _ in range(rng.randrange(5, 30))] for _ in range(MAX_ROWS + 2)]
+    expected = hf_greedy(tiny_llama, prompts, NEW_TOKENS)
+    llm = LLM(str(tiny_llama), dtype="float32", max_num_seqs=MAX_ROWS + 2, max_model_len=128, threads=1)
+    calls = _counting(llm)
+    sp = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)] == expected
+    assert calls[0] == 0  # every decode step had MAX_ROWS + 2 rows
+    llm.generate(prompts[:1], sp, use_tqdm=False)
+    assert calls[0] >= NEW_TOKENS - 1  # and one request alone still runs compiled
+
+
 def test_bf16_compiled_step_matches_eager(compiling, tiny_llama):
     """bf16: the compiler fuses the elementwise work in float32 and rounds once where the eager ops round each
     time, so a step's logits differ by bf16 rounding only: one decode step of 5 rows over 40 cached positions,

@@ -5,8 +5,8 @@ attention's index work of every layer become a few C++ loops around the matmuls,
 Attention reads a ``DecodeStep`` (``CPUAttentionBackend.decode_step``): indices built once a step outside
 the graph, so the traced code sees tensors only. Shapes are dynamic in the batch and the context length;
 the step is compiled at start-up for the variants its guards tell apart (a batch of 1, of a few rows,
-of more rows than the 4-bit matmuls take), so no request waits for a compile, and steps then skip the
-guards. Kernels are cached on disk (inductor's cache, under ``~/.cache/kvloom/inductor``) for the
+of more rows than the 4-bit matmuls take, up to ``MAX_ROWS``: bigger steps run eagerly), so no request
+waits for a compile, and steps then skip the guards. Kernels are cached on disk (inductor's cache, under ``~/.cache/kvloom/inductor``) for the
 next start. The guards hold torch's thread count: a step run with another count (the thread governor's,
 under contention) runs eagerly.
 """
@@ -23,6 +23,10 @@ from kvloom.core.model.attention.base import AttentionMetadata
 from kvloom.core.model.attention.cpu import CPUAttentionBackend
 
 logger = logging.getLogger("kvloom")
+
+# Steps of more rows run eagerly: their matmuls dominate, and the compiled code's single-threaded loops cost more
+# than the ops they fuse (offline 16 and 32 streams on SmolLM2, docs/benchmarks.md); at 8 the two are even.
+MAX_ROWS = 8
 
 
 def compile_refusal(model, backend, kv_caches, lora) -> str | None:
@@ -88,6 +92,8 @@ class CompiledDecode:
 
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor,
                  meta: AttentionMetadata | list[AttentionMetadata]) -> torch.Tensor:
+        if ids.shape[0] > MAX_ROWS:
+            return self.model(ids, positions, meta, self.kv_caches)
         if self.adjust_threads is not None:
             self.adjust_threads()
         step = self.steps(meta)
@@ -105,14 +111,14 @@ class CompiledDecode:
 
     @torch.inference_mode()
     def warm_up(self, max_rows: int, block_size: int, metas, threads: int) -> float:
-        """Compile for the batch sizes the guards tell apart (1, a few, more than 4) at ``threads`` threads (the
-        guards hold the count too) before any request comes; ``metas(n, length)``: decode metadata of ``n`` rows
+        """Compile for the batch sizes the guards tell apart (1, a few, up to ``MAX_ROWS``) at ``threads`` threads
+        (the guards hold the count too) before any request comes; ``metas(n, length)``: decode metadata of ``n`` rows
         with ``length`` cached positions each. Returns the seconds it took."""
         t0 = time.perf_counter()
         current = torch.get_num_threads()
         torch.set_num_threads(threads)
         try:
-            for n in sorted({1, min(2, max_rows), min(8, max_rows)}):
+            for n in sorted({1, min(2, max_rows), min(MAX_ROWS, max_rows)}):
                 meta = metas(n, 3 * block_size)  # 3 blocks: 1 would be specialized, 2 might equal a head size
                 ids = torch.zeros(n, dtype=torch.long)
                 self.compiled(self.model, ids, ids.clone(), self.steps(meta), self.kv_caches)
