@@ -6,9 +6,9 @@ Attention reads a ``DecodeStep`` (``CPUAttentionBackend.decode_step``): indices 
 the graph, so the traced code sees tensors only. Shapes are dynamic in the batch and the context length;
 the step is compiled at start-up for the variants its guards tell apart (a batch of 1, of a few rows,
 of more rows than the 4-bit matmuls take, up to ``MAX_ROWS``: bigger steps run eagerly), so no request
-waits for a compile, and steps then skip the guards. Kernels are cached on disk (inductor's cache, under ``~/.cache/kvloom/inductor``) for the
-next start. The guards hold torch's thread count: a step run with another count (the thread governor's,
-under contention) runs eagerly.
+waits for a compile, and steps then skip the guards. Kernels are cached on disk (inductor's cache, under
+``~/.cache/kvloom/inductor``) for the next start. The guards hold torch's thread count: a step run with
+another count (the thread governor's, under contention) runs eagerly.
 """
 
 from __future__ import annotations
