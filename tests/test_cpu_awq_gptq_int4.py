@@ -57,7 +57,7 @@ def test_one_gptq_group_per_column_spreads_over_the_kernels_groups():
 def test_packed_cpu_matmul_equals_the_dequantized_product(fmt, group, sym, v2):
     q, scale, zero, ref = layer_codes(fmt, group, sym, v2)
     packed, sz = pack_int4(q, scale, zero, torch.bfloat16)
-    for rows in (1, 4):
+    for rows in (1, 4, 8):
         x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows)).bfloat16()
         got, want = int4_mm(x, packed, sz, group).float(), x.float() @ ref.T
         # bf16 scales, zeros and accumulation: within 1% of the output's scale
@@ -113,7 +113,7 @@ def _greedy(llm) -> list[list[int]]:
 @needs_int4
 def test_greedy_decoding_on_the_4_bit_copies_agrees_with_the_dense_path(checkpoint, caplog):
     from kvloom import LLM
-    from kvloom.core.model.cpu_packing import Int4CPUMethod
+    from kvloom.core.model.cpu_packing import INT4_MAX_ROWS, Int4CPUMethod
 
     name, path, _ = checkpoint
     fmt = CHECKPOINTS[name][1]
@@ -122,7 +122,8 @@ def test_greedy_decoding_on_the_4_bit_copies_agrees_with_the_dense_path(checkpoi
     line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("Quantization:"))
     layers = [layer for layer in int4.engine.model.linear_layers() if layer.prefix.startswith("model.")]
     assert len(layers) == 4 * 2 and all(isinstance(layer.method, Int4CPUMethod) for layer in layers)
-    assert all(layer.method.name.startswith(f"int4 ({fmt}) for steps of <= 4 rows, else dense, oneDNN-packed")
+    assert all(layer.method.name.startswith(f"int4 ({fmt}) for steps of <= {INT4_MAX_ROWS} rows, else dense, "
+                                            "oneDNN-packed")
                for layer in layers)
     assert "kernel: 8 layers kept at 4 bits on the CPU" in line, line
     for layer in layers:  # each layer's 4-bit matmul (bias included) against its dense copy's

@@ -83,6 +83,7 @@ def test_int4_greedy_choices_agree_with_the_dequantized_bf16_path_over_a_real_te
     layers = int4_llm.engine.model.linear_layers()
     assert all(layer.method.name.startswith("int4 (Q4_1)") for layer in layers)  # every q/k/v/o/gate/up/down
     assert not any(hasattr(layer, "int4_weight") for layer in dense_llm.engine.model.linear_layers())
+    cut = layers[0].method.max_rows
     for layer in layers:  # the prompt pass runs on the 4-bit weights too, so that every position is theirs
         layer.method.max_rows = 1 << 30
     try:
@@ -90,7 +91,7 @@ def test_int4_greedy_choices_agree_with_the_dequantized_bf16_path_over_a_real_te
         a, b = argmax_over_text(int4_llm, ids), argmax_over_text(dense_llm, ids)
     finally:
         for layer in layers:
-            layer.method.max_rows = 4
+            layer.method.max_rows = cut
     share = sum(x == y for x, y in zip(a, b)) / len(a)
     assert len(a) == len(ids) - 1 and share >= AGREEMENT, share
 
@@ -101,7 +102,10 @@ def test_int4_decoding_answers_and_batches_like_one_at_a_time(int4_llm):
     from kvloom import SamplingParams
 
     sp = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-    prompts = [int4_llm.tokenizer.encode(p) for p in ("The capital of Italy is", "def fibonacci(n):", "1, 2, 3,")]
+    # prompts longer than INT4_MAX_ROWS tokens: each prompt pass, alone or together, runs on the bf16 copy
+    texts = ("Question: what is the capital city of Italy? Answer:",
+             'def fibonacci(n):\n    """Return the n-th Fibonacci number."""', "1, 2, 3, 4, 5, 6, 7, 8,")
+    prompts = [int4_llm.tokenizer.encode(p) for p in texts]
     together = [o.token_ids for o in int4_llm.generate(prompts, sp, use_tqdm=False)]  # 3 rows: the 4-bit path
     alone = [int4_llm.generate([p], sp, use_tqdm=False)[0].token_ids for p in prompts]
     assert together == alone

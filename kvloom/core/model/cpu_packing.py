@@ -90,8 +90,8 @@ def pack_linear_layers(model: nn.Module, batch_hint: int = 32) -> int:
 
 
 # Steps of at most this many rows run on the 4-bit weights; bigger ones on the oneDNN bf16 copy, which
-# computes faster once a step reads each weight for several rows (benchmarks/cpu_int4.py, docs/benchmarks.md).
-INT4_MAX_ROWS = 4
+# computes faster once a step reads each weight for ~12 rows or more (benchmarks/cpu_int4.py, docs/benchmarks.md).
+INT4_MAX_ROWS = 8
 
 
 class Int4CPUMethod:

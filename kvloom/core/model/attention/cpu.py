@@ -60,9 +60,9 @@ def _softmax(scores: torch.Tensor) -> torch.Tensor:
 
 
 # The compiled decode step's attention runs torch's fused CPU kernel up to this many rows (the bf16 batched
-# matmuls beyond): at batch 1 it saved ~1 ms a token on SmolLM2 (docs/benchmarks.md); 4 is the 4-bit matmuls'
-# cut too, so it adds no variant to compile.
-SDPA_DECODE_ROWS = 4
+# matmuls beyond, faster at 32): at batch 1 it saved ~1 ms a token on SmolLM2 (docs/benchmarks.md); it equals
+# the 4-bit matmuls' cut (``cpu_packing.INT4_MAX_ROWS``), so it adds no variant to compile.
+SDPA_DECODE_ROWS = 8
 
 
 def _block_rows(table_cols: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
