@@ -1,7 +1,7 @@
 """The compiled CPU decode step (``kvloom.core.worker.cpu_compile``): greedy tokens equal transformers' (float32)
-with one, three and seven requests decoding together (the three variants compiled at start-up), on a plain
-family and on ones with sliding windows, soft-capped scores, q/k norms and a hybrid KV cache; the decode
-steps really run compiled; ``enforce_eager`` and what cannot compile stay eager.
+with one, three and seven requests decoding together, on a plain family and on ones with sliding windows,
+soft-capped scores, q/k norms and a hybrid KV cache, and with twelve (the three variants compiled at start-up);
+the decode steps really run compiled; ``enforce_eager`` and what cannot compile stay eager.
 
 The rest of the suite runs engines eagerly (tests/conftest.py); these tests turn compiling back on."""
 
@@ -61,19 +61,23 @@ def test_compiled_decode_equals_transformers(family, compiling, tmp_path):
     assert calls[0] >= 3 * (NEW_TOKENS - 1)  # every decode step of the three runs, none eager
 
 
-def test_steps_of_more_rows_than_compiled_for_run_eagerly(compiling, tiny_llama):
-    from kvloom.core.worker.cpu_compile import MAX_ROWS
+def test_steps_of_more_rows_than_the_4bit_cut_run_compiled(compiling, tiny_llama):
+    """The third variant: decode steps of more rows than ``INT4_MAX_ROWS`` (the attention's and the 4-bit
+    matmuls' cut) run compiled too, and a request alone afterwards still takes the one-row variant."""
+    from kvloom.core.model.cpu_packing import INT4_MAX_ROWS
 
     rng = random.Random(5)
-    prompts = [[rng.randrange(3, 380) for _ in range(rng.randrange(5, 30))] for _ in range(MAX_ROWS + 2)]
+    rows = INT4_MAX_ROWS + 4
+    prompts = [[rng.randrange(3, 380) for _ in range(rng.randrange(5, 30))] for _ in range(rows)]
     expected = hf_greedy(tiny_llama, prompts, NEW_TOKENS)
-    llm = LLM(str(tiny_llama), dtype="float32", max_num_seqs=MAX_ROWS + 2, max_model_len=128, threads=1)
+    llm = LLM(str(tiny_llama), dtype="float32", max_num_seqs=rows, max_model_len=128, threads=1)
     calls = _counting(llm)
     sp = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)] == expected
-    assert calls[0] == 0  # every decode step had MAX_ROWS + 2 rows
-    llm.generate(prompts[:1], sp, use_tqdm=False)
-    assert calls[0] >= NEW_TOKENS - 1  # and one request alone still runs compiled
+    assert calls[0] >= NEW_TOKENS - 1  # every decode step had INT4_MAX_ROWS + 4 rows
+    before = calls[0]
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts[:1], sp, use_tqdm=False)] == expected[:1]
+    assert calls[0] - before >= NEW_TOKENS - 1
 
 
 def test_bf16_compiled_step_matches_eager(compiling, tiny_llama):

@@ -3,12 +3,12 @@ attention's index work of every layer become a few C++ loops around the matmuls,
 ~5,500 small ops (docs/benchmarks.md, "CPU: the compiled decode step").
 
 Attention reads a ``DecodeStep`` (``CPUAttentionBackend.decode_step``): indices built once a step outside
-the graph, so the traced code sees tensors only. Shapes are dynamic in the batch and the context length;
-the step is compiled at start-up for the variants its guards tell apart (a batch of 1, of a few rows,
-of more rows than the 4-bit matmuls take, up to ``MAX_ROWS``: bigger steps run eagerly), so no request
-waits for a compile, and steps then skip the guards. Kernels are cached on disk (inductor's cache, under
-``~/.cache/kvloom/inductor``) for the next start. The guards hold torch's thread count: a step run with
-another count (the thread governor's, under contention) runs eagerly.
+the graph, so the traced code sees tensors only. Only the batch and the context length are dynamic; the step is
+compiled at start-up for the variants its guards tell apart (a batch of 1, of up to ``INT4_MAX_ROWS`` rows,
+of more), so no request waits for a compile, and steps then skip the guards. Kernels are cached on disk
+(inductor's cache, under ``~/.cache/kvloom/inductor``) for the next start. The fused loops run on the engine's
+thread count and the guards hold it: a step run with another count (the thread governor's, under contention)
+runs eagerly.
 """
 
 from __future__ import annotations
@@ -23,11 +23,6 @@ from kvloom.core.model.attention.base import AttentionMetadata
 from kvloom.core.model.attention.cpu import CPUAttentionBackend
 
 logger = logging.getLogger("kvloom")
-
-# Steps of more rows run eagerly: their matmuls dominate, and the compiled code's single-threaded loops cost more
-# than the ops they fuse (offline 16 and 32 streams on SmolLM2, docs/benchmarks.md); at 8 the two are even.
-MAX_ROWS = 8
-
 
 def compile_refusal(model, backend, kv_caches, lora) -> str | None:
     """Why the CPU decode step cannot be compiled for this model, or None."""
@@ -61,6 +56,11 @@ def _forward(model, ids, positions, step, kv_caches):
     return model(ids, positions, step, kv_caches)
 
 
+def _mark_rows(*tensors: torch.Tensor) -> None:
+    for t in tensors:
+        torch._dynamo.maybe_mark_dynamic(t, 0)
+
+
 class CompiledDecode:
     """Runs decode-only steps of ``model`` compiled; called as ``(ids, positions, metadata)``."""
 
@@ -68,9 +68,7 @@ class CompiledDecode:
         # one engine's three variants, and room for other models' in the same process (tests, LLM objects)
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
         self.model, self.backend, self.kv_caches = model, backend, kv_caches
-        # Decode's fused loops are small (a few thousand values a row): one thread each, so the kernels do not
-        # depend on the thread count the governor sets; the matmuls between them use the current count.
-        self.compiled = torch.compile(_forward, dynamic=True, options={"cpp.threads": 1})
+        self.compiled = None  # made by ``warm_up``, for its thread count
         groups = model.kv_groups or [0] * len(model.layers)
         self.windows: dict[int, set] = {}  # layer group -> the windows its layers attend with
         for group, layer in zip(groups, model.layers):
@@ -84,21 +82,22 @@ class CompiledDecode:
         metas = meta if isinstance(meta, (list, tuple)) else [meta]
         steps = [self.backend.decode_step(m, self.kv_caches[self.first_layer[g]][0], dtype, self.windows[g])
                  for g, m in enumerate(metas)]
-        for step in steps:  # the context's length varies step to step: never a constant of the compiled code
+        for step in steps:  # the batch and the context's length vary step to step: never constants of the code
+            torch._dynamo.maybe_mark_dynamic(step.write_rows, 0)
             for rows, bias in step.decode.values():
                 torch._dynamo.maybe_mark_dynamic(rows, 0)
+                torch._dynamo.maybe_mark_dynamic(bias, 0)
                 torch._dynamo.maybe_mark_dynamic(bias, 3)
         return steps if isinstance(meta, (list, tuple)) else steps[0]
 
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor,
                  meta: AttentionMetadata | list[AttentionMetadata]) -> torch.Tensor:
-        if ids.shape[0] > MAX_ROWS:
-            return self.model(ids, positions, meta, self.kv_caches)
         if self.adjust_threads is not None:
             self.adjust_threads()
         step = self.steps(meta)
         if torch.get_num_threads() != self.threads:
             return self.model(ids, positions, step, self.kv_caches)
+        _mark_rows(ids, positions)
         try:
             with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
                 return self.compiled(self.model, ids, positions, step, self.kv_caches)
@@ -111,17 +110,23 @@ class CompiledDecode:
 
     @torch.inference_mode()
     def warm_up(self, max_rows: int, block_size: int, metas, threads: int) -> float:
-        """Compile for the batch sizes the guards tell apart (1, a few, up to ``MAX_ROWS``) at ``threads`` threads
-        (the guards hold the count too) before any request comes; ``metas(n, length)``: decode metadata of ``n`` rows
+        """Compile for the batch sizes the guards tell apart (1, a few, ``max_rows``) at ``threads`` threads (the
+        guards hold the count too) before any request comes; ``metas(n, length)``: decode metadata of ``n`` rows
         with ``length`` cached positions each. Returns the seconds it took."""
         t0 = time.perf_counter()
+        # The fused loops parallelize over the engine's threads (at 32 rows the KV gathers alone would take
+        # ~10 ms on one); loops too small to split stay serial. Only the batch and the context length are
+        # dynamic (marked in ``steps``): weights and the cache's shape are static, so the guards are C++ tensor
+        # checks rather than Python shape formulas.
+        self.compiled = torch.compile(_forward, dynamic=None, options={"cpp.threads": threads})
         current = torch.get_num_threads()
         torch.set_num_threads(threads)
         try:
-            for n in sorted({1, min(2, max_rows), min(MAX_ROWS, max_rows)}):
+            for n in sorted({1, min(2, max_rows), max_rows}):
                 meta = metas(n, 3 * block_size)  # 3 blocks: 1 would be specialized, 2 might equal a head size
-                ids = torch.zeros(n, dtype=torch.long)
-                self.compiled(self.model, ids, ids.clone(), self.steps(meta), self.kv_caches)
+                ids, positions = torch.zeros(n, dtype=torch.long), torch.zeros(n, dtype=torch.long)
+                _mark_rows(ids, positions)
+                self.compiled(self.model, ids, positions, self.steps(meta), self.kv_caches)
         finally:
             torch.set_num_threads(current)
         self.threads = threads
