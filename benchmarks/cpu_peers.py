@@ -41,7 +41,7 @@ def server_command(engine: str, args, port: int) -> tuple[list[str], dict[str, s
     common = ["--host", "127.0.0.1", "--port", str(port)]
     if engine == "llama":
         return ([str(args.llama_bin / "llama-server"), "-m", str(args.gguf), "-t", str(args.threads), "-c",
-                 str(args.max_model_len * 8), "-np", "32", "-cb", *common], env)
+                 str(args.max_model_len * 8), "-np", "32", "-cb", *args.llama_arg, *common], env)
     if engine == "vllm":
         env.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND=f"0-{args.threads - 1}")
         env.pop("PYTHONPATH", None)
@@ -63,7 +63,9 @@ def start(engine: str, args, log_dir: Path):
     deadline = time.monotonic() + args.start_timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise SystemExit(f"{engine} exited with {proc.returncode}; its log ({log}):\n{log.read_text()[-3000:]}")
+            hint = ("\n(SIGILL: a CPU that lists AMX without the VM enabling it kills llama.cpp's native build in its "
+                    "AMX kernel; pass --llama-arg=--no-repack)" if engine == "llama" and proc.returncode == -4 else "")
+            raise SystemExit(f"{engine} exited with {proc.returncode}; its log ({log}):\n{log.read_text()[-3000:]}{hint}")
         try:
             if httpx.get(url + "/health", timeout=2).status_code == 200:
                 return proc, url
@@ -137,6 +139,7 @@ def main() -> None:
     p.add_argument("--llama-bin", type=Path, default=LLAMA_BIN)
     p.add_argument("--vllm-python", type=Path, default=VLLM_PYTHON)
     p.add_argument("--kvloom-arg", action="append", default=[], help="An extra flag for kvloom's server (repeat).")
+    p.add_argument("--llama-arg", action="append", default=[], help="An extra flag for llama-server (repeat).")
     p.add_argument("--start-timeout", type=float, default=1200.0)
     p.add_argument("--output-json", help="Also write the JSON here.")
     args = p.parse_args()
@@ -183,6 +186,7 @@ def main() -> None:
         rows.append(row)
     result = {"benchmark": "cpu_peers", "gguf": str(args.gguf), "engines": engines, "rounds": args.rounds,
               "workload": f"max(8, 2 x concurrency) x ({args.input_len} + {args.output_len}) per level",
+              "llama_args": args.llama_arg, "kvloom_args": args.kvloom_arg,
               "load_before": os.getloadavg(), "peak_rss_mib": {e: max(m) for e, m in memory.items() if m},
               "levels": rows, "logs": str(log_dir)}
     if args.offline and "kvloom" in engines:
