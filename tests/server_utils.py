@@ -54,6 +54,14 @@ class EngineServer:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 
+    def log_with(self, *needles: str, timeout: float = 30.0) -> str:
+        """The log once it holds every one of ``needles`` (or after ``timeout``): a request's access line is written
+        after its response went out, so the client may read the log first."""
+        deadline = time.monotonic() + timeout
+        while not all(n in (text := self.log()) for n in needles) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return text
+
     def wait_ready(self, timeout: float = 240.0) -> "EngineServer":
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

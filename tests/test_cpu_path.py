@@ -140,11 +140,11 @@ def test_packed_linears_meet_few_shapes_so_the_engine_does_not_grow_with_every_s
     from tests.server_utils import REPO_ROOT, server_env
 
     # 200 different row counts, as a server's steps bring them: oneDNN kept a primitive and its memory per
-    # count (+167 MB here); rounded to ~40 shapes they stay few (+28 MB), and the growth stops.
+    # count (+160 to +167 MB); rounded to ~40 shapes they stay few (+28 to +43 MB, 84 once beside a busy core).
     out = subprocess.run([sys.executable, "-c", _SHAPES_SCRIPT], env=server_env(), cwd=REPO_ROOT,
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr
-    assert float(out.stdout.strip().splitlines()[-1]) < 80
+    assert float(out.stdout.strip().splitlines()[-1]) < 110
 
 
 _ATTENTION_SHAPES_SCRIPT = """

@@ -122,7 +122,7 @@ def test_adapters_load_and_unload_while_another_streams(setup):
     metrics = httpx.get(srv.url + "/metrics", timeout=30).text
     assert 'kvloom_generation_tokens_total{model="b"}' in metrics
     assert "kvloom_lora_adapters_loaded" in metrics and "kvloom_lora_slot_loads_total" in metrics
-    log = srv.log()
+    log = srv.log_with('"POST /v1/completions" 200 model=b ')
     assert '"POST /v1/completions" 200 model=b ' in log
 
 
@@ -145,6 +145,7 @@ def test_chat_responses_and_messages_run_an_adapter_by_name(setup):
     message = claude.messages.create(model=name, messages=turns, max_tokens=MAX_NEW, extra_body={"temperature": 0})
     assert message.model == name and "".join(b.text for b in message.content if b.type == "text") == text
     assert message.usage.input_tokens == len(ids)
-    log = srv.log()
-    assert f'"POST /v1/responses" 200 model={name} ' in log and f'"POST /v1/messages" 200 model={name} ' in log
+    lines = (f'"POST /v1/responses" 200 model={name} ', f'"POST /v1/messages" 200 model={name} ')
+    log = srv.log_with(*lines)
+    assert all(line in log for line in lines)
     assert _post(srv, "/v1/unload_lora_adapter", {"lora_name": name}).status_code == 200

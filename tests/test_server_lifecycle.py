@@ -31,12 +31,13 @@ def long_stream(server: EngineServer, http: httpx.Client, max_tokens: int = 400)
 
 
 def refused_within(url: str, timeout: float) -> None:
-    """Wait until a new connection to ``url`` is refused (the server stopped listening)."""
+    """Wait until a new connection to ``url`` is refused (the server stopped listening); one reset before it was
+    served counts too (it reached the backlog as the listening socket closed)."""
     deadline = time.monotonic() + timeout
     while True:
         try:
             httpx.get(url, timeout=5)
-        except httpx.ConnectError:
+        except (httpx.ConnectError, httpx.ReadError, httpx.RemoteProtocolError):
             return
         assert time.monotonic() < deadline, f"{url} still accepted connections after {timeout:g}s"
         time.sleep(0.05)
