@@ -84,10 +84,9 @@ class CompiledDecode:
         steps = [self.backend.decode_step(m, self.kv_caches[self.first_layer[g]][0], dtype, self.windows[g])
                  for g, m in enumerate(metas)]
         for step in steps:  # the batch and the context's length vary step to step: never constants of the code
-            torch._dynamo.maybe_mark_dynamic(step.write_rows, 0)
+            _mark_rows(step.write_rows)
             for rows, bias in step.decode.values():
-                torch._dynamo.maybe_mark_dynamic(rows, 0)
-                torch._dynamo.maybe_mark_dynamic(bias, 0)
+                _mark_rows(rows, bias)
                 torch._dynamo.maybe_mark_dynamic(bias, 3)
         return steps if isinstance(meta, (list, tuple)) else steps[0]
 

@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from kvloom.core.model.attention.base import AttentionMetadata
+from kvloom.core.model.cpu_packing import INT4_MAX_ROWS
 from kvloom.kernels import reference
 from kvloom.kernels.reference import dequantize_kv, is_fp8, quantize_kv
 
@@ -60,9 +61,9 @@ def _softmax(scores: torch.Tensor) -> torch.Tensor:
 
 
 # The compiled decode step's attention runs torch's fused CPU kernel up to this many rows (the bf16 batched
-# matmuls beyond, faster at 32): at batch 1 it saved ~1 ms a token on SmolLM2 (docs/benchmarks.md); it equals
-# the 4-bit matmuls' cut (``cpu_packing.INT4_MAX_ROWS``), so it adds no variant to compile.
-SDPA_DECODE_ROWS = 8
+# matmuls beyond, faster at 32): at batch 1 it saved ~1 ms a token on SmolLM2 (docs/benchmarks.md); the 4-bit
+# matmuls' cut, so it adds no variant to compile.
+SDPA_DECODE_ROWS = INT4_MAX_ROWS
 
 
 def _block_rows(table_cols: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
