@@ -8,8 +8,9 @@ import torch
 import torch.nn.functional as F
 
 from kvloom.core.model.attention.base import AttentionMetadata, TorchAttentionBackend
-from kvloom.core.model.attention.cpu import CPUAttentionBackend
+from kvloom.core.model.attention.cpu import CPUAttentionBackend, paged_kernel_serves
 from kvloom.core.model.cpu_packing import pack_linear_layers
+from kvloom.kernels import cpu_attention
 from kvloom.kernels import reference as ref
 from kvloom.kernels.cpu_linear import PackedLinear, packing_supported
 
@@ -50,10 +51,15 @@ def _step(query_lens, seq_lens, num_blocks=40, seed=0):
 @pytest.mark.parametrize("variant", [
     {}, {"window": 5}, {"window": 3, "softcap": 5.0}, {"sinks": True}, {"window": 6, "softcap": 2.0, "sinks": True},
 ], ids=["full", "window", "window-softcap", "sinks", "window-softcap-sinks"])
-def test_cpu_backend_matches_the_reference_layout(query_lens, seq_lens, dtype, variant):
+@pytest.mark.parametrize("paged", [True, False], ids=["in-place", "gathered"])
+def test_cpu_backend_matches_the_reference_layout(query_lens, seq_lens, dtype, variant, paged, monkeypatch):
     """Two layers over the same step: the head-major backend and the reference backend see the same
     K/V history (written in their own layouts) and must give the same outputs, with each layer variant
-    (windows narrower than the sequences, soft-capped scores, sinks)."""
+    (windows narrower than the sequences, soft-capped scores, sinks), the decode rows read in place
+    (``kvloom.kernels.cpu_attention``) or gathered."""
+    monkeypatch.setenv("KVLOOM_CPU_PAGED_DECODE", "1" if paged else "0")
+    assert paged_kernel_serves(torch.zeros(1, HKV, BS, D, dtype=dtype), HKV * GROUP) == (
+        paged and cpu_attention.available())
     num_blocks = 40
     gen = torch.Generator().manual_seed(1)
     history = {}  # the K/V both caches hold before the step, keyed by slot

@@ -21,7 +21,7 @@ import types
 import torch
 
 from kvloom.core.model.attention.base import AttentionMetadata
-from kvloom.core.model.attention.cpu import CPUAttentionBackend
+from kvloom.core.model.attention.cpu import CPUAttentionBackend, _PagedIndex, paged_kernel_serves
 
 logger = logging.getLogger("kvloom")
 
@@ -77,15 +77,23 @@ class CompiledDecode:
         self.first_layer = {g: groups.index(g) for g in self.windows}
         self.adjust_threads = adjust_threads
         self.threads = 0  # the thread count compiled for (0: not yet)
+        # decode attention in place (kvloom.kernels.cpu_attention) where the kernel takes this cache
+        self.paged = paged_kernel_serves(kv_caches[0][0], model.layers[0].self_attn.num_heads)
 
     def steps(self, meta: AttentionMetadata | list[AttentionMetadata]):
         dtype = self.model.embed_tokens.weight.dtype
         metas = meta if isinstance(meta, (list, tuple)) else [meta]
-        steps = [self.backend.decode_step(m, self.kv_caches[self.first_layer[g]][0], dtype, self.windows[g])
+        steps = [self.backend.decode_step(m, self.kv_caches[self.first_layer[g]][0], dtype, self.windows[g],
+                                          paged=self.paged)
                  for g, m in enumerate(metas)]
         for step in steps:  # the batch and the context's length vary step to step: never constants of the code
             _mark_rows(step.write_rows)
-            for rows, bias in step.decode.values():
+            for index in step.decode.values():
+                if isinstance(index, _PagedIndex):
+                    _mark_rows(index.tables, index.starts, index.ends)
+                    torch._dynamo.maybe_mark_dynamic(index.tables, 1)
+                    continue
+                rows, bias = index
                 _mark_rows(rows, bias)
                 torch._dynamo.maybe_mark_dynamic(bias, 3)
         return steps if isinstance(meta, (list, tuple)) else steps[0]

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from kvloom.core.model.attention.base import AttentionMetadata
 from kvloom.core.model.cpu_packing import INT4_MAX_ROWS
-from kvloom.kernels import reference
+from kvloom.kernels import cpu_attention, reference
 from kvloom.kernels.reference import dequantize_kv, is_fp8, quantize_kv
 
 
@@ -87,22 +87,51 @@ def _window_key(window: int | None, longest: int) -> int | None:
 
 
 @dataclass
+class _PagedIndex:
+    """What ``cpu_attention.paged_decode`` reads for the decode rows: their block tables and the positions
+    ``starts <= p < ends`` each attends (its window's, or the whole sequence)."""
+
+    tables: torch.Tensor  # int32 [nd, W]
+    starts: torch.Tensor  # int64 [nd]
+    ends: torch.Tensor  # int64 [nd]
+
+
+def paged_kernel_serves(k_cache: torch.Tensor, num_heads: int) -> bool:
+    """Whether decode rows over this cache go through ``cpu_attention.paged_decode`` (in place) rather than the
+    gather: a float32 or bfloat16 cache of shapes it takes, and the kernel built."""
+    _, num_kv_heads, bs, head_dim = k_cache.shape
+    return (cpu_attention.enabled() and cpu_attention.supports(k_cache.dtype, num_heads, num_kv_heads, head_dim, bs)
+            and cpu_attention.available())
+
+
+def _paged_index(meta: AttentionMetadata, window: int | None) -> _PagedIndex:
+    nd = meta.num_decodes
+    ends = meta.seq_lens[:nd].long()
+    starts = torch.zeros_like(ends) if window is None else (ends - window).clamp_(min=0)
+    return _PagedIndex(meta.block_tables[:nd].int(), starts, ends)
+
+
+@dataclass
 class DecodeStep:
     """A decode-only step's indices, built before the layers run (``CPUAttentionBackend.decode_step``): what the
     compiled decode step (``kvloom.core.worker.cpu_compile``) hands its layers instead of the metadata, so the
     traced code reads tensors only."""
 
     write_rows: torch.Tensor
-    decode: dict  # a layer's window (None: full attention) -> (cache rows to gather, additive mask)
+    decode: dict  # a layer's window (None: full attention) -> (cache rows to gather, additive mask), or a
+    # _PagedIndex where the in-place kernel serves
 
 
 class CPUAttentionBackend:
     name = "cpu"
 
     def decode_step(self, meta: AttentionMetadata, k_cache: torch.Tensor, dtype: torch.dtype,
-                    windows: set) -> DecodeStep:
-        """The indices of a decode-only step for layers with these ``windows`` (None: full attention)."""
+                    windows: set, paged: bool = False) -> DecodeStep:
+        """The indices of a decode-only step for layers with these ``windows`` (None: full attention);
+        ``paged``: for the in-place kernel (``paged_kernel_serves``) rather than the gather."""
         write_rows = self._index(meta, k_cache).write_rows
+        if paged:
+            return DecodeStep(write_rows, {window: _paged_index(meta, window) for window in windows})
         longest = max(meta.seq_lens_cpu)
         decode = {}
         for window in windows:
@@ -184,8 +213,10 @@ class CPUAttentionBackend:
         """See ``AttentionBackend.forward`` (the layer's variant: ``window``, ``softcap``, ``sinks``)."""
         k_cache, v_cache = kv_cache
         if isinstance(meta, DecodeStep):  # plain ops, traceable: the compiler fuses the mask and scale in
-            rows, bias = meta.decode[window]
             self._write(k, v, k_cache, v_cache, meta.write_rows, k_scale, v_scale)
+            if isinstance(meta.decode[window], _PagedIndex):
+                return self._paged(q, k_cache, v_cache, meta.decode[window], scale, softcap, sinks)
+            rows, bias = meta.decode[window]
             explicit = softcap is not None or sinks is not None
             index = _DecodeIndex(rows, bias.shape[-1] // k_cache.shape[2], bias, bias == 0 if explicit else None)
             return self._decode(q, k_cache, v_cache, index, scale, softcap=softcap, sinks=sinks,
@@ -198,19 +229,28 @@ class CPUAttentionBackend:
         self._write(k, v, k_cache, v_cache, index.write_rows, k_scale, v_scale)
         explicit = softcap is not None or sinks is not None  # scores written out (no fused kernel does these)
         nd = meta.num_decodes
-        if nd:
+        paged = nd and paged_kernel_serves(k_cache, q.shape[1])
+        if paged:
+            dec = index.decode.get(("paged", window))
+            if dec is None:
+                dec = index.decode[("paged", window)] = _paged_index(meta, window)
+        elif nd:
             window_key = _window_key(window, max(meta.seq_lens_cpu[:nd]))
             dec = index.decode.get(window_key)
             if dec is None:
                 dec = index.decode[window_key] = self._decode_index(meta, k_cache, q.dtype, window_key)
         if nd == meta.num_seqs:
+            if paged:
+                return self._paged(q, k_cache, v_cache, dec, scale, softcap, sinks)
             return self._decode(q, k_cache, v_cache, dec, scale, kv_scales, softcap, sinks)
         num_tokens, num_heads, _ = q.shape
         if nd == 0 and len(index.prefill_groups) == 1 and index.prefill_groups[0][3] == 0:
             out = None  # one group of prompts covering the whole batch: its result is the output
         else:
             out = q.new_empty(num_tokens, num_heads, head_dim)
-        if nd:
+        if paged:
+            out[:nd] = self._paged(q[:nd], k_cache, v_cache, dec, scale, softcap, sinks)
+        elif nd:
             out[:nd] = self._decode(q[:nd], k_cache, v_cache, dec, scale, kv_scales, softcap, sinks)
         starts = index.starts
         bs = k_cache.shape[2]
@@ -269,6 +309,11 @@ class CPUAttentionBackend:
         else:
             k_cache.view(-1, head_dim).index_copy_(0, write_rows, k.reshape(-1, head_dim))
             v_cache.view(-1, head_dim).index_copy_(0, write_rows, v.reshape(-1, head_dim))
+
+    @staticmethod
+    def _paged(q, k_cache, v_cache, index: _PagedIndex, scale: float, softcap, sinks) -> torch.Tensor:
+        return cpu_attention.paged_decode(q, k_cache, v_cache, index.tables, index.starts, index.ends, scale,
+                                          0.0 if softcap is None else float(softcap), sinks)
 
     @staticmethod
     def _decode(q, k_cache, v_cache, index: _DecodeIndex, scale: float, kv_scales=(1.0, 1.0), softcap=None,

@@ -1,0 +1,309 @@
+"""Decode attention that reads the paged KV cache in place on the CPU.
+
+The batched-matmul formula (``CPUAttentionBackend._decode``) first gathers every decode row's blocks into one
+contiguous ``[B, Hkv, L, D]`` copy per layer, K and V: at 32 streams on SmolLM2 that copy moves ~140 MB a
+step and took more time than the attention itself. This kernel walks each row's block table instead and
+reads each cached K/V row once, where it lies: one work item per (row, KV head, span of blocks), the query heads
+that share the KV head computed together, an online softmax in float32 over the span, and the spans of a row
+merged at the end (so one long sequence still spreads over every thread).
+
+It is C++ compiled by inductor's own toolchain (``torch._inductor.codecache.CppCodeCache``: the compiler,
+flags and OpenMP runtime the compiled decode step already uses, cached on disk by the source's hash) and loaded
+with ctypes; where that fails (no C++ compiler), ``available()`` is False and the backend keeps the gather.
+The op is registered as ``kvloom::paged_decode`` so the compiled decode step calls it as one opaque node.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import threading
+
+import torch
+
+logger = logging.getLogger("kvloom")
+
+# blocks one work item reads: a row of more spreads over several items (merged afterwards)
+SPAN_BLOCKS = 8
+
+_SOURCE = r"""
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <algorithm>
+#include <omp.h>
+#include <vector>
+
+namespace {
+
+inline float bf16_to_float(uint16_t h) {
+    uint32_t bits = static_cast<uint32_t>(h) << 16;
+    float f;
+    std::memcpy(&f, &bits, 4);
+    return f;
+}
+
+inline uint16_t float_to_bf16(float f) {
+    uint32_t bits;
+    std::memcpy(&bits, &f, 4);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40u);  // NaN stays NaN
+    bits += 0x7fffu + ((bits >> 16) & 1u);  // round to nearest even
+    return static_cast<uint16_t>(bits >> 16);
+}
+
+// exp as plain arithmetic, so the softmax loops vectorize (a libm call a score was half the kernel's time):
+// 2^n * e^r with n = round(x / ln 2), |r| <= ln2 / 2, e^r by its degree-6 Taylor polynomial (rel. error < 3e-7)
+inline float fast_exp(float x) {
+    x = std::max(x, -87.f);
+    const float n = std::nearbyint(x * 1.44269504088896341f);
+    const float r = x - n * 0.693145751953125f - n * 1.428606765330187045e-06f;
+    float p = 1.f / 720.f;
+    p = p * r + 1.f / 120.f;
+    p = p * r + 1.f / 24.f;
+    p = p * r + 1.f / 6.f;
+    p = p * r + 0.5f;
+    p = p * r + 1.f;
+    p = p * r + 1.f;
+    const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+    float scale;
+    std::memcpy(&scale, &bits, 4);
+    return p * scale;
+}
+
+template <typename T> inline float load(const T* p, int64_t i);
+template <> inline float load<float>(const float* p, int64_t i) { return p[i]; }
+template <> inline float load<uint16_t>(const uint16_t* p, int64_t i) { return bf16_to_float(p[i]); }
+
+template <typename T> inline void store(T* p, int64_t i, float v);
+template <> inline void store<float>(float* p, int64_t i, float v) { p[i] = v; }
+template <> inline void store<uint16_t>(uint16_t* p, int64_t i, float v) { p[i] = float_to_bf16(v); }
+
+constexpr int MAX_GROUP = 16;
+constexpr int MAX_DIM = 256;
+constexpr int MAX_BLOCK = 256;
+constexpr float NEG = -1e30f;  // finite: inductor's flags may assume finite math
+
+// One (row, KV head, span): G query heads over the span's cached positions in [start, end).
+// Writes the span's unnormalized output acc[G][D], its running max m[G] and sum l[G].
+template <typename T, int D>
+void span(const T* q, const T* kc, const T* vc, const int32_t* table, int64_t start, int64_t end,
+          int64_t blk0, int64_t blk1, int64_t h, int64_t G, int64_t Hkv, int64_t bs,
+          float scale, float softcap, float* acc, float* m_out, float* l_out) {
+    float qf[MAX_GROUP][D];
+    float s[MAX_GROUP][MAX_BLOCK];
+    float m[MAX_GROUP], l[MAX_GROUP];
+    for (int64_t g = 0; g < G; ++g) {
+        const T* qg = q + (h * G + g) * D;
+        for (int d = 0; d < D; ++d) qf[g][d] = load(qg, d) * scale;
+        for (int d = 0; d < D; ++d) acc[g * D + d] = 0.f;
+        m[g] = NEG;
+        l[g] = 0.f;
+    }
+    for (int64_t blk = blk0; blk < blk1; ++blk) {
+        const int64_t p0 = blk * bs;
+        const int64_t lo = std::max<int64_t>(start - p0, 0), hi = std::min<int64_t>(end - p0, bs);
+        if (lo >= hi) continue;
+        const int64_t row = (static_cast<int64_t>(table[blk]) * Hkv + h) * bs;
+        const T* kb = kc + row * D;
+        const T* vb = vc + row * D;
+        for (int64_t t = lo; t < hi; ++t) {
+            float kf[D];
+            for (int d = 0; d < D; ++d) kf[d] = load(kb + t * D, d);
+            for (int64_t g = 0; g < G; ++g) {
+                float dot = 0.f;
+                for (int d = 0; d < D; ++d) dot += qf[g][d] * kf[d];
+                if (softcap > 0.f) dot = softcap * std::tanh(dot / softcap);
+                s[g][t] = dot;
+            }
+        }
+        for (int64_t g = 0; g < G; ++g) {
+            float mx = m[g];
+            for (int64_t t = lo; t < hi; ++t) mx = std::max(mx, s[g][t]);
+            const float c = fast_exp(m[g] - mx);  // 0 on the first block (m = NEG)
+            m[g] = mx;
+            float sum = 0.f;
+            for (int64_t t = lo; t < hi; ++t) {
+                s[g][t] = fast_exp(s[g][t] - mx);
+                sum += s[g][t];
+            }
+            l[g] = l[g] * c + sum;
+            float* a = acc + g * D;
+            for (int d = 0; d < D; ++d) a[d] *= c;
+        }
+        for (int64_t t = lo; t < hi; ++t) {
+            float vf[D];
+            for (int d = 0; d < D; ++d) vf[d] = load(vb + t * D, d);
+            for (int64_t g = 0; g < G; ++g) {
+                const float p = s[g][t];
+                float* a = acc + g * D;
+                for (int d = 0; d < D; ++d) a[d] += p * vf[d];
+            }
+        }
+    }
+    for (int64_t g = 0; g < G; ++g) { m_out[g] = m[g]; l_out[g] = l[g]; }
+}
+
+template <typename T, int D>
+void decode(const T* q, const T* kc, const T* vc, const int32_t* tables, int64_t table_stride,
+            const int64_t* starts, const int64_t* ends, const float* sinks, T* out,
+            int64_t B, int64_t Hq, int64_t Hkv, int64_t bs, int64_t span_blocks, float scale, float softcap) {
+    const int64_t G = Hq / Hkv;
+    int64_t spans = 1;
+    for (int64_t b = 0; b < B; ++b) {
+        const int64_t blocks = (ends[b] + bs - 1) / bs - starts[b] / bs;
+        spans = std::max(spans, (blocks + span_blocks - 1) / span_blocks);
+    }
+    // per (row, head, span): acc[G][D], m[G], l[G]
+    const int64_t item = G * D + 2 * G;
+    std::vector<float> buffer(B * Hkv * spans * item);
+    float* work = buffer.data();
+    const int64_t items = B * Hkv * spans;
+#pragma omp parallel for schedule(dynamic, 1)
+    for (int64_t i = 0; i < items; ++i) {
+        const int64_t b = i / (Hkv * spans), h = (i / spans) % Hkv, sp = i % spans;
+        const int64_t first_blk = starts[b] / bs;
+        const int64_t last_blk = (ends[b] + bs - 1) / bs;
+        const int64_t blk0 = first_blk + sp * span_blocks;
+        const int64_t blk1 = std::min(blk0 + span_blocks, last_blk);
+        float* w = work + i * item;
+        if (blk0 >= blk1) {  // a row shorter than the longest: this span is empty
+            for (int64_t g = 0; g < G; ++g) { w[G * D + g] = NEG; w[G * D + G + g] = 0.f; }
+            continue;
+        }
+        span<T, D>(q + b * Hq * D, kc, vc, tables + b * table_stride, starts[b], ends[b], blk0, blk1, h, G, Hkv,
+                   bs, scale, softcap, w, w + G * D, w + G * D + G);
+    }
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < B * Hkv; ++i) {
+        const int64_t b = i / Hkv, h = i % Hkv;
+        for (int64_t g = 0; g < G; ++g) {
+            float mx = sinks ? sinks[h * G + g] : NEG;
+            for (int64_t sp = 0; sp < spans; ++sp) mx = std::max(mx, work[(i * spans + sp) * item + G * D + g]);
+            float total = sinks ? std::exp(sinks[h * G + g] - mx) : 0.f;
+            float o[D];
+            for (int d = 0; d < D; ++d) o[d] = 0.f;
+            for (int64_t sp = 0; sp < spans; ++sp) {
+                const float* w = work + (i * spans + sp) * item;
+                if (w[G * D + G + g] == 0.f) continue;  // an empty span
+                const float c = std::exp(w[G * D + g] - mx);
+                total += w[G * D + G + g] * c;
+                for (int d = 0; d < D; ++d) o[d] += w[g * D + d] * c;
+            }
+            const float inv = total > 0.f ? 1.f / total : 0.f;
+            T* og = out + (b * Hq + h * G + g) * D;
+            for (int d = 0; d < D; ++d) store(og, d, o[d] * inv);
+        }
+    }
+}
+
+template <typename T>
+int dispatch(int64_t D, const void* q, const void* kc, const void* vc, const int32_t* tables, int64_t table_stride,
+             const int64_t* starts, const int64_t* ends, const float* sinks, void* out, int64_t B,
+             int64_t Hq, int64_t Hkv, int64_t bs, int64_t span_blocks, float scale, float softcap) {
+#define KVLOOM_CASE(DIM) \
+    case DIM: decode<T, DIM>(static_cast<const T*>(q), static_cast<const T*>(kc), static_cast<const T*>(vc), tables, \
+                             table_stride, starts, ends, sinks, static_cast<T*>(out), B, Hq, Hkv, bs, \
+                             span_blocks, scale, softcap); return 0;
+    switch (D) {
+        KVLOOM_CASE(16) KVLOOM_CASE(32) KVLOOM_CASE(64) KVLOOM_CASE(80)
+        KVLOOM_CASE(96) KVLOOM_CASE(128) KVLOOM_CASE(256)
+        default: return 1;
+    }
+#undef KVLOOM_CASE
+}
+
+}  // namespace
+
+extern "C" int kvloom_paged_decode(int dtype, int64_t D, const void* q, const void* kc, const void* vc,
+                                   const int32_t* tables, int64_t table_stride, const int64_t* starts,
+                                   const int64_t* ends, const float* sinks, void* out, int64_t B,
+                                   int64_t Hq, int64_t Hkv, int64_t bs, int64_t span_blocks,
+                                   float scale, float softcap) {
+    if (Hq % Hkv != 0 || Hq / Hkv > MAX_GROUP || bs > MAX_BLOCK) return 2;
+    if (dtype == 0)
+        return dispatch<float>(D, q, kc, vc, tables, table_stride, starts, ends, sinks, out, B, Hq, Hkv, bs,
+                               span_blocks, scale, softcap);
+    return dispatch<uint16_t>(D, q, kc, vc, tables, table_stride, starts, ends, sinks, out, B, Hq, Hkv, bs,
+                              span_blocks, scale, softcap);
+}
+"""
+
+HEAD_DIMS = (16, 32, 64, 80, 96, 128, 256)
+MAX_GROUP = 16
+MAX_BLOCK = 256
+_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+
+_lock = threading.Lock()
+_lib = None  # the loaded library, False once loading failed
+_failure = ""
+
+
+def _load():
+    global _lib, _failure
+    with _lock:
+        if _lib is None:
+            try:
+                from torch._inductor.codecache import CppCodeCache
+
+                # inductor turns the loop vectorizer off (its kernels vectorize by hand); these loops rely on it
+                lib = CppCodeCache.load(_SOURCE, extra_flags=("-ftree-loop-vectorize", "-ffast-math",
+                                                              "-ffp-contract=fast"))
+                fn = lib.kvloom_paged_decode
+                fn.restype = ctypes.c_int
+                fn.argtypes = [ctypes.c_int, ctypes.c_int64] + [ctypes.c_void_p] * 4 + [ctypes.c_int64] + \
+                    [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 5 + [ctypes.c_float] * 2
+                _lib = fn
+            except Exception as exc:  # noqa: BLE001 - no compiler or a failed build: the gather path serves
+                _lib, _failure = False, f"{type(exc).__name__}: {exc}"
+                logger.warning("CPU paged decode attention unavailable (%s); attention gathers the cache instead",
+                               _failure.splitlines()[0][:200])
+    return _lib
+
+
+def enabled() -> bool:
+    """False where ``KVLOOM_CPU_PAGED_DECODE=0`` asks for the gather path (to compare the two)."""
+    return os.environ.get("KVLOOM_CPU_PAGED_DECODE", "1") != "0"
+
+
+def available() -> bool:
+    """Whether the kernel is built (building it on the first call)."""
+    return bool(_load())
+
+
+def supports(dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int) -> bool:
+    """Whether the kernel takes this cache and these heads (otherwise the gather path serves)."""
+    return (dtype in _DTYPES and head_dim in HEAD_DIMS and num_heads % num_kv_heads == 0
+            and num_heads // num_kv_heads <= MAX_GROUP and block_size <= MAX_BLOCK)
+
+
+@torch.library.custom_op("kvloom::paged_decode", mutates_args=())
+def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
+                 starts: torch.Tensor, ends: torch.Tensor, scale: float, softcap: float,
+                 sinks: torch.Tensor | None) -> torch.Tensor:
+    """Attention of decode rows ``q`` ``[B, Hq, D]`` over their cached positions ``starts[b] <= p < ends[b]``
+    (int64 ``[B]``), found through ``tables`` (int32 ``[B, W]``, block numbers) in ``k_cache``/``v_cache``
+    ``[num_blocks, Hkv, bs, D]``. ``softcap`` 0: none; ``sinks`` (``[Hq]``): a logit per head that takes a share
+    of the softmax and contributes no value."""
+    fn = _load()
+    batch, num_heads, head_dim = q.shape
+    _, num_kv_heads, bs, _ = k_cache.shape
+    out = torch.empty_like(q)
+    if batch == 0:
+        return out
+    q, tables = q.contiguous(), tables.contiguous()
+    starts, ends = starts.contiguous(), ends.contiguous()
+    sinks = None if sinks is None else sinks.float().contiguous()  # held until the call returns
+    rc = fn(_DTYPES[q.dtype], head_dim, q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
+            tables.stride(0), starts.data_ptr(), ends.data_ptr(), None if sinks is None else sinks.data_ptr(),
+            out.data_ptr(), batch, num_heads, num_kv_heads, bs, SPAN_BLOCKS, scale, softcap)
+    if rc:
+        raise ValueError(f"paged_decode: unsupported shape (head_dim {head_dim}, heads {num_heads}/{num_kv_heads}, "
+                         f"block size {bs}; supported: head_dim in {HEAD_DIMS}, at most {MAX_GROUP} query heads "
+                         f"a KV head, blocks of at most {MAX_BLOCK})")
+    return out
+
+
+@paged_decode.register_fake
+def _(q, k_cache, v_cache, tables, starts, ends, scale, softcap, sinks):
+    return torch.empty_like(q)

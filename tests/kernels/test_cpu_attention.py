@@ -1,0 +1,80 @@
+"""The CPU decode attention that reads the paged cache in place (``kvloom.kernels.cpu_attention``) against the
+reference formula, and the CPU backend's two decode paths (in place, gathered) against each other."""
+
+import pytest
+import torch
+
+from kvloom.kernels import cpu_attention, reference
+
+pytestmark = pytest.mark.skipif(not cpu_attention.available(), reason="no C++ compiler for inductor's toolchain")
+
+
+def _case(batch, heads, kv_heads, head_dim, bs, lens, dtype, seed=0, num_blocks=96):
+    g = torch.Generator().manual_seed(seed)
+    k_cache = torch.randn(num_blocks, kv_heads, bs, head_dim, generator=g).to(dtype)
+    v_cache = torch.randn(num_blocks, kv_heads, bs, head_dim, generator=g).to(dtype)
+    q = torch.randn(batch, heads, head_dim, generator=g).to(dtype)
+    width = max(-(-n // bs) for n in lens) + 1  # a spare column, as real tables have
+    tables = torch.randperm(num_blocks, generator=g)[: batch * width].view(batch, width).int()
+    return q, k_cache, v_cache, tables, torch.tensor(lens, dtype=torch.long)
+
+
+def _expected(q, k_cache, v_cache, tables, lens, scale, window=None, softcap=None, sinks=None):
+    """The reference decode attention in float32 on the reference layout ``[blocks, bs, Hkv, D]``."""
+    bs = k_cache.shape[2]
+    longest = -(-int(lens.max()) // bs) * bs
+    return reference.paged_decode_attention(
+        q.float(), k_cache.float().transpose(1, 2).contiguous(), v_cache.float().transpose(1, 2).contiguous(),
+        tables.long(), lens, longest, scale, window=window, softcap=softcap, sinks=sinks)
+
+
+@pytest.mark.parametrize("dtype,atol", [(torch.float32, 2e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("heads,kv_heads,head_dim,bs", [(9, 3, 64, 32), (8, 8, 128, 16), (4, 1, 64, 32),
+                                                        (6, 2, 80, 16)])
+def test_matches_reference(dtype, atol, heads, kv_heads, head_dim, bs):
+    # lengths of one position, a block's edge, and more than one span of SPAN_BLOCKS blocks (merged spans)
+    lens = [1, bs, bs + 1, 5, cpu_attention.SPAN_BLOCKS * bs * 2 + 7]
+    q, k_cache, v_cache, tables, ends = _case(len(lens), heads, kv_heads, head_dim, bs, lens, dtype)
+    out = cpu_attention.paged_decode(q, k_cache, v_cache, tables, torch.zeros_like(ends), ends, 0.125, 0.0, None)
+    assert out.dtype == dtype and out.shape == q.shape
+    torch.testing.assert_close(out.float(), _expected(q, k_cache, v_cache, tables, ends, 0.125), atol=atol, rtol=0)
+
+
+@pytest.mark.parametrize("dtype,atol", [(torch.float32, 2e-5), (torch.bfloat16, 2e-2)])
+def test_windows_softcap_and_sinks(dtype, atol):
+    lens = [3, 40, 300, 17]
+    q, k_cache, v_cache, tables, ends = _case(len(lens), 8, 2, 64, 16, lens, dtype, seed=1)
+    sinks = torch.randn(8)
+    for window, softcap, sink in [(32, None, None), (None, 2.0, None), (None, None, sinks), (24, 3.0, sinks)]:
+        starts = torch.zeros_like(ends) if window is None else (ends - window).clamp(min=0)
+        out = cpu_attention.paged_decode(q, k_cache, v_cache, tables, starts, ends, 0.125, softcap or 0.0, sink)
+        expected = _expected(q, k_cache, v_cache, tables, ends, 0.125, window, softcap, sink)
+        torch.testing.assert_close(out.float(), expected, atol=atol, rtol=0, msg=f"window {window}, "
+                                   f"softcap {softcap}, sinks {sink is not None}")
+
+
+def test_empty_batch_and_unsupported_shapes():
+    q, k_cache, v_cache, tables, ends = _case(1, 4, 2, 64, 16, [5], torch.float32)
+    empty = cpu_attention.paged_decode(q[:0], k_cache, v_cache, tables[:0], ends[:0], ends[:0], 1.0, 0.0, None)
+    assert empty.shape == (0, 4, 64)
+    assert not cpu_attention.supports(torch.float32, 4, 2, 48, 16)  # head_dim 48: not compiled for
+    assert not cpu_attention.supports(torch.float16, 4, 2, 64, 16)
+    assert not cpu_attention.supports(torch.float32, 34, 2, 64, 16)  # 17 query heads a KV head
+    odd = torch.randn(1, 4, 48)
+    cache = torch.randn(8, 2, 16, 48)
+    with pytest.raises(ValueError, match="head_dim 48"):
+        cpu_attention.paged_decode(odd, cache, cache, tables, torch.zeros_like(ends), ends, 1.0, 0.0, None)
+
+
+def test_compiles_as_one_opaque_op():
+    q, k_cache, v_cache, tables, ends = _case(3, 6, 2, 64, 16, [5, 40, 33], torch.float32, seed=2)
+    starts = torch.zeros_like(ends)
+
+    def step(q, tables, starts, ends):
+        return cpu_attention.paged_decode(q * 2, k_cache, v_cache, tables, starts, ends, 0.125, 0.0, None) + 1
+
+    with torch._dynamo.config.patch(disable=False):  # the suite runs eagerly (tests/conftest.py)
+        compiled = torch.compile(step, dynamic=True, fullgraph=True)
+        torch.testing.assert_close(compiled(q, tables, starts, ends), step(q, tables, starts, ends))
+        torch.testing.assert_close(compiled(q[:2], tables[:2], starts[:2], ends[:2]),
+                                   step(q[:2], tables[:2], starts[:2], ends[:2]))
