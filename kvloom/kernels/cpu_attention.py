@@ -40,6 +40,9 @@ _SOURCE = r"""
 #include <algorithm>
 #include <omp.h>
 #include <vector>
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -150,10 +153,155 @@ void span(const T* q, const T* kc, const T* vc, const int32_t* table, int64_t st
     for (int64_t g = 0; g < G; ++g) { m_out[g] = m[g]; l_out[g] = l[g]; }
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#define KVLOOM_AVX512_BF16 1
+
+// lane j of the result: the sum of a[j]'s 16 lanes (a transposing tree: ~3 instructions a vector, not ~8 each)
+inline __m512 sum16(const __m512* a) {
+    __m512 x[8], y[4], z[2];
+    for (int i = 0; i < 8; ++i)
+        x[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+    for (int i = 0; i < 4; ++i) {
+        const __m512d u = _mm512_castps_pd(x[2 * i]), w = _mm512_castps_pd(x[2 * i + 1]);
+        y[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(u, w)), _mm512_castpd_ps(_mm512_unpackhi_pd(u, w)));
+    }
+    for (int i = 0; i < 2; ++i)
+        z[i] = _mm512_add_ps(_mm512_shuffle_f32x4(y[2 * i], y[2 * i + 1], 0x88),
+                             _mm512_shuffle_f32x4(y[2 * i], y[2 * i + 1], 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(z[0], z[1], 0x88), _mm512_shuffle_f32x4(z[0], z[1], 0xDD));
+}
+
+// heads whose value accumulators (2 * D / 32 vectors each) fit 16 registers
+template <int D> constexpr int PV_HEADS = 16 / (D / 16) > 0 ? 16 / (D / 16) : 1;
+
+// acc[g] += p[g][t] * V[t] over rows [lo, hi) for NG heads, accumulators in registers: two rows at a time, their
+// values interleaved as bf16 pairs and their probabilities rounded to a bf16 pair (the reference formula casts
+// probabilities to the cache's dtype too), one dot-product instruction per 16 lanes. Lane 4k + j of each run of
+// 16 accumulates dimension 8k + j (the first 16 of a 32-run) or 8k + 4 + j (the second): see span_bf16's end.
+template <int D, int NG>
+inline void pv_block(const uint16_t* vb, int64_t lo, int64_t hi, const float* s, float* acc) {
+    constexpr int C = D / 32;
+    __m512 a[NG][2 * C];
+    for (int g = 0; g < NG; ++g)
+        for (int c = 0; c < 2 * C; ++c) a[g][c] = _mm512_loadu_ps(acc + g * D + 16 * c);
+    for (int64_t t = lo; t < hi; t += 2) {
+        const bool pair = t + 1 < hi;
+        __m512i vlo[C], vhi[C];
+        for (int c = 0; c < C; ++c) {
+            const __m512i v0 = _mm512_loadu_si512(vb + t * D + 32 * c);
+            const __m512i v1 = pair ? _mm512_loadu_si512(vb + (t + 1) * D + 32 * c) : _mm512_setzero_si512();
+            vlo[c] = _mm512_unpacklo_epi16(v0, v1);
+            vhi[c] = _mm512_unpackhi_epi16(v0, v1);
+        }
+        for (int g = 0; g < NG; ++g) {
+            const float* sg = s + g * MAX_BLOCK;
+            const uint32_t bits = static_cast<uint32_t>(float_to_bf16(sg[t])) |
+                                  (static_cast<uint32_t>(pair ? float_to_bf16(sg[t + 1]) : 0) << 16);
+            const __m512bh pp = (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(bits));
+            for (int c = 0; c < C; ++c) {
+                a[g][2 * c] = _mm512_dpbf16_ps(a[g][2 * c], (__m512bh)vlo[c], pp);
+                a[g][2 * c + 1] = _mm512_dpbf16_ps(a[g][2 * c + 1], (__m512bh)vhi[c], pp);
+            }
+        }
+    }
+    for (int g = 0; g < NG; ++g)
+        for (int c = 0; c < 2 * C; ++c) _mm512_storeu_ps(acc + g * D + 16 * c, a[g][c]);
+}
+
+template <int D>
+inline void pv_heads(const uint16_t* vb, int64_t lo, int64_t hi, const float* s, float* acc, int64_t ng) {
+    switch (ng) {
+        case 1: pv_block<D, 1>(vb, lo, hi, s, acc); return;
+        case 2: if constexpr (PV_HEADS<D> >= 2) { pv_block<D, 2>(vb, lo, hi, s, acc); return; } break;
+        case 3: if constexpr (PV_HEADS<D> >= 3) { pv_block<D, 3>(vb, lo, hi, s, acc); return; } break;
+        case 4: if constexpr (PV_HEADS<D> >= 4) { pv_block<D, 4>(vb, lo, hi, s, acc); return; } break;
+        case 5: if constexpr (PV_HEADS<D> >= 5) { pv_block<D, 5>(vb, lo, hi, s, acc); return; } break;
+        case 6: if constexpr (PV_HEADS<D> >= 6) { pv_block<D, 6>(vb, lo, hi, s, acc); return; } break;
+        case 7: if constexpr (PV_HEADS<D> >= 7) { pv_block<D, 7>(vb, lo, hi, s, acc); return; } break;
+        case 8: if constexpr (PV_HEADS<D> >= 8) { pv_block<D, 8>(vb, lo, hi, s, acc); return; } break;
+    }
+}
+
+// span<> for a bfloat16 cache with AVX512-BF16: scores as bf16 pair dot products, 16 keys summed at once; values
+// through pv_block, which leaves acc's lanes permuted within each 32: put back in order at the end.
+template <int D>
+void span_bf16(const uint16_t* q, const uint16_t* kc, const uint16_t* vc, const int32_t* table, int64_t start,
+               int64_t end, int64_t blk0, int64_t blk1, int64_t h, int64_t G, int64_t Hkv, int64_t bs,
+               float scale, float softcap, float* acc, float* m_out, float* l_out) {
+    constexpr int C = D / 32;
+    __m512bh qb[MAX_GROUP][C];
+    alignas(64) float s[MAX_GROUP][MAX_BLOCK];
+    float m[MAX_GROUP], l[MAX_GROUP];
+    for (int64_t g = 0; g < G; ++g) {
+        for (int c = 0; c < C; ++c) qb[g][c] = (__m512bh)_mm512_loadu_si512(q + (h * G + g) * D + 32 * c);
+        for (int d = 0; d < D; ++d) acc[g * D + d] = 0.f;
+        m[g] = NEG;
+        l[g] = 0.f;
+    }
+    const __m512 vscale = _mm512_set1_ps(scale);
+    for (int64_t blk = blk0; blk < blk1; ++blk) {
+        const int64_t p0 = blk * bs;
+        const int64_t lo = std::max<int64_t>(start - p0, 0), hi = std::min<int64_t>(end - p0, bs);
+        if (lo >= hi) continue;
+        const int64_t row = (static_cast<int64_t>(table[blk]) * Hkv + h) * bs;
+        const uint16_t* kb = kc + row * D;
+        const uint16_t* vb = vc + row * D;
+        // whole tiles of 16 rows from the block's 16-row boundaries (bs is a multiple of 16): rows outside
+        // [lo, hi) are scored too, in lanes of their own, and never read
+        for (int64_t t0 = lo & ~int64_t(15); t0 < hi; t0 += 16) {
+            for (int64_t g = 0; g < G; ++g) {
+                __m512 a[16];
+                for (int j = 0; j < 16; ++j) {
+                    a[j] = _mm512_dpbf16_ps(_mm512_setzero_ps(), qb[g][0],
+                                            (__m512bh)_mm512_loadu_si512(kb + (t0 + j) * D));
+                    for (int c = 1; c < C; ++c)
+                        a[j] = _mm512_dpbf16_ps(a[j], qb[g][c],
+                                                (__m512bh)_mm512_loadu_si512(kb + (t0 + j) * D + 32 * c));
+                }
+                _mm512_storeu_ps(&s[g][t0], _mm512_mul_ps(sum16(a), vscale));
+            }
+        }
+        for (int64_t g = 0; g < G; ++g) {
+            if (softcap > 0.f)
+                for (int64_t t = lo; t < hi; ++t) s[g][t] = softcap * std::tanh(s[g][t] / softcap);
+            float mx = m[g];
+            for (int64_t t = lo; t < hi; ++t) mx = std::max(mx, s[g][t]);
+            const float c = fast_exp(m[g] - mx);
+            m[g] = mx;
+            float sum = 0.f;
+            for (int64_t t = lo; t < hi; ++t) {
+                s[g][t] = fast_exp(s[g][t] - mx);
+                sum += s[g][t];
+            }
+            l[g] = l[g] * c + sum;
+            float* a = acc + g * D;
+            for (int d = 0; d < D; ++d) a[d] *= c;
+        }
+        for (int64_t g0 = 0; g0 < G; g0 += PV_HEADS<D>)
+            pv_heads<D>(vb, lo, hi, &s[g0][0], acc + g0 * D, std::min<int64_t>(PV_HEADS<D>, G - g0));
+    }
+    // acc lane 4k + j of a 32-lane run held dimension 8k + j, lane 16 + 4k + j dimension 8k + 4 + j
+    for (int64_t g = 0; g < G; ++g) {
+        float ordered[D];
+        float* a = acc + g * D;
+        for (int c = 0; c < C; ++c)
+            for (int k = 0; k < 4; ++k)
+                for (int j = 0; j < 4; ++j) {
+                    ordered[32 * c + 8 * k + j] = a[32 * c + 4 * k + j];
+                    ordered[32 * c + 8 * k + 4 + j] = a[32 * c + 16 + 4 * k + j];
+                }
+        for (int d = 0; d < D; ++d) a[d] = ordered[d];
+        m_out[g] = m[g];
+        l_out[g] = l[g];
+    }
+}
+#endif
+
 template <typename T, int D>
 void decode(const T* q, const T* kc, const T* vc, const int32_t* tables, int64_t table_stride,
             const int64_t* starts, const int64_t* ends, const float* sinks, T* out,
-            int64_t B, int64_t Hq, int64_t Hkv, int64_t bs, int64_t span_blocks, float scale, float softcap) {
+            int64_t B, int64_t Hq, int64_t Hkv, int64_t bs, int64_t span_blocks, float scale, float softcap,
+            int fast) {
     const int64_t G = Hq / Hkv;
     int64_t spans = 1;
     for (int64_t b = 0; b < B; ++b) {
@@ -177,6 +325,15 @@ void decode(const T* q, const T* kc, const T* vc, const int32_t* tables, int64_t
             for (int64_t g = 0; g < G; ++g) { w[G * D + g] = NEG; w[G * D + G + g] = 0.f; }
             continue;
         }
+#ifdef KVLOOM_AVX512_BF16
+        if constexpr (sizeof(T) == 2 && D % 32 == 0) {
+            if (fast && bs % 16 == 0) {
+                span_bf16<D>(q + b * Hq * D, kc, vc, tables + b * table_stride, starts[b], ends[b], blk0, blk1, h, G,
+                             Hkv, bs, scale, softcap, w, w + G * D, w + G * D + G);
+                continue;
+            }
+        }
+#endif
         span<T, D>(q + b * Hq * D, kc, vc, tables + b * table_stride, starts[b], ends[b], blk0, blk1, h, G, Hkv,
                    bs, scale, softcap, w, w + G * D, w + G * D + G);
     }
@@ -206,11 +363,11 @@ void decode(const T* q, const T* kc, const T* vc, const int32_t* tables, int64_t
 template <typename T>
 int dispatch(int64_t D, const void* q, const void* kc, const void* vc, const int32_t* tables, int64_t table_stride,
              const int64_t* starts, const int64_t* ends, const float* sinks, void* out, int64_t B,
-             int64_t Hq, int64_t Hkv, int64_t bs, int64_t span_blocks, float scale, float softcap) {
+             int64_t Hq, int64_t Hkv, int64_t bs, int64_t span_blocks, float scale, float softcap, int fast) {
 #define KVLOOM_CASE(DIM) \
     case DIM: decode<T, DIM>(static_cast<const T*>(q), static_cast<const T*>(kc), static_cast<const T*>(vc), tables, \
                              table_stride, starts, ends, sinks, static_cast<T*>(out), B, Hq, Hkv, bs, \
-                             span_blocks, scale, softcap); return 0;
+                             span_blocks, scale, softcap, fast); return 0;
     switch (D) {
         KVLOOM_CASE(16) KVLOOM_CASE(32) KVLOOM_CASE(64) KVLOOM_CASE(80)
         KVLOOM_CASE(96) KVLOOM_CASE(128) KVLOOM_CASE(256)
@@ -225,13 +382,22 @@ extern "C" int kvloom_paged_decode(int dtype, int64_t D, const void* q, const vo
                                    const int32_t* tables, int64_t table_stride, const int64_t* starts,
                                    const int64_t* ends, const float* sinks, void* out, int64_t B,
                                    int64_t Hq, int64_t Hkv, int64_t bs, int64_t span_blocks,
-                                   float scale, float softcap) {
+                                   float scale, float softcap, int fast) {
     if (Hq % Hkv != 0 || Hq / Hkv > MAX_GROUP || bs > MAX_BLOCK) return 2;
     if (dtype == 0)
         return dispatch<float>(D, q, kc, vc, tables, table_stride, starts, ends, sinks, out, B, Hq, Hkv, bs,
-                               span_blocks, scale, softcap);
+                               span_blocks, scale, softcap, fast);
     return dispatch<uint16_t>(D, q, kc, vc, tables, table_stride, starts, ends, sinks, out, B, Hq, Hkv, bs,
-                              span_blocks, scale, softcap);
+                              span_blocks, scale, softcap, fast);
+}
+
+// whether this build has the AVX512-BF16 path (the machine compiled for has those instructions)
+extern "C" int kvloom_paged_decode_vectorized() {
+#ifdef KVLOOM_AVX512_BF16
+    return 1;
+#else
+    return 0;
+#endif
 }
 """
 
@@ -239,6 +405,9 @@ HEAD_DIMS = (16, 32, 64, 80, 96, 128, 256)
 MAX_GROUP = 16
 MAX_BLOCK = 256
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+# a bfloat16 cache on a CPU with AVX512-BF16 takes the hand-vectorized path (False: the portable loops, which
+# KVLOOM_CPU_PAGED_DECODE=portable asks for, to compare the two)
+VECTORIZED = os.environ.get("KVLOOM_CPU_PAGED_DECODE") != "portable"
 
 _lock = threading.Lock()
 _lib = None  # the loaded function, False once building or loading failed
@@ -297,7 +466,7 @@ def _load():
                 fn = ctypes.CDLL(_build()).kvloom_paged_decode
                 fn.restype = ctypes.c_int
                 fn.argtypes = [ctypes.c_int, ctypes.c_int64] + [ctypes.c_void_p] * 4 + [ctypes.c_int64] + \
-                    [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 5 + [ctypes.c_float] * 2
+                    [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 5 + [ctypes.c_float] * 2 + [ctypes.c_int]
                 _lib = fn
             except Exception as exc:  # noqa: BLE001 - no compiler or a failed build: the gather path serves
                 _lib = False
@@ -307,7 +476,7 @@ def _load():
 
 
 def enabled() -> bool:
-    """False where ``KVLOOM_CPU_PAGED_DECODE=0`` asks for the gather path (to compare the two)."""
+    """False where ``KVLOOM_CPU_PAGED_DECODE=0`` asks for the gather path (to compare)."""
     return os.environ.get("KVLOOM_CPU_PAGED_DECODE", "1") != "0"
 
 
@@ -341,7 +510,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     sinks = None if sinks is None else sinks.float().contiguous()  # held until the call returns
     rc = fn(_DTYPES[q.dtype], head_dim, q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
             tables.stride(0), starts.data_ptr(), ends.data_ptr(), None if sinks is None else sinks.data_ptr(),
-            out.data_ptr(), batch, num_heads, num_kv_heads, bs, SPAN_BLOCKS, scale, softcap)
+            out.data_ptr(), batch, num_heads, num_kv_heads, bs, SPAN_BLOCKS, scale, softcap, int(VECTORIZED))
     if rc:
         raise ValueError(f"paged_decode: unsupported shape (head_dim {head_dim}, heads {num_heads}/{num_kv_heads}, "
                          f"block size {bs}; supported: head_dim in {HEAD_DIMS}, at most {MAX_GROUP} query heads "

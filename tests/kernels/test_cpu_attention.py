@@ -10,10 +10,17 @@ import torch
 
 from kvloom.kernels import cpu_attention, reference
 
-pytestmark = pytest.mark.skipif(not cpu_attention.available(), reason="no C++ compiler for inductor's toolchain")
+pytestmark = pytest.mark.skipif(not cpu_attention.available(), reason="no C++ compiler builds the kernel here")
 
 
-def _case(batch, heads, kv_heads, head_dim, bs, lens, dtype, seed=0, num_blocks=96):
+@pytest.fixture(params=["vectorized", "portable"])
+def path(request, monkeypatch):
+    """Both of the kernel's paths for a bfloat16 cache: AVX512-BF16 where the CPU has it, and the portable loops."""
+    monkeypatch.setattr(cpu_attention, "VECTORIZED", request.param == "vectorized")
+    return request.param
+
+
+def _case(batch, heads, kv_heads, head_dim, bs, lens, dtype, seed=0, num_blocks=200):
     g = torch.Generator().manual_seed(seed)
     k_cache = torch.randn(num_blocks, kv_heads, bs, head_dim, generator=g).to(dtype)
     v_cache = torch.randn(num_blocks, kv_heads, bs, head_dim, generator=g).to(dtype)
@@ -34,8 +41,8 @@ def _expected(q, k_cache, v_cache, tables, lens, scale, window=None, softcap=Non
 
 @pytest.mark.parametrize("dtype,atol", [(torch.float32, 2e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("heads,kv_heads,head_dim,bs", [(9, 3, 64, 32), (8, 8, 128, 16), (4, 1, 64, 32),
-                                                        (6, 2, 80, 16)])
-def test_matches_reference(dtype, atol, heads, kv_heads, head_dim, bs):
+                                                        (6, 2, 80, 16), (4, 2, 32, 16), (2, 1, 256, 16)])
+def test_matches_reference(dtype, atol, heads, kv_heads, head_dim, bs, path):
     # lengths of one position, a block's edge, and more than one span of SPAN_BLOCKS blocks (merged spans)
     lens = [1, bs, bs + 1, 5, cpu_attention.SPAN_BLOCKS * bs * 2 + 7]
     q, k_cache, v_cache, tables, ends = _case(len(lens), heads, kv_heads, head_dim, bs, lens, dtype)
@@ -45,7 +52,7 @@ def test_matches_reference(dtype, atol, heads, kv_heads, head_dim, bs):
 
 
 @pytest.mark.parametrize("dtype,atol", [(torch.float32, 2e-5), (torch.bfloat16, 2e-2)])
-def test_windows_softcap_and_sinks(dtype, atol):
+def test_windows_softcap_and_sinks(dtype, atol, path):
     lens = [3, 40, 300, 17]
     q, k_cache, v_cache, tables, ends = _case(len(lens), 8, 2, 64, 16, lens, dtype, seed=1)
     sinks = torch.randn(8)

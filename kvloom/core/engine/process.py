@@ -47,6 +47,7 @@ logger = logging.getLogger("kvloom.engine")
 # What a frontend may call through ``Utility``; anything else is refused by name.
 UTILITY_METHODS = ("stats", "reset_prefix_cache", "load_lora_adapter", "unload_lora_adapter", "list_lora_adapters")
 IDLE_POLL_MS = 100  # how often an idle engine wakes up to notice signals
+FAILED_START_GRACE_S = 15.0  # how long an engine that failed to load waits for a frontend to tell why
 HEAP_TRIM_INTERVAL_S = 60.0  # a CPU engine hands its heap's free pages back this often (cpu_malloc)
 _STOP = b"stop"  # loop -> inbox thread: send what is queued, then close the socket
 _GONE = object()  # inbox thread -> loop: a frontend can no longer be reached
@@ -178,6 +179,15 @@ class EngineServer:
         self._inbox_thread.join(timeout=10)
         self._outbound.close()
         self.ctx.term()
+
+    def wait_for_a_frontend(self, timeout: float) -> None:
+        """Read the inbox until a frontend has said hello (or ``timeout``), so a reason sent now reaches it: a model
+        that fails at once can fail before the frontends started with it have connected (a busy machine)."""
+        deadline = time.monotonic() + timeout
+        self._drain_inbox(block=False)
+        while not self.frontends and time.monotonic() < deadline:
+            self._drain_inbox(block=True)
+        self._drain_inbox(block=True)  # the other workers of a frontend that connected with it
 
     def fail_frontends(self, message: str) -> None:
         for ident in list(self.frontends):
@@ -441,7 +451,7 @@ def serve_engine(config: EngineConfig, address: str, model_name: str | None = No
         server.load()
     except Exception as e:  # noqa: BLE001 - reported to the frontends waiting for EngineReady
         logger.error("The engine failed to start: %s", e)
-        server._drain_inbox(block=False)
+        server.wait_for_a_frontend(FAILED_START_GRACE_S)
         server.close(f"the engine failed to start: {e}")
         return 1
     logger.info("Engine ready at %s", address)

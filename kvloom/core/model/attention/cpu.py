@@ -9,6 +9,11 @@ that share a KV head are that head's rows: no K/V expansion for GQA). The indice
 write, blocks to gather, the padding mask) depend only on the step, so they are built at the first
 layer and reused by the other layers.
 
+Decode rows over a float32 or bfloat16 cache skip that gather where the C++ kernel builds
+(``kvloom.kernels.cpu_attention``): it walks each row's block table and reads the cached rows where they lie,
+20 % off a 32-stream step on SmolLM2 (docs/benchmarks.md, "CPU: decode attention in place");
+``KVLOOM_CPU_PAGED_DECODE=0`` keeps the gather.
+
 In bf16/fp16, attention is batched matmuls (scores in the model dtype, softmax in float32, as
 transformers' eager attention does), faster there than PyTorch's fused CPU kernel; in float32 the
 fused kernel (``scaled_dot_product_attention``) is the faster one and is used. Prompts of equal length
