@@ -93,6 +93,23 @@ constexpr int MAX_DIM = 256;
 constexpr int MAX_BLOCK = 256;
 constexpr float NEG = -1e30f;  // finite: inductor's flags may assume finite math
 
+// One head's block of scores s[lo, hi) into the running softmax: the running max m and sum l, and the output
+// accumulator acc rescaled to the new max; s becomes the block's exp(score - m).
+template <int D>
+inline void online_softmax(float* s, int64_t lo, int64_t hi, float& m, float& l, float* acc) {
+    float mx = m;
+    for (int64_t t = lo; t < hi; ++t) mx = std::max(mx, s[t]);
+    const float c = fast_exp(m - mx);  // 0 on the first block (m = NEG)
+    m = mx;
+    float sum = 0.f;
+    for (int64_t t = lo; t < hi; ++t) {
+        s[t] = fast_exp(s[t] - mx);
+        sum += s[t];
+    }
+    l = l * c + sum;
+    for (int d = 0; d < D; ++d) acc[d] *= c;
+}
+
 // One (row, KV head, span): G query heads over the span's cached positions in [start, end).
 // Writes the span's unnormalized output acc[G][D], its running max m[G] and sum l[G].
 template <typename T, int D>
@@ -126,20 +143,7 @@ void span(const T* q, const T* kc, const T* vc, const int32_t* table, int64_t st
                 s[g][t] = dot;
             }
         }
-        for (int64_t g = 0; g < G; ++g) {
-            float mx = m[g];
-            for (int64_t t = lo; t < hi; ++t) mx = std::max(mx, s[g][t]);
-            const float c = fast_exp(m[g] - mx);  // 0 on the first block (m = NEG)
-            m[g] = mx;
-            float sum = 0.f;
-            for (int64_t t = lo; t < hi; ++t) {
-                s[g][t] = fast_exp(s[g][t] - mx);
-                sum += s[g][t];
-            }
-            l[g] = l[g] * c + sum;
-            float* a = acc + g * D;
-            for (int d = 0; d < D; ++d) a[d] *= c;
-        }
+        for (int64_t g = 0; g < G; ++g) online_softmax<D>(s[g], lo, hi, m[g], l[g], acc + g * D);
         for (int64_t t = lo; t < hi; ++t) {
             float vf[D];
             for (int d = 0; d < D; ++d) vf[d] = load(vb + t * D, d);
@@ -264,18 +268,7 @@ void span_bf16(const uint16_t* q, const uint16_t* kc, const uint16_t* vc, const 
         for (int64_t g = 0; g < G; ++g) {
             if (softcap > 0.f)
                 for (int64_t t = lo; t < hi; ++t) s[g][t] = softcap * std::tanh(s[g][t] / softcap);
-            float mx = m[g];
-            for (int64_t t = lo; t < hi; ++t) mx = std::max(mx, s[g][t]);
-            const float c = fast_exp(m[g] - mx);
-            m[g] = mx;
-            float sum = 0.f;
-            for (int64_t t = lo; t < hi; ++t) {
-                s[g][t] = fast_exp(s[g][t] - mx);
-                sum += s[g][t];
-            }
-            l[g] = l[g] * c + sum;
-            float* a = acc + g * D;
-            for (int d = 0; d < D; ++d) a[d] *= c;
+            online_softmax<D>(s[g], lo, hi, m[g], l[g], acc + g * D);
         }
         for (int64_t g0 = 0; g0 < G; g0 += PV_HEADS<D>)
             pv_heads<D>(vb, lo, hi, &s[g0][0], acc + g0 * D, std::min<int64_t>(PV_HEADS<D>, G - g0));
