@@ -93,6 +93,15 @@ constexpr int MAX_DIM = 256;
 constexpr int MAX_BLOCK = 256;
 constexpr float NEG = -1e30f;  // finite: inductor's flags may assume finite math
 
+// Block ``blk`` of a row's table: the rows [lo, hi) of it that the row attends (positions in [start, end)),
+// and the cache row where head h's part of the block starts.
+inline int64_t block_rows(const int32_t* table, int64_t blk, int64_t bs, int64_t start, int64_t end, int64_t Hkv,
+                          int64_t h, int64_t& lo, int64_t& hi) {
+    lo = std::max<int64_t>(start - blk * bs, 0);
+    hi = std::min<int64_t>(end - blk * bs, bs);
+    return (static_cast<int64_t>(table[blk]) * Hkv + h) * bs;
+}
+
 // One head's block of scores s[lo, hi) into the running softmax: the running max m and sum l, and the output
 // accumulator acc rescaled to the new max; s becomes the block's exp(score - m).
 template <int D>
@@ -127,10 +136,9 @@ void span(const T* q, const T* kc, const T* vc, const int32_t* table, int64_t st
         l[g] = 0.f;
     }
     for (int64_t blk = blk0; blk < blk1; ++blk) {
-        const int64_t p0 = blk * bs;
-        const int64_t lo = std::max<int64_t>(start - p0, 0), hi = std::min<int64_t>(end - p0, bs);
+        int64_t lo, hi;
+        const int64_t row = block_rows(table, blk, bs, start, end, Hkv, h, lo, hi);
         if (lo >= hi) continue;
-        const int64_t row = (static_cast<int64_t>(table[blk]) * Hkv + h) * bs;
         const T* kb = kc + row * D;
         const T* vb = vc + row * D;
         for (int64_t t = lo; t < hi; ++t) {
@@ -244,10 +252,9 @@ void span_bf16(const uint16_t* q, const uint16_t* kc, const uint16_t* vc, const 
     }
     const __m512 vscale = _mm512_set1_ps(scale);
     for (int64_t blk = blk0; blk < blk1; ++blk) {
-        const int64_t p0 = blk * bs;
-        const int64_t lo = std::max<int64_t>(start - p0, 0), hi = std::min<int64_t>(end - p0, bs);
+        int64_t lo, hi;
+        const int64_t row = block_rows(table, blk, bs, start, end, Hkv, h, lo, hi);
         if (lo >= hi) continue;
-        const int64_t row = (static_cast<int64_t>(table[blk]) * Hkv + h) * bs;
         const uint16_t* kb = kc + row * D;
         const uint16_t* vb = vc + row * D;
         // whole tiles of 16 rows from the block's 16-row boundaries (bs is a multiple of 16): rows outside

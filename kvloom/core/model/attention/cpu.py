@@ -57,6 +57,7 @@ class _StepIndex:
     prefill_groups: list[tuple[list[int], int, int, int | None]]  # (sequences, q_len, s_len, first row if
     # their queries are one contiguous run of the flat batch, else None), equal shapes grouped
     starts: list[int]  # each sequence's first query in the flat batch
+    paged: bool | None = None  # whether the step's decode rows read in place (``paged_kernel_serves``), once a step
 
 
 def _softmax(scores: torch.Tensor) -> torch.Tensor:
@@ -234,7 +235,9 @@ class CPUAttentionBackend:
         self._write(k, v, k_cache, v_cache, index.write_rows, k_scale, v_scale)
         explicit = softcap is not None or sinks is not None  # scores written out (no fused kernel does these)
         nd = meta.num_decodes
-        paged = nd and paged_kernel_serves(k_cache, q.shape[1])
+        if index.paged is None:
+            index.paged = bool(nd) and paged_kernel_serves(k_cache, q.shape[1])
+        paged = index.paged
         if paged:
             dec = index.decode.get(("paged", window))
             if dec is None:
