@@ -9,7 +9,7 @@ import json
 import os
 from pathlib import Path
 
-# The engine compiles its CPU decode step at start-up (tens of seconds a model); the suite starts hundreds of
+# The engine compiles its CPU steps at start-up (tens of seconds a model); the suite starts hundreds of
 # engines, so it runs them eagerly, child processes included (torch reads this once, at import), and
 # tests/test_cpu_compile.py turns compiling back on where it is under test.
 os.environ["TORCH_COMPILE_DISABLE"] = "1"

@@ -1,7 +1,9 @@
-"""The compiled CPU decode step (``kvloom.core.worker.cpu_compile``): greedy tokens equal transformers' (float32)
+"""The compiled CPU steps (``kvloom.core.worker.cpu_compile``): greedy tokens equal transformers' (float32)
 with one, three and seven requests decoding together, on a plain family and on ones with sliding windows,
 soft-capped scores, q/k norms and a hybrid KV cache, and with twelve (the three variants compiled at start-up);
-the decode steps really run compiled; ``enforce_eager`` and what cannot compile stay eager.
+the decode steps really run compiled; steps holding prompt rows (whole prompts, chunks after a cached part, and
+decode rows beside them) run compiled too and give the same tokens; ``enforce_eager`` and what cannot compile
+stay eager.
 
 The rest of the suite runs engines eagerly (tests/conftest.py); these tests turn compiling back on."""
 
@@ -40,6 +42,77 @@ def _counting(llm: LLM) -> list[int]:
 
     compiled.compiled = counted
     return calls
+
+
+def _eager_steps(llm: LLM) -> list[int]:
+    """Counts the steps whose layers run eagerly: the final norm's hook runs only outside compiled code (hooks
+    added after compiling are not traced in)."""
+    calls = [0]
+    llm.engine.runner.model.norm.register_forward_pre_hook(lambda module, args: calls.__setitem__(0, calls[0] + 1))
+    return calls
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2", "gemma3_text"])
+def test_compiled_prompt_steps_equal_transformers(family, compiling, tmp_path):
+    """Prompts longer than a step's token budget: steps hold whole prompts, chunks after a cached part, and
+    decode rows beside them, all compiled (the token count varies step to step, one compiled variant)."""
+    path = make_tiny_model(tmp_path / family, family)
+    rng = random.Random(4)
+    prompts = [[rng.randrange(3, 380) for _ in range(rng.randrange(12, 70))] for _ in range(6)]
+    expected = hf_greedy(path, prompts, NEW_TOKENS)
+    llm = LLM(str(path), dtype="float32", max_num_seqs=8, max_model_len=128, threads=1,
+              max_num_batched_tokens=48)
+    assert llm.engine.runner.compiled_prompts is not None
+    eager = _eager_steps(llm)
+    sp = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)] == expected
+    # every step held more than the 4-bit cut's rows or was decode-only: none ran eagerly
+    assert eager[0] == 0
+
+
+def test_bf16_compiled_prompt_step_matches_eager(compiling, tiny_llama):
+    """One step of two whole prompts and a chunk after 40 cached positions beside three decode rows, bf16,
+    compiled and eager on the same cache: logits differ by bf16 rounding only."""
+    from kvloom.core.model.attention.base import AttentionMetadata
+
+    llm = LLM(str(tiny_llama), dtype="bfloat16", max_num_seqs=8, max_model_len=128, threads=1)
+    runner = llm.engine.runner
+    bs = runner.block_size
+    torch.manual_seed(0)
+    for k, v in runner.kv_caches:  # a history to attend to
+        k.normal_()
+        v.normal_()
+    query_lens, seq_lens = [1, 1, 1, 20, 13, 9], [41, 30, 17, 20, 13, 49]
+    blocks = -(-max(seq_lens) // bs)
+    table = torch.arange(len(seq_lens) * blocks, dtype=torch.int32).view(len(seq_lens), blocks)
+    slots = torch.tensor([int(table[i, p // bs]) * bs + p % bs
+                          for i, (q, s) in enumerate(zip(query_lens, seq_lens)) for p in range(s - q, s)])
+    with torch.inference_mode():  # as the runner's inputs are (the compiled code's guards check it)
+        positions = torch.cat([torch.arange(s - q, s) for q, s in zip(query_lens, seq_lens)])
+        ids = torch.randint(3, 380, positions.shape)
+        keep = torch.cumsum(torch.tensor(query_lens), 0) - 1
+
+    def meta():
+        return AttentionMetadata(
+            slot_mapping=slots, block_tables=table, seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+            query_start_loc=torch.cat([torch.zeros(1, dtype=torch.int32),
+                                       torch.cumsum(torch.tensor(query_lens, dtype=torch.int32), 0)]),
+            num_decodes=3, max_query_len=max(query_lens), max_seq_len=max(seq_lens), query_lens_cpu=query_lens,
+            seq_lens_cpu=seq_lens)
+
+    eager_steps = _eager_steps(llm)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(runner.compiled_prompts.threads)  # the count it compiled for (else it runs eagerly)
+    with torch.inference_mode():
+        eager = runner.model.compute_logits(runner.model(ids, positions, meta(), runner.kv_caches, keep=keep))
+        assert eager_steps[0] == 1
+        compiled = runner.model.compute_logits(runner.compiled_prompts(ids, positions, meta(), keep))
+    torch.set_num_threads(threads)
+    assert eager_steps[0] == 1  # the second ran compiled
+    assert compiled.shape == eager.shape == (len(seq_lens), eager.shape[-1])
+    scale = eager.abs().max()
+    assert (compiled - eager).abs().max() <= 0.03 * scale, ((compiled - eager).abs().max(), scale)
+    assert (compiled.argmax(-1) == eager.argmax(-1)).sum() >= 5
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma2", "gemma3_text"])

@@ -74,7 +74,7 @@ class EngineConfig:
                                   "other processes at the engine's priority keep busy, and take it back when "
                                   "they stop (a team of threads goes at the pace of its slowest).")
     seed: int = _opt(0, "Seed for dummy weights and for sampling of requests without their own seed.")
-    enforce_eager: bool = _opt(False, "Never capture CUDA graphs (GPU) nor compile the decode step (CPU).")
+    enforce_eager: bool = _opt(False, "Never capture CUDA graphs (GPU) nor compile the steps (CPU).")
     hybrid_kv_cache: bool = _opt(True, "Models with sliding-window layers: give back the blocks a layer's window "
                                  "can no longer read while the request runs, and count blocks per layer group "
                                  "(off: every layer keeps every block, as with full attention).")

@@ -1,15 +1,19 @@
-"""The CPU decode step compiled (``torch.compile``, inductor): the norms, rotary, activations, residual adds and
+"""The CPU steps compiled (``torch.compile``, inductor): the norms, rotary, activations, residual adds and
 attention's index work of every layer become a few C++ loops around the matmuls, one call a step instead of
 ~5,500 small ops (docs/benchmarks.md, "CPU: the compiled decode step").
 
-Attention reads a ``DecodeStep`` (``CPUAttentionBackend.decode_step``): indices built once a step outside
-the graph, so the traced code sees tensors only. Only the batch and the context length are dynamic; the step is
-compiled at start-up for the variants its guards tell apart (a batch of 1, of up to ``INT4_MAX_ROWS`` rows,
-of more), so no request waits for a compile, and steps then skip the guards. Kernels are cached on disk
-(inductor's cache, under ``~/.cache/kvloom/inductor``) for the next start. The fused loops run on the engine's
-thread count and the guards hold it: a step run with another count (the thread governor's, under contention)
-runs eagerly.
-"""
+Decode steps (``CompiledDecode``): attention reads a ``DecodeStep`` (``CPUAttentionBackend.decode_step``), indices
+built once a step outside the graph, so the traced code sees tensors only. Only the batch and the context length
+are dynamic; the step is compiled at start-up for the variants its guards tell apart (a batch of 1, of up to
+``INT4_MAX_ROWS`` rows, of more), so no request waits for a compile, and steps then skip the guards.
+
+Steps holding prompt rows (``CompiledPrompts``): the token count is dynamic and attention is one opaque op a layer
+(``PromptStep``) reading the step's metadata, as vLLM's compiled models call their attention; one variant, the
+rows to sample padded to one count. A step it was not compiled for runs eagerly.
+
+Kernels are cached on disk (inductor's cache, under ``~/.cache/kvloom/inductor``) for the next start. The fused
+loops run on the engine's thread count and the guards hold it: a step run with another count (the thread
+governor's, under contention) runs eagerly."""
 
 from __future__ import annotations
 
@@ -21,12 +25,14 @@ import types
 import torch
 
 from kvloom.core.model.attention.base import AttentionMetadata
-from kvloom.core.model.attention.cpu import CPUAttentionBackend, _PagedIndex, paged_kernel_serves
+from kvloom.core.model.cpu_packing import INT4_MAX_ROWS
+from kvloom.core.model.attention.cpu import (CPUAttentionBackend, PromptStep, _PagedIndex, paged_kernel_serves,
+                                             prompt_step)
 
 logger = logging.getLogger("kvloom")
 
 def compile_refusal(model, backend, kv_caches, lora) -> str | None:
-    """Why the CPU decode step cannot be compiled for this model, or None."""
+    """Why the CPU steps cannot be compiled for this model, or None."""
     from kvloom.core.model.families.decoder import DecoderLayer, DecoderLM
 
     # before inductor first asks for its cache folder (then it keeps the one it found: /tmp by default)
@@ -146,3 +152,79 @@ class CompiledDecode:
             torch.set_num_threads(current)
         self.threads = threads
         return time.perf_counter() - t0
+
+
+class CompiledPrompts:
+    """Runs steps holding prompt rows compiled: the layers' norms, rotary, activations and residual adds fused
+    around the matmuls as in the decode step, attention one opaque op per layer (``PromptStep``), the token
+    count dynamic. Called as ``(ids, positions, metadata, keep)``; a step of a shape no compiled variant takes
+    (or at another thread count) runs eagerly rather than compile while requests wait."""
+
+    def __init__(self, model, backend: CPUAttentionBackend, kv_caches, adjust_threads=None) -> None:
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+        self.model, self.backend, self.kv_caches = model, backend, kv_caches
+        groups = model.kv_groups or [0] * len(model.layers)
+        self.first_layer = {g: groups.index(g) for g in dict.fromkeys(groups)}
+        self.adjust_threads = adjust_threads
+        self.compiled = None
+        self.threads = 0
+
+    def _steps(self, metas: list[AttentionMetadata]) -> list[PromptStep]:
+        steps = []
+        for g, m in enumerate(metas):
+            index = m.backend_data = self.backend._index(m, self.kv_caches[self.first_layer[g]][0])
+            _mark_rows(index.write_rows)
+            steps.append(PromptStep(index.write_rows, g))
+        return steps
+
+    def __call__(self, ids: torch.Tensor, positions: torch.Tensor,
+                 meta: AttentionMetadata | list[AttentionMetadata], keep: torch.Tensor | None) -> torch.Tensor:
+        if self.adjust_threads is not None:
+            self.adjust_threads()
+        if torch.get_num_threads() != self.threads or keep is None or keep.shape[0] == 0:
+            return self.model(ids, positions, meta, self.kv_caches, keep=keep)
+        return self._run(ids, positions, meta, keep, "eager_on_recompile")
+
+    def _run(self, ids, positions, meta, keep, stance: str):
+        metas = list(meta) if isinstance(meta, (list, tuple)) else [meta]
+        steps = self._steps(metas)
+        kept = keep.shape[0]
+        if kept < KEEP_ROWS:  # one compiled variant for every count: the last row repeated, its copies dropped
+            keep = torch.cat([keep, keep[-1:].expand(KEEP_ROWS - kept)])
+        _mark_rows(ids, positions, keep)
+        with prompt_step(metas, self.backend), torch.compiler.set_stance(stance):
+            out = self.compiled(self.model, ids, positions, steps if isinstance(meta, (list, tuple)) else steps[0],
+                                self.kv_caches, keep)
+        return out[:kept]
+
+    @torch.inference_mode()
+    def warm_up(self, block_size: int, metas, threads: int) -> float:
+        """Compile at ``threads`` threads before any request comes (one variant: the token count is dynamic, the
+        kept rows padded to ``KEEP_ROWS``); ``metas(n, length)``: metadata of ``n`` prompts of ``length`` tokens.
+        Returns the seconds it took."""
+        t0 = time.perf_counter()
+        forward = types.FunctionType(_forward_keep.__code__.replace(), _forward_keep.__globals__,
+                                     f"prompts_{id(self):x}")
+        options = {"cpp.threads": threads}
+        if hasattr(torch.compiler, "skip_guard_on_all_nn_modules_unsafe"):
+            options["guard_filter_fn"] = torch.compiler.skip_guard_on_all_nn_modules_unsafe
+        self.compiled = torch.compile(forward, dynamic=None, options=options)
+        current = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            length = 2 * block_size + 3  # more tokens than the 4-bit matmuls' cut, not a multiple of a block
+            self._run(torch.zeros(length, dtype=torch.long), torch.arange(length), metas(1, length),
+                      torch.tensor([length - 1]), "default")
+        finally:
+            torch.set_num_threads(current)
+        self.threads = threads
+        return time.perf_counter() - t0
+
+
+# Kept rows padded to more than the 4-bit matmuls' cut: the last layer's matmuls over them take one path whatever
+# the count, so one compiled variant serves every step (the padding: at most a few rows' MLP).
+KEEP_ROWS = INT4_MAX_ROWS + 1
+
+
+def _forward_keep(model, ids, positions, step, kv_caches, keep):
+    return model(ids, positions, step, kv_caches, keep=keep)

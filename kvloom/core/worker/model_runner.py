@@ -10,6 +10,7 @@ import dataclasses
 import logging
 import math
 import mmap
+import os
 import time
 from typing import Callable, NamedTuple
 
@@ -214,6 +215,7 @@ class ModelRunner:
         # fills grammar masks there, on the host while the GPU runs the forward.
         self.before_sampling: Callable[[list[ScheduledSeq]], None] | None = None
         self.compiled_decode = None  # on the CPU: runs decode-only steps (kvloom.core.worker.cpu_compile)
+        self.compiled_prompts = None  # on the CPU: runs the other steps (with prompt rows), as far as it can
 
     # --- inputs --------------------------------------------------------------------------------
     def _tokens(self, seqs: list[ScheduledSeq]) -> _Tokens:
@@ -406,6 +408,8 @@ class ModelRunner:
             if (self.compiled_decode is not None and not scoring and not pooling and rows is None
                     and all(s.num_new_tokens == 1 for s in seqs)):  # one token each: no drafts either
                 hidden = self.compiled_decode(ids, pos, meta)
+            elif self.compiled_prompts is not None and not scoring and not pooling:
+                hidden = self.compiled_prompts(ids, pos, meta, rows)
             else:
                 hidden = self.model(ids, pos, meta, self.kv_caches, keep=rows, lora=lora)  # the kept rows' states
             if scoring:
@@ -502,20 +506,25 @@ class ModelRunner:
 
     def compile_decode(self, max_num_seqs: int, adjust_threads=None, threads: int = 1) -> None:
         """On the CPU: compile the decode step (``kvloom.core.worker.cpu_compile``) now, for every batch size
-        at ``threads`` threads, or say in the log why it stays eager. ``adjust_threads()``: the thread
+        at ``threads`` threads, and the steps holding prompts (unless ``KVLOOM_CPU_COMPILE_PROMPTS=0``), or say in
+        the log why they stay eager. ``adjust_threads()``: the thread
         governor's check, run before each compiled step (its layer hooks do not run inside the graph)."""
-        from kvloom.core.worker.cpu_compile import CompiledDecode, compile_refusal
+        from kvloom.core.worker.cpu_compile import CompiledDecode, CompiledPrompts, compile_refusal
 
         backend = self.model.layers[0].self_attn.backend if hasattr(self.model, "layers") else None
         refusal = compile_refusal(self.model, backend, self.kv_caches, self.lora)
         if refusal is not None:
-            logger.info("CPU decode step eager: %s", refusal)
+            logger.info("CPU steps eager: %s", refusal)
             return
         compiled = CompiledDecode(self.model, backend, self.kv_caches, adjust_threads)
         seconds = compiled.warm_up(max_num_seqs, self.block_size, self._scratch_meta, threads)
         self.compiled_decode = compiled
-        logger.info("CPU decode step compiled (torch.compile, for %d threads) in %.1fs; --enforce-eager runs it "
-                    "eagerly", threads, seconds)
+        if os.environ.get("KVLOOM_CPU_COMPILE_PROMPTS", "1") != "0":
+            prompts = CompiledPrompts(self.model, backend, self.kv_caches, adjust_threads)
+            seconds += prompts.warm_up(self.block_size, self._scratch_prompts, threads)
+            self.compiled_prompts = prompts
+        logger.info("CPU steps compiled (torch.compile, for %d threads%s) in %.1fs; --enforce-eager runs them "
+                    "eagerly", threads, "" if self.compiled_prompts else "; decode only", seconds)
 
     def _scratch_meta(self, n: int, length: int):
         """Decode metadata of ``n`` rows at ``length`` positions over the cache's first blocks (before any
@@ -527,6 +536,18 @@ class ModelRunner:
             slot_mapping=slots, block_tables=table, seq_lens=torch.full((n,), length, dtype=torch.int32),
             query_start_loc=torch.arange(n + 1, dtype=torch.int32), num_decodes=n, max_query_len=1,
             max_seq_len=length, query_lens_cpu=[1] * n, seq_lens_cpu=[length] * n)
+        return self._group_metas(meta, [t for _ in self.group_tables for t in (slots, table)])
+
+    def _scratch_prompts(self, n: int, length: int):
+        """Metadata of ``n`` whole prompts of ``length`` tokens, all over the cache's first blocks (before any
+        request holds them)."""
+        bs = self.block_size
+        table = torch.arange(-(-length // bs), dtype=torch.int32).repeat(n, 1)
+        slots = torch.arange(length, dtype=torch.int64).repeat(n)
+        meta = AttentionMetadata(
+            slot_mapping=slots, block_tables=table, seq_lens=torch.full((n,), length, dtype=torch.int32),
+            query_start_loc=torch.arange(n + 1, dtype=torch.int32) * length, num_decodes=0,
+            max_query_len=length, max_seq_len=length, query_lens_cpu=[length] * n, seq_lens_cpu=[length] * n)
         return self._group_metas(meta, [t for _ in self.group_tables for t in (slots, table)])
 
     def _static_meta(self, b: int):

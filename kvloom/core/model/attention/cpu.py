@@ -118,6 +118,54 @@ def _paged_index(meta: AttentionMetadata, window: int | None) -> _PagedIndex:
 
 
 @dataclass
+class PromptStep:
+    """A step holding prompt rows, run compiled (``kvloom.core.worker.cpu_compile.CompiledPrompts``): the traced
+    layers write the cache rows and call ``prompt_attention``, an opaque op that attends with the step's metadata
+    (``prompt_step``), whose per-sequence shapes would otherwise be constants of the compiled code."""
+
+    write_rows: torch.Tensor
+    group: int  # the layer group whose metadata the op reads (a hybrid cache has one per group)
+
+
+_PROMPT_STEP: list[AttentionMetadata] | None = None  # the running compiled step's metadata, by layer group
+
+
+class prompt_step:  # noqa: N801 - used as a context manager, named as the thing it holds
+    """``with prompt_step(metas, backend)``: the metadata ``prompt_attention`` reads while a compiled step runs."""
+
+    def __init__(self, metas: list[AttentionMetadata], backend: "CPUAttentionBackend") -> None:
+        self.metas, self.backend = metas, backend
+
+    def __enter__(self):
+        global _PROMPT_STEP
+        _PROMPT_STEP = (self.metas, self.backend)
+
+    def __exit__(self, *exc):
+        global _PROMPT_STEP
+        _PROMPT_STEP = None
+
+
+@torch.library.custom_op("kvloom::cpu_prompt_attention", mutates_args=())
+def prompt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                     v_cache: torch.Tensor, group: int, scale: float, window: int, softcap: float,
+                     sinks: torch.Tensor | None, k_scale: float, v_scale: float) -> torch.Tensor:
+    """``CPUAttentionBackend._attend`` for a compiled step (``PromptStep``), K/V already written: ``window`` -1
+    for none, ``softcap`` 0.0 for none."""
+    if _PROMPT_STEP is None:
+        raise RuntimeError("kvloom::cpu_prompt_attention called outside a compiled prompt step")
+    metas, backend = _PROMPT_STEP
+    meta = metas[group]
+    out = backend._attend(q, k, v, k_cache, v_cache, meta, meta.backend_data, scale, (k_scale, v_scale),
+                          None if window < 0 else window, softcap or None, sinks)
+    return out.contiguous()  # the strides the compiled code assumes (``_``, below)
+
+
+@prompt_attention.register_fake
+def _(q, k, v, k_cache, v_cache, group, scale, window, softcap, sinks, k_scale, v_scale):
+    return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+
+@dataclass
 class DecodeStep:
     """A decode-only step's indices, built before the layers run (``CPUAttentionBackend.decode_step``): what the
     compiled decode step (``kvloom.core.worker.cpu_compile``) hands its layers instead of the metadata, so the
@@ -227,12 +275,21 @@ class CPUAttentionBackend:
             index = _DecodeIndex(rows, bias.shape[-1] // k_cache.shape[2], bias, bias == 0 if explicit else None)
             return self._decode(q, k_cache, v_cache, index, scale, softcap=softcap, sinks=sinks,
                                 sdpa=q.shape[0] <= SDPA_DECODE_ROWS)
-        kv_scales = (k_scale, v_scale)
+        if isinstance(meta, PromptStep):  # the cache write traced; the attention one opaque op
+            self._write(k, v, k_cache, v_cache, meta.write_rows, k_scale, v_scale)
+            return prompt_attention(q, k, v, k_cache, v_cache, meta.group, scale, -1 if window is None else window,
+                                    0.0 if softcap is None else float(softcap), sinks, k_scale, v_scale)
         index = meta.backend_data
         if index is None:  # first layer of the step
             index = meta.backend_data = self._index(meta, k_cache)
-        head_dim = k_cache.shape[-1]
         self._write(k, v, k_cache, v_cache, index.write_rows, k_scale, v_scale)
+        return self._attend(q, k, v, k_cache, v_cache, meta, index, scale, (k_scale, v_scale), window, softcap, sinks)
+
+    def _attend(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, index: _StepIndex, scale: float,
+                kv_scales: tuple[float, float], window: int | None, softcap: float | None,
+                sinks: torch.Tensor | None) -> torch.Tensor:
+        """Attention of a step's rows after its K/V are written: decode rows, then prompt chunks by group."""
+        head_dim = k_cache.shape[-1]
         explicit = softcap is not None or sinks is not None  # scores written out (no fused kernel does these)
         nd = meta.num_decodes
         if index.paged is None:
