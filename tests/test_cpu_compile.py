@@ -70,6 +70,34 @@ def test_compiled_prompt_steps_equal_transformers(family, compiling, tmp_path):
     assert eager[0] == 0
 
 
+def test_compiled_steps_with_drafts_and_a_prefix_cache(compiling, tiny_llama):
+    """n-gram drafts verified in steps beside prompt chunks, and a second pass whose prompts hit the prefix cache
+    (chunks after a cached part): the same greedy tokens as transformers, steps holding prompts compiled."""
+    rng = random.Random(6)
+    phrase = [rng.randrange(3, 380) for _ in range(9)]
+    prompts = [phrase * 4, phrase * 2 + [rng.randrange(3, 380) for _ in range(30)] + phrase[:5],
+               [rng.randrange(3, 380) for _ in range(25)]]
+    expected = hf_greedy(tiny_llama, prompts, NEW_TOKENS)
+    llm = LLM(str(tiny_llama), dtype="float32", max_num_seqs=8, max_model_len=128, threads=1,
+              max_num_batched_tokens=24, plugins=["spec_decode", "prefix_cache"],
+              plugin_options={"spec_decode": {"num_speculative_tokens": 3, "prompt_lookup_min": 1}})
+    compiled = llm.engine.runner.compiled_prompts
+    calls = [0]
+    inner = compiled.compiled
+
+    def counted(*args):
+        calls[0] += 1
+        return inner(*args)
+
+    compiled.compiled = counted
+    sp = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    for _ in range(2):
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)] == expected
+    stats = llm.engine.stats()
+    assert stats.spec_decode_num_accepted > 0 and stats.prefix_cache_hits > 0
+    assert calls[0] > 0
+
+
 def test_bf16_compiled_prompt_step_matches_eager(compiling, tiny_llama):
     """One step of two whole prompts and a chunk after 40 cached positions beside three decode rows, bf16,
     compiled and eager on the same cache: logits differ by bf16 rounding only."""
