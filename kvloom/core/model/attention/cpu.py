@@ -29,7 +29,7 @@ cached before it attends to its fresh, unquantized K/V.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -58,6 +58,7 @@ class _StepIndex:
     # their queries are one contiguous run of the flat batch, else None), equal shapes grouped
     starts: list[int]  # each sequence's first query in the flat batch
     paged: bool | None = None  # whether the step's decode rows read in place (``paged_kernel_serves``), once a step
+    masks: dict = field(default_factory=dict)  # a prompt group's mask and additive bias, the same in every layer
 
 
 def _softmax(scores: torch.Tensor) -> torch.Tensor:
@@ -341,13 +342,22 @@ class CPUAttentionBackend:
             # the keys' positions start at first_key; a window narrower than the span needs a mask of its own
             windowed = window is not None and s_len - first_key > window
             mask = None
+            mask_key = (q_len, s_len, first_key, window if windowed else None)
             if q_len != s_len or windowed:
-                mask = reference.visible(torch.arange(s_len - q_len, s_len, device=q.device),
-                                         torch.arange(first_key, s_len, device=q.device), window)
+                mask = index.masks.get(mask_key)
+                if mask is None:
+                    mask = index.masks[mask_key] = reference.visible(
+                        torch.arange(s_len - q_len, s_len, device=q.device),
+                        torch.arange(first_key, s_len, device=q.device), window)
             if explicit:
                 o = self._prefill_explicit(qs, keys, values, scale, mask, softcap, sinks, s_len - first_key)
             elif q.dtype != torch.float32:
-                o = self._prefill_grouped(qs, keys, values, scale, mask)
+                group = q.shape[1] // k_cache.shape[1]
+                bias = index.masks.get((mask_key, group, q.dtype))
+                if bias is None:
+                    bias = index.masks[(mask_key, group, q.dtype)] = self._prefill_bias(q_len, s_len - first_key,
+                                                                                       group, q.dtype, mask)
+                o = self._prefill_grouped(qs, keys, values, scale, bias)
             elif mask is None:
                 o = F.scaled_dot_product_attention(qs.transpose(1, 2), keys, values, is_causal=True, scale=scale,
                                                    enable_gqa=True).transpose(1, 2)
@@ -404,28 +414,28 @@ class CPUAttentionBackend:
         return torch.matmul(_softmax(scores), values).view(batch, num_heads, head_dim)
 
     @staticmethod
-    def _prefill_grouped(q, keys, values, scale: float, mask: torch.Tensor | None = None) -> torch.Tensor:
+    def _prefill_bias(length: int, total: int, group: int, dtype: torch.dtype,
+                      mask: torch.Tensor | None) -> torch.Tensor:
+        """``_prefill_grouped``'s mask as an additive bias the matmul starts from (-inf where a key is hidden), one
+        copy per query head of the group, ``[G * Q, S]``: cheaper than masking the scores afterwards. ``mask``
+        (``[Q, S]`` bool): which keys each query sees, where that is not plain causality over the last ``Q``."""
+        hidden = torch.ones(length, total, dtype=torch.bool).triu_(total - length + 1) if mask is None else ~mask
+        return torch.zeros(length, total, dtype=dtype).masked_fill_(hidden, float("-inf")).repeat(group, 1)
+
+    @staticmethod
+    def _prefill_grouped(q, keys, values, scale: float, bias: torch.Tensor) -> torch.Tensor:
         """Causal attention of prompt chunks, ``q`` ``[n, Q, Hq, D]`` at the last ``Q`` of ``S`` positions, over
         ``keys``/``values`` ``[n, Hkv, S, D]`` (the fresh K/V, or the gathered history of a chunk after a
         cached prefix: one formula for both), as two batched matmuls per KV head with its query heads
         stacked along the rows. For bf16/fp16, where it beats the fused CPU kernel (docs/benchmarks.md);
-        scores in the model dtype, softmax in float32, as in decode. ``mask`` (``[Q, S]`` bool): which keys
-        each query sees, where that is not plain causality over the last ``Q`` positions."""
+        scores in the model dtype, softmax in float32, as in decode. ``bias``: ``_prefill_bias``."""
         n, length, num_heads, head_dim = q.shape
         num_kv_heads, total = keys.shape[1], keys.shape[2]
         group = num_heads // num_kv_heads
         grouped = q.view(n, length, num_kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
         grouped = grouped.reshape(n * num_kv_heads, group * length, head_dim) * scale
         keys_t = keys.transpose(-1, -2).reshape(n * num_kv_heads, head_dim, total)
-        # the mask as an additive bias the matmul starts from (-inf where a key is hidden), one copy per query
-        # head of the group: cheaper than masking the scores afterwards
-        causal = torch.zeros(length, total, dtype=q.dtype, device=q.device)
-        if mask is None:
-            hidden = torch.ones(length, total, dtype=torch.bool, device=q.device).triu_(total - length + 1)
-        else:
-            hidden = ~mask
-        causal.masked_fill_(hidden, float("-inf"))
-        scores = torch.baddbmm(causal.repeat(group, 1), grouped, keys_t)  # [n * Hkv, G * Q, S]
+        scores = torch.baddbmm(bias, grouped, keys_t)  # [n * Hkv, G * Q, S]
         out = torch.matmul(_softmax(scores).view(n, num_kv_heads, group * length, total), values)
         return out.view(n, num_kv_heads, group, length, head_dim).permute(0, 3, 1, 2, 4).reshape(
             n, length, num_heads, head_dim)
