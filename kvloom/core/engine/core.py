@@ -129,7 +129,7 @@ class EngineCore(LoRAAdapterMethods):
             governor = self.thread_governor
 
             def check_threads(module, args) -> None:  # a pre-hook's return value would replace the inputs
-                if not torch.compiler.is_compiling():  # the compiled decode step checks once, before it runs
+                if not torch.compiler.is_compiling():  # the compiled steps check once, before they run
                     governor.maybe_adjust()
 
             for layer in list(self.model.layers)[::GOVERNOR_LAYER_STRIDE]:
@@ -207,8 +207,8 @@ class EngineCore(LoRAAdapterMethods):
             governor = self.thread_governor
             # for the quiet machine's count: each count costs the whole compile again (the guards hold it), and
             # the governor's fewer threads under contention run the step eagerly
-            self.runner.compile_decode(config.max_num_seqs, None if governor is None else governor.maybe_adjust,
-                                       torch.get_num_threads() if governor is None else governor.max_threads)
+            self.runner.compile_cpu_steps(config.max_num_seqs, None if governor is None else governor.maybe_adjust,
+                                          torch.get_num_threads() if governor is None else governor.max_threads)
         self.last_step_tokens = 0
         self.num_overlapped_steps = 0  # launched while the previous step was still in flight
         self._in_flight: tuple | None = None  # (plan, launched step, when its step began) not yet resolved

@@ -25,9 +25,9 @@ import types
 import torch
 
 from kvloom.core.model.attention.base import AttentionMetadata
-from kvloom.core.model.cpu_packing import INT4_MAX_ROWS
 from kvloom.core.model.attention.cpu import (CPUAttentionBackend, PromptStep, _PagedIndex, paged_kernel_serves,
                                              prompt_step)
+from kvloom.core.model.cpu_packing import INT4_MAX_ROWS
 
 logger = logging.getLogger("kvloom")
 

@@ -504,11 +504,11 @@ class ModelRunner:
         logger.info("Captured CUDA graphs for %d decode-layout token counts (1..%d) in %.1fs",
                     len(sizes), max_b, time.perf_counter() - t0)
 
-    def compile_decode(self, max_num_seqs: int, adjust_threads=None, threads: int = 1) -> None:
+    def compile_cpu_steps(self, max_num_seqs: int, adjust_threads=None, threads: int = 1) -> None:
         """On the CPU: compile the decode step (``kvloom.core.worker.cpu_compile``) now, for every batch size
         at ``threads`` threads, and the steps holding prompts (unless ``KVLOOM_CPU_COMPILE_PROMPTS=0``), or say in
-        the log why they stay eager. ``adjust_threads()``: the thread
-        governor's check, run before each compiled step (its layer hooks do not run inside the graph)."""
+        the log why they stay eager. ``adjust_threads()``: the thread governor's check, run before each compiled
+        step (its layer hooks do not run inside the graph)."""
         from kvloom.core.worker.cpu_compile import CompiledDecode, CompiledPrompts, compile_refusal
 
         backend = self.model.layers[0].self_attn.backend if hasattr(self.model, "layers") else None
@@ -521,8 +521,12 @@ class ModelRunner:
         self.compiled_decode = compiled
         if os.environ.get("KVLOOM_CPU_COMPILE_PROMPTS", "1") != "0":
             prompts = CompiledPrompts(self.model, backend, self.kv_caches, adjust_threads)
-            seconds += prompts.warm_up(self.block_size, self._scratch_prompts, threads)
-            self.compiled_prompts = prompts
+            try:
+                seconds += prompts.warm_up(self.block_size, self._scratch_prompts, threads)
+                self.compiled_prompts = prompts
+            except Exception as exc:  # noqa: BLE001 - the decode steps stay compiled, prompt steps run as before
+                logger.warning("CPU steps holding prompts stay eager: compiling them failed (%s: %s)",
+                               type(exc).__name__, exc)
         logger.info("CPU steps compiled (torch.compile, for %d threads%s) in %.1fs; --enforce-eager runs them "
                     "eagerly", threads, "" if self.compiled_prompts else "; decode only", seconds)
 

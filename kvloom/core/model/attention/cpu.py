@@ -29,6 +29,7 @@ cached before it attends to its fresh, unquantized K/V.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 
 import torch
@@ -128,21 +129,18 @@ class PromptStep:
     group: int  # the layer group whose metadata the op reads (a hybrid cache has one per group)
 
 
-_PROMPT_STEP: list[AttentionMetadata] | None = None  # the running compiled step's metadata, by layer group
+# the running compiled step's metadata (by layer group) and backend, read by ``prompt_attention``
+_PROMPT_STEP: tuple[list[AttentionMetadata], "CPUAttentionBackend"] | None = None
 
 
-class prompt_step:  # noqa: N801 - used as a context manager, named as the thing it holds
-    """``with prompt_step(metas, backend)``: the metadata ``prompt_attention`` reads while a compiled step runs."""
-
-    def __init__(self, metas: list[AttentionMetadata], backend: "CPUAttentionBackend") -> None:
-        self.metas, self.backend = metas, backend
-
-    def __enter__(self):
-        global _PROMPT_STEP
-        _PROMPT_STEP = (self.metas, self.backend)
-
-    def __exit__(self, *exc):
-        global _PROMPT_STEP
+@contextlib.contextmanager
+def prompt_step(metas: list[AttentionMetadata], backend: "CPUAttentionBackend"):
+    """The metadata ``prompt_attention`` reads while a compiled step runs."""
+    global _PROMPT_STEP
+    _PROMPT_STEP = (metas, backend)
+    try:
+        yield
+    finally:
         _PROMPT_STEP = None
 
 
