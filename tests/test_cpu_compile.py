@@ -29,9 +29,10 @@ def compiling():
         yield
 
 
-def _counting(llm: LLM) -> list[int]:
-    """Counts the decode steps that run compiled (at the thread count compiled for)."""
-    compiled = llm.engine.runner.compiled_decode
+def _counting(llm: LLM, which: str = "compiled_decode") -> list[int]:
+    """Counts the steps handed to the runner's compiled decode (or prompt) steps; a decode step counted ran
+    compiled (at the thread count compiled for)."""
+    compiled = getattr(llm.engine.runner, which)
     assert compiled is not None
     calls = [0]
     inner = compiled.compiled
@@ -81,15 +82,7 @@ def test_compiled_steps_with_drafts_and_a_prefix_cache(compiling, tiny_llama):
     llm = LLM(str(tiny_llama), dtype="float32", max_num_seqs=8, max_model_len=128, threads=1,
               max_num_batched_tokens=24, plugins=["spec_decode", "prefix_cache"],
               plugin_options={"spec_decode": {"num_speculative_tokens": 3, "prompt_lookup_min": 1}})
-    compiled = llm.engine.runner.compiled_prompts
-    calls = [0]
-    inner = compiled.compiled
-
-    def counted(*args):
-        calls[0] += 1
-        return inner(*args)
-
-    compiled.compiled = counted
+    calls = _counting(llm, "compiled_prompts")
     sp = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
     for _ in range(2):
         assert [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)] == expected

@@ -63,6 +63,17 @@ def _forward(model, ids, positions, step, kv_caches):
     return model(ids, positions, step, kv_caches)
 
 
+def _compiled_copy(fn, name: str, threads: int):
+    """``torch.compile`` of a copy of ``fn`` (dynamo's cache lives on the code object: each engine its own, so
+    another model never matches this one's graphs), its loops on ``threads`` threads, guards skipping the modules'
+    attributes."""
+    copy = types.FunctionType(fn.__code__.replace(), fn.__globals__, name)
+    options = {"cpp.threads": threads}
+    if hasattr(torch.compiler, "skip_guard_on_all_nn_modules_unsafe"):
+        options["guard_filter_fn"] = torch.compiler.skip_guard_on_all_nn_modules_unsafe
+    return torch.compile(copy, dynamic=None, options=options)
+
+
 def _mark_rows(*tensors: torch.Tensor) -> None:
     for t in tensors:
         torch._dynamo.maybe_mark_dynamic(t, 0)
@@ -133,13 +144,8 @@ class CompiledDecode:
         # dynamic (marked in ``steps``): weights and the cache's shape are static, so the guards are C++ tensor
         # checks rather than Python shape formulas.
         # Guards skip the modules' attributes (a loaded model's do not change; ~0.5 ms a step at batch 1 on SmolLM2),
-        # so each engine compiles its own copy of the function: dynamo's cache lives on the code object, and another
-        # model must never match this one's graphs.
-        forward = types.FunctionType(_forward.__code__.replace(), _forward.__globals__, f"decode_{id(self):x}")
-        options = {"cpp.threads": threads}
-        if hasattr(torch.compiler, "skip_guard_on_all_nn_modules_unsafe"):
-            options["guard_filter_fn"] = torch.compiler.skip_guard_on_all_nn_modules_unsafe
-        self.compiled = torch.compile(forward, dynamic=None, options=options)
+        # hence each engine's own copy of the function (``_compiled_copy``).
+        self.compiled = _compiled_copy(_forward, f"decode_{id(self):x}", threads)
         current = torch.get_num_threads()
         torch.set_num_threads(threads)
         try:
@@ -203,12 +209,7 @@ class CompiledPrompts:
         kept rows padded to ``KEEP_ROWS``); ``metas(n, length)``: metadata of ``n`` prompts of ``length`` tokens.
         Returns the seconds it took."""
         t0 = time.perf_counter()
-        forward = types.FunctionType(_forward_keep.__code__.replace(), _forward_keep.__globals__,
-                                     f"prompts_{id(self):x}")
-        options = {"cpp.threads": threads}
-        if hasattr(torch.compiler, "skip_guard_on_all_nn_modules_unsafe"):
-            options["guard_filter_fn"] = torch.compiler.skip_guard_on_all_nn_modules_unsafe
-        self.compiled = torch.compile(forward, dynamic=None, options=options)
+        self.compiled = _compiled_copy(_forward_keep, f"prompts_{id(self):x}", threads)
         current = torch.get_num_threads()
         torch.set_num_threads(threads)
         try:
