@@ -74,6 +74,17 @@ def _compiled_copy(fn, name: str, threads: int):
     return torch.compile(copy, dynamic=None, options=options)
 
 
+def _layer_groups(model) -> list[int]:
+    """Each layer's KV-cache group (a hybrid cache has several; else all 0)."""
+    return model.kv_groups or [0] * len(model.layers)
+
+
+def _first_layers(model) -> dict[int, int]:
+    """Layer group -> its first layer, whose cache the step's indices are built from."""
+    groups = _layer_groups(model)
+    return {g: groups.index(g) for g in dict.fromkeys(groups)}
+
+
 def _mark_rows(*tensors: torch.Tensor) -> None:
     for t in tensors:
         torch._dynamo.maybe_mark_dynamic(t, 0)
@@ -87,11 +98,10 @@ class CompiledDecode:
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
         self.model, self.backend, self.kv_caches = model, backend, kv_caches
         self.compiled = None  # made by ``warm_up``, for its thread count
-        groups = model.kv_groups or [0] * len(model.layers)
         self.windows: dict[int, set] = {}  # layer group -> the windows its layers attend with
-        for group, layer in zip(groups, model.layers):
+        for group, layer in zip(_layer_groups(model), model.layers):
             self.windows.setdefault(group, set()).add(layer.self_attn.variant.get("window"))
-        self.first_layer = {g: groups.index(g) for g in self.windows}
+        self.first_layer = _first_layers(model)
         self.adjust_threads = adjust_threads
         self.threads = 0  # the thread count compiled for (0: not yet)
         # decode attention in place (kvloom.kernels.cpu_attention) where the kernel takes this cache
@@ -169,8 +179,7 @@ class CompiledPrompts:
     def __init__(self, model, backend: CPUAttentionBackend, kv_caches, adjust_threads=None) -> None:
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
         self.model, self.backend, self.kv_caches = model, backend, kv_caches
-        groups = model.kv_groups or [0] * len(model.layers)
-        self.first_layer = {g: groups.index(g) for g in dict.fromkeys(groups)}
+        self.first_layer = _first_layers(model)
         self.adjust_threads = adjust_threads
         self.compiled = None
         self.threads = 0

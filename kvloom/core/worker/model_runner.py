@@ -522,7 +522,8 @@ class ModelRunner:
         if os.environ.get("KVLOOM_CPU_COMPILE_PROMPTS", "1") != "0":
             prompts = CompiledPrompts(self.model, backend, self.kv_caches, adjust_threads)
             try:
-                seconds += prompts.warm_up(self.block_size, self._scratch_prompts, threads)
+                seconds += prompts.warm_up(self.block_size, lambda n, length: self._scratch_meta(n, length, length),
+                                           threads)
                 self.compiled_prompts = prompts
             except Exception as exc:  # noqa: BLE001 - the decode steps stay compiled, prompt steps run as before
                 logger.warning("CPU steps holding prompts stay eager: compiling them failed (%s: %s)",
@@ -530,28 +531,17 @@ class ModelRunner:
         logger.info("CPU steps compiled (torch.compile, for %d threads%s) in %.1fs; --enforce-eager runs them "
                     "eagerly", threads, "" if self.compiled_prompts else "; decode only", seconds)
 
-    def _scratch_meta(self, n: int, length: int):
-        """Decode metadata of ``n`` rows at ``length`` positions over the cache's first blocks (before any
-        request holds them)."""
+    def _scratch_meta(self, n: int, length: int, query_len: int = 1):
+        """Metadata of ``n`` rows at ``length`` positions, each feeding its last ``query_len`` (1: a decode step;
+        ``length``: whole prompts), over the cache's first blocks (before any request holds them)."""
         bs = self.block_size
         table = torch.arange(-(-length // bs), dtype=torch.int32).repeat(n, 1)
-        slots = torch.full((n,), length - 1, dtype=torch.int64)
+        slots = torch.arange(length - query_len, length, dtype=torch.int64).repeat(n)
         meta = AttentionMetadata(
             slot_mapping=slots, block_tables=table, seq_lens=torch.full((n,), length, dtype=torch.int32),
-            query_start_loc=torch.arange(n + 1, dtype=torch.int32), num_decodes=n, max_query_len=1,
-            max_seq_len=length, query_lens_cpu=[1] * n, seq_lens_cpu=[length] * n)
-        return self._group_metas(meta, [t for _ in self.group_tables for t in (slots, table)])
-
-    def _scratch_prompts(self, n: int, length: int):
-        """Metadata of ``n`` whole prompts of ``length`` tokens, all over the cache's first blocks (before any
-        request holds them)."""
-        bs = self.block_size
-        table = torch.arange(-(-length // bs), dtype=torch.int32).repeat(n, 1)
-        slots = torch.arange(length, dtype=torch.int64).repeat(n)
-        meta = AttentionMetadata(
-            slot_mapping=slots, block_tables=table, seq_lens=torch.full((n,), length, dtype=torch.int32),
-            query_start_loc=torch.arange(n + 1, dtype=torch.int32) * length, num_decodes=0,
-            max_query_len=length, max_seq_len=length, query_lens_cpu=[length] * n, seq_lens_cpu=[length] * n)
+            query_start_loc=torch.arange(n + 1, dtype=torch.int32) * query_len,
+            num_decodes=n if query_len == 1 else 0, max_query_len=query_len, max_seq_len=length,
+            query_lens_cpu=[query_len] * n, seq_lens_cpu=[length] * n)
         return self._group_metas(meta, [t for _ in self.group_tables for t in (slots, table)])
 
     def _static_meta(self, b: int):
