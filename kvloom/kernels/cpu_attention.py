@@ -7,9 +7,9 @@ reads each cached K/V row once, where it lies: one work item per (row, KV head, 
 that share the KV head computed together, an online softmax in float32 over the span, and the spans of a row
 merged at the end (so one long sequence still spreads over every thread).
 
-It is C++ built with the machine's compiler the first time (``-O3 -march=native -ffast-math -fopenmp``, cached
-under ``~/.cache/kvloom/kernels`` by source, compiler and CPU) and loaded with ctypes; its OpenMP loops run on
-torch's own OpenMP runtime and thread count. Where no build works (no C++ compiler), ``available()`` is False
+It is C++ built with the machine's compiler the first time (``kvloom.kernels.cpu_build``: ``-O3 -march=native
+-ffast-math -fopenmp``, cached by source, compiler and CPU) and loaded with ctypes; its OpenMP loops run on torch's
+own OpenMP runtime and thread count. Where no build works (no C++ compiler), ``available()`` is False
 and the backend keeps the gather. The op is registered as ``kvloom::paged_decode`` so the compiled decode step
 calls it as one opaque node.
 """
@@ -17,16 +17,13 @@ calls it as one opaque node.
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
 import os
-import platform
-import shutil
-import subprocess
-import tempfile
 import threading
 
 import torch
+
+from kvloom.kernels.cpu_build import build_library
 
 logger = logging.getLogger("kvloom")
 
@@ -412,58 +409,13 @@ VECTORIZED = os.environ.get("KVLOOM_CPU_PAGED_DECODE") != "portable"
 _lock = threading.Lock()
 _lib = None  # the loaded function, False once building or loading failed
 
-# OpenMP from the process's own runtime: torch has loaded its libgomp, so ``libgomp.so.1`` resolves to it
-_FLAG_SETS = (["-O3", "-march=native", "-ffast-math", "-fopenmp"], ["-O3", "-ffast-math", "-fopenmp"],
-              ["-O3", "-ffast-math"])
-
-
-def _cache_dir() -> str:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "kvloom", "kernels")
-
-
-def _cpu_signature() -> str:
-    """What ``-march=native`` compiles for: a library built on another CPU (a shared home folder) is not reused."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line for line in f if line.startswith(("flags", "Features"))), platform.processor())
-    except OSError:
-        return platform.processor() + platform.machine()
-
-
-def _build() -> str:
-    """The kernel's shared library, compiled once per source, compiler and CPU and kept under
-    ``~/.cache/kvloom/kernels`` (a later start loads it in milliseconds). Built with the C++ compiler directly
-    rather than through inductor's cache, whose import and ISA probes cost several seconds a process."""
-    cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
-    if cxx is None:
-        raise RuntimeError("no C++ compiler (g++, c++ or clang++ on PATH, or CXX)")
-    os.makedirs(_cache_dir(), exist_ok=True)
-    errors = []
-    for flags in _FLAG_SETS:
-        key = hashlib.sha256("\0".join([_SOURCE, cxx, *flags, _cpu_signature()]).encode()).hexdigest()[:24]
-        path = os.path.join(_cache_dir(), f"paged_decode_{key}.so")
-        if os.path.exists(path):
-            return path
-        with tempfile.TemporaryDirectory(dir=_cache_dir()) as tmp:
-            src, out = os.path.join(tmp, "paged_decode.cpp"), os.path.join(tmp, "paged_decode.so")
-            with open(src, "w") as f:
-                f.write(_SOURCE)
-            done = subprocess.run([cxx, *flags, "-std=c++17", "-shared", "-fPIC", src, "-o", out],
-                                  capture_output=True, text=True, timeout=300)
-            if done.returncode == 0:
-                os.replace(out, path)  # atomic: a process building beside this one loads a whole file
-                return path
-            errors.append(f"{' '.join(flags)}: {done.stderr.strip().splitlines()[-1:] or done.returncode}")
-    raise RuntimeError("; ".join(errors))
-
 
 def _load():
     global _lib
     with _lock:
         if _lib is None:
             try:
-                fn = ctypes.CDLL(_build()).kvloom_paged_decode
+                fn = ctypes.CDLL(build_library("paged_decode", _SOURCE)).kvloom_paged_decode
                 fn.restype = ctypes.c_int
                 fn.argtypes = [ctypes.c_int, ctypes.c_int64] + [ctypes.c_void_p] * 4 + [ctypes.c_int64] + \
                     [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 5 + [ctypes.c_float] * 2 + [ctypes.c_int]
