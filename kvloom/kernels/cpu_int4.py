@@ -27,16 +27,27 @@ def int4_supported() -> bool:
 def int4_held_bytes(types: dict, dtype: torch.dtype) -> int:
     """Bytes the packed copies take of the 4-bit tensors in ``types`` (GGUF name -> (type, rows, cols)): half a
     byte a weight, and a scale and a zero in ``dtype`` per 32; q/k/v and gate/up count only when all their
-    tensors are 4-bit, since each set runs as one fused layer."""
-    size = torch.empty((), dtype=dtype).element_size()
+    tensors are 4-bit, since each set runs as one fused layer. Where the AMX kernel serves (bf16 on a CPU with AMX,
+    ``cpu_int4_amx``), its copy of the codes: another half byte a weight."""
     fused = {"attn_q": "qkv", "attn_k": "qkv", "attn_v": "qkv", "ffn_gate": "gate_up", "ffn_up": "gate_up"}
     layers: dict[tuple, list] = {}
     for name, entry in types.items():
         stem = name.rsplit(".", 1)[0]
         block, _, kind = stem.rpartition(".")
         layers.setdefault((block, fused.get(kind, kind)), []).append(entry)
-    return sum(r * c // 2 + r * (c // GROUP) * 2 * size for entries in layers.values()
-               if all(t in GGUF_INT4_TYPES for t, _, _ in entries) for _, r, c in entries)
+    return sum(int4_copy_bytes(sum(r for _, r, _ in entries), entries[0][2], GROUP, dtype)
+               for entries in layers.values() if all(t in GGUF_INT4_TYPES for t, _, _ in entries))
+
+
+def int4_copy_bytes(out_features: int, in_features: int, group: int, dtype: torch.dtype) -> int:
+    """A layer's 4-bit copy: half a byte a weight (twice where the AMX kernel takes its own layout of the codes,
+    ``cpu_int4_amx``: bf16 on a CPU with AMX), and a scale and a zero in ``dtype`` per group and output."""
+    from kvloom.kernels import cpu_int4_amx
+
+    amx = dtype == torch.bfloat16 and cpu_int4_amx.available() and cpu_int4_amx.supports(out_features, in_features,
+                                                                                           group)
+    size = torch.empty((), dtype=dtype).element_size()
+    return out_features * in_features // 2 * (2 if amx else 1) + out_features * (in_features // group) * 2 * size
 
 
 def _nibbles(qs: np.ndarray, size: int) -> np.ndarray:

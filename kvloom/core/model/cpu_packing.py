@@ -7,8 +7,9 @@ import torch
 from torch import nn
 
 from kvloom.core.model.linear import LinearBase, UnquantizedLinearMethod
+from kvloom.kernels import cpu_int4_amx
 from kvloom.kernels.cpu_int4 import GROUP, int4_mm, pack_int4
-from kvloom.kernels.cpu_linear import PackedLinear, packing_supported
+from kvloom.kernels.cpu_linear import PackedLinear, packed_linear, packing_supported
 
 
 class PackedCPUMethod:
@@ -92,6 +93,41 @@ def pack_linear_layers(model: nn.Module, batch_hint: int = 32) -> int:
 # Steps of at most this many rows run on the 4-bit weights; bigger ones on the oneDNN bf16 copy, which
 # computes faster once a step reads each weight for ~12 rows or more (benchmarks/cpu_int4.py, docs/benchmarks.md).
 INT4_MAX_ROWS = 8
+# Where the AMX kernel serves (``cpu_int4_amx``): torch's int4 matmul up to TORCH_INT4_ROWS rows (1.2-1.8x faster
+# there), the AMX kernel up to AMX_INT4_MAX_ROWS (1.3-2.2x the bf16 copy's speed; at 64 rows they are even).
+TORCH_INT4_ROWS = 4
+AMX_INT4_MAX_ROWS = 48
+
+
+def int4_max_rows() -> int:
+    """The most rows a step runs on the 4-bit weights on this machine."""
+    return AMX_INT4_MAX_ROWS if cpu_int4_amx.available() else INT4_MAX_ROWS
+
+
+def int4_linear(x: torch.Tensor, weight: torch.Tensor, amx_codes: torch.Tensor, scale_zeros: torch.Tensor,
+                group: int, dense_weight: torch.Tensor, bias: torch.Tensor | None, torch_rows: int,
+                max_rows: int) -> torch.Tensor:
+    """``x @ W.T + b`` of 2-D bf16 ``x`` on whichever copy of ``W`` its rows run fastest on: torch's int4 matmul
+    up to ``torch_rows`` rows, the AMX 4-bit kernel up to ``max_rows``, the oneDNN-packed bf16 copy
+    (``dense_weight``) beyond."""
+    rows = x.shape[0]
+    if rows > max_rows:
+        return packed_linear(x, dense_weight, bias, amx_codes.shape[0] * cpu_int4_amx.OUTPUTS)
+    if rows <= torch_rows:
+        y = int4_mm(x.contiguous(), weight, scale_zeros, group)
+    else:
+        y = cpu_int4_amx.int4_amx_mm(x, amx_codes, scale_zeros, group)
+    return y if bias is None else y + bias
+
+
+# The same as one op the compiler keeps whole: the choice by rows happens when it runs, so a compiled step has no
+# guard on its row count for it (one variant serves 2 to 48 rows and beyond).
+int4_linear_op = torch.library.custom_op("kvloom::int4_linear", int4_linear, mutates_args=())
+
+
+@int4_linear_op.register_fake
+def _(x, weight, amx_codes, scale_zeros, group, dense_weight, bias, torch_rows, max_rows):
+    return x.new_empty((x.shape[0], amx_codes.shape[0] * cpu_int4_amx.OUTPUTS))
 
 
 class Int4CPUMethod:
@@ -99,8 +135,11 @@ class Int4CPUMethod:
     inputs (``kvloom.kernels.cpu_int4``) for decode steps of few rows, and the dense (oneDNN-packed) weight
     for bigger steps. ``source``: the format it came from (GGUF types, awq, gptq), for the log."""
 
-    def __init__(self, dense, source: str, max_rows: int = INT4_MAX_ROWS, group: int = GROUP) -> None:
+    def __init__(self, dense, source: str, max_rows: int = INT4_MAX_ROWS, group: int = GROUP,
+                 torch_rows: int | None = None) -> None:
         self.dense, self.source, self.max_rows, self.group = dense, source, max_rows, group
+        # with the AMX kernel's copy (``int4_amx_codes``): torch's int4 matmul up to this many rows, AMX's beyond
+        self.torch_rows = max_rows if torch_rows is None else torch_rows
 
     @property
     def name(self) -> str:
@@ -110,11 +149,19 @@ class Int4CPUMethod:
         raise RuntimeError("an int4 CPU layer is made from a loaded one")
 
     def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() != 2 or x.shape[0] > self.max_rows or x.dtype != layer.int4_scale_zeros.dtype:
+        if x.dim() != 2 or x.dtype != layer.int4_scale_zeros.dtype:
+            return self.dense.apply(layer, x)
+        # once the dense copy is oneDNN-packed, the bias lives with it
+        packed = getattr(layer, "packed", None)
+        bias = layer.bias if layer.bias is not None else getattr(packed, "bias", None)
+        codes = getattr(layer, "int4_amx_codes", None)
+        if codes is not None and packed is not None:
+            args = (x, layer.int4_weight, codes, layer.int4_scale_zeros, self.group, packed.packed_weight, bias,
+                    self.torch_rows, self.max_rows)
+            return int4_linear_op(*args) if torch.compiler.is_compiling() else int4_linear(*args)
+        if x.shape[0] > self.max_rows:
             return self.dense.apply(layer, x)
         y = int4_mm(x.contiguous(), layer.int4_weight, layer.int4_scale_zeros, self.group)
-        # once the dense copy is oneDNN-packed, the bias lives with it
-        bias = layer.bias if layer.bias is not None else getattr(getattr(layer, "packed", None), "bias", None)
         return y if bias is None else y + bias
 
     def process_weights_after_loading(self, layer) -> None:
@@ -162,4 +209,9 @@ def attach_layer_int4(layer, q: torch.Tensor, scale: torch.Tensor, zero: torch.T
     packed, sz = pack_int4(q, scale, zero, dtype)
     layer.register_buffer("int4_weight", packed, persistent=False)
     layer.register_buffer("int4_scale_zeros", sz, persistent=False)
-    layer.method = Int4CPUMethod(layer.method, source, group=group)
+    if dtype == torch.bfloat16 and cpu_int4_amx.available() and cpu_int4_amx.supports(*q.shape, group):
+        # the same codes in the AMX kernel's layout, for steps of TORCH_INT4_ROWS to AMX_INT4_MAX_ROWS rows
+        layer.register_buffer("int4_amx_codes", cpu_int4_amx.pack_codes(q), persistent=False)
+        layer.method = Int4CPUMethod(layer.method, source, AMX_INT4_MAX_ROWS, group, torch_rows=TORCH_INT4_ROWS)
+    else:
+        layer.method = Int4CPUMethod(layer.method, source, group=group)

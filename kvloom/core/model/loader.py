@@ -397,9 +397,9 @@ def _attach_gguf_int4(model: DecoderLM, int4: dict, dtype: torch.dtype) -> None:
 
 
 def _int4_max_rows() -> int:
-    from kvloom.core.model.cpu_packing import INT4_MAX_ROWS
+    from kvloom.core.model.cpu_packing import int4_max_rows
 
-    return INT4_MAX_ROWS
+    return int4_max_rows()
 
 
 def _materialize(model: DecoderLM, device: torch.device) -> DecoderLM:

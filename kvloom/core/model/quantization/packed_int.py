@@ -188,9 +188,10 @@ def cpu_int4_refusal(layer: LinearBase, group_size: int | None, enabled: bool) -
 
 
 def cpu_int4_bytes(layer: LinearBase, group_size: int) -> int:
-    """The 4-bit copy's bytes: half a byte a weight, and a bf16 scale and zero per group and output."""
-    n, k = layer.output_size, layer.input_size
-    return n * k // 2 + n * (k // group_size) * 2 * 2
+    """The 4-bit copy's bytes (``cpu_int4.int4_copy_bytes``; the copy is made for bf16 only)."""
+    from kvloom.kernels.cpu_int4 import int4_copy_bytes
+
+    return int4_copy_bytes(layer.output_size, layer.input_size, group_size, torch.bfloat16)
 
 
 QUIET = ("off", "not bfloat16")  # reasons that need no word in the start-up line
@@ -202,7 +203,7 @@ def set_cpu_weights(layer: LinearBase, method, weight: torch.Tensor, codes, grou
     """The CPU's layer: the dense ``weight`` (oneDNN-packed later by the loader), plus, where ``codes`` (q, scale,
     zero from ``cpu_int4.zero_point_codes``) are given, their 4-bit copy for decode steps (``Int4CPUMethod``).
     Tallies both on ``method`` (an AWQ/GPTQ ``QuantizationMethod``) for its start-up line."""
-    from kvloom.core.model.cpu_packing import INT4_MAX_ROWS, attach_layer_int4, int4_bytes
+    from kvloom.core.model.cpu_packing import attach_layer_int4, int4_bytes, int4_max_rows
 
     set_dense_weight(layer, weight)
     tally = method.cpu_tally
@@ -216,7 +217,7 @@ def set_cpu_weights(layer: LinearBase, method, weight: torch.Tensor, codes, grou
     dense = [f"{n} layers ({why})" for why, n in sorted(tally["dense"].items()) if why not in QUIET]
     line = f"dequantized at load to {dtype} (cpu: dense matmuls)"
     if tally["int4"]:
-        line = (f"{tally['int4']} layers kept at 4 bits on the CPU ({tally['int4_bytes'] / 2**20:.1f} MiB, torch's "
-                f"int4 matmul for steps of <= {INT4_MAX_ROWS} rows) beside their {dtype} copy, {line}, "
+        line = (f"{tally['int4']} layers kept at 4 bits on the CPU ({tally['int4_bytes'] / 2**20:.1f} MiB, 4-bit "
+                f"matmuls for steps of <= {int4_max_rows()} rows) beside their {dtype} copy, {line}, "
                 "for bigger steps")
     method.kernel = line + (f"; dense only (no 4-bit copy): {', '.join(dense)}" if dense else "")

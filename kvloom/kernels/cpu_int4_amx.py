@@ -1,0 +1,251 @@
+"""4-bit weights times a step of several rows on AMX: each weight tile dequantized once a call, for every row.
+
+torch's CPU int4 matmul (``kvloom.kernels.cpu_int4``) converts the 4-bit codes again for every row it multiplies,
+so its time grows with the rows (SmolLM2's 120 layers on this project's 2-core Xeon: 6 ms at 1 row, 17 at 8, 63
+at 32), and the oneDNN bf16 copy took over from 8 rows on, streaming four times the bytes (22-34 ms). On a CPU
+with AMX this kernel dequantizes each 16-output x 32-input tile of the codes once per call into the bf16 layout
+AMX's B operand takes (pairs of inputs side by side), then multiplies up to 16 rows at a time with one
+``tdpbf16ps`` per tile: 10-16 ms from 1 to 48 rows (docs/benchmarks.md, "CPU: 4-bit matmuls on AMX").
+
+The weights are the ones ``cpu_int4.pack_int4`` takes: codes ``q`` [N, K] in 0..15 and ``W = (q - 8) * scale +
+zero`` per group of inputs, the scales and zeros in bf16 ([K / group, N, 2], ``pack_int4``'s second tensor); the
+codes packed as ``pack_codes`` lays them out. A weight is dequantized to bf16 exactly as the bf16 copy holds it,
+so the products are those of the dense bf16 matmul up to the order of the float32 sums.
+
+Linux lends AMX's tile registers only to a process that asks (``arch_prctl(ARCH_REQ_XCOMP_PERM)``); the library
+asks when it loads. Built like the other CPU kernels (``kvloom.kernels.cpu_build``); where the compiler or the CPU
+has no AMX, or ``KVLOOM_CPU_INT4_AMX=0``, ``available()`` is False and torch's kernel and the bf16 copy serve.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import threading
+
+import torch
+
+from kvloom.kernels.cpu_build import build_library
+
+logger = logging.getLogger("kvloom")
+
+OUTPUTS = 16  # outputs a tile (a B tile's 16 columns of float32 results)
+INPUTS = 32  # inputs a tile (one 64-byte row of bf16 an A tile row holds)
+
+_SOURCE = r"""
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <omp.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
+#include <immintrin.h>
+
+namespace {
+
+struct alignas(64) TileConfig {
+    uint8_t palette = 1, start_row = 0, reserved[14] = {};
+    uint16_t colsb[16] = {};
+    uint8_t rows[16] = {};
+};
+
+// [lo0..lo15 | hi0..hi15] as bf16 words -> (lo_j, hi_j) pairs: the rows AMX's B operand takes
+alignas(64) const uint16_t kPairs[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
+                                         8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+
+// One B tile: 16 rows (inputs 2p and 2p+1) of 16 outputs, W = (q - 8) * scale + zero rounded to bf16 (nearest even).
+// codes: 16 bytes a row, byte j = output j's code of input 2p (low nibble) and of input 2p+1 (high nibble).
+inline void dequantize(const uint8_t* codes, const uint32_t* scale_zero, __m512i pairs, uint16_t* out) {
+    __m512i sz = _mm512_loadu_si512(scale_zero);  // 16 (scale, zero) bf16 pairs
+    __m512 s = _mm512_castsi512_ps(_mm512_slli_epi32(sz, 16));
+    __m512 z = _mm512_castsi512_ps(_mm512_and_si512(sz, _mm512_set1_epi32(static_cast<int>(0xffff0000u))));
+    __m512 offset = _mm512_fnmadd_ps(_mm512_set1_ps(8.0f), s, z);  // W = q * scale + (zero - 8 * scale)
+    const __m512i low = _mm512_set1_epi32(0x0f);
+    for (int p = 0; p < 16; ++p) {
+        __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + p * 16)));
+        __m512 lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(q, low)), s, offset);
+        __m512 hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4)), s, offset);
+        __m512i both = (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+        _mm512_store_si512(out + p * 32, _mm512_permutexvar_epi16(pairs, both));
+    }
+}
+
+inline void store_rows(const float* c, int64_t rows, uint16_t* y, int64_t N) {
+    for (int64_t r = 0; r < rows; ++r)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + r * N),
+                            (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(c + r * 16)));
+}
+
+// Up to 32 rows: the float32 sums of both 16-row blocks stay in tile registers (tmm0, tmm3) over all of K.
+void few_rows(const uint16_t* x, const uint8_t* codes, const uint32_t* sz, uint16_t* y, int64_t M, int64_t K,
+              int64_t N, int64_t per_group) {
+    const int64_t tiles = N / 16, chunks = K / 32, m0 = M > 16 ? 16 : M, m1 = M - m0;
+#pragma omp parallel
+    {
+        TileConfig cfg;
+        cfg.rows[0] = cfg.rows[1] = m0;  // sums, rows of x
+        cfg.rows[2] = 16;                // weights
+        cfg.rows[3] = cfg.rows[4] = m1;  // the second block's
+        for (int t = 0; t < 5; ++t) cfg.colsb[t] = cfg.rows[t] ? 64 : 0;
+        _tile_loadconfig(&cfg);
+        alignas(64) uint16_t b[16 * 32];
+        alignas(64) float c[16 * 16];
+        const __m512i pairs = _mm512_load_si512(kPairs);
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < tiles; ++t) {
+            _tile_zero(0);
+            if (m1) _tile_zero(3);
+            for (int64_t k = 0; k < chunks; ++k) {
+                dequantize(codes + (t * chunks + k) * 256, sz + (k / per_group) * N + t * 16, pairs, b);
+                _tile_loadd(2, b, 64);
+                _tile_loadd(1, x + k * 32, K * 2);
+                _tile_dpbf16ps(0, 1, 2);
+                if (m1) {
+                    _tile_loadd(4, x + 16 * K + k * 32, K * 2);
+                    _tile_dpbf16ps(3, 4, 2);
+                }
+            }
+            _tile_stored(0, c, 64);
+            store_rows(c, m0, y + t * 16, N);
+            if (m1) {
+                _tile_stored(3, c, 64);
+                store_rows(c, m1, y + 16 * N + t * 16, N);
+            }
+        }
+        _tile_release();
+    }
+}
+
+// More rows: every 16-row block's sums live in a buffer (tile loads and stores from L1), each weight tile still
+// dequantized once for all of them.
+void many_rows(const uint16_t* x, const uint8_t* codes, const uint32_t* sz, uint16_t* y, int64_t M, int64_t K,
+               int64_t N, int64_t per_group) {
+    const int64_t tiles = N / 16, chunks = K / 32, blocks = (M + 15) / 16, last = M - (blocks - 1) * 16;
+#pragma omp parallel
+    {
+        TileConfig cfg;
+        cfg.rows[0] = cfg.rows[1] = cfg.rows[2] = 16;  // sums, rows of x, weights (whole blocks)
+        cfg.rows[3] = cfg.rows[4] = last;              // the last block's sums and rows
+        for (int t = 0; t < 5; ++t) cfg.colsb[t] = 64;
+        _tile_loadconfig(&cfg);
+        alignas(64) uint16_t b[16 * 32];
+        float* c = static_cast<float*>(std::aligned_alloc(64, blocks * 256 * sizeof(float)));
+        const __m512i pairs = _mm512_load_si512(kPairs);
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < tiles; ++t) {
+            std::memset(c, 0, blocks * 256 * sizeof(float));
+            for (int64_t k = 0; k < chunks; ++k) {
+                dequantize(codes + (t * chunks + k) * 256, sz + (k / per_group) * N + t * 16, pairs, b);
+                _tile_loadd(2, b, 64);
+                for (int64_t r = 0; r + 1 < blocks; ++r) {
+                    _tile_loadd(0, c + r * 256, 64);
+                    _tile_loadd(1, x + r * 16 * K + k * 32, K * 2);
+                    _tile_dpbf16ps(0, 1, 2);
+                    _tile_stored(0, c + r * 256, 64);
+                }
+                const int64_t r = blocks - 1;
+                _tile_loadd(3, c + r * 256, 64);
+                _tile_loadd(4, x + r * 16 * K + k * 32, K * 2);
+                _tile_dpbf16ps(3, 4, 2);
+                _tile_stored(3, c + r * 256, 64);
+            }
+            store_rows(c, M, y + t * 16, N);
+        }
+        std::free(c);
+        _tile_release();
+    }
+}
+
+}  // namespace
+
+extern "C" int kvloom_int4_amx_ready() {
+    // ARCH_REQ_XCOMP_PERM (0x1023) for XFEATURE_XTILEDATA (18): without it the first tile instruction faults
+    return syscall(SYS_arch_prctl, 0x1023, 18) == 0 ? 1 : 0;
+}
+
+// y [M, N] = x [M, K] @ W.T, x and y bf16; 0 done, 1 a shape it does not take
+extern "C" int kvloom_int4_amx_mm(const uint16_t* x, const uint8_t* codes, const uint16_t* scale_zeros, uint16_t* y,
+                                  int64_t M, int64_t K, int64_t N, int64_t group) {
+    if (M < 1 || N % 16 || K % 32 || group % 32 || K % group) return 1;
+    const uint32_t* sz = reinterpret_cast<const uint32_t*>(scale_zeros);
+    if (M <= 32)
+        few_rows(x, codes, sz, y, M, K, N, group / 32);
+    else
+        many_rows(x, codes, sz, y, M, K, N, group / 32);
+    return 0;
+}
+#else
+extern "C" int kvloom_int4_amx_ready() { return 0; }
+extern "C" int kvloom_int4_amx_mm(const uint16_t*, const uint8_t*, const uint16_t*, uint16_t*, int64_t, int64_t,
+                                  int64_t, int64_t) { return 2; }
+#endif
+"""
+
+_lock = threading.Lock()
+_lib = None  # the loaded function, False once building, loading or AMX's permission failed
+
+
+def _load():
+    global _lib
+    with _lock:
+        if _lib is None:
+            _lib = False
+            if os.environ.get("KVLOOM_CPU_INT4_AMX", "1") == "0" or not _cpu_has_amx():
+                return _lib
+            try:
+                lib = ctypes.CDLL(build_library("int4_amx", _SOURCE))
+                if lib.kvloom_int4_amx_ready() != 1:
+                    logger.info("CPU: AMX is listed but this process may not use it (the kernel refused "
+                                "ARCH_REQ_XCOMP_PERM); 4-bit weights keep torch's matmul")
+                    return _lib
+                fn = lib.kvloom_int4_amx_mm
+                fn.restype = ctypes.c_int
+                fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 4
+                _lib = fn
+            except Exception as exc:  # noqa: BLE001 - no compiler or a failed build: torch's kernel serves
+                logger.warning("CPU 4-bit AMX matmul unavailable (%s: %s); 4-bit weights keep torch's matmul",
+                               type(exc).__name__, str(exc)[:300])
+    return _lib
+
+
+def _cpu_has_amx() -> bool:
+    get = getattr(getattr(torch._C, "_cpu", None), "_get_cpu_capability", None)
+    caps = get() if get is not None else {}
+    return bool(caps.get("amx_bf16") and caps.get("avx512_bf16"))
+
+
+def available() -> bool:
+    """Whether the kernel is built and may run here (building it on the first call)."""
+    return bool(_load())
+
+
+def supports(out_features: int, in_features: int, group: int) -> bool:
+    return out_features % OUTPUTS == 0 and group % INPUTS == 0 and in_features % group == 0
+
+
+def pack_codes(q: torch.Tensor) -> torch.Tensor:
+    """Codes [N, K] (0..15) as the kernel reads them: uint8 [N / 16, K / 32, 16, 16], a tile's 16 input pairs of
+    16 bytes each, byte j holding output j's code of the pair's first input (low nibble) and second (high)."""
+    n, k = q.shape
+    q = q.to(torch.uint8).reshape(n // OUTPUTS, OUTPUTS, k // 2, 2)
+    pairs = q[..., 0] | (q[..., 1] << 4)  # [N / 16, 16 outputs, K / 2 pairs]
+    return pairs.transpose(1, 2).reshape(n // OUTPUTS, k // INPUTS, INPUTS // 2, OUTPUTS).contiguous()
+
+
+def int4_amx_mm(x: torch.Tensor, codes: torch.Tensor, scale_zeros: torch.Tensor, group: int) -> torch.Tensor:
+    """``x @ W.T`` of bf16 ``x`` [M, K] with ``W`` packed by ``pack_codes`` and ``cpu_int4.pack_int4``'s scales."""
+    fn = _load()
+    rows, in_features = x.shape
+    out_features = codes.shape[0] * OUTPUTS
+    y = torch.empty(rows, out_features, dtype=torch.bfloat16)
+    if rows == 0:
+        return y
+    x = x.contiguous()
+    rc = fn(x.data_ptr(), codes.data_ptr(), scale_zeros.data_ptr(), y.data_ptr(), rows, in_features, out_features,
+            group)
+    if rc:
+        raise ValueError(f"int4_amx_mm: unsupported shape ({rows} x {in_features} by {out_features}, group {group}; "
+                         f"outputs must be a multiple of {OUTPUTS} and the group of {INPUTS})")
+    return y
