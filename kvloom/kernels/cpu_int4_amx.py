@@ -90,22 +90,25 @@ void few_rows(const uint16_t* x, const uint8_t* codes, const uint32_t* sz, uint1
         cfg.rows[3] = cfg.rows[4] = m1;  // the second block's
         for (int t = 0; t < 5; ++t) cfg.colsb[t] = cfg.rows[t] ? 64 : 0;
         _tile_loadconfig(&cfg);
-        alignas(64) uint16_t b[16 * 32];
+        alignas(64) uint16_t b[2][16 * 32];  // the next chunk dequantized while AMX multiplies this one
         alignas(64) float c[16 * 16];
         const __m512i pairs = _mm512_load_si512(kPairs);
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < tiles; ++t) {
             _tile_zero(0);
             if (m1) _tile_zero(3);
+            dequantize(codes + t * chunks * 256, sz + t * 16, pairs, b[0]);
             for (int64_t k = 0; k < chunks; ++k) {
-                dequantize(codes + (t * chunks + k) * 256, sz + (k / per_group) * N + t * 16, pairs, b);
-                _tile_loadd(2, b, 64);
+                _tile_loadd(2, b[k & 1], 64);
                 _tile_loadd(1, x + k * 32, K * 2);
                 _tile_dpbf16ps(0, 1, 2);
                 if (m1) {
                     _tile_loadd(4, x + 16 * K + k * 32, K * 2);
                     _tile_dpbf16ps(3, 4, 2);
                 }
+                if (k + 1 < chunks)
+                    dequantize(codes + (t * chunks + k + 1) * 256, sz + ((k + 1) / per_group) * N + t * 16, pairs,
+                               b[(k + 1) & 1]);
             }
             _tile_stored(0, c, 64);
             store_rows(c, m0, y + t * 16, N);
@@ -130,15 +133,15 @@ void many_rows(const uint16_t* x, const uint8_t* codes, const uint32_t* sz, uint
         cfg.rows[3] = cfg.rows[4] = last;              // the last block's sums and rows
         for (int t = 0; t < 5; ++t) cfg.colsb[t] = 64;
         _tile_loadconfig(&cfg);
-        alignas(64) uint16_t b[16 * 32];
+        alignas(64) uint16_t b[2][16 * 32];
         float* c = static_cast<float*>(std::aligned_alloc(64, blocks * 256 * sizeof(float)));
         const __m512i pairs = _mm512_load_si512(kPairs);
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < tiles; ++t) {
             std::memset(c, 0, blocks * 256 * sizeof(float));
+            dequantize(codes + t * chunks * 256, sz + t * 16, pairs, b[0]);
             for (int64_t k = 0; k < chunks; ++k) {
-                dequantize(codes + (t * chunks + k) * 256, sz + (k / per_group) * N + t * 16, pairs, b);
-                _tile_loadd(2, b, 64);
+                _tile_loadd(2, b[k & 1], 64);
                 for (int64_t r = 0; r + 1 < blocks; ++r) {
                     _tile_loadd(0, c + r * 256, 64);
                     _tile_loadd(1, x + r * 16 * K + k * 32, K * 2);
@@ -150,6 +153,9 @@ void many_rows(const uint16_t* x, const uint8_t* codes, const uint32_t* sz, uint
                 _tile_loadd(4, x + r * 16 * K + k * 32, K * 2);
                 _tile_dpbf16ps(3, 4, 2);
                 _tile_stored(3, c + r * 256, 64);
+                if (k + 1 < chunks)
+                    dequantize(codes + (t * chunks + k + 1) * 256, sz + ((k + 1) / per_group) * N + t * 16, pairs,
+                               b[(k + 1) & 1]);
             }
             store_rows(c, M, y + t * 16, N);
         }
