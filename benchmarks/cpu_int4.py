@@ -1,7 +1,9 @@
 """The CPU int4 matmul (``kvloom.kernels.cpu_int4``, torch's ``_weight_int4pack_mm_for_cpu``) against the
 oneDNN-packed bf16 one, over every linear layer of a model in turn (so the weights stream from memory, as in
 a decode step, rather than sit in cache), at several row counts; the timings alternate and the ratio of
-medians is printed. Where the ratio falls below 1 is where ``INT4_MAX_ROWS`` belongs.
+medians is printed. Where the ratio falls below 1 is where ``INT4_MAX_ROWS`` belongs. On a CPU with AMX the
+AMX 4-bit kernel (``kvloom.kernels.cpu_int4_amx``) on the same codes is timed too (``amx_ms``): where it beats
+torch's kernel and the bf16 copy is where ``TORCH_INT4_ROWS`` and ``AMX_INT4_MAX_ROWS`` belong.
 
 With ``--awq-group G`` the layers are AWQ checkpoint layers (random codes, zero points and fp16 scales in
 AutoAWQ's packing) made the engine's way: the 4-bit copy from ``awq_codes`` + ``zero_point_codes`` with a scale
@@ -29,6 +31,7 @@ import time
 
 import torch
 
+from kvloom.kernels import cpu_int4_amx
 from kvloom.kernels.cpu_int4 import int4_mm, int4_supported
 from kvloom.kernels.cpu_linear import PackedLinear
 
@@ -47,7 +50,7 @@ def awq_layer(n: int, k: int, group: int, gen: torch.Generator):
                        .to(torch.int32) for rows in (k, k // group))
     scales = (torch.rand(k // group, n, generator=gen) * 0.004 + 0.002).half()
     codes = zero_point_codes(*awq_codes(qweight, qzeros), scales, group)
-    return dequantize_awq(qweight, qzeros, scales, group, torch.bfloat16), *pack_int4(*codes, torch.bfloat16)
+    return dequantize_awq(qweight, qzeros, scales, group, torch.bfloat16), *pack_int4(*codes, torch.bfloat16), codes[0]
 
 
 def offline_awq(model: str, group: int, rounds: int) -> None:
@@ -111,33 +114,41 @@ def main() -> None:
     layers = args.layers or layers
     group = args.awq_group or 32
     gen = torch.Generator().manual_seed(0)
+    amx = cpu_int4_amx.available()
     dense, packed = [], []
     for n, k in shapes * layers:
         if args.awq_group:
-            weight, w4, sz = awq_layer(n, k, group, gen)
-            dense.append((k, PackedLinear(weight, None, 32)))
-            packed.append((k, w4, sz))
-            continue
-        dense.append((k, PackedLinear((torch.randn(n, k, generator=gen) * 0.02).bfloat16(), None, 32)))
-        q = torch.randint(0, 16, (n, k), dtype=torch.int32, generator=gen)
-        packed.append((k, torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1),
-                       torch.randn(k // 32, n, 2, generator=gen).bfloat16()))
+            weight, w4, sz, q = awq_layer(n, k, group, gen)
+        else:
+            weight = (torch.randn(n, k, generator=gen) * 0.02).bfloat16()
+            q = torch.randint(0, 16, (n, k), dtype=torch.int32, generator=gen)
+            w4, sz = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1), torch.randn(k // 32, n, 2, generator=gen).bfloat16()
+        dense.append((k, PackedLinear(weight, None, 32)))
+        packed.append((k, w4, sz, cpu_int4_amx.pack_codes(q) if amx else None))
     rows_out = []
     for rows in (int(r) for r in args.rows.split(",")):
         xs = {k: torch.randn(rows, k, generator=gen).bfloat16() for k in {k for _, k in shapes}}
-        times: dict[str, list[float]] = {"bf16": [], "int4": []}
+        times: dict[str, list[float]] = {"bf16": [], "int4": [], "amx": []}
         for _ in range(args.repeats):
             t = time.perf_counter()
             for k, layer in dense:
                 layer(xs[k])
             times["bf16"].append(time.perf_counter() - t)
             t = time.perf_counter()
-            for k, w, sz in packed:
+            for k, w, sz, _ in packed:
                 int4_mm(xs[k], w, sz, group)
             times["int4"].append(time.perf_counter() - t)
+            if amx:
+                t = time.perf_counter()
+                for k, _, sz, codes in packed:
+                    cpu_int4_amx.int4_amx_mm(xs[k], codes, sz, group)
+                times["amx"].append(time.perf_counter() - t)
         bf16, int4 = (statistics.median(times[n]) * 1e3 for n in ("bf16", "int4"))
-        rows_out.append({"rows": rows, "bf16_ms": round(bf16, 3), "int4_ms": round(int4, 3),
-                         "bf16_over_int4": round(bf16 / int4, 2)})
+        row = {"rows": rows, "bf16_ms": round(bf16, 3), "int4_ms": round(int4, 3), "bf16_over_int4": round(bf16 / int4, 2)}
+        if amx:
+            amx_ms = statistics.median(times["amx"]) * 1e3
+            row.update(amx_ms=round(amx_ms, 3), bf16_over_amx=round(bf16 / amx_ms, 2), int4_over_amx=round(int4 / amx_ms, 2))
+        rows_out.append(row)
     print(json.dumps({"benchmark": "cpu_int4", "shape": args.shape, "threads": args.threads,
                       "weights": f"awq, group {group}" if args.awq_group else "gguf-style, group 32",
                       "linear_layers": len(dense), "load": os.getloadavg(), "rows": rows_out}, indent=1))
