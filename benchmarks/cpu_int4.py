@@ -42,7 +42,7 @@ SHAPES = {"smollm2-135m": ((960, 576), (576, 576), (3072, 576), (576, 1536), 30)
 
 
 def awq_layer(n: int, k: int, group: int, gen: torch.Generator):
-    """(bf16 weight, packed 4-bit weight, scales-and-zeros) of a random AWQ GEMM layer of ``n`` x ``k``."""
+    """(bf16 weight, packed 4-bit weight, scales-and-zeros, codes) of a random AWQ GEMM layer of ``n`` x ``k``."""
     from kvloom.kernels.cpu_int4 import pack_int4, zero_point_codes
     from kvloom.kernels.quant_reference import awq_codes, dequantize_awq
 
@@ -50,7 +50,8 @@ def awq_layer(n: int, k: int, group: int, gen: torch.Generator):
                        .to(torch.int32) for rows in (k, k // group))
     scales = (torch.rand(k // group, n, generator=gen) * 0.004 + 0.002).half()
     codes = zero_point_codes(*awq_codes(qweight, qzeros), scales, group)
-    return dequantize_awq(qweight, qzeros, scales, group, torch.bfloat16), *pack_int4(*codes, torch.bfloat16), codes[0]
+    dense = dequantize_awq(qweight, qzeros, scales, group, torch.bfloat16)
+    return dense, *pack_int4(*codes, torch.bfloat16), codes[0]
 
 
 def offline_awq(model: str, group: int, rounds: int) -> None:
@@ -122,7 +123,8 @@ def main() -> None:
         else:
             weight = (torch.randn(n, k, generator=gen) * 0.02).bfloat16()
             q = torch.randint(0, 16, (n, k), dtype=torch.int32, generator=gen)
-            w4, sz = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1), torch.randn(k // 32, n, 2, generator=gen).bfloat16()
+            w4 = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+            sz = torch.randn(k // 32, n, 2, generator=gen).bfloat16()
         dense.append((k, PackedLinear(weight, None, 32)))
         packed.append((k, w4, sz, cpu_int4_amx.pack_codes(q) if amx else None))
     rows_out = []
@@ -144,10 +146,12 @@ def main() -> None:
                     cpu_int4_amx.int4_amx_mm(xs[k], codes, sz, group)
                 times["amx"].append(time.perf_counter() - t)
         bf16, int4 = (statistics.median(times[n]) * 1e3 for n in ("bf16", "int4"))
-        row = {"rows": rows, "bf16_ms": round(bf16, 3), "int4_ms": round(int4, 3), "bf16_over_int4": round(bf16 / int4, 2)}
+        row = {"rows": rows, "bf16_ms": round(bf16, 3), "int4_ms": round(int4, 3),
+               "bf16_over_int4": round(bf16 / int4, 2)}
         if amx:
             amx_ms = statistics.median(times["amx"]) * 1e3
-            row.update(amx_ms=round(amx_ms, 3), bf16_over_amx=round(bf16 / amx_ms, 2), int4_over_amx=round(int4 / amx_ms, 2))
+            row.update(amx_ms=round(amx_ms, 3), bf16_over_amx=round(bf16 / amx_ms, 2),
+                       int4_over_amx=round(int4 / amx_ms, 2))
         rows_out.append(row)
     print(json.dumps({"benchmark": "cpu_int4", "shape": args.shape, "threads": args.threads,
                       "weights": f"awq, group {group}" if args.awq_group else "gguf-style, group 32",

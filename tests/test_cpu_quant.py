@@ -53,7 +53,7 @@ def test_packed_int4_matmul_equals_the_dequantized_weight(rows):
 
 
 TEXT = (Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md").read_text()[:3000]
-AGREEMENT = 0.93  # measured 0.965 over 511 positions of this text (SmolLM2 Q4_1, 2026-12-05)
+AGREEMENT = 0.93  # measured over 511 positions of this text (SmolLM2 Q4_1): torch int4 0.965-0.967, AMX 0.963
 
 
 @pytest.fixture(scope="module")
