@@ -1,16 +1,18 @@
 """4-bit weights times a step of several rows on AMX: each weight tile dequantized once a call, for every row.
 
 torch's CPU int4 matmul (``kvloom.kernels.cpu_int4``) converts the 4-bit codes again for every row it multiplies,
-so its time grows with the rows (SmolLM2's 120 layers on this project's 2-core Xeon: 6 ms at 1 row, 17 at 8, 63
-at 32), and the oneDNN bf16 copy took over from 8 rows on, streaming four times the bytes (22-34 ms). On a CPU
+so its time grows with the rows (SmolLM2's 120 layers on this project's 2-core Xeon: 6.8 ms at 1 row, 20 at 8, 71
+at 32), and the oneDNN bf16 copy took over from 8 rows on, streaming four times the bytes (26-40 ms). On a CPU
 with AMX this kernel dequantizes each 16-output x 32-input tile of the codes once per call into the bf16 layout
 AMX's B operand takes (pairs of inputs side by side), then multiplies up to 16 rows at a time with one
-``tdpbf16ps`` per tile: 10-16 ms from 1 to 48 rows (docs/benchmarks.md, "CPU: 4-bit matmuls on AMX").
+``tdpbf16ps`` per tile: 14 ms from 1 to 16 rows, 18 at 32, 26 at 48 (docs/benchmarks.md, "CPU: 4-bit matmuls on
+AMX").
 
 The weights are the ones ``cpu_int4.pack_int4`` takes: codes ``q`` [N, K] in 0..15 and ``W = (q - 8) * scale +
 zero`` per group of inputs, the scales and zeros in bf16 ([K / group, N, 2], ``pack_int4``'s second tensor); the
-codes packed as ``pack_codes`` lays them out. A weight is dequantized to bf16 exactly as the bf16 copy holds it,
-so the products are those of the dense bf16 matmul up to the order of the float32 sums.
+codes packed as ``pack_codes`` lays them out. Each weight is computed in float32 from those bf16 scales and zeros
+and rounded to bf16, so the products are those of a bf16 matmul by these weights up to the order of the float32
+sums.
 
 Linux lends AMX's tile registers only to a process that asks (``arch_prctl(ARCH_REQ_XCOMP_PERM)``); the library
 asks when it loads. Built like the other CPU kernels (``kvloom.kernels.cpu_build``); where the compiler or the CPU
@@ -242,6 +244,8 @@ def pack_codes(q: torch.Tensor) -> torch.Tensor:
 
 def int4_amx_mm(x: torch.Tensor, codes: torch.Tensor, scale_zeros: torch.Tensor, group: int) -> torch.Tensor:
     """``x @ W.T`` of bf16 ``x`` [M, K] with ``W`` packed by ``pack_codes`` and ``cpu_int4.pack_int4``'s scales."""
+    if x.dtype != torch.bfloat16:
+        raise TypeError(f"int4_amx_mm multiplies bfloat16 rows, got {x.dtype}")
     fn = _load()
     rows, in_features = x.shape
     out_features = codes.shape[0] * OUTPUTS

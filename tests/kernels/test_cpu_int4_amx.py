@@ -45,6 +45,8 @@ def test_shapes_it_does_not_take_are_refused_by_name():
     q, _, sz, _ = _layer(64, 64, 32)
     with pytest.raises(ValueError, match="group 16"):
         cpu_int4_amx.int4_amx_mm(torch.zeros(2, 64, dtype=torch.bfloat16), cpu_int4_amx.pack_codes(q), sz, 16)
+    with pytest.raises(TypeError, match="torch.float32"):
+        cpu_int4_amx.int4_amx_mm(torch.zeros(2, 64), cpu_int4_amx.pack_codes(q), sz, 32)
 
 
 def test_the_layer_takes_each_kernel_by_rows_and_they_agree(monkeypatch):
