@@ -44,10 +44,9 @@ def int4_copy_bytes(out_features: int, in_features: int, group: int, dtype: torc
     ``cpu_int4_amx``: bf16 on a CPU with AMX), and a scale and a zero in ``dtype`` per group and output."""
     from kvloom.kernels import cpu_int4_amx
 
-    amx = dtype == torch.bfloat16 and cpu_int4_amx.available() and cpu_int4_amx.supports(out_features, in_features,
-                                                                                           group)
+    codes = 2 if cpu_int4_amx.serves(out_features, in_features, group, dtype) else 1
     size = torch.empty((), dtype=dtype).element_size()
-    return out_features * in_features // 2 * (2 if amx else 1) + out_features * (in_features // group) * 2 * size
+    return out_features * in_features // 2 * codes + out_features * (in_features // group) * 2 * size
 
 
 def _nibbles(qs: np.ndarray, size: int) -> np.ndarray:

@@ -233,6 +233,12 @@ def supports(out_features: int, in_features: int, group: int) -> bool:
     return out_features % OUTPUTS == 0 and group % INPUTS == 0 and in_features % group == 0
 
 
+def serves(out_features: int, in_features: int, group: int, dtype: torch.dtype) -> bool:
+    """Whether a layer of this shape and dtype gets the kernel's copy of its codes: bf16, this shape, and the kernel
+    here (the engine's attach and the held-bytes count both ask this)."""
+    return dtype == torch.bfloat16 and supports(out_features, in_features, group) and available()
+
+
 def pack_codes(q: torch.Tensor) -> torch.Tensor:
     """Codes [N, K] (0..15) as the kernel reads them: uint8 [N / 16, K / 32, 16, 16], a tile's 16 input pairs of
     16 bytes each, byte j holding output j's code of the pair's first input (low nibble) and second (high)."""

@@ -74,7 +74,7 @@ def test_the_layer_takes_each_kernel_by_rows_and_they_agree(monkeypatch):
         torch.testing.assert_close(cpu_packing.int4_linear_op(*args), cpu_packing.int4_linear(*args))
 
 
-def test_a_compiled_step_runs_every_row_count_through_one_graph(tmp_path):
+def test_a_compiled_step_runs_every_row_count_through_one_graph():
     """The kernel choice happens inside the op: a function compiled once (its rows dynamic, as the engine's steps
     are) takes 2, 7, 30 and 100 rows, three kernels, without compiling again."""
     script = """

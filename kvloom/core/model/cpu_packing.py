@@ -209,7 +209,7 @@ def attach_layer_int4(layer, q: torch.Tensor, scale: torch.Tensor, zero: torch.T
     packed, sz = pack_int4(q, scale, zero, dtype)
     layer.register_buffer("int4_weight", packed, persistent=False)
     layer.register_buffer("int4_scale_zeros", sz, persistent=False)
-    if dtype == torch.bfloat16 and cpu_int4_amx.available() and cpu_int4_amx.supports(*q.shape, group):
+    if cpu_int4_amx.serves(*q.shape, group, dtype):
         # the same codes in the AMX kernel's layout, for steps of TORCH_INT4_ROWS to AMX_INT4_MAX_ROWS rows
         layer.register_buffer("int4_amx_codes", cpu_int4_amx.pack_codes(q), persistent=False)
         layer.method = Int4CPUMethod(layer.method, source, AMX_INT4_MAX_ROWS, group, torch_rows=TORCH_INT4_ROWS)
