@@ -183,12 +183,16 @@ inline __m512 sum16(const __m512* a) {
 // heads whose value accumulators (2 * D / 32 vectors each) fit 16 registers
 template <int D> constexpr int PV_HEADS = 16 / (D / 16) > 0 ? 16 / (D / 16) : 1;
 
+// probabilities as bf16 a head: a row's slots [lo, hi) and a zero at hi, so a pair read at hi - 1 ends in 0
+constexpr int PB_STRIDE = MAX_BLOCK + 16;
+
 // acc[g] += p[g][t] * V[t] over rows [lo, hi) for NG heads, accumulators in registers: two rows at a time, their
-// values interleaved as bf16 pairs and their probabilities rounded to a bf16 pair (the reference formula casts
-// probabilities to the cache's dtype too), one dot-product instruction per 16 lanes. Lane 4k + j of each run of
-// 16 accumulates dimension 8k + j (the first 16 of a 32-run) or 8k + 4 + j (the second): see span_bf16's end.
+// values interleaved as bf16 pairs and their probabilities a bf16 pair (``pb``, rounded from the float32 softmax as
+// the reference formula casts probabilities to the cache's dtype), one dot-product instruction per 16 lanes. Lane
+// 4k + j of each run of 16 accumulates dimension 8k + j (the first 16 of a 32-run) or 8k + 4 + j (the second): see
+// span_bf16's end.
 template <int D, int NG>
-inline void pv_block(const uint16_t* vb, int64_t lo, int64_t hi, const float* s, float* acc) {
+inline void pv_block(const uint16_t* vb, int64_t lo, int64_t hi, const uint16_t* pb, float* acc) {
     constexpr int C = D / 32;
     __m512 a[NG][2 * C];
     for (int g = 0; g < NG; ++g)
@@ -203,10 +207,9 @@ inline void pv_block(const uint16_t* vb, int64_t lo, int64_t hi, const float* s,
             vhi[c] = _mm512_unpackhi_epi16(v0, v1);
         }
         for (int g = 0; g < NG; ++g) {
-            const float* sg = s + g * MAX_BLOCK;
-            const uint32_t bits = static_cast<uint32_t>(float_to_bf16(sg[t])) |
-                                  (static_cast<uint32_t>(pair ? float_to_bf16(sg[t + 1]) : 0) << 16);
-            const __m512bh pp = (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(bits));
+            int32_t bits;
+            std::memcpy(&bits, pb + g * PB_STRIDE + t, 4);
+            const __m512bh pp = (__m512bh)_mm512_set1_epi32(bits);
             for (int c = 0; c < C; ++c) {
                 a[g][2 * c] = _mm512_dpbf16_ps(a[g][2 * c], (__m512bh)vlo[c], pp);
                 a[g][2 * c + 1] = _mm512_dpbf16_ps(a[g][2 * c + 1], (__m512bh)vhi[c], pp);
@@ -218,16 +221,16 @@ inline void pv_block(const uint16_t* vb, int64_t lo, int64_t hi, const float* s,
 }
 
 template <int D>
-inline void pv_heads(const uint16_t* vb, int64_t lo, int64_t hi, const float* s, float* acc, int64_t ng) {
+inline void pv_heads(const uint16_t* vb, int64_t lo, int64_t hi, const uint16_t* pb, float* acc, int64_t ng) {
     switch (ng) {
-        case 1: pv_block<D, 1>(vb, lo, hi, s, acc); return;
-        case 2: if constexpr (PV_HEADS<D> >= 2) { pv_block<D, 2>(vb, lo, hi, s, acc); return; } break;
-        case 3: if constexpr (PV_HEADS<D> >= 3) { pv_block<D, 3>(vb, lo, hi, s, acc); return; } break;
-        case 4: if constexpr (PV_HEADS<D> >= 4) { pv_block<D, 4>(vb, lo, hi, s, acc); return; } break;
-        case 5: if constexpr (PV_HEADS<D> >= 5) { pv_block<D, 5>(vb, lo, hi, s, acc); return; } break;
-        case 6: if constexpr (PV_HEADS<D> >= 6) { pv_block<D, 6>(vb, lo, hi, s, acc); return; } break;
-        case 7: if constexpr (PV_HEADS<D> >= 7) { pv_block<D, 7>(vb, lo, hi, s, acc); return; } break;
-        case 8: if constexpr (PV_HEADS<D> >= 8) { pv_block<D, 8>(vb, lo, hi, s, acc); return; } break;
+        case 1: pv_block<D, 1>(vb, lo, hi, pb, acc); return;
+        case 2: if constexpr (PV_HEADS<D> >= 2) { pv_block<D, 2>(vb, lo, hi, pb, acc); return; } break;
+        case 3: if constexpr (PV_HEADS<D> >= 3) { pv_block<D, 3>(vb, lo, hi, pb, acc); return; } break;
+        case 4: if constexpr (PV_HEADS<D> >= 4) { pv_block<D, 4>(vb, lo, hi, pb, acc); return; } break;
+        case 5: if constexpr (PV_HEADS<D> >= 5) { pv_block<D, 5>(vb, lo, hi, pb, acc); return; } break;
+        case 6: if constexpr (PV_HEADS<D> >= 6) { pv_block<D, 6>(vb, lo, hi, pb, acc); return; } break;
+        case 7: if constexpr (PV_HEADS<D> >= 7) { pv_block<D, 7>(vb, lo, hi, pb, acc); return; } break;
+        case 8: if constexpr (PV_HEADS<D> >= 8) { pv_block<D, 8>(vb, lo, hi, pb, acc); return; } break;
     }
 }
 
@@ -240,6 +243,7 @@ void span_bf16(const uint16_t* q, const uint16_t* kc, const uint16_t* vc, const 
     constexpr int C = D / 32;
     __m512bh qb[MAX_GROUP][C];
     alignas(64) float s[MAX_GROUP][MAX_BLOCK];
+    alignas(64) uint16_t pb[MAX_GROUP][PB_STRIDE];
     float m[MAX_GROUP], l[MAX_GROUP];
     for (int64_t g = 0; g < G; ++g) {
         for (int c = 0; c < C; ++c) qb[g][c] = (__m512bh)_mm512_loadu_si512(q + (h * G + g) * D + 32 * c);
@@ -254,6 +258,13 @@ void span_bf16(const uint16_t* q, const uint16_t* kc, const uint16_t* vc, const 
         if (lo >= hi) continue;
         const uint16_t* kb = kc + row * D;
         const uint16_t* vb = vc + row * D;
+        if (blk + 1 < blk1) {  // the next block's K and V on their way while this one computes (misses bound it)
+            const int64_t next = (static_cast<int64_t>(table[blk + 1]) * Hkv + h) * bs * D;
+            for (int64_t off = 0; off < bs * D; off += 32) {
+                _mm_prefetch(reinterpret_cast<const char*>(kc + next + off), _MM_HINT_T0);
+                _mm_prefetch(reinterpret_cast<const char*>(vc + next + off), _MM_HINT_T0);
+            }
+        }
         // whole tiles of 16 rows from the block's 16-row boundaries (bs is a multiple of 16): rows outside
         // [lo, hi) are scored too, in lanes of their own, and never read
         for (int64_t t0 = lo & ~int64_t(15); t0 < hi; t0 += 16) {
@@ -273,9 +284,15 @@ void span_bf16(const uint16_t* q, const uint16_t* kc, const uint16_t* vc, const 
             if (softcap > 0.f)
                 for (int64_t t = lo; t < hi; ++t) s[g][t] = softcap * std::tanh(s[g][t] / softcap);
             online_softmax<D>(s[g], lo, hi, m[g], l[g], acc + g * D);
+            for (int64_t t = lo; t < hi; t += 16) {  // round to bf16 (nearest even), 16 at once
+                const __mmask16 k = static_cast<__mmask16>(hi - t >= 16 ? 0xffff : (1u << (hi - t)) - 1);
+                const __m256i b = (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(k, &s[g][t]));
+                _mm256_mask_storeu_epi16(&pb[g][t], k, b);
+            }
+            pb[g][hi] = 0;
         }
         for (int64_t g0 = 0; g0 < G; g0 += PV_HEADS<D>)
-            pv_heads<D>(vb, lo, hi, &s[g0][0], acc + g0 * D, std::min<int64_t>(PV_HEADS<D>, G - g0));
+            pv_heads<D>(vb, lo, hi, &pb[g0][0], acc + g0 * D, std::min<int64_t>(PV_HEADS<D>, G - g0));
     }
     // acc lane 4k + j of a 32-lane run held dimension 8k + j, lane 16 + 4k + j dimension 8k + 4 + j
     for (int64_t g = 0; g < G; ++g) {
