@@ -13,6 +13,10 @@ and zero per ``G`` inputs, the bf16 copy from ``dequantize_awq`` (what the CPU r
     python benchmarks/cpu_int4.py --threads 1 --rows 1,2,4,8,32
     python benchmarks/cpu_int4.py --shape qwen2.5-0.5b --awq-group 128 --layers 12
 
+On a CPU with AMX the output projection (``--vocab`` x hidden, as a Q8_0 table) is timed too: the AMX 8-bit kernel
+(``cpu_int4_amx.q8_amx_mm``, ``head_q8_ms``) against the bf16 copy (``head_bf16_ms``), three copies in turn so that
+they come from memory: where the 8-bit one stops winning is ``Q8_MAX_ROWS``.
+
 ``--offline-awq MODEL`` instead times ``kvloom.LLM`` end to end: a ``benchmarks/shapes.py`` config with an AWQ
 quantization_config (group ``--awq-group``, default 128) and dummy weights, in bfloat16, with the 4-bit copies
 and without (``gguf_int4=False``), alternated over ``--rounds``; greedy 48 tokens after 32-token prompts at batch
@@ -36,6 +40,7 @@ from kvloom.kernels.cpu_int4 import int4_mm, int4_supported
 from kvloom.kernels.cpu_linear import PackedLinear
 
 # (out, in) of one layer's q/k/v, o, gate/up and down projections
+VOCAB = {"smollm2-135m": 49152, "gemma3-270m": 262144, "qwen2.5-0.5b": 151936}
 SHAPES = {"smollm2-135m": ((960, 576), (576, 576), (3072, 576), (576, 1536), 30),
           "gemma3-270m": ((1536, 640), (640, 1024), (4096, 640), (640, 2048), 18),
           "qwen2.5-0.5b": ((1152, 896), (896, 896), (9728, 896), (896, 4864), 24)}  # its AWQ release's shapes
@@ -99,6 +104,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=9)
     p.add_argument("--awq-group", type=int, default=0, help="AWQ layers with this group size (0: GGUF-style, 32)")
     p.add_argument("--layers", type=int, default=0, help="decoder layers (0: the model's)")
+    p.add_argument("--vocab", type=int, default=0, help="output projection rows (0: the model's; -1: not timed)")
     p.add_argument("--offline-awq", default=None, help="a benchmarks/shapes.py model: time kvloom.LLM end to end")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--offline-run", default=None, help=argparse.SUPPRESS)
@@ -127,10 +133,20 @@ def main() -> None:
             sz = torch.randn(k // 32, n, 2, generator=gen).bfloat16()
         dense.append((k, PackedLinear(weight, None, 32)))
         packed.append((k, w4, sz, cpu_int4_amx.pack_codes(q) if amx else None))
+    hidden = shapes[1][0]
+    vocab = args.vocab or VOCAB[args.shape]
+    heads = []  # (8-bit codes, fp16 scales, bf16 copy) of the output projection, three of them
+    if amx and vocab > 0:
+        for _ in range(3):
+            q8 = torch.randint(-127, 128, (vocab, hidden), generator=gen).to(torch.int8)
+            d = (torch.rand(vocab, hidden // 32, generator=gen) * 0.01).half()
+            w = (q8.float().view(vocab, -1, 32) * d.float()[..., None]).view(vocab, hidden).bfloat16()
+            heads.append((cpu_int4_amx.pack_q8_codes(q8), d.t().contiguous(), PackedLinear(w, None, 32)))
+            del q8, w
     rows_out = []
     for rows in (int(r) for r in args.rows.split(",")):
         xs = {k: torch.randn(rows, k, generator=gen).bfloat16() for k in {k for _, k in shapes}}
-        times: dict[str, list[float]] = {"bf16": [], "int4": [], "amx": []}
+        times: dict[str, list[float]] = {"bf16": [], "int4": [], "amx": [], "head_q8": [], "head_bf16": []}
         for _ in range(args.repeats):
             t = time.perf_counter()
             for k, layer in dense:
@@ -145,6 +161,16 @@ def main() -> None:
                 for k, _, sz, codes in packed:
                     cpu_int4_amx.int4_amx_mm(xs[k], codes, sz, group)
                 times["amx"].append(time.perf_counter() - t)
+            if heads:
+                x = xs[hidden]
+                t = time.perf_counter()
+                for codes, d, _ in heads:
+                    cpu_int4_amx.q8_amx_mm(x, codes, d)
+                times["head_q8"].append((time.perf_counter() - t) / len(heads))
+                t = time.perf_counter()
+                for _, _, copy in heads:
+                    copy(x)
+                times["head_bf16"].append((time.perf_counter() - t) / len(heads))
         bf16, int4 = (statistics.median(times[n]) * 1e3 for n in ("bf16", "int4"))
         row = {"rows": rows, "bf16_ms": round(bf16, 3), "int4_ms": round(int4, 3),
                "bf16_over_int4": round(bf16 / int4, 2)}
@@ -152,10 +178,15 @@ def main() -> None:
             amx_ms = statistics.median(times["amx"]) * 1e3
             row.update(amx_ms=round(amx_ms, 3), bf16_over_amx=round(bf16 / amx_ms, 2),
                        int4_over_amx=round(int4 / amx_ms, 2))
+        if heads:
+            q8_ms, head_ms = (statistics.median(times[n]) * 1e3 for n in ("head_q8", "head_bf16"))
+            row.update(head_q8_ms=round(q8_ms, 3), head_bf16_ms=round(head_ms, 3),
+                       head_bf16_over_q8=round(head_ms / q8_ms, 2))
         rows_out.append(row)
     print(json.dumps({"benchmark": "cpu_int4", "shape": args.shape, "threads": args.threads,
                       "weights": f"awq, group {group}" if args.awq_group else "gguf-style, group 32",
-                      "linear_layers": len(dense), "load": os.getloadavg(), "rows": rows_out}, indent=1))
+                      "linear_layers": len(dense), "output_projection": [vocab, hidden] if heads else None,
+                      "load": os.getloadavg(), "rows": rows_out}, indent=1))
 
 
 if __name__ == "__main__":

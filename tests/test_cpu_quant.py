@@ -54,6 +54,7 @@ def test_packed_int4_matmul_equals_the_dequantized_weight(rows):
 
 TEXT = (Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md").read_text()[:3000]
 AGREEMENT = 0.93  # measured over 511 positions of this text (SmolLM2 Q4_1): torch int4 0.965-0.967, AMX 0.963
+Q8_AGREEMENT = 0.99  # the 8-bit output projection against its bf16 copy, same positions: measured 1.0
 
 
 @pytest.fixture(scope="module")
@@ -101,6 +102,35 @@ def test_int4_greedy_choices_agree_with_the_dequantized_bf16_path_over_a_real_te
                 layer.method.torch_rows, layer.method.max_rows = torch_rows, max_rows
         share = sum(x == y for x, y in zip(got, want)) / len(got)
         assert len(got) == len(ids) - 1 and share >= AGREEMENT, (name, share)
+
+
+@pytest.mark.slow
+@needs_int4
+def test_the_q8_output_projection_chooses_as_its_bf16_copy_over_a_real_text(int4_llm, dense_llm):
+    from kvloom.core.model.cpu_packing import Q8Linear
+    from kvloom.kernels import cpu_int4_amx
+
+    head = int4_llm.engine.model.lm_head
+    if not cpu_int4_amx.available():
+        assert not isinstance(head, Q8Linear)
+        pytest.skip("no AMX here: the output projection keeps its bf16 copy only")
+    assert isinstance(head, Q8Linear) and not isinstance(dense_llm.engine.model.lm_head, Q8Linear)
+    ids = int4_llm.tokenizer.encode(TEXT)[:512]
+    want = argmax_over_text(dense_llm, ids)
+    layers = int4_llm.engine.model.linear_layers()
+    saved = [layer.method.max_rows for layer in layers], head.max_rows
+    for layer in layers:
+        layer.method.max_rows = 0  # every linear layer on its bf16 copy, as in the dense engine
+    head.max_rows = 1 << 30  # every position's logits from the 8-bit codes
+    try:
+        got = argmax_over_text(int4_llm, ids)
+    finally:
+        for layer, max_rows in zip(layers, saved[0]):
+            layer.method.max_rows = max_rows
+        head.max_rows = saved[1]
+    # the same bf16 weights, their products summed in another order: the same choice nearly everywhere
+    share = sum(x == y for x, y in zip(got, want)) / len(got)
+    assert len(got) == len(ids) - 1 and share >= Q8_AGREEMENT, share
 
 
 @pytest.mark.slow
@@ -154,10 +184,11 @@ def test_engine_plan_counts_the_4_bit_copies(smollm2_path):
              for on in (True, False)}
     extra = plans[True].rows[0].weight_bytes_per_gpu - plans[False].rows[0].weight_bytes_per_gpu
     # 30 layers x 106M linear weights at half a byte, plus scales and zeros: the 63.3 MiB the engine logs; where
-    # the AMX kernel serves, its copy of the codes besides (113.9 MiB)
+    # the AMX kernel serves, its copy of the codes besides (113.9 MiB),
     from kvloom.kernels import cpu_int4_amx
 
-    low, high = (110 << 20, 117 << 20) if cpu_int4_amx.available() else (60 << 20, 66 << 20)
+    # and the output projection's Q8_0 codes and scales (28.7 MiB)
+    low, high = (139 << 20, 146 << 20) if cpu_int4_amx.available() else (60 << 20, 66 << 20)
     assert low < extra < high, extra
 
 

@@ -121,13 +121,14 @@ def _config_file(tmp_path, **changes):
 def checkpoint_bytes(model) -> int:
     """The model's weights as the engine holds them: parameters, plus the linear layers packed for the
     CPU (not the packed copy of tied embeddings, which the embedding table already counts), plus the
-    4-bit copies kept of a GGUF file's 4-bit layers."""
+    4-bit copies kept of a GGUF file's 4-bit layers and the 8-bit codes of its Q8_0 output projection."""
     from kvloom.kernels.cpu_linear import PackedLinear
 
     total = sum(p.numel() * p.element_size() for p in model.parameters())
-    total += sum(b.numel() * b.element_size() for n, b in model.named_buffers() if n.rpartition(".")[2].startswith("int4_"))
+    total += sum(b.numel() * b.element_size() for n, b in model.named_buffers()
+                 if n.rpartition(".")[2].startswith(("int4_", "q8_")))
     for name, m in model.named_modules():
-        if isinstance(m, PackedLinear) and not (name == "lm_head" and model.tie_word_embeddings):
+        if isinstance(m, PackedLinear) and not (name in ("lm_head", "lm_head.dense") and model.tie_word_embeddings):
             size = torch.empty(0, dtype=m.packed_weight.dtype).element_size()
             total += (m.in_features * m.out_features + (m.out_features if m.bias is not None else 0)) * size
     return total

@@ -158,14 +158,28 @@ def valid_tp_sizes(hf_config, sizes) -> list[int]:
 
 def gguf_int4_bytes(hf_config, config: EngineConfig, dtype: torch.dtype, device: torch.device, method) -> int:
     """Bytes of the 4-bit copies the engine keeps of a GGUF file's Q4_0/Q4_1/Q4_K linear layers (0: none)."""
-    from kvloom.core.model.loader import uses_gguf_int4
     from kvloom.kernels.cpu_int4 import int4_held_bytes
 
     types = getattr(hf_config, "gguf_tensor_types", None)
-    if not types or config.tensor_parallel_size != 1 or not uses_gguf_int4(device, dtype, method, None,
-                                                                            config.gguf_int4):
+    if not types or not _gguf_copies(config, dtype, device, method):
         return 0
     return int4_held_bytes(types, dtype)
+
+
+def gguf_q8_output_bytes(hf_config, config: EngineConfig, dtype: torch.dtype, device: torch.device, method) -> int:
+    """Bytes of the 8-bit codes the engine keeps of a GGUF file's Q8_0 output projection (0: none)."""
+    from kvloom.kernels.cpu_int4_amx import q8_copy_bytes
+
+    output = getattr(hf_config, "gguf_output_type", None)
+    if output is None or output[0] != "Q8_0" or not _gguf_copies(config, dtype, device, method):
+        return 0
+    return q8_copy_bytes(output[1], output[2], dtype)
+
+
+def _gguf_copies(config: EngineConfig, dtype: torch.dtype, device: torch.device, method) -> bool:
+    from kvloom.core.model.loader import uses_gguf_int4
+
+    return config.tensor_parallel_size == 1 and uses_gguf_int4(device, dtype, method, None, config.gguf_int4)
 
 
 def rank_weight_bytes(hf_config, dtype: torch.dtype, method, device_type: str, tp: int) -> tuple[int, str | None]:
@@ -285,10 +299,12 @@ def make_plan(config: EngineConfig, hf_config, model_name: str, *, gpu_memory_gi
         notes.append(f"{method.describe().split('; kernel')[0].removeprefix('Quantization: ')}; {held}; "
                      f"embeddings, norms and lm_head in {str(dtype).removeprefix('torch.')}")
     int4 = gguf_int4_bytes(hf_config, config, dtype, device, method)
-    if int4:
-        weights += int4
-        notes.append(f"weights as the engine holds them: the GGUF file's 4-bit linear weights ({_gib(int4)}, counted "
-                     f"in weights) stay packed at 4 bits for decode steps of few rows, beside their "
+    q8 = gguf_q8_output_bytes(hf_config, config, dtype, device, method)
+    if int4 or q8:
+        weights += int4 + q8
+        output = f", and its Q8_0 output projection at 8 bits ({_gib(q8)})" if q8 else ""
+        notes.append(f"weights as the engine holds them: the GGUF file's 4-bit linear weights ({_gib(int4)}{output}; "
+                     f"counted in weights) stay packed for decode steps of few rows, beside their "
                      f"{str(dtype).removeprefix('torch.')} copy for bigger steps (--no-gguf-int4: the copy alone)")
     elif getattr(hf_config, "gguf_file_bytes", None):
         notes.append(f"weights as the engine holds them: the GGUF file ({_gib(hf_config.gguf_file_bytes)} on disk) "
@@ -310,7 +326,7 @@ def make_plan(config: EngineConfig, hf_config, model_name: str, *, gpu_memory_gi
         share, refusal = rank_weight_bytes(hf_config, dtype, method, device.type, tp)
         if refusal:
             raise ConfigError(refusal)
-        share += int4
+        share += int4 + q8
         kv = capacity.kv_capacity(config, hf_config, dtype, max_len, None, tp, draft_kv, layout)
         rows.append(PlanRow(tp, share, None, None, kv))
         if tp > 1:

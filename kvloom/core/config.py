@@ -50,7 +50,8 @@ class EngineConfig:
                                     choices=("fp8", "awq", "gptq", "mxfp4"))
     gguf_int4: bool = _opt(True, "On the CPU in bfloat16: keep a GGUF file's Q4_0/Q4_1/Q4_K linear weights (and an "
                            "AWQ/GPTQ checkpoint's 4-bit ones) at 4 bits for decode steps of few rows (torch's int4 "
-                           "matmul; a bf16 copy serves bigger steps); off: dequantize them to the model dtype only.")
+                           "matmul; a bf16 copy serves bigger steps), and a Q8_0 output projection's 8-bit codes "
+                           "where AMX serves them; off: dequantize them to the model dtype only.")
     kv_cache_dtype: str = _opt("auto", "KV-cache element type (auto: the model dtype; fp8: float8 e4m3 with a "
                                "per-tensor scale of 1.0, half the bytes per token of bf16, dequantized on read).",
                                choices=("auto", "fp8"))

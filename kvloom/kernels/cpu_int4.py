@@ -86,6 +86,17 @@ def gguf_int4_codes(raw: np.ndarray, type_name: str, rows: int, cols: int):
     return q, scale.reshape(rows, groups), zero.reshape(rows, groups)
 
 
+def gguf_q8_codes(raw: np.ndarray, rows: int, cols: int):
+    """The codes ``q`` (int8 [rows, cols]) and scales ``d`` (float16 [rows, cols / 32]) of a Q8_0 tensor ``raw``
+    (its bytes: blocks of an fp16 ``d`` and 32 int8 codes), ``W = d * q`` as GGUF dequantizes it."""
+    if cols % 32:
+        raise ValueError(f"Q8_0 tensor with rows of {cols} values: not a whole number of 32-value blocks")
+    b = np.ascontiguousarray(raw).view(np.uint8).reshape(-1, 34)
+    d = b[:, 0:2].copy().view(np.float16).reshape(rows, cols // 32)
+    q = b[:, 2:].copy().view(np.int8).reshape(rows, cols)
+    return q, d
+
+
 def zero_point_codes(q: torch.Tensor, z: torch.Tensor, scales: torch.Tensor, group: int):
     """The codes ``q`` (uint8 [N, K]), ``scale`` and ``zero`` (float32 [N, K / group]) of an AWQ/GPTQ-style
     layer: codes ``q [K, N]`` (0..15), zero points ``z`` and ``scales`` ``[G, N]`` (input ``i`` in group

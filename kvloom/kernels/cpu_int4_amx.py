@@ -1,4 +1,5 @@
-"""4-bit weights times a step of several rows on AMX: each weight tile dequantized once a call, for every row.
+"""4-bit (and 8-bit) weights times a step of several rows on AMX: each weight tile dequantized once a call, for
+every row.
 
 torch's CPU int4 matmul (``kvloom.kernels.cpu_int4``) converts the 4-bit codes again for every row it multiplies,
 so its time grows with the rows (SmolLM2's 120 layers on this project's 2-core Xeon: 6.8 ms at 1 row, 20 at 8, 71
@@ -13,6 +14,11 @@ zero`` per group of inputs, the scales and zeros in bf16 ([K / group, N, 2], ``p
 codes packed as ``pack_codes`` lays them out. Each weight is computed in float32 from those bf16 scales and zeros
 and rounded to bf16, so the products are those of a bf16 matmul by these weights up to the order of the float32
 sums.
+
+The same loops serve 8-bit codes (``q8_amx_mm``): GGUF's Q8_0, ``W = d * q`` with one fp16 ``d`` per 32 inputs,
+which a GGUF file's output projection (its tied embedding table, mostly) comes in; laid out by ``pack_q8_codes`` in the
+B operand's pair order, a tile needs no shuffle. 2.5-2.9 ms for SmolLM2's 49152 x 576 table from 1 to 32 rows against
+4.0-6.0 for its bf16 copy.
 
 Linux lends AMX's tile registers only to a process that asks (``arch_prctl(ARCH_REQ_XCOMP_PERM)``); the library
 asks when it loads. Built like the other CPU kernels (``kvloom.kernels.cpu_build``); where the compiler or the CPU
@@ -74,6 +80,41 @@ inline void dequantize(const uint8_t* codes, const uint32_t* scale_zero, __m512i
     }
 }
 
+// The 4-bit weights: codes [N / 16, K / 32, 16, 16] (``pack_codes``), (scale, zero) bf16 pairs [K / group, N].
+struct Int4Tiles {
+    const uint8_t* codes;
+    const uint32_t* sz;
+    int64_t N, chunks, per_group;
+    __m512i pairs;
+    inline void operator()(int64_t t, int64_t k, uint16_t* out) const {
+        dequantize(codes + (t * chunks + k) * 256, sz + (k / per_group) * N + t * 16, pairs, out);
+    }
+};
+
+// 8-bit weights (GGUF's Q8_0): codes int8 [N / 16, K / 32, 16, 16, 2] (``pack_q8_codes``: byte 2j + e of row p is
+// output j's code of input 2p + e, already the B operand's pair order), one fp16 scale d per output and 32 inputs
+// [K / 32, N]; W = d * q rounded to bf16 (d * q is exact in float32).
+struct Int8Tiles {
+    const int8_t* codes;
+    const uint16_t* scales;
+    int64_t N, chunks;
+    inline void operator()(int64_t t, int64_t k, uint16_t* out) const {
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + k * N + t * 16)));
+        // lanes 2j and 2j + 1 take output j's scale: outputs 0-7 in the first 16 lanes, 8-15 in the second
+        const __m512 s_lo = _mm512_permutexvar_ps(_mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0), d);
+        const __m512 s_hi = _mm512_permutexvar_ps(
+            _mm512_set_epi32(15, 15, 14, 14, 13, 13, 12, 12, 11, 11, 10, 10, 9, 9, 8, 8), d);
+        const int8_t* c = codes + (t * chunks + k) * 512;
+        for (int p = 0; p < 16; ++p) {
+            const __m512 lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                _mm_loadu_si128(reinterpret_cast<const __m128i*>(c + p * 32)))), s_lo);
+            const __m512 hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                _mm_loadu_si128(reinterpret_cast<const __m128i*>(c + p * 32 + 16)))), s_hi);
+            _mm512_store_si512(out + p * 32, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+        }
+    }
+};
+
 inline void store_rows(const float* c, int64_t rows, uint16_t* y, int64_t N) {
     for (int64_t r = 0; r < rows; ++r)
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + r * N),
@@ -81,11 +122,13 @@ inline void store_rows(const float* c, int64_t rows, uint16_t* y, int64_t N) {
 }
 
 // Up to 32 rows: the float32 sums of both 16-row blocks stay in tile registers (tmm0, tmm3) over all of K.
-void few_rows(const uint16_t* x, const uint8_t* codes, const uint32_t* sz, uint16_t* y, int64_t M, int64_t K,
-              int64_t N, int64_t per_group) {
+// ``W(t, k, out)`` writes the B tile of outputs 16t.. and inputs 32k.. (bf16 pairs).
+template <typename Tiles>
+void few_rows(const uint16_t* x, const Tiles& tiles_in, uint16_t* y, int64_t M, int64_t K, int64_t N) {
     const int64_t tiles = N / 16, chunks = K / 32, m0 = M > 16 ? 16 : M, m1 = M - m0;
 #pragma omp parallel
     {
+        const Tiles W = tiles_in;  // a thread's own copy: its fields stay in registers (bf16 stores may alias a ref)
         TileConfig cfg;
         cfg.rows[0] = cfg.rows[1] = m0;  // sums, rows of x
         cfg.rows[2] = 16;                // weights
@@ -94,12 +137,11 @@ void few_rows(const uint16_t* x, const uint8_t* codes, const uint32_t* sz, uint1
         _tile_loadconfig(&cfg);
         alignas(64) uint16_t b[2][16 * 32];  // the next chunk dequantized while AMX multiplies this one
         alignas(64) float c[16 * 16];
-        const __m512i pairs = _mm512_load_si512(kPairs);
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < tiles; ++t) {
             _tile_zero(0);
             if (m1) _tile_zero(3);
-            dequantize(codes + t * chunks * 256, sz + t * 16, pairs, b[0]);
+            W(t, 0, b[0]);
             for (int64_t k = 0; k < chunks; ++k) {
                 _tile_loadd(2, b[k & 1], 64);
                 _tile_loadd(1, x + k * 32, K * 2);
@@ -108,9 +150,7 @@ void few_rows(const uint16_t* x, const uint8_t* codes, const uint32_t* sz, uint1
                     _tile_loadd(4, x + 16 * K + k * 32, K * 2);
                     _tile_dpbf16ps(3, 4, 2);
                 }
-                if (k + 1 < chunks)
-                    dequantize(codes + (t * chunks + k + 1) * 256, sz + ((k + 1) / per_group) * N + t * 16, pairs,
-                               b[(k + 1) & 1]);
+                if (k + 1 < chunks) W(t, k + 1, b[(k + 1) & 1]);
             }
             _tile_stored(0, c, 64);
             store_rows(c, m0, y + t * 16, N);
@@ -125,11 +165,12 @@ void few_rows(const uint16_t* x, const uint8_t* codes, const uint32_t* sz, uint1
 
 // More rows: every 16-row block's sums live in a buffer (tile loads and stores from L1), each weight tile still
 // dequantized once for all of them.
-void many_rows(const uint16_t* x, const uint8_t* codes, const uint32_t* sz, uint16_t* y, int64_t M, int64_t K,
-               int64_t N, int64_t per_group) {
+template <typename Tiles>
+void many_rows(const uint16_t* x, const Tiles& tiles_in, uint16_t* y, int64_t M, int64_t K, int64_t N) {
     const int64_t tiles = N / 16, chunks = K / 32, blocks = (M + 15) / 16, last = M - (blocks - 1) * 16;
 #pragma omp parallel
     {
+        const Tiles W = tiles_in;  // a thread's own copy: its fields stay in registers (bf16 stores may alias a ref)
         TileConfig cfg;
         cfg.rows[0] = cfg.rows[1] = cfg.rows[2] = 16;  // sums, rows of x, weights (whole blocks)
         cfg.rows[3] = cfg.rows[4] = last;              // the last block's sums and rows
@@ -137,11 +178,10 @@ void many_rows(const uint16_t* x, const uint8_t* codes, const uint32_t* sz, uint
         _tile_loadconfig(&cfg);
         alignas(64) uint16_t b[2][16 * 32];
         float* c = static_cast<float*>(std::aligned_alloc(64, blocks * 256 * sizeof(float)));
-        const __m512i pairs = _mm512_load_si512(kPairs);
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < tiles; ++t) {
             std::memset(c, 0, blocks * 256 * sizeof(float));
-            dequantize(codes + t * chunks * 256, sz + t * 16, pairs, b[0]);
+            W(t, 0, b[0]);
             for (int64_t k = 0; k < chunks; ++k) {
                 _tile_loadd(2, b[k & 1], 64);
                 for (int64_t r = 0; r + 1 < blocks; ++r) {
@@ -155,15 +195,21 @@ void many_rows(const uint16_t* x, const uint8_t* codes, const uint32_t* sz, uint
                 _tile_loadd(4, x + r * 16 * K + k * 32, K * 2);
                 _tile_dpbf16ps(3, 4, 2);
                 _tile_stored(3, c + r * 256, 64);
-                if (k + 1 < chunks)
-                    dequantize(codes + (t * chunks + k + 1) * 256, sz + ((k + 1) / per_group) * N + t * 16, pairs,
-                               b[(k + 1) & 1]);
+                if (k + 1 < chunks) W(t, k + 1, b[(k + 1) & 1]);
             }
             store_rows(c, M, y + t * 16, N);
         }
         std::free(c);
         _tile_release();
     }
+}
+
+template <typename Tiles>
+void matmul(const uint16_t* x, const Tiles& W, uint16_t* y, int64_t M, int64_t K, int64_t N) {
+    if (M <= 32)
+        few_rows(x, W, y, M, K, N);
+    else
+        many_rows(x, W, y, M, K, N);
 }
 
 }  // namespace
@@ -177,22 +223,29 @@ extern "C" int kvloom_int4_amx_ready() {
 extern "C" int kvloom_int4_amx_mm(const uint16_t* x, const uint8_t* codes, const uint16_t* scale_zeros, uint16_t* y,
                                   int64_t M, int64_t K, int64_t N, int64_t group) {
     if (M < 1 || N % 16 || K % 32 || group % 32 || K % group) return 1;
-    const uint32_t* sz = reinterpret_cast<const uint32_t*>(scale_zeros);
-    if (M <= 32)
-        few_rows(x, codes, sz, y, M, K, N, group / 32);
-    else
-        many_rows(x, codes, sz, y, M, K, N, group / 32);
+    const Int4Tiles W{codes, reinterpret_cast<const uint32_t*>(scale_zeros), N, K / 32, group / 32,
+                      _mm512_load_si512(kPairs)};
+    matmul(x, W, y, M, K, N);
+    return 0;
+}
+
+extern "C" int kvloom_int8_amx_mm(const uint16_t* x, const int8_t* codes, const uint16_t* scales, uint16_t* y,
+                                  int64_t M, int64_t K, int64_t N) {
+    if (M < 1 || N % 16 || K % 32) return 1;
+    matmul(x, Int8Tiles{codes, scales, N, K / 32}, y, M, K, N);
     return 0;
 }
 #else
 extern "C" int kvloom_int4_amx_ready() { return 0; }
 extern "C" int kvloom_int4_amx_mm(const uint16_t*, const uint8_t*, const uint16_t*, uint16_t*, int64_t, int64_t,
                                   int64_t, int64_t) { return 2; }
+extern "C" int kvloom_int8_amx_mm(const uint16_t*, const int8_t*, const uint16_t*, uint16_t*, int64_t, int64_t,
+                                  int64_t) { return 2; }
 #endif
 """
 
 _lock = threading.Lock()
-_lib = None  # the loaded function, False once building, loading or AMX's permission failed
+_lib = None  # the loaded library (its two functions set up), False once building, loading or AMX's permission failed
 
 
 def _load():
@@ -208,10 +261,10 @@ def _load():
                     logger.info("CPU: AMX is listed but this process may not use it (the kernel refused "
                                 "ARCH_REQ_XCOMP_PERM); 4-bit weights keep torch's matmul")
                     return _lib
-                fn = lib.kvloom_int4_amx_mm
-                fn.restype = ctypes.c_int
-                fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 4
-                _lib = fn
+                for fn, sizes in ((lib.kvloom_int4_amx_mm, 4), (lib.kvloom_int8_amx_mm, 3)):
+                    fn.restype = ctypes.c_int
+                    fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * sizes
+                _lib = lib
             except Exception as exc:  # noqa: BLE001 - no compiler or a failed build: torch's kernel serves
                 logger.warning("CPU 4-bit AMX matmul unavailable (%s: %s); 4-bit weights keep torch's matmul",
                                type(exc).__name__, str(exc)[:300])
@@ -252,7 +305,7 @@ def int4_amx_mm(x: torch.Tensor, codes: torch.Tensor, scale_zeros: torch.Tensor,
     """``x @ W.T`` of bf16 ``x`` [M, K] with ``W`` packed by ``pack_codes`` and ``cpu_int4.pack_int4``'s scales."""
     if x.dtype != torch.bfloat16:
         raise TypeError(f"int4_amx_mm multiplies bfloat16 rows, got {x.dtype}")
-    fn = _load()
+    fn = _load().kvloom_int4_amx_mm
     rows, in_features = x.shape
     out_features = codes.shape[0] * OUTPUTS
     y = torch.empty(rows, out_features, dtype=torch.bfloat16)
@@ -264,4 +317,47 @@ def int4_amx_mm(x: torch.Tensor, codes: torch.Tensor, scale_zeros: torch.Tensor,
     if rc:
         raise ValueError(f"int4_amx_mm: unsupported shape ({rows} x {in_features} by {out_features}, group {group}; "
                          f"outputs must be a multiple of {OUTPUTS} and the group of {INPUTS})")
+    return y
+
+
+def pack_q8_codes(q: torch.Tensor) -> torch.Tensor:
+    """8-bit codes [N, K] (int8) as ``q8_amx_mm`` reads them: int8 [N / 16, K / 32, 16, 32], a tile's 16 input
+    pairs of 32 bytes each, byte 2j + e holding output j's code of the pair's input e."""
+    n, k = q.shape
+    q = q.to(torch.int8).reshape(n // OUTPUTS, OUTPUTS, k // INPUTS, INPUTS // 2, 2)
+    return q.permute(0, 2, 3, 1, 4).reshape(n // OUTPUTS, k // INPUTS, INPUTS // 2, 2 * OUTPUTS).contiguous()
+
+
+def q8_supports(out_features: int, in_features: int) -> bool:
+    return out_features % OUTPUTS == 0 and in_features % INPUTS == 0
+
+
+def q8_serves(out_features: int, in_features: int, dtype: torch.dtype) -> bool:
+    """Whether a bf16 layer of this shape keeps its 8-bit codes for the kernel here (attach and byte counts ask)."""
+    return dtype == torch.bfloat16 and q8_supports(out_features, in_features) and available()
+
+
+def q8_copy_bytes(out_features: int, in_features: int, dtype: torch.dtype) -> int:
+    """The 8-bit copy ``q8_serves`` layers keep: a byte a weight and an fp16 scale per 32 (0 where none is kept)."""
+    if not q8_serves(out_features, in_features, dtype):
+        return 0
+    return out_features * in_features + out_features * (in_features // INPUTS) * 2
+
+
+def q8_amx_mm(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """``x @ W.T`` of bf16 ``x`` [M, K] with ``W = d * q`` of 8-bit codes ``q`` packed by ``pack_q8_codes`` and one
+    fp16 scale ``d`` per output and 32 inputs (``scales`` [K / 32, N], GGUF's Q8_0 blocks)."""
+    if x.dtype != torch.bfloat16 or scales.dtype != torch.float16:
+        raise TypeError(f"q8_amx_mm multiplies bfloat16 rows by float16 scales, got {x.dtype} and {scales.dtype}")
+    rows, in_features = x.shape
+    out_features = codes.shape[0] * OUTPUTS
+    y = torch.empty(rows, out_features, dtype=torch.bfloat16)
+    if rows == 0:
+        return y
+    x = x.contiguous()
+    rc = _load().kvloom_int8_amx_mm(x.data_ptr(), codes.data_ptr(), scales.data_ptr(), y.data_ptr(), rows,
+                                    in_features, out_features)
+    if rc:
+        raise ValueError(f"q8_amx_mm: unsupported shape ({rows} x {in_features} by {out_features}; outputs must be "
+                         f"a multiple of {OUTPUTS} and inputs of {INPUTS})")
     return y

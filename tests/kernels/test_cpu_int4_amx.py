@@ -1,5 +1,6 @@
-"""The AMX 4-bit matmul (``kvloom.kernels.cpu_int4_amx``) against the bf16 weights the codes stand for, and the
-4-bit layer's choice of kernel by rows (``cpu_packing.int4_linear``), eagerly and as one compiled op."""
+"""The AMX 4-bit and 8-bit matmuls (``kvloom.kernels.cpu_int4_amx``) against the bf16 weights the codes stand for,
+and the layers' choice of kernel by rows (``cpu_packing.int4_linear``, ``cpu_packing.q8_linear``), eagerly and as
+one compiled op."""
 
 import os
 import subprocess
@@ -104,3 +105,73 @@ print("compiles", len(compiles))
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "compiles 1" in done.stdout, done.stdout
+
+
+def _q8_layer(out_features, in_features, seed=0):
+    """Q8_0-style codes and fp16 scales per 32 inputs, and the bf16 weights they stand for (``d * q`` rounded)."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(-127, 128, (out_features, in_features), generator=g).to(torch.int8)
+    d = (torch.rand(out_features, in_features // 32, generator=g) * 0.01).half()
+    w = (q.float().view(out_features, -1, 32) * d.float()[..., None]).view(out_features, in_features)
+    return q, d, w.bfloat16().float()
+
+
+@pytest.mark.parametrize("rows", [1, 3, 16, 17, 32, 33, 100])
+@pytest.mark.parametrize("shape", [(64, 64), (960, 576), (48, 256)])
+def test_q8_matmul_equals_the_bf16_weights(shape, rows):
+    q, d, w = _q8_layer(*shape)
+    x = torch.randn(rows, shape[1], generator=torch.Generator().manual_seed(rows)).bfloat16()
+    got = cpu_int4_amx.q8_amx_mm(x, cpu_int4_amx.pack_q8_codes(q), d.t().contiguous()).float()
+    want = x.float() @ w.t()
+    assert got.shape == (rows, shape[0])
+    assert ((got - want).abs() <= 2**-8 * want.abs() + 1e-3 * want.abs().max()).all(), (got - want).abs().max()
+
+
+def test_q8_refuses_shapes_and_dtypes_by_name():
+    assert not cpu_int4_amx.q8_supports(40, 64) and not cpu_int4_amx.q8_supports(64, 48)
+    assert cpu_int4_amx.q8_copy_bytes(64, 64, torch.float32) == 0  # float32 keeps the dequantized weights only
+    assert cpu_int4_amx.q8_copy_bytes(64, 64, torch.bfloat16) == 64 * 64 + 64 * 2 * 2
+    q, d, _ = _q8_layer(64, 64)
+    with pytest.raises(ValueError, match="2 x 48 by 64"):
+        cpu_int4_amx.q8_amx_mm(torch.zeros(2, 48, dtype=torch.bfloat16), cpu_int4_amx.pack_q8_codes(q), d.t()[:1])
+    with pytest.raises(TypeError, match="torch.float32"):
+        cpu_int4_amx.q8_amx_mm(torch.zeros(2, 64), cpu_int4_amx.pack_q8_codes(q), d.t().contiguous())
+
+
+def test_gguf_q8_codes_reproduce_gguf_dequantization():
+    import numpy as np
+    from gguf.constants import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    from kvloom.kernels.cpu_int4 import gguf_q8_codes
+
+    rng = np.random.default_rng(0)
+    raw = rng.integers(0, 256, size=(24 * 8, 34), dtype=np.uint8)
+    raw[:, :2] = rng.uniform(-0.05, 0.05, size=(24 * 8, 1)).astype(np.float16).view(np.uint8)
+    raw = raw.reshape(24, 8 * 34)
+    q, d = (torch.from_numpy(a) for a in gguf_q8_codes(raw, 24, 256))
+    assert q.dtype == torch.int8 and d.dtype == torch.float16 and d.shape == (24, 8)
+    ref = torch.from_numpy(dequantize(raw, GGMLQuantizationType.Q8_0))
+    assert torch.equal((q.float().view(24, 8, 32) * d.float()[..., None]).view(24, 256), ref)
+
+
+def test_the_q8_projection_takes_amx_for_few_rows_and_its_bf16_copy_beyond(monkeypatch):
+    from kvloom.core.model import cpu_packing
+    from kvloom.kernels.cpu_linear import PackedLinear, packing_supported
+
+    if not packing_supported(torch.bfloat16):
+        pytest.skip("no oneDNN bf16 packing in this torch")
+    q, d, w = _q8_layer(96, 128)
+    layer = cpu_packing.Q8Linear(PackedLinear(w.bfloat16(), None, 32), q, d)
+    assert layer.held_bytes() == 96 * 128 + 96 * 4 * 2
+    for rows, kernel in ((1, "amx"), (cpu_packing.Q8_MAX_ROWS, "amx"), (cpu_packing.Q8_MAX_ROWS + 1, "dense")):
+        x = torch.randn(rows, 128, generator=torch.Generator().manual_seed(rows)).bfloat16()
+        calls = []
+        monkeypatch.setattr(cpu_int4_amx, "q8_amx_mm", lambda *a, f=cpu_int4_amx.q8_amx_mm: (calls.append("amx"), f(*a))[1])
+        got = layer(x).float()
+        monkeypatch.undo()
+        assert calls == ([] if kernel == "dense" else ["amx"]), (rows, calls)
+        want = layer.dense(x).float()  # the same bf16 weights: equal up to the order of the float32 sums
+        assert ((got - want).abs() <= 2**-7 * want.abs() + 1e-3 * want.abs().max()).all(), rows
+        args = (x, layer.q8_codes, layer.q8_scales, layer.dense.packed_weight, None, layer.max_rows)
+        torch.testing.assert_close(cpu_packing.q8_linear_op(*args), cpu_packing.q8_linear(*args))

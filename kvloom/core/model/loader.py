@@ -129,6 +129,11 @@ def _gguf_config(path: Path):
     # linear weights' types and [rows, cols]: what ``engine plan`` counts of the ones kept at 4 bits
     config.gguf_tensor_types = {t.name: (t.tensor_type.name, int(t.shape[1]), int(t.shape[0]))
                                 for t in reader.tensors if t.name.startswith("blk.") and len(t.shape) == 2}
+    # and the output projection's (a Q8_0 one is kept at 8 bits too)
+    out = next((t for t in reader.tensors if t.name == ("output.weight" if "output.weight" in names else
+                                                         "token_embd.weight")), None)
+    if out is not None and len(out.shape) == 2:
+        config.gguf_output_type = (out.tensor_type.name, int(out.shape[1]), int(out.shape[0]))
     return config
 
 
@@ -156,19 +161,24 @@ def _reverse_llama_permute(w: torch.Tensor, n_head: int) -> torch.Tensor:
 
 
 DEQUANTIZED = "dequantized"  # the key of ``iter_gguf``'s ``int4`` naming what it did not keep at 4 bits
+Q8_OUTPUT = "q8 output"  # the key of its output projection's 8-bit codes and scales (a Q8_0 table)
 
 
 def iter_gguf(path: Path, config, int4: dict | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """The file's tensors under Hugging Face names, dequantized to float32. With ``int4`` (a dict), the 4-bit
-    codes of its Q4_0/Q4_1/Q4_K linear weights are put there too, by name (``attach_int4`` keeps them packed)."""
+    codes of its Q4_0/Q4_1/Q4_K linear weights are put there too, by name (``attach_int4`` keeps them packed), and
+    a Q8_0 output projection's 8-bit codes under ``Q8_OUTPUT`` where the AMX kernel can take them."""
     from kvloom.core.model.gguf_file import GGUFFile
-    from kvloom.kernels.cpu_int4 import GGUF_INT4_TYPES, gguf_int4_codes
+    from kvloom.kernels import cpu_int4_amx
+    from kvloom.kernels.cpu_int4 import GGUF_INT4_TYPES, gguf_int4_codes, gguf_q8_codes
 
     reader = GGUFFile(path)
     arch = getattr(config, "gguf_architecture", "llama")
     permute = arch in ("llama", "mistral")
     gemma = arch in ("gemma2", "gemma3")
     layer_names = _GGUF_GEMMA_LAYER_NAMES if gemma else _GGUF_LAYER_NAMES
+    # the output projection: its 8-bit codes are kept too (``Q8_OUTPUT``), for the AMX kernel
+    output = "model.embed_tokens.weight" if getattr(config, "tie_word_embeddings", False) else "lm_head.weight"
     for t in tqdm(reader.tensors, desc="Loading GGUF (dequantizing)", unit="tensor"):
         stem, _, kind = t.name.rpartition(".")
         parts = stem.split(".")
@@ -195,6 +205,9 @@ def iter_gguf(path: Path, config, int4: dict | None = None) -> Iterator[tuple[st
             int4[name] = (qtype, *codes)
         elif int4 is not None and qtype not in ("F32", "F16", "BF16"):
             int4.setdefault(DEQUANTIZED, set()).add(f"{qtype} ({stem.rpartition('.')[2]})")
+        if (int4 is not None and qtype == "Q8_0" and name == output and tensor.dim() == 2
+                and cpu_int4_amx.q8_supports(*tensor.shape) and cpu_int4_amx.available()):
+            int4[Q8_OUTPUT] = tuple(torch.from_numpy(a) for a in gguf_q8_codes(t.data, *tensor.shape))
         reader.release(t)
         yield name, tensor
         del tensor  # not held while the next one is dequantized
@@ -383,9 +396,13 @@ def uses_gguf_int4(device: torch.device, dtype: torch.dtype, quantization=None, 
 
 
 def _attach_gguf_int4(model: DecoderLM, int4: dict, dtype: torch.dtype) -> None:
-    from kvloom.core.model.cpu_packing import attach_int4
+    from kvloom.core.model.cpu_packing import Q8_MAX_ROWS, attach_int4, attach_q8_output
 
     others = sorted(int4.pop(DEQUANTIZED, ()))
+    output = int4.pop(Q8_OUTPUT, None)
+    if output is not None and (held := attach_q8_output(model, *output, dtype)):
+        logger.info("GGUF Q8_0 output projection kept at 8 bits on the CPU (%.1f MiB, for steps of <= %d sampled "
+                    "rows) beside its %s copy", held / 2**20, Q8_MAX_ROWS, str(dtype).removeprefix("torch."))
     layers, held = attach_int4(model, int4, type(model).stacked, dtype)
     dense = sum(layer.method.dense.held_bytes(layer, "cpu") for layer in model.linear_layers()
                 if hasattr(layer.method, "dense"))
