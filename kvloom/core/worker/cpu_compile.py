@@ -79,6 +79,12 @@ def _layer_groups(model) -> list[int]:
     return model.kv_groups or [0] * len(model.layers)
 
 
+def shares_pages(kv_caches) -> bool:
+    """Whether layers share cache tensors (a hybrid cache: ``make_kv_caches``), so that a step writes one several
+    times (``DecodeStep.shared_pages``)."""
+    return len({id(k) for k, _ in kv_caches}) < len(kv_caches)
+
+
 def _first_layers(model) -> dict[int, int]:
     """Layer group -> its first layer, whose cache the step's indices are built from."""
     groups = _layer_groups(model)
@@ -97,6 +103,7 @@ class CompiledDecode:
         # one engine's three variants, and room for other models' in the same process (tests, LLM objects)
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
         self.model, self.backend, self.kv_caches = model, backend, kv_caches
+        self.shared_pages = shares_pages(kv_caches)
         self.compiled = None  # made by ``warm_up``, for its thread count
         self.windows: dict[int, set] = {}  # layer group -> the windows its layers attend with
         for group, layer in zip(_layer_groups(model), model.layers):
@@ -111,7 +118,7 @@ class CompiledDecode:
         dtype = self.model.embed_tokens.weight.dtype
         metas = meta if isinstance(meta, (list, tuple)) else [meta]
         steps = [self.backend.decode_step(m, self.kv_caches[self.first_layer[g]][0], dtype, self.windows[g],
-                                          paged=self.paged)
+                                          paged=self.paged, shared_pages=self.shared_pages)
                  for g, m in enumerate(metas)]
         for step in steps:  # the batch and the context's length vary step to step: never constants of the code
             _mark_rows(step.write_rows)
@@ -179,6 +186,7 @@ class CompiledPrompts:
     def __init__(self, model, backend: CPUAttentionBackend, kv_caches, adjust_threads=None) -> None:
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
         self.model, self.backend, self.kv_caches = model, backend, kv_caches
+        self.shared_pages = shares_pages(kv_caches)
         self.first_layer = _first_layers(model)
         self.adjust_threads = adjust_threads
         self.compiled = None
@@ -189,7 +197,7 @@ class CompiledPrompts:
         for g, m in enumerate(metas):
             index = m.backend_data = self.backend._index(m, self.kv_caches[self.first_layer[g]][0])
             _mark_rows(index.write_rows)
-            steps.append(PromptStep(index.write_rows, g))
+            steps.append(PromptStep(index.write_rows, g, self.shared_pages))
         return steps
 
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor,
