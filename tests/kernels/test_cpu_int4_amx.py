@@ -175,3 +175,25 @@ def test_the_q8_projection_takes_amx_for_few_rows_and_its_bf16_copy_beyond(monke
         assert ((got - want).abs() <= 2**-7 * want.abs() + 1e-3 * want.abs().max()).all(), rows
         args = (x, layer.q8_codes, layer.q8_scales, layer.dense.packed_weight, None, layer.max_rows)
         torch.testing.assert_close(cpu_packing.q8_linear_op(*args), cpu_packing.q8_linear(*args))
+
+
+def test_the_codes_attach_to_a_tied_or_an_own_output_projection():
+    from torch import nn
+
+    from kvloom.core.model import cpu_packing
+    from kvloom.kernels.cpu_linear import PackedLinear, packing_supported
+
+    if not packing_supported(torch.bfloat16):
+        pytest.skip("no oneDNN bf16 packing in this torch")
+    q, d, w = _q8_layer(64, 128)
+    tied = nn.Module()
+    tied.lm_head = PackedLinear(w.bfloat16(), None, 32)  # a tied table's packed copy
+    own = nn.Module()
+    own.lm_head = nn.Module()
+    own.lm_head.packed, own.lm_head.tp_size = PackedLinear(w.bfloat16(), None, 32), 1  # a packed lm_head layer
+    for model, get in ((tied, lambda m: m.lm_head), (own, lambda m: m.lm_head.packed)):
+        dense = get(model)
+        assert cpu_packing.attach_q8_output(model, q, d, torch.bfloat16) == 64 * 128 + 64 * 4 * 2
+        assert isinstance(get(model), cpu_packing.Q8Linear) and get(model).dense is dense
+    assert cpu_packing.attach_q8_output(nn.Module(), q, d, torch.bfloat16) == 0  # nothing packed to attach to
+    assert cpu_packing.attach_q8_output(tied, q, d, torch.float32) == 0  # float32 keeps the dequantized weights

@@ -131,7 +131,7 @@ def _(x, weight, amx_codes, scale_zeros, group, dense_weight, bias, torch_rows, 
 
 
 # The output projection from GGUF's 8-bit codes (Q8_0) on AMX up to this many rows (the sampled positions of a
-# step): 2.3-2.6 ms on SmolLM2's 49152 x 576 table from memory against the bf16 copy's 3.5-5.6; beyond, the copy's.
+# step): 2.5-2.9 ms on SmolLM2's 49152 x 576 table from memory against the bf16 copy's 4.0-6.0; beyond, the copy's.
 Q8_MAX_ROWS = 32
 
 

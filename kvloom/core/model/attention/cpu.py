@@ -303,7 +303,7 @@ class CPUAttentionBackend:
             index = _DecodeIndex(rows, bias.shape[-1] // k_cache.shape[2], bias, bias == 0 if explicit else None)
             return self._decode(q, k_cache, v_cache, index, scale, softcap=softcap, sinks=sinks,
                                 sdpa=q.shape[0] <= SDPA_DECODE_ROWS)
-        if isinstance(meta, PromptStep):  # the cache write traced; the attention one opaque op
+        if isinstance(meta, PromptStep):  # the cache write traced (or opaque: shared pages); the attention opaque
             write = kv_write_op if meta.shared_pages else self._write
             write(k, v, k_cache, v_cache, meta.write_rows, k_scale, v_scale)
             return prompt_attention(q, k, v, k_cache, v_cache, meta.group, scale, -1 if window is None else window,
