@@ -305,19 +305,21 @@ def int4_amx_mm(x: torch.Tensor, codes: torch.Tensor, scale_zeros: torch.Tensor,
     """``x @ W.T`` of bf16 ``x`` [M, K] with ``W`` packed by ``pack_codes`` and ``cpu_int4.pack_int4``'s scales."""
     if x.dtype != torch.bfloat16:
         raise TypeError(f"int4_amx_mm multiplies bfloat16 rows, got {x.dtype}")
-    fn = _load().kvloom_int4_amx_mm
-    rows, in_features = x.shape
-    out_features = codes.shape[0] * OUTPUTS
-    y = torch.empty(rows, out_features, dtype=torch.bfloat16)
-    if rows == 0:
-        return y
-    x = x.contiguous()
-    rc = fn(x.data_ptr(), codes.data_ptr(), scale_zeros.data_ptr(), y.data_ptr(), rows, in_features, out_features,
-            group)
+    y, rc = _run(_load().kvloom_int4_amx_mm, x, codes, scale_zeros, group)
     if rc:
-        raise ValueError(f"int4_amx_mm: unsupported shape ({rows} x {in_features} by {out_features}, group {group}; "
-                         f"outputs must be a multiple of {OUTPUTS} and the group of {INPUTS})")
+        raise ValueError(f"int4_amx_mm: unsupported shape ({x.shape[0]} x {x.shape[1]} by {y.shape[1]}, group "
+                         f"{group}; outputs must be a multiple of {OUTPUTS} and the group of {INPUTS})")
     return y
+
+
+def _run(fn, x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, *args) -> tuple[torch.Tensor, int]:
+    """Kernel ``fn`` on bf16 rows ``x`` into a new bf16 result of the codes' outputs, and its return code."""
+    rows, in_features = x.shape
+    y = torch.empty(rows, codes.shape[0] * OUTPUTS, dtype=torch.bfloat16)
+    if rows == 0:
+        return y, 0
+    x = x.contiguous()
+    return y, fn(x.data_ptr(), codes.data_ptr(), scales.data_ptr(), y.data_ptr(), rows, in_features, y.shape[1], *args)
 
 
 def pack_q8_codes(q: torch.Tensor) -> torch.Tensor:
@@ -349,15 +351,8 @@ def q8_amx_mm(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> tor
     fp16 scale ``d`` per output and 32 inputs (``scales`` [K / 32, N], GGUF's Q8_0 blocks)."""
     if x.dtype != torch.bfloat16 or scales.dtype != torch.float16:
         raise TypeError(f"q8_amx_mm multiplies bfloat16 rows by float16 scales, got {x.dtype} and {scales.dtype}")
-    rows, in_features = x.shape
-    out_features = codes.shape[0] * OUTPUTS
-    y = torch.empty(rows, out_features, dtype=torch.bfloat16)
-    if rows == 0:
-        return y
-    x = x.contiguous()
-    rc = _load().kvloom_int8_amx_mm(x.data_ptr(), codes.data_ptr(), scales.data_ptr(), y.data_ptr(), rows,
-                                    in_features, out_features)
+    y, rc = _run(_load().kvloom_int8_amx_mm, x, codes, scales)
     if rc:
-        raise ValueError(f"q8_amx_mm: unsupported shape ({rows} x {in_features} by {out_features}; outputs must be "
+        raise ValueError(f"q8_amx_mm: unsupported shape ({x.shape[0]} x {x.shape[1]} by {y.shape[1]}; outputs must be "
                          f"a multiple of {OUTPUTS} and inputs of {INPUTS})")
     return y

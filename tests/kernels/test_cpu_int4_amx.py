@@ -167,7 +167,8 @@ def test_the_q8_projection_takes_amx_for_few_rows_and_its_bf16_copy_beyond(monke
     for rows, kernel in ((1, "amx"), (cpu_packing.Q8_MAX_ROWS, "amx"), (cpu_packing.Q8_MAX_ROWS + 1, "dense")):
         x = torch.randn(rows, 128, generator=torch.Generator().manual_seed(rows)).bfloat16()
         calls = []
-        monkeypatch.setattr(cpu_int4_amx, "q8_amx_mm", lambda *a, f=cpu_int4_amx.q8_amx_mm: (calls.append("amx"), f(*a))[1])
+        monkeypatch.setattr(cpu_int4_amx, "q8_amx_mm",
+                            lambda *a, f=cpu_int4_amx.q8_amx_mm: (calls.append("amx"), f(*a))[1])
         got = layer(x).float()
         monkeypatch.undo()
         assert calls == ([] if kernel == "dense" else ["amx"]), (rows, calls)
