@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from kvloom import LLM, SamplingParams
 
@@ -154,3 +155,16 @@ def test_stop_string_split_across_tokens_is_never_streamed(llm):
     streamed = "".join(inc.add_tokens([t]) for t in ids)
     assert inc.stopped_by == "STOPWORD"
     assert streamed == "alpha beta "
+
+
+def test_cpu_greedy_argmax_takes_the_first_maximum_and_nan_as_argmax_does():
+    from kvloom.kernels import ops
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randint(-3, 3, (16, 1000), generator=g).float()  # many ties
+    logits[2, 500] = logits[2, 900] = float("nan")  # NaN wins, the first of them
+    logits[3] = float("-inf")
+    logits[4, 10] = logits[4, 999] = 50.0
+    for x in (logits, logits[:, :1], logits[:0], logits.bfloat16()):
+        assert torch.equal(ops.greedy_argmax(x), x.argmax(dim=-1))
+    assert ops.greedy_argmax(logits)[2] == 500 and ops.greedy_argmax(logits)[4] == 10
