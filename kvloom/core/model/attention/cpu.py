@@ -294,7 +294,7 @@ class CPUAttentionBackend:
         """See ``AttentionBackend.forward`` (the layer's variant: ``window``, ``softcap``, ``sinks``)."""
         k_cache, v_cache = kv_cache
         if isinstance(meta, DecodeStep):  # plain ops, traceable: the compiler fuses the mask and scale in
-            write = kv_write_op if meta.shared_pages else self._write
+            write = kv_write_op if meta.shared_pages else kv_write
             write(k, v, k_cache, v_cache, meta.write_rows, k_scale, v_scale)
             if isinstance(meta.decode[window], _PagedIndex):
                 return self._paged(q, k_cache, v_cache, meta.decode[window], scale, softcap, sinks)
@@ -304,14 +304,14 @@ class CPUAttentionBackend:
             return self._decode(q, k_cache, v_cache, index, scale, softcap=softcap, sinks=sinks,
                                 sdpa=q.shape[0] <= SDPA_DECODE_ROWS)
         if isinstance(meta, PromptStep):  # the cache write traced (or opaque: shared pages); the attention opaque
-            write = kv_write_op if meta.shared_pages else self._write
+            write = kv_write_op if meta.shared_pages else kv_write
             write(k, v, k_cache, v_cache, meta.write_rows, k_scale, v_scale)
             return prompt_attention(q, k, v, k_cache, v_cache, meta.group, scale, -1 if window is None else window,
                                     0.0 if softcap is None else float(softcap), sinks, k_scale, v_scale)
         index = meta.backend_data
         if index is None:  # first layer of the step
             index = meta.backend_data = self._index(meta, k_cache)
-        self._write(k, v, k_cache, v_cache, index.write_rows, k_scale, v_scale)
+        kv_write(k, v, k_cache, v_cache, index.write_rows, k_scale, v_scale)
         return self._attend(q, k, v, k_cache, v_cache, meta, index, scale, (k_scale, v_scale), window, softcap, sinks)
 
     def _attend(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, index: _StepIndex, scale: float,
@@ -400,11 +400,6 @@ class CPUAttentionBackend:
                 for j, i in enumerate(seqs):
                     out[starts[i]: starts[i] + q_len] = o[j]
         return out
-
-    @staticmethod
-    def _write(k, v, k_cache, v_cache, write_rows: torch.Tensor, k_scale: float, v_scale: float) -> None:
-        """The step's new K/V into their cache rows (``_StepIndex.write_rows``)."""
-        kv_write(k, v, k_cache, v_cache, write_rows, k_scale, v_scale)
 
     @staticmethod
     def _paged(q, k_cache, v_cache, index: _PagedIndex, scale: float, softcap, sinks) -> torch.Tensor:
