@@ -1,21 +1,24 @@
-"""4-bit (and 8-bit) weights times a step of several rows on AMX: each weight tile dequantized once a call, for
-every row.
+"""4-bit (and 8-bit) weights times a step of several rows on AMX: each weight tile read once a call, for every row.
 
 torch's CPU int4 matmul (``kvloom.kernels.cpu_int4``) converts the 4-bit codes again for every row it multiplies,
-so its time grows with the rows (SmolLM2's 120 layers on this project's 2-core Xeon: 6.8 ms at 1 row, 20 at 8, 71
-at 32), and the oneDNN bf16 copy took over from 8 rows on, streaming four times the bytes (26-40 ms). On a CPU
-with AMX this kernel dequantizes each 16-output x 32-input tile of the codes once per call into the bf16 layout
-AMX's B operand takes (pairs of inputs side by side), then multiplies up to 16 rows at a time with one
-``tdpbf16ps`` per tile: 14 ms from 1 to 16 rows, 18 at 32, 26 at 48 (docs/benchmarks.md, "CPU: 4-bit matmuls on
-AMX").
+so its time grows with the rows (SmolLM2's 120 layers on this project's 2-core Xeon: 4.9 ms at 1 row, 14 at 8, 66
+at 32), and the oneDNN bf16 copy streams four times the bytes. On a CPU with AMX this kernel makes each 16-output x
+32-input tile of the codes into the layout AMX's B operand takes (pairs of inputs side by side) once per call and
+multiplies up to 16 rows at a time with one ``tdpbf16ps`` per tile. Two loops:
+
+- up to ``GROUPED_ROWS`` rows (decode steps of a few streams), the B tiles hold the codes themselves, 0..15 as bf16
+  (a table lookup, no float math a weight), and each group's float32 sums are scaled once: ``scale * (x . q) +
+  (zero - 8 * scale) * sum(x)``, two FMAs a row a group. 5.4-7.4 ms from 1 to 16 rows (the loop below: 8.0-8.5);
+- more rows share each weight's float math: the tiles dequantized to bf16 (``W = (q - 8) * scale + zero``, rounded
+  once), 9.3 ms at 17 rows, 14 at 32, 22 at 48 (docs/benchmarks.md, "CPU: 4-bit matmuls on AMX").
 
 The weights are the ones ``cpu_int4.pack_int4`` takes: codes ``q`` [N, K] in 0..15 and ``W = (q - 8) * scale +
 zero`` per group of inputs, the scales and zeros in bf16 ([K / group, N, 2], ``pack_int4``'s second tensor); the
-codes packed as ``pack_codes`` lays them out. Each weight is computed in float32 from those bf16 scales and zeros
-and rounded to bf16, so the products are those of a bf16 matmul by these weights up to the order of the float32
-sums.
+codes packed as ``pack_codes`` lays them out. The first loop multiplies by those weights exactly (products of bf16
+rows and small integers, summed and scaled in float32); the second rounds each weight to bf16 first, as a bf16
+matmul by the dequantized weights would. Both differ from such a matmul only within the output's bf16 rounding.
 
-The same loops serve 8-bit codes (``q8_amx_mm``): GGUF's Q8_0, ``W = d * q`` with one fp16 ``d`` per 32 inputs,
+The dequantizing loops serve 8-bit codes too (``q8_amx_mm``), at any row count: GGUF's Q8_0, ``W = d * q`` with one fp16 ``d`` per 32 inputs,
 which a GGUF file's output projection (its tied embedding table, mostly) comes in; laid out by ``pack_q8_codes`` in the
 B operand's pair order, a tile needs no shuffle. 2.5-2.9 ms for SmolLM2's 49152 x 576 table from 1 to 32 rows against
 4.0-6.0 for its bf16 copy.
@@ -40,6 +43,7 @@ logger = logging.getLogger("kvloom")
 
 OUTPUTS = 16  # outputs a tile (a B tile's 16 columns of float32 results)
 INPUTS = 32  # inputs a tile (one 64-byte row of bf16 an A tile row holds)
+GROUPED_ROWS = 16  # up to this many rows the codes are multiplied and each group's sums scaled (``int4_grouped``)
 
 _SOURCE = r"""
 #include <cstdint>
@@ -59,35 +63,65 @@ struct alignas(64) TileConfig {
     uint8_t rows[16] = {};
 };
 
-// [lo0..lo15 | hi0..hi15] as bf16 words -> (lo_j, hi_j) pairs: the rows AMX's B operand takes
-alignas(64) const uint16_t kPairs[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
-                                         8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+// The 4-bit codes: [N / 16, K / 32, 8, 32] bytes (``pack_codes``). Byte i of a chunk's row pair h holds word i of
+// B rows 2h (low nibble) and 2h + 1 (high nibble), word 2j + e of B row p being output j's code of input 2p + e:
+// AMX's B operand order, so a B tile is made without shuffles.
 
-// One B tile: 16 rows (inputs 2p and 2p+1) of 16 outputs, W = (q - 8) * scale + zero rounded to bf16 (nearest even).
-// codes: 16 bytes a row, byte j = output j's code of input 2p (low nibble) and of input 2p+1 (high nibble).
-inline void dequantize(const uint8_t* codes, const uint32_t* scale_zero, __m512i pairs, uint16_t* out) {
-    __m512i sz = _mm512_loadu_si512(scale_zero);  // 16 (scale, zero) bf16 pairs
-    __m512 s = _mm512_castsi512_ps(_mm512_slli_epi32(sz, 16));
-    __m512 z = _mm512_castsi512_ps(_mm512_and_si512(sz, _mm512_set1_epi32(static_cast<int>(0xffff0000u))));
-    __m512 offset = _mm512_fnmadd_ps(_mm512_set1_ps(8.0f), s, z);  // W = q * scale + (zero - 8 * scale)
-    const __m512i low = _mm512_set1_epi32(0x0f);
-    for (int p = 0; p < 16; ++p) {
-        __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + p * 16)));
-        __m512 lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(q, low)), s, offset);
-        __m512 hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4)), s, offset);
-        __m512i both = (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
-        _mm512_store_si512(out + p * 32, _mm512_permutexvar_epi16(pairs, both));
+// Up to 16 rows (``int4_grouped``): a chunk's codes as the bf16 integers 0..15, by table lookup (no float math a
+// weight). vpermw reads an index's low five bits, so the table holds them twice and a high nibble may stay above.
+inline __m512i code_table() {
+    alignas(64) uint16_t words[32];
+    for (int i = 0; i < 32; ++i) {
+        const float f = static_cast<float>(i & 15);
+        uint32_t bits;
+        std::memcpy(&bits, &f, 4);
+        words[i] = static_cast<uint16_t>(bits >> 16);  // a small integer: exact in bf16
+    }
+    return _mm512_load_si512(words);
+}
+
+inline void code_tile(const uint8_t* codes, __m512i table, uint16_t* out) {
+    for (int h = 0; h < 8; ++h) {
+        const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + h * 32)));
+        _mm512_store_si512(out + (2 * h) * 32, _mm512_permutexvar_epi16(v, table));
+        _mm512_store_si512(out + (2 * h + 1) * 32, _mm512_permutexvar_epi16(_mm512_srli_epi16(v, 4), table));
     }
 }
 
-// The 4-bit weights: codes [N / 16, K / 32, 16, 16] (``pack_codes``), (scale, zero) bf16 pairs [K / group, N].
+// 16 (scale, zero) bf16 pairs -> the scales and W's offsets, zero - 8 * scale: W = q * scale + offset
+inline void scale_offset(const uint32_t* scale_zero, __m512& s, __m512& off) {
+    const __m512i sz = _mm512_loadu_si512(scale_zero);
+    s = _mm512_castsi512_ps(_mm512_slli_epi32(sz, 16));
+    off = _mm512_fnmadd_ps(_mm512_set1_ps(8.0f), s,
+                           _mm512_castsi512_ps(_mm512_and_si512(sz, _mm512_set1_epi32(static_cast<int>(0xffff0000u)))));
+}
+
+// More rows: the weights dequantized into the B tiles (W = (q - 8) * scale + zero in float32, rounded to bf16
+// nearest even), shared by all the rows (``few_rows``, ``many_rows``).
 struct Int4Tiles {
     const uint8_t* codes;
     const uint32_t* sz;
     int64_t N, chunks, per_group;
-    __m512i pairs;
     inline void operator()(int64_t t, int64_t k, uint16_t* out) const {
-        dequantize(codes + (t * chunks + k) * 256, sz + (k / per_group) * N + t * 16, pairs, out);
+        __m512 s, off;
+        scale_offset(sz + (k / per_group) * N + t * 16, s, off);
+        // words 0-15 of a B row are outputs 0-7's (each twice), words 16-31 outputs 8-15's
+        const __m512i lo_idx = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+        const __m512i hi_idx = _mm512_set_epi32(15, 15, 14, 14, 13, 13, 12, 12, 11, 11, 10, 10, 9, 9, 8, 8);
+        const __m512 s_lo = _mm512_permutexvar_ps(lo_idx, s), s_hi = _mm512_permutexvar_ps(hi_idx, s);
+        const __m512 o_lo = _mm512_permutexvar_ps(lo_idx, off), o_hi = _mm512_permutexvar_ps(hi_idx, off);
+        const __m512i low = _mm512_set1_epi32(0x0f);
+        const uint8_t* c = codes + (t * chunks + k) * 256;
+        for (int h = 0; h < 8; ++h) {
+            const __m512i a = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c + h * 32)));
+            const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c + h * 32 + 16)));
+            _mm512_store_si512(out + (2 * h) * 32, (__m512i)_mm512_cvtne2ps_pbh(
+                _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(b, low)), s_hi, o_hi),
+                _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(a, low)), s_lo, o_lo)));
+            _mm512_store_si512(out + (2 * h + 1) * 32, (__m512i)_mm512_cvtne2ps_pbh(
+                _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4)), s_hi, o_hi),
+                _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(a, 4)), s_lo, o_lo)));
+        }
     }
 };
 
@@ -204,6 +238,80 @@ void many_rows(const uint16_t* x, const Tiles& tiles_in, uint16_t* y, int64_t M,
     }
 }
 
+// Up to 16 rows of 4-bit weights: the B tiles hold the codes themselves (``code_tile``) and each group's float32
+// sums x . q are scaled once: y = sum over groups of scale * (x . q) + (zero - 8 * scale) * sum(x). The weight's
+// float math, done per weight in ``Int4Tiles``, becomes two FMAs a row a group. Groups alternate between two sum
+// tiles (tmm0, tmm1), so that one group's sums are scaled while the next group's multiply; a chunk's B tile is made
+// while the one before multiplies.
+void int4_grouped(const uint16_t* x, const uint8_t* codes, const uint32_t* sz, uint16_t* y, int64_t M, int64_t K,
+                  int64_t N, int64_t group) {
+    const int64_t tiles = N / 16, chunks = K / 32, per_group = group / 32, groups = K / group;
+    float* xsum = static_cast<float*>(std::aligned_alloc(64, (M * groups * sizeof(float) + 63) / 64 * 64));
+    for (int64_t r = 0; r < M; ++r)  // each row's sum over each group of inputs, for the offsets' term
+        for (int64_t g = 0; g < groups; ++g) {
+            __m512 sum = _mm512_setzero_ps();
+            for (int64_t k = g * group; k < (g + 1) * group; k += 16)
+                sum = _mm512_add_ps(sum, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
+                    _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + r * K + k))), 16)));
+            xsum[r * groups + g] = _mm512_reduce_add_ps(sum);
+        }
+#pragma omp parallel
+    {
+        const __m512i table = code_table();
+        TileConfig cfg;
+        cfg.rows[0] = cfg.rows[1] = cfg.rows[3] = M;  // sums (two), rows of x
+        cfg.rows[6] = 16;                             // codes
+        cfg.colsb[0] = cfg.colsb[1] = cfg.colsb[3] = cfg.colsb[6] = 64;
+        _tile_loadconfig(&cfg);
+        alignas(64) uint16_t b[2][16 * 32];
+        alignas(64) float c[2][16 * 16];
+        __m512 acc[16];  // the rows' outputs, in registers (the loops over rows unrolled)
+        auto scale = [&](const float* sums, int64_t t, int64_t g) {
+            __m512 s, off;
+            scale_offset(sz + g * N + t * 16, s, off);
+#pragma GCC unroll 16
+            for (int r = 0; r < 16; ++r)
+                if (r < M)
+                    acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(xsum[r * groups + g]), off,
+                                             _mm512_fmadd_ps(_mm512_load_ps(sums + r * 16), s, acc[r]));
+        };
+#define KVLOOM_INT4_GROUP(TMM, t, g)                                                                    \
+        for (int64_t k = (g) * per_group; k < ((g) + 1) * per_group; ++k) {                          \
+            _tile_loadd(6, b[k & 1], 64);                                                             \
+            _tile_loadd(3, x + k * 32, K * 2);                                                        \
+            _tile_dpbf16ps(TMM, 3, 6);                                                                \
+            if (k + 1 < chunks) code_tile(codes + ((t) * chunks + k + 1) * 256, table, b[(k + 1) & 1]); \
+        }
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < tiles; ++t) {
+#pragma GCC unroll 16
+            for (int r = 0; r < 16; ++r) acc[r] = _mm512_setzero_ps();
+            code_tile(codes + t * chunks * 256, table, b[0]);
+            for (int64_t g = 0; g < groups; g += 2) {
+                _tile_zero(0);
+                KVLOOM_INT4_GROUP(0, t, g)
+                if (g > 0) scale(c[1], t, g - 1);  // the group before, stored at the end of the last pass
+                if (g + 1 < groups) {
+                    _tile_zero(1);
+                    KVLOOM_INT4_GROUP(1, t, g + 1)
+                }
+                _tile_stored(0, c[0], 64);
+                scale(c[0], t, g);
+                if (g + 1 < groups) _tile_stored(1, c[1], 64);
+            }
+            if (groups % 2 == 0) scale(c[1], t, groups - 1);
+#pragma GCC unroll 16
+            for (int r = 0; r < 16; ++r)
+                if (r < M)
+                    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + r * N + t * 16),
+                                        (__m256i)_mm512_cvtneps_pbh(acc[r]));
+        }
+#undef KVLOOM_INT4_GROUP
+        _tile_release();
+    }
+    std::free(xsum);
+}
+
 template <typename Tiles>
 void matmul(const uint16_t* x, const Tiles& W, uint16_t* y, int64_t M, int64_t K, int64_t N) {
     if (M <= 32)
@@ -223,9 +331,11 @@ extern "C" int kvloom_int4_amx_ready() {
 extern "C" int kvloom_int4_amx_mm(const uint16_t* x, const uint8_t* codes, const uint16_t* scale_zeros, uint16_t* y,
                                   int64_t M, int64_t K, int64_t N, int64_t group) {
     if (M < 1 || N % 16 || K % 32 || group % 32 || K % group) return 1;
-    const Int4Tiles W{codes, reinterpret_cast<const uint32_t*>(scale_zeros), N, K / 32, group / 32,
-                      _mm512_load_si512(kPairs)};
-    matmul(x, W, y, M, K, N);
+    const uint32_t* sz = reinterpret_cast<const uint32_t*>(scale_zeros);
+    if (M <= 16)  // GROUPED_ROWS
+        int4_grouped(x, codes, sz, y, M, K, N, group);
+    else
+        matmul(x, Int4Tiles{codes, sz, N, K / 32, group / 32}, y, M, K, N);
     return 0;
 }
 
@@ -293,12 +403,13 @@ def serves(out_features: int, in_features: int, group: int, dtype: torch.dtype) 
 
 
 def pack_codes(q: torch.Tensor) -> torch.Tensor:
-    """Codes [N, K] (0..15) as the kernel reads them: uint8 [N / 16, K / 32, 16, 16], a tile's 16 input pairs of
-    16 bytes each, byte j holding output j's code of the pair's first input (low nibble) and second (high)."""
+    """Codes [N, K] (0..15) as the kernel reads them: uint8 [N / 16, K / 32, 8, 32], each chunk of 32 inputs a
+    B tile's 16 rows in pairs. Word ``2j + e`` of B row ``p`` is output ``j``'s code of input ``2p + e``; byte ``i``
+    of pair ``h`` holds word ``i`` of rows ``2h`` (low nibble) and ``2h + 1`` (high)."""
     n, k = q.shape
-    q = q.to(torch.uint8).reshape(n // OUTPUTS, OUTPUTS, k // 2, 2)
-    pairs = q[..., 0] | (q[..., 1] << 4)  # [N / 16, 16 outputs, K / 2 pairs]
-    return pairs.transpose(1, 2).reshape(n // OUTPUTS, k // INPUTS, INPUTS // 2, OUTPUTS).contiguous()
+    words = (q.to(torch.uint8).reshape(n // OUTPUTS, OUTPUTS, k // INPUTS, INPUTS // 2, 2)
+             .permute(0, 2, 3, 1, 4).reshape(n // OUTPUTS, k // INPUTS, INPUTS // 4, 2, 2 * OUTPUTS))
+    return (words[:, :, :, 0] | (words[:, :, :, 1] << 4)).contiguous()
 
 
 def int4_amx_mm(x: torch.Tensor, codes: torch.Tensor, scale_zeros: torch.Tensor, group: int) -> torch.Tensor:

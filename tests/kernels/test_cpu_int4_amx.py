@@ -28,16 +28,24 @@ def _layer(out_features, in_features, group, seed=0):
 
 
 @pytest.mark.parametrize("rows", [1, 2, 5, 16, 17, 32, 33, 48, 100])
-@pytest.mark.parametrize("shape", [(64, 64, 32), (960, 576, 32), (48, 256, 128), (32, 512, 64)])
-def test_amx_matmul_equals_the_bf16_weights(shape, rows):
+@pytest.mark.parametrize("shape", [(64, 64, 32), (960, 576, 32), (48, 256, 128), (32, 512, 64), (64, 96, 32)])
+def test_amx_matmul_equals_the_weights_it_multiplies(shape, rows):
+    """Up to ``GROUPED_ROWS`` rows the kernel multiplies the codes and scales each group's sums (the weights in
+    float32, unrounded); beyond, the weights rounded to bf16 as a bf16 matmul by them would. Shapes with an odd
+    number of groups (96 inputs: 3) and groups of several chunks (64, 128) cover the kernel's pairing of groups."""
     out_features, in_features, group = shape
     q, _, sz, w = _layer(*shape)
     x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(rows)).bfloat16()
-    got = cpu_int4_amx.int4_amx_mm(x, cpu_int4_amx.pack_codes(q), sz, group).float()
-    want = x.float() @ w.t()
+    got = cpu_int4_amx.int4_amx_mm(x, cpu_int4_amx.pack_codes(q), sz, group).double()
+    if rows <= cpu_int4_amx.GROUPED_ROWS:
+        w = dequantize_int4(q, sz[..., 0].t().double(), sz[..., 1].t().double(), group)
+    want = x.double() @ w.double().t()
     # float32 sums in another order, the result rounded to bf16: within a bf16 step of each output
     assert got.shape == (rows, out_features)
-    assert ((got - want).abs() <= 2**-8 * want.abs() + 1e-3 * want.abs().max()).all(), (got - want).abs().max()
+    assert ((got - want).abs() <= 2**-8 * want.abs() + 1e-4 * want.abs().max()).all(), (got - want).abs().max()
+    if rows <= cpu_int4_amx.GROUPED_ROWS:  # and not the rounded weights' product: the other path is not taken
+        rounded = x.double() @ _layer(*shape)[3].double().t()
+        assert (got - rounded).abs().max() > (got - want).abs().max()
 
 
 def test_shapes_it_does_not_take_are_refused_by_name():
@@ -59,7 +67,8 @@ def test_the_layer_takes_each_kernel_by_rows_and_they_agree(monkeypatch):
     q, packed, sz, w = _layer(96, 256, 32)
     codes, dense = cpu_int4_amx.pack_codes(q), PackedLinear(w.bfloat16(), None, 32)
     bias = torch.randn(96).bfloat16()
-    for rows, kernel in ((1, "torch"), (4, "torch"), (5, "amx"), (48, "amx"), (49, "dense"), (300, "dense")):
+    for rows, kernel in ((1, "torch"), (2, "amx"), (16, "amx"), (17, "amx"), (48, "amx"), (49, "dense"),
+                         (300, "dense")):
         x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows)).bfloat16()
         calls = []
         monkeypatch.setattr(cpu_packing, "int4_mm", lambda *a, f=cpu_packing.int4_mm: (calls.append("torch"), f(*a))[1])

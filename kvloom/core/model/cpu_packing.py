@@ -93,9 +93,10 @@ def pack_linear_layers(model: nn.Module, batch_hint: int = 32) -> int:
 # Steps of at most this many rows run on the 4-bit weights; bigger ones on the oneDNN bf16 copy, which
 # computes faster once a step reads each weight for ~12 rows or more (benchmarks/cpu_int4.py, docs/benchmarks.md).
 INT4_MAX_ROWS = 8
-# Where the AMX kernel serves (``cpu_int4_amx``): torch's int4 matmul up to TORCH_INT4_ROWS rows (1.2-1.8x faster
-# there), the AMX kernel up to AMX_INT4_MAX_ROWS (1.3-2.2x the bf16 copy's speed; at 64 rows they are even).
-TORCH_INT4_ROWS = 4
+# Where the AMX kernel serves (``cpu_int4_amx``): torch's int4 matmul for one row (~10 % faster there), the AMX
+# kernel up to AMX_INT4_MAX_ROWS (from 2 rows 1.05-1.5x torch's speed and 1.7-3x the bf16 copy's; at 48 rows even
+# with the copy).
+TORCH_INT4_ROWS = 1
 AMX_INT4_MAX_ROWS = 48
 
 
