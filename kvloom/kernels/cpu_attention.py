@@ -23,6 +23,7 @@ import threading
 
 import torch
 
+from kvloom.kernels import cpu_ops
 from kvloom.kernels.cpu_build import build_library
 
 logger = logging.getLogger("kvloom")
@@ -460,7 +461,6 @@ def supports(dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: in
             and num_heads // num_kv_heads <= MAX_GROUP and block_size <= MAX_BLOCK)
 
 
-@torch.library.custom_op("kvloom::paged_decode", mutates_args=())
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
                  starts: torch.Tensor, ends: torch.Tensor, scale: float, softcap: float,
                  sinks: torch.Tensor | None) -> torch.Tensor:
@@ -468,6 +468,12 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     (int64 ``[B]``), found through ``tables`` (int32 ``[B, W]``, block numbers) in ``k_cache``/``v_cache``
     ``[num_blocks, Hkv, bs, D]``. ``softcap`` 0: none; ``sinks`` (``[Hq]``): a logit per head that takes a share
     of the softmax and contributes no value."""
+    if torch.compiler.is_compiling():  # one opaque op in a compiled step
+        return _paged_decode_op(q, k_cache, v_cache, tables, starts, ends, scale, softcap, sinks)
+    return _paged_decode(q, k_cache, v_cache, tables, starts, ends, scale, softcap, sinks)
+
+
+def _paged_decode(q, k_cache, v_cache, tables, starts, ends, scale, softcap, sinks):
     fn = _load()
     batch, num_heads, head_dim = q.shape
     _, num_kv_heads, bs, _ = k_cache.shape
@@ -487,6 +493,6 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     return out
 
 
-@paged_decode.register_fake
-def _(q, k_cache, v_cache, tables, starts, ends, scale, softcap, sinks):
-    return torch.empty_like(q)
+_paged_decode_op = cpu_ops.define(
+    "paged_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor tables, Tensor starts, Tensor ends, float scale, "
+    "float softcap, Tensor? sinks) -> Tensor", _paged_decode, lambda q, *rest: torch.empty_like(q))

@@ -15,6 +15,8 @@ import logging
 import torch
 from torch import nn
 
+from kvloom.kernels import cpu_ops
+
 logger = logging.getLogger("kvloom")
 
 PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
@@ -89,10 +91,7 @@ def packed_linear(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tens
     return out[:rows].reshape(*x.shape[:-1], out_features)
 
 
-# The same as one op the compiler keeps whole; called eagerly, an op costs ~20 us of dispatch a call.
-packed_linear_op = torch.library.custom_op("kvloom::packed_linear", packed_linear, mutates_args=())
-
-
-@packed_linear_op.register_fake
-def _(x, packed_weight, bias, out_features):
-    return x.new_empty((*x.shape[:-1], out_features))
+# The same as one op the compiler keeps whole (eager calls skip the dispatcher)
+packed_linear_op = cpu_ops.define(
+    "packed_linear(Tensor x, Tensor packed_weight, Tensor? bias, int out_features) -> Tensor", packed_linear,
+    lambda x, packed_weight, bias, out_features: x.new_empty((*x.shape[:-1], out_features)))

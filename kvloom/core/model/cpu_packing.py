@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from kvloom.core.model.linear import LinearBase, UnquantizedLinearMethod
-from kvloom.kernels import cpu_int4_amx
+from kvloom.kernels import cpu_int4_amx, cpu_ops
 from kvloom.kernels.cpu_int4 import GROUP, int4_mm, pack_int4
 from kvloom.kernels.cpu_linear import PackedLinear, packed_linear, packing_supported
 
@@ -123,12 +123,10 @@ def int4_linear(x: torch.Tensor, weight: torch.Tensor, amx_codes: torch.Tensor, 
 
 # The same as one op the compiler keeps whole: the choice by rows happens when it runs, so a compiled step has no
 # guard on its row count for it (one variant serves 2 to 48 rows and beyond).
-int4_linear_op = torch.library.custom_op("kvloom::int4_linear", int4_linear, mutates_args=())
-
-
-@int4_linear_op.register_fake
-def _(x, weight, amx_codes, scale_zeros, group, dense_weight, bias, torch_rows, max_rows):
-    return x.new_empty((x.shape[0], amx_codes.shape[0] * cpu_int4_amx.OUTPUTS))
+int4_linear_op = cpu_ops.define(
+    "int4_linear(Tensor x, Tensor weight, Tensor amx_codes, Tensor scale_zeros, int group, Tensor dense_weight, "
+    "Tensor? bias, int torch_rows, int max_rows) -> Tensor", int4_linear,
+    lambda x, weight, amx_codes, *rest: x.new_empty((x.shape[0], amx_codes.shape[0] * cpu_int4_amx.OUTPUTS)))
 
 
 # The output projection from GGUF's 8-bit codes (Q8_0) on AMX up to this many rows (the sampled positions of a
@@ -147,12 +145,9 @@ def q8_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, dense_
     return y if bias is None else y + bias
 
 
-q8_linear_op = torch.library.custom_op("kvloom::q8_linear", q8_linear, mutates_args=())
-
-
-@q8_linear_op.register_fake
-def _(x, codes, scales, dense_weight, bias, max_rows):
-    return x.new_empty((x.shape[0], codes.shape[0] * cpu_int4_amx.OUTPUTS))
+q8_linear_op = cpu_ops.define(
+    "q8_linear(Tensor x, Tensor codes, Tensor scales, Tensor dense_weight, Tensor? bias, int max_rows) -> Tensor",
+    q8_linear, lambda x, codes, *rest: x.new_empty((x.shape[0], codes.shape[0] * cpu_int4_amx.OUTPUTS)))
 
 
 class Q8Linear(nn.Module):

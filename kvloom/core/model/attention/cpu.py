@@ -37,7 +37,7 @@ import torch.nn.functional as F
 
 from kvloom.core.model.attention.base import AttentionMetadata
 from kvloom.core.model.cpu_packing import INT4_MAX_ROWS
-from kvloom.kernels import cpu_attention, reference
+from kvloom.kernels import cpu_attention, cpu_ops, reference
 from kvloom.kernels.reference import dequantize_kv, is_fp8, quantize_kv
 
 
@@ -145,10 +145,9 @@ def prompt_step(metas: list[AttentionMetadata], backend: "CPUAttentionBackend"):
         _PROMPT_STEP = None
 
 
-@torch.library.custom_op("kvloom::cpu_prompt_attention", mutates_args=())
-def prompt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                     v_cache: torch.Tensor, group: int, scale: float, window: int, softcap: float,
-                     sinks: torch.Tensor | None, k_scale: float, v_scale: float) -> torch.Tensor:
+def _prompt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                      v_cache: torch.Tensor, group: int, scale: float, window: int, softcap: float,
+                      sinks: torch.Tensor | None, k_scale: float, v_scale: float) -> torch.Tensor:
     """``CPUAttentionBackend._attend`` for a compiled step (``PromptStep``), K/V already written: ``window`` -1
     for none, ``softcap`` 0.0 for none."""
     if _PROMPT_STEP is None:
@@ -157,12 +156,13 @@ def prompt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache:
     meta = metas[group]
     out = backend._attend(q, k, v, k_cache, v_cache, meta, meta.backend_data, scale, (k_scale, v_scale),
                           None if window < 0 else window, softcap or None, sinks)
-    return out.contiguous()  # the strides the compiled code assumes (``_``, below)
+    return out.contiguous()  # the strides the compiled code assumes (the fake's, below)
 
 
-@prompt_attention.register_fake
-def _(q, k, v, k_cache, v_cache, group, scale, window, softcap, sinks, k_scale, v_scale):
-    return torch.empty_like(q, memory_format=torch.contiguous_format)
+prompt_attention = cpu_ops.define(
+    "cpu_prompt_attention(Tensor q, Tensor k, Tensor v, Tensor k_cache, Tensor v_cache, int group, float scale, "
+    "int window, float softcap, Tensor? sinks, float k_scale, float v_scale) -> Tensor", _prompt_attention,
+    lambda q, *rest: torch.empty_like(q, memory_format=torch.contiguous_format))
 
 
 def kv_write(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, write_rows: torch.Tensor,
@@ -180,14 +180,9 @@ def kv_write(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 
 # The same as one op that mutates the cache where it lies. Traced as index_copy_, a write to a cache tensor that
 # several layers of a step write (a hybrid cache's shared pages) makes the compiled code copy the whole tensor at each
-# write but the last, to keep each layer's view of it (Gemma 3 270M: 238 ms a token against 34 eagerly). Defined
-# with a schema rather than ``custom_op``, whose checks of mutated arguments cost ~30 us a call.
-_lib = torch.library.Library("kvloom", "FRAGMENT")
-_lib.define("cpu_kv_write(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor write_rows, "
-            "float k_scale, float v_scale) -> ()")
-_lib.impl("cpu_kv_write", kv_write, "CPU")
-torch.library.register_fake("kvloom::cpu_kv_write", lambda k, v, k_cache, v_cache, rows, ks, vs: None, lib=_lib)
-kv_write_op = torch.ops.kvloom.cpu_kv_write.default
+# write but the last, to keep each layer's view of it (Gemma 3 270M: 238 ms a token against 34 eagerly).
+kv_write_op = cpu_ops.define("cpu_kv_write(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, "
+                             "Tensor write_rows, float k_scale, float v_scale) -> ()", kv_write, lambda *args: None)
 
 
 @dataclass

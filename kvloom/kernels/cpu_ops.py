@@ -1,0 +1,26 @@
+"""kvloom's CPU ops as the compiler sees them: functions registered by schema under ``kvloom::``, which a compiled
+step calls whole (opaque to inductor; a fake function gives their outputs' shapes while tracing).
+
+Registered with ``torch.library.Library`` rather than ``torch.library.custom_op``: the latter wraps every call in
+Python checks of its own, ~10-15 us a call on this project's 2-core Xeon against ~1-2 for a schema's dispatch
+(docs/benchmarks.md, "CPU: ops by schema"); a SmolLM2 decode step makes ~150 such calls. The kernels are
+registered for every backend (``CompositeExplicitAutograd``): oneDNN's packed weights are tensors of another
+backend than the CPU's dense ones."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+_LIB = torch.library.Library("kvloom", "FRAGMENT")
+
+
+def define(schema: str, fn: Callable, fake: Callable) -> Callable:
+    """Register ``fn`` as the op ``kvloom::<schema>`` (``"name(Tensor x, ...) -> Tensor"``), ``fake`` its
+    shape function; returns the op to call where a step is compiled."""
+    name = schema.split("(", 1)[0]
+    _LIB.define(schema)
+    _LIB.impl(name, fn, "CompositeExplicitAutograd")
+    torch.library.register_fake(f"kvloom::{name}", fake, lib=_LIB)
+    return getattr(torch.ops.kvloom, name).default
