@@ -18,10 +18,10 @@ codes packed as ``pack_codes`` lays them out. The first loop multiplies by those
 rows and small integers, summed and scaled in float32); the second rounds each weight to bf16 first, as a bf16
 matmul by the dequantized weights would. Both differ from such a matmul only within the output's bf16 rounding.
 
-The dequantizing loops serve 8-bit codes too (``q8_amx_mm``), at any row count: GGUF's Q8_0, ``W = d * q`` with one fp16 ``d`` per 32 inputs,
-which a GGUF file's output projection (its tied embedding table, mostly) comes in; laid out by ``pack_q8_codes`` in the
-B operand's pair order, a tile needs no shuffle. 2.5-2.9 ms for SmolLM2's 49152 x 576 table from 1 to 32 rows against
-4.0-6.0 for its bf16 copy.
+The dequantizing loops serve 8-bit codes too (``q8_amx_mm``), at any row count: GGUF's Q8_0, ``W = d * q`` with
+one fp16 ``d`` per 32 inputs, which a GGUF file's output projection (its tied embedding table, mostly) comes in; laid
+out by ``pack_q8_codes`` in the B operand's pair order, a tile needs no shuffle. 2.5-2.9 ms for SmolLM2's 49152 x 576
+table from 1 to 32 rows against 4.0-6.0 for its bf16 copy.
 
 Linux lends AMX's tile registers only to a process that asks (``arch_prctl(ARCH_REQ_XCOMP_PERM)``); the library
 asks when it loads. Built like the other CPU kernels (``kvloom.kernels.cpu_build``); where the compiler or the CPU
