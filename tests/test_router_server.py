@@ -91,7 +91,7 @@ def hit_rate_delta(server: EngineServer, before: dict[str, float]) -> float:
 def test_killed_replica_restarts_and_rejoins(restart_server, single):
     server = restart_server
     engines = replica_engines(server)
-    errors, finished = one_stream_per_replica_then(server, lambda: os.kill(engines[0], signal.SIGKILL))
+    errors, finished = one_stream_per_replica_then(server, engines[0], signal.SIGKILL)
     assert len(errors) == 1 and errors[0]["code"] == 503 and "went away" in errors[0]["message"]
     assert finished == ["length"]
     # A new engine process imports torch and loads the model before it answers: out until then.
@@ -162,18 +162,18 @@ def replica_engines(server: EngineServer) -> dict[int, int]:
     return engines
 
 
-def one_stream_per_replica_then(server: EngineServer, act, max_tokens: int = 500) -> tuple[list[dict], list[str]]:
-    """Open two streams (round-robin: one on each replica), run ``act`` on replica 0's engine once both have
-    streamed a token, with replica 0's stream mid-way, read both to their end; the errors and the finish
-    reasons of those that finished.
+def one_stream_per_replica_then(server: EngineServer, engine0: int, sig: signal.Signals,
+                                max_tokens: int = 500) -> tuple[list[dict], list[str]]:
+    """Open two streams (round-robin: one on each replica), send ``sig`` to replica 0's engine (pid ``engine0``)
+    once both have streamed a token, with replica 0's stream mid-way, read both to their end; the errors and
+    the finish reasons of those that finished.
 
     The tiny model streams its 500 tokens in about 2 s here, and under load the client can fall that far
     behind the engine: what it has read says little of what the engine has left. So replica 0's engine is
     held (SIGSTOP) until replica 1's stream has its first token, then let run 20 ms at a time until its own
-    has one, and ``act`` finds it held mid-stream. The slices are timed by a process of their own (this
+    has one, and ``sig`` finds it held mid-stream. The slices are timed by a process of their own (this
     one's reader threads could keep a timer here waiting on their lock), and the engine runs at the lowest
     priority meanwhile: a machine too busy to wake the timer on time gives the engine little more."""
-    engine0 = replica_engines(server)[0]
     body = {"prompt": [5, 6, 7, 8], "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
     routed_before = [r["num_routed"] for r in replicas(server)]
     firsts: queue.Queue[str] = queue.Queue()
@@ -191,10 +191,11 @@ def one_stream_per_replica_then(server: EngineServer, act, max_tokens: int = 500
     os.kill(engine0, signal.SIGSTOP)
     niceness = os.getpriority(os.PRIO_PROCESS, engine0)
     os.setpriority(os.PRIO_PROCESS, engine0, 19)
-    acted = False
-    try:
-        with ThreadPoolExecutor(2) as pool:
-            readers = [pool.submit(read, i) for i in range(2)]
+    with ThreadPoolExecutor(2) as pool:
+        readers = [pool.submit(read, i) for i in range(2)]
+        # Inside the pool: a failure here lets replica 0 go on before the pool waits for its stream.
+        sent = False
+        try:
             first = [firsts.get(timeout=90)]  # replica 1's stream: replica 0 is held
             deadline = time.monotonic() + 90
             while len(first) < 2:
@@ -202,18 +203,18 @@ def one_stream_per_replica_then(server: EngineServer, act, max_tokens: int = 500
                 subprocess.run([sys.executable, "-c", SLICE, str(engine0), "0.02"], check=True)
                 with contextlib.suppress(queue.Empty):
                     first.append(firsts.get(timeout=0.5))
-            act()
-            acted = True
-            assert all('"text"' in line for line in first), first  # both were generating when act ran
-            t0 = time.monotonic()
-            for r in readers:
-                r.result(timeout=90)
-            assert time.monotonic() - t0 < 90
-    finally:
-        if not acted:  # a failure before act must not leave replica 0 stopped
-            os.kill(engine0, signal.SIGCONT)
-        with contextlib.suppress(OSError):  # gone, or raising a priority back needs a privilege
-            os.setpriority(os.PRIO_PROCESS, engine0, niceness)
+            os.kill(engine0, sig)
+            sent = True
+        finally:
+            if not sent:
+                os.kill(engine0, signal.SIGCONT)
+            with contextlib.suppress(OSError):  # gone, or raising a priority back needs a privilege
+                os.setpriority(os.PRIO_PROCESS, engine0, niceness)
+        assert all('"text"' in line for line in first), first  # both were generating when sig was sent
+        t0 = time.monotonic()
+        for r in readers:
+            r.result(timeout=90)
+        assert time.monotonic() - t0 < 90
     routed = [r["num_routed"] for r in replicas(server)]
     assert [x - y for x, y in zip(routed, routed_before)] == [1, 1], (routed_before, routed)
     endings = []
@@ -252,7 +253,7 @@ def test_stopped_replica_is_taken_out_and_rejoins_on_sigcont(servers):
     server = servers["round_robin"]
     engines = replica_engines(server)
     assert len(engines) == 2
-    errors, finished = one_stream_per_replica_then(server, lambda: os.kill(engines[0], signal.SIGSTOP))
+    errors, finished = one_stream_per_replica_then(server, engines[0], signal.SIGSTOP)
     try:
         assert len(errors) == 1 and errors[0]["code"] == 503 and "has not answered" in errors[0]["message"]
         assert finished == ["length"]
@@ -279,7 +280,7 @@ def test_killed_replica_fails_its_requests_the_other_serves_on(servers):
     server = servers["round_robin"]
     engines = replica_engines(server)
     assert len(engines) == 2
-    errors, finished = one_stream_per_replica_then(server, lambda: os.kill(engines[0], signal.SIGKILL))
+    errors, finished = one_stream_per_replica_then(server, engines[0], signal.SIGKILL)
     assert len(errors) == 1 and errors[0]["code"] == 503 and "engine" in errors[0]["message"]
     assert finished == ["length"]  # the other replica's request ran to its end
     healthy = {s.labels["replica"]: s.value for s in metric_families(server.url, "kvloom_engine_healthy")}
