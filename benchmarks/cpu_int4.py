@@ -1,9 +1,10 @@
 """The CPU int4 matmul (``kvloom.kernels.cpu_int4``, torch's ``_weight_int4pack_mm_for_cpu``) against the
 oneDNN-packed bf16 one, over every linear layer of a model in turn (so the weights stream from memory, as in
 a decode step, rather than sit in cache), at several row counts; the timings alternate and the ratio of
-medians is printed. Where the ratio falls below 1 is where ``INT4_MAX_ROWS`` belongs. On a CPU with AMX the
-AMX 4-bit kernel (``kvloom.kernels.cpu_int4_amx``) on the same codes is timed too (``amx_ms``): where it beats
-torch's kernel and the bf16 copy is where ``TORCH_INT4_ROWS`` and ``AMX_INT4_MAX_ROWS`` belong.
+medians is printed. Where the ratio falls below 1 is where ``INT4_MAX_ROWS`` belongs. On a CPU with AMX or
+AVX512-BF16 kvloom's 4-bit kernel (``kvloom.kernels.cpu_int4_amx``, its AMX or dot-product loops: ``kernel`` in the
+output) on the same codes is timed too (``amx_ms``): where it beats torch's kernel and the bf16 copy is where
+``TORCH_INT4_ROWS`` and ``AMX_INT4_MAX_ROWS`` (``DOT_INT4_MAX_ROWS`` without AMX) belong.
 
 With ``--awq-group G`` the layers are AWQ checkpoint layers (random codes, zero points and fp16 scales in
 AutoAWQ's packing) made the engine's way: the 4-bit copy from ``awq_codes`` + ``zero_point_codes`` with a scale
@@ -13,7 +14,7 @@ and zero per ``G`` inputs, the bf16 copy from ``dequantize_awq`` (what the CPU r
     python benchmarks/cpu_int4.py --threads 1 --rows 1,2,4,8,32
     python benchmarks/cpu_int4.py --shape qwen2.5-0.5b --awq-group 128 --layers 12
 
-On a CPU with AMX the output projection (``--vocab`` x hidden, as a Q8_0 table) is timed too: the AMX 8-bit kernel
+Where the kernel serves, the output projection (``--vocab`` x hidden, as a Q8_0 table) is timed too: its 8-bit loops
 (``cpu_int4_amx.q8_amx_mm``, ``head_q8_ms``) against the bf16 copy (``head_bf16_ms``), three copies in turn so that
 they come from memory: where the 8-bit one stops winning is ``Q8_MAX_ROWS``.
 
@@ -183,7 +184,8 @@ def main() -> None:
             row.update(head_q8_ms=round(q8_ms, 3), head_bf16_ms=round(head_ms, 3),
                        head_bf16_over_q8=round(head_ms / q8_ms, 2))
         rows_out.append(row)
-    print(json.dumps({"benchmark": "cpu_int4", "shape": args.shape, "threads": args.threads,
+    kernel = ("amx" if cpu_int4_amx.on_amx() else "avx512-bf16 dot") if amx else None
+    print(json.dumps({"benchmark": "cpu_int4", "shape": args.shape, "threads": args.threads, "kernel": kernel,
                       "weights": f"awq, group {group}" if args.awq_group else "gguf-style, group 32",
                       "linear_layers": len(dense), "output_projection": [vocab, hidden] if heads else None,
                       "load": os.getloadavg(), "rows": rows_out}, indent=1))

@@ -195,7 +195,7 @@ def test_engine_plan_counts_the_4_bit_copies_the_engine_holds(checkpoint):
     # half a byte a weight, a bf16 scale and zero per group: q/k/v, o, gate/up and down of 2 layers
     group = CHECKPOINTS[checkpoint[0]][2]["group_size"]
     linear = 2 * 128 * (128 + 2 * 64 + 128 + 2 * 256) + 2 * 256 * 128
-    codes = 2 if cpu_int4_amx.available() else 1  # the AMX kernel's own copy of the codes where it serves
+    codes = 2 if cpu_int4_amx.on_amx() else 1  # the AMX kernel's own copy beside torch's; else one copy
     assert extra == held == linear // 2 * codes + linear // group * 4, (extra, held)
     assert any("also kept packed at 4 bits" in note for note in plans[True].notes)
     assert not any("also kept packed at 4 bits" in note for note in plans[False].notes)

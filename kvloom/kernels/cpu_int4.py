@@ -28,7 +28,7 @@ def int4_held_bytes(types: dict, dtype: torch.dtype) -> int:
     """Bytes the packed copies take of the 4-bit tensors in ``types`` (GGUF name -> (type, rows, cols)): half a
     byte a weight, and a scale and a zero in ``dtype`` per 32; q/k/v and gate/up count only when all their
     tensors are 4-bit, since each set runs as one fused layer. Where the AMX kernel serves (bf16 on a CPU with AMX,
-    ``cpu_int4_amx``), its copy of the codes: another half byte a weight."""
+    ``cpu_int4_amx``), its copy of the codes: another half byte a weight (``int4_copy_bytes``)."""
     fused = {"attn_q": "qkv", "attn_k": "qkv", "attn_v": "qkv", "ffn_gate": "gate_up", "ffn_up": "gate_up"}
     layers: dict[tuple, list] = {}
     for name, entry in types.items():
@@ -40,11 +40,12 @@ def int4_held_bytes(types: dict, dtype: torch.dtype) -> int:
 
 
 def int4_copy_bytes(out_features: int, in_features: int, group: int, dtype: torch.dtype) -> int:
-    """A layer's 4-bit copy: half a byte a weight (twice where the AMX kernel takes its own layout of the codes,
-    ``cpu_int4_amx``: bf16 on a CPU with AMX), and a scale and a zero in ``dtype`` per group and output."""
+    """A layer's 4-bit copy: half a byte a weight (twice where the AMX kernel takes its own layout of the codes
+    beside torch's, ``cpu_int4_amx``: bf16 on a CPU with AMX; once, its layout only, where the kernel runs on
+    AVX512-BF16's dot products), and a scale and a zero in ``dtype`` per group and output."""
     from kvloom.kernels import cpu_int4_amx
 
-    codes = 2 if cpu_int4_amx.serves(out_features, in_features, group, dtype) else 1
+    codes = 2 if cpu_int4_amx.serves(out_features, in_features, group, dtype) and cpu_int4_amx.on_amx() else 1
     size = torch.empty((), dtype=dtype).element_size()
     return out_features * in_features // 2 * codes + out_features * (in_features // group) * 2 * size
 

@@ -206,7 +206,7 @@ def iter_gguf(path: Path, config, int4: dict | None = None) -> Iterator[tuple[st
         elif int4 is not None and qtype not in ("F32", "F16", "BF16"):
             int4.setdefault(DEQUANTIZED, set()).add(f"{qtype} ({stem.rpartition('.')[2]})")
         if (int4 is not None and qtype == "Q8_0" and name == output and tensor.dim() == 2
-                and cpu_int4_amx.q8_supports(*tensor.shape) and cpu_int4_amx.available()):
+                and cpu_int4_amx.q8_supports(*tensor.shape) and cpu_int4_amx.on_amx()):
             int4[Q8_OUTPUT] = tuple(torch.from_numpy(a) for a in gguf_q8_codes(t.data, *tensor.shape))
         reader.release(t)
         yield name, tensor
