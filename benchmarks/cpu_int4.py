@@ -133,7 +133,7 @@ def main() -> None:
             w4 = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
             sz = torch.randn(k // 32, n, 2, generator=gen).bfloat16()
         dense.append((k, PackedLinear(weight, None, 32)))
-        packed.append((k, w4, sz, cpu_int4_amx.pack_codes(q) if amx else None))
+        packed.append((k, w4, sz, (cpu_int4_amx.pack_codes(q), cpu_int4_amx.pack_scale_zeros(sz)) if amx else None))
     hidden = shapes[1][0]
     vocab = args.vocab or VOCAB[args.shape]
     heads = []  # (8-bit codes, fp16 scales, bf16 copy) of the output projection, three of them
@@ -159,7 +159,7 @@ def main() -> None:
             times["int4"].append(time.perf_counter() - t)
             if amx:
                 t = time.perf_counter()
-                for k, _, sz, codes in packed:
+                for k, _, _, (codes, sz) in packed:
                     cpu_int4_amx.int4_amx_mm(xs[k], codes, sz, group)
                 times["amx"].append(time.perf_counter() - t)
             if heads:

@@ -40,14 +40,14 @@ def int4_held_bytes(types: dict, dtype: torch.dtype) -> int:
 
 
 def int4_copy_bytes(out_features: int, in_features: int, group: int, dtype: torch.dtype) -> int:
-    """A layer's 4-bit copy: half a byte a weight (twice where the AMX kernel takes its own layout of the codes
-    beside torch's, ``cpu_int4_amx``: bf16 on a CPU with AMX; once, its layout only, where the kernel runs on
-    AVX512-BF16's dot products), and a scale and a zero in ``dtype`` per group and output."""
+    """A layer's 4-bit copy: half a byte a weight and a scale and a zero in ``dtype`` per group and output; twice
+    where the AMX kernel keeps its own layout of them beside torch's (``cpu_int4_amx``: bf16 on a CPU with AMX),
+    once where the kernel runs on AVX512-BF16's dot products (its layout only)."""
     from kvloom.kernels import cpu_int4_amx
 
-    codes = 2 if cpu_int4_amx.serves(out_features, in_features, group, dtype) and cpu_int4_amx.on_amx() else 1
+    copies = 2 if cpu_int4_amx.serves(out_features, in_features, group, dtype) and cpu_int4_amx.on_amx() else 1
     size = torch.empty((), dtype=dtype).element_size()
-    return out_features * in_features // 2 * codes + out_features * (in_features // group) * 2 * size
+    return (out_features * in_features // 2 + out_features * (in_features // group) * 2 * size) * copies
 
 
 def _nibbles(qs: np.ndarray, size: int) -> np.ndarray:

@@ -36,7 +36,7 @@ def test_amx_matmul_equals_the_weights_it_multiplies(shape, rows):
     out_features, in_features, group = shape
     q, _, sz, w = _layer(*shape)
     x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(rows)).bfloat16()
-    got = cpu_int4_amx.int4_amx_mm(x, cpu_int4_amx.pack_codes(q), sz, group).double()
+    got = cpu_int4_amx.int4_amx_mm(x, cpu_int4_amx.pack_codes(q), cpu_int4_amx.pack_scale_zeros(sz), group).double()
     if rows <= cpu_int4_amx.GROUPED_ROWS:
         w = dequantize_int4(q, sz[..., 0].t().double(), sz[..., 1].t().double(), group)
     want = x.double() @ w.double().t()
@@ -55,7 +55,7 @@ def test_shapes_it_does_not_take_are_refused_by_name():
     with pytest.raises(ValueError, match="group 16"):
         cpu_int4_amx.int4_amx_mm(torch.zeros(2, 64, dtype=torch.bfloat16), cpu_int4_amx.pack_codes(q), sz, 16)
     with pytest.raises(TypeError, match="torch.float32"):
-        cpu_int4_amx.int4_amx_mm(torch.zeros(2, 64), cpu_int4_amx.pack_codes(q), sz, 32)
+        cpu_int4_amx.int4_amx_mm(torch.zeros(2, 64), cpu_int4_amx.pack_codes(q), cpu_int4_amx.pack_scale_zeros(sz), 32)
 
 
 def test_the_layer_takes_each_kernel_by_rows_and_they_agree(monkeypatch):
@@ -65,7 +65,8 @@ def test_the_layer_takes_each_kernel_by_rows_and_they_agree(monkeypatch):
     if not packing_supported(torch.bfloat16):
         pytest.skip("no oneDNN bf16 packing in this torch")
     q, packed, sz, w = _layer(96, 256, 32)
-    codes, dense = cpu_int4_amx.pack_codes(q), PackedLinear(w.bfloat16(), None, 32)
+    codes, amx_sz = cpu_int4_amx.pack_codes(q), cpu_int4_amx.pack_scale_zeros(sz)
+    dense = PackedLinear(w.bfloat16(), None, 32)
     bias = torch.randn(96).bfloat16()
     for rows, kernel in ((1, "torch"), (2, "amx"), (16, "amx"), (17, "amx"), (48, "amx"), (49, "dense"),
                          (300, "dense")):
@@ -74,7 +75,7 @@ def test_the_layer_takes_each_kernel_by_rows_and_they_agree(monkeypatch):
         monkeypatch.setattr(cpu_packing, "int4_mm", lambda *a, f=cpu_packing.int4_mm: (calls.append("torch"), f(*a))[1])
         monkeypatch.setattr(cpu_int4_amx, "int4_amx_mm",
                             lambda *a, f=cpu_int4_amx.int4_amx_mm: (calls.append("amx"), f(*a))[1])
-        args = (x, packed, codes, sz, 32, dense.packed_weight, bias, cpu_packing.TORCH_INT4_ROWS,
+        args = (x, packed, sz, codes, amx_sz, 32, dense.packed_weight, bias, cpu_packing.TORCH_INT4_ROWS,
                 cpu_packing.AMX_INT4_MAX_ROWS)
         got = cpu_packing.int4_linear(*args).float()
         monkeypatch.undo()
@@ -95,18 +96,19 @@ from kvloom.kernels.cpu_int4 import pack_int4
 from kvloom.kernels.cpu_linear import PackedLinear
 q = torch.randint(0, 16, (64, 128))
 packed, sz = pack_int4(q, torch.rand(64, 4) * 0.02, torch.zeros(64, 4), torch.bfloat16)
-codes, dense = cpu_int4_amx.pack_codes(q), PackedLinear(torch.randn(64, 128).bfloat16(), None, 32)
+codes, amx_sz = cpu_int4_amx.pack_codes(q), cpu_int4_amx.pack_scale_zeros(sz)
+dense = PackedLinear(torch.randn(64, 128).bfloat16(), None, 32)
 compiles = []
 def backend(gm, example_inputs):
     compiles.append(1)
     return gm
 @torch.compile(backend=backend)
 def step(x):
-    return torch.relu(cpu_packing.int4_linear_op(x, packed, codes, sz, 32, dense.packed_weight, None, 4, 48))
+    return torch.relu(cpu_packing.int4_linear_op(x, packed, sz, codes, amx_sz, 32, dense.packed_weight, None, 4, 48))
 for rows in (2, 7, 30, 100):
     x = torch.randn(rows, 128).bfloat16()
     torch._dynamo.maybe_mark_dynamic(x, 0)  # as the engine marks a step's rows
-    want = torch.relu(cpu_packing.int4_linear(x, packed, codes, sz, 32, dense.packed_weight, None, 4, 48))
+    want = torch.relu(cpu_packing.int4_linear(x, packed, sz, codes, amx_sz, 32, dense.packed_weight, None, 4, 48))
     torch.testing.assert_close(step(x), want)
 print("compiles", len(compiles))
 """

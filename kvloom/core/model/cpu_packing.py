@@ -115,28 +115,29 @@ def int4_max_rows() -> int:
     return int4_rows()[1]
 
 
-def int4_linear(x: torch.Tensor, weight: torch.Tensor, amx_codes: torch.Tensor, scale_zeros: torch.Tensor,
-                group: int, dense_weight: torch.Tensor, bias: torch.Tensor | None, torch_rows: int,
-                max_rows: int) -> torch.Tensor:
+def int4_linear(x: torch.Tensor, weight: torch.Tensor, scale_zeros: torch.Tensor, amx_codes: torch.Tensor,
+                amx_scale_zeros: torch.Tensor, group: int, dense_weight: torch.Tensor, bias: torch.Tensor | None,
+                torch_rows: int, max_rows: int) -> torch.Tensor:
     """``x @ W.T + b`` of 2-D bf16 ``x`` on whichever copy of ``W`` its rows run fastest on: torch's int4 matmul
-    up to ``torch_rows`` rows, the AMX 4-bit kernel up to ``max_rows``, the oneDNN-packed bf16 copy
-    (``dense_weight``) beyond."""
+    (``weight``, ``scale_zeros``) up to ``torch_rows`` rows, the 4-bit kernel (``amx_codes``, ``amx_scale_zeros``)
+    up to ``max_rows``, the oneDNN-packed bf16 copy (``dense_weight``) beyond."""
     rows = x.shape[0]
     if rows > max_rows:
         return packed_linear(x, dense_weight, bias, amx_codes.shape[0] * cpu_int4_amx.OUTPUTS)
     if rows <= torch_rows:
         y = int4_mm(x.contiguous(), weight, scale_zeros, group)
     else:
-        y = cpu_int4_amx.int4_amx_mm(x, amx_codes, scale_zeros, group)
+        y = cpu_int4_amx.int4_amx_mm(x, amx_codes, amx_scale_zeros, group)
     return y if bias is None else y + bias
 
 
 # The same as one op the compiler keeps whole: the choice by rows happens when it runs, so a compiled step has no
 # guard on its row count for it (one variant serves 2 to 48 rows and beyond).
 int4_linear_op = cpu_ops.define(
-    "int4_linear(Tensor x, Tensor weight, Tensor amx_codes, Tensor scale_zeros, int group, Tensor dense_weight, "
-    "Tensor? bias, int torch_rows, int max_rows) -> Tensor", int4_linear,
-    lambda x, weight, amx_codes, *rest: x.new_empty((x.shape[0], amx_codes.shape[0] * cpu_int4_amx.OUTPUTS)))
+    "int4_linear(Tensor x, Tensor weight, Tensor scale_zeros, Tensor amx_codes, Tensor amx_scale_zeros, int group, "
+    "Tensor dense_weight, Tensor? bias, int torch_rows, int max_rows) -> Tensor", int4_linear,
+    lambda x, weight, scale_zeros, amx_codes, *rest: x.new_empty(
+        (x.shape[0], amx_codes.shape[0] * cpu_int4_amx.OUTPUTS)))
 
 
 # The output projection from GGUF's 8-bit codes (Q8_0) on AMX up to this many rows (the sampled positions of a
@@ -225,8 +226,8 @@ class Int4CPUMethod:
         bias = layer.bias if layer.bias is not None else getattr(packed, "bias", None)
         codes = getattr(layer, "int4_amx_codes", None)
         if codes is not None and packed is not None:
-            args = (x, layer.int4_weight, codes, layer.int4_scale_zeros, self.group, packed.packed_weight, bias,
-                    self.torch_rows, self.max_rows)
+            args = (x, layer.int4_weight, layer.int4_scale_zeros, codes, layer.int4_amx_scale_zeros, self.group,
+                    packed.packed_weight, bias, self.torch_rows, self.max_rows)
             return int4_linear_op(*args) if torch.compiler.is_compiling() else int4_linear(*args)
         if x.shape[0] > self.max_rows:
             return self.dense.apply(layer, x)
@@ -278,13 +279,15 @@ def attach_layer_int4(layer, q: torch.Tensor, scale: torch.Tensor, zero: torch.T
     packed, sz = pack_int4(q, scale, zero, dtype)
     kernel = cpu_int4_amx.serves(*q.shape, group, dtype)
     torch_rows, max_rows = int4_rows()
-    if kernel and torch_rows == 0:
-        packed = packed.new_empty(0)  # torch's matmul never runs here: its copy of the codes is not kept
+    kernel_sz = cpu_int4_amx.pack_scale_zeros(sz) if kernel else None
+    if kernel and torch_rows == 0:  # torch's matmul never runs here: its copy is not kept
+        packed, sz = packed.new_empty(0), sz.new_empty(0)
     layer.register_buffer("int4_weight", packed, persistent=False)
     layer.register_buffer("int4_scale_zeros", sz, persistent=False)
     if kernel:
-        # the same codes in the kernel's layout, for steps of more than torch's rows up to the 4-bit weights' most
+        # the same weights in the kernel's layouts, for steps of more than torch's rows up to the 4-bit weights' most
         layer.register_buffer("int4_amx_codes", cpu_int4_amx.pack_codes(q), persistent=False)
+        layer.register_buffer("int4_amx_scale_zeros", kernel_sz, persistent=False)
         layer.method = Int4CPUMethod(layer.method, source, max_rows, group, torch_rows=torch_rows)
     else:
         layer.method = Int4CPUMethod(layer.method, source, group=group)
