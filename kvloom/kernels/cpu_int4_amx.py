@@ -28,7 +28,7 @@ table from 1 to 32 rows against 4.0-6.0 for its bf16 copy.
 On a CPU with AVX512-BF16 but no AMX (Zen 4/5, Cooper Lake) the same entry points run the same two loops on
 ``vdpbf16ps``: a B tile's row of pairs is one operand, each row's pair of inputs broadcast is the other (the rows'
 pairs laid out pair-major first, so one pointer addresses them all). There they serve steps of 1 to 16 rows
-(``on_amx()`` tells the engine which; ``cpu_packing.int4_rows``), and the 8-bit head is left to the bf16 copy.
+(``on_amx()`` tells the engine which; ``cpu_packing.int4_rows``), and the 8-bit head steps of 1 to 4 rows.
 
 Linux lends AMX's tile registers only to a process that asks (``arch_prctl(ARCH_REQ_XCOMP_PERM)``); the library
 asks when it loads. Built like the other CPU kernels (``kvloom.kernels.cpu_build``); where the compiler or the CPU
@@ -640,10 +640,8 @@ def q8_supports(out_features: int, in_features: int) -> bool:
 
 
 def q8_serves(out_features: int, in_features: int, dtype: torch.dtype) -> bool:
-    """Whether a bf16 layer of this shape keeps its 8-bit codes for the kernel here (attach and byte counts ask):
-    on AMX only. On AVX512-BF16's dot products the codes' conversion outweighs the bytes saved (SmolLM2's 49152 x
-    576 head on a 2-core Zen 5: 1.0 ms at one row against the bf16 copy's 0.94, 1.9 against 1.4 at 8 rows)."""
-    return dtype == torch.bfloat16 and q8_supports(out_features, in_features) and on_amx()
+    """Whether a bf16 layer of this shape keeps its 8-bit codes for the kernel here (attach and byte counts ask)."""
+    return dtype == torch.bfloat16 and q8_supports(out_features, in_features) and available()
 
 
 def q8_copy_bytes(out_features: int, in_features: int, dtype: torch.dtype) -> int:

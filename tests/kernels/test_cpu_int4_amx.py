@@ -141,8 +141,7 @@ def test_q8_matmul_equals_the_bf16_weights(shape, rows):
 def test_q8_refuses_shapes_and_dtypes_by_name():
     assert not cpu_int4_amx.q8_supports(40, 64) and not cpu_int4_amx.q8_supports(64, 48)
     assert cpu_int4_amx.q8_copy_bytes(64, 64, torch.float32) == 0  # float32 keeps the dequantized weights only
-    # kept on AMX only (without it the bf16 copy is faster: ``q8_serves``)
-    assert cpu_int4_amx.q8_copy_bytes(64, 64, torch.bfloat16) == (64 * 64 + 64 * 2 * 2 if cpu_int4_amx.on_amx() else 0)
+    assert cpu_int4_amx.q8_copy_bytes(64, 64, torch.bfloat16) == 64 * 64 + 64 * 2 * 2
     q, d, _ = _q8_layer(64, 64)
     with pytest.raises(ValueError, match="2 x 48 by 64"):
         cpu_int4_amx.q8_amx_mm(torch.zeros(2, 48, dtype=torch.bfloat16), cpu_int4_amx.pack_q8_codes(q), d.t()[:1])
@@ -206,10 +205,8 @@ def test_the_codes_attach_to_a_tied_or_an_own_output_projection():
     own.lm_head.packed, own.lm_head.tp_size = PackedLinear(w.bfloat16(), None, 32), 1  # a packed lm_head layer
     for model, get in ((tied, lambda m: m.lm_head), (own, lambda m: m.lm_head.packed)):
         dense = get(model)
-        if not cpu_int4_amx.on_amx():  # the dot-product loops: the bf16 copy stays the projection (``q8_serves``)
-            assert cpu_packing.attach_q8_output(model, q, d, torch.bfloat16) == 0 and get(model) is dense
-            continue
         assert cpu_packing.attach_q8_output(model, q, d, torch.bfloat16) == 64 * 128 + 64 * 4 * 2
         assert isinstance(get(model), cpu_packing.Q8Linear) and get(model).dense is dense
+        assert get(model).max_rows == cpu_packing.q8_max_rows()  # 32 on AMX, 4 on the dot products
     assert cpu_packing.attach_q8_output(nn.Module(), q, d, torch.bfloat16) == 0  # nothing packed to attach to
     assert cpu_packing.attach_q8_output(tied, q, d, torch.float32) == 0  # float32 keeps the dequantized weights

@@ -206,7 +206,7 @@ def iter_gguf(path: Path, config, int4: dict | None = None) -> Iterator[tuple[st
         elif int4 is not None and qtype not in ("F32", "F16", "BF16"):
             int4.setdefault(DEQUANTIZED, set()).add(f"{qtype} ({stem.rpartition('.')[2]})")
         if (int4 is not None and qtype == "Q8_0" and name == output and tensor.dim() == 2
-                and cpu_int4_amx.q8_supports(*tensor.shape) and cpu_int4_amx.on_amx()):
+                and cpu_int4_amx.q8_supports(*tensor.shape) and cpu_int4_amx.available()):
             int4[Q8_OUTPUT] = tuple(torch.from_numpy(a) for a in gguf_q8_codes(t.data, *tensor.shape))
         reader.release(t)
         yield name, tensor
@@ -396,13 +396,13 @@ def uses_gguf_int4(device: torch.device, dtype: torch.dtype, quantization=None, 
 
 
 def _attach_gguf_int4(model: DecoderLM, int4: dict, dtype: torch.dtype) -> None:
-    from kvloom.core.model.cpu_packing import Q8_MAX_ROWS, attach_int4, attach_q8_output
+    from kvloom.core.model.cpu_packing import attach_int4, attach_q8_output, q8_max_rows
 
     others = sorted(int4.pop(DEQUANTIZED, ()))
     output = int4.pop(Q8_OUTPUT, None)
     if output is not None and (held := attach_q8_output(model, *output, dtype)):
         logger.info("GGUF Q8_0 output projection kept at 8 bits on the CPU (%.1f MiB, for steps of <= %d sampled "
-                    "rows) beside its %s copy", held / 2**20, Q8_MAX_ROWS, str(dtype).removeprefix("torch."))
+                    "rows) beside its %s copy", held / 2**20, q8_max_rows(), str(dtype).removeprefix("torch."))
     layers, held = attach_int4(model, int4, type(model).stacked, dtype)
     dense = sum(layer.method.dense.held_bytes(layer, "cpu") for layer in model.linear_layers()
                 if hasattr(layer.method, "dense"))
