@@ -210,3 +210,23 @@ def test_the_codes_attach_to_a_tied_or_an_own_output_projection():
         assert get(model).max_rows == cpu_packing.q8_max_rows()  # 32 on AMX, 4 on the dot products
     assert cpu_packing.attach_q8_output(nn.Module(), q, d, torch.bfloat16) == 0  # nothing packed to attach to
     assert cpu_packing.attach_q8_output(tied, q, d, torch.float32) == 0  # float32 keeps the dequantized weights
+
+
+def test_an_unpacked_layer_takes_the_kernel_for_its_rows_too():
+    """A layer whose dense copy is not oneDNN-packed (packing off) still runs the rows the kernel serves on it:
+    torch's copy of the codes may not be kept (on the dot products ``int4_rows`` gives it no rows)."""
+    from kvloom.core.model import cpu_packing
+    from kvloom.core.model.linear import ReplicatedLinear, UnquantizedLinearMethod
+
+    q, _, sz, w = _layer(64, 128, 32)
+    layer = ReplicatedLinear(128, 64, False, method=UnquantizedLinearMethod(), prefix="p", params_dtype=torch.bfloat16)
+    layer.weight.data.copy_(w.bfloat16())
+    cpu_packing.attach_layer_int4(layer, q, sz[..., 0].t().float(), sz[..., 1].t().float(), 32, "Q4_1",
+                                  torch.bfloat16)
+    torch_rows, max_rows = cpu_packing.int4_rows()
+    assert (layer.int4_weight.numel() == 0) == (torch_rows == 0)
+    for rows in sorted({1, 2, max_rows, max_rows + 1}):
+        x = torch.randn(rows, 128, generator=torch.Generator().manual_seed(rows)).bfloat16()
+        got = layer.method.apply(layer, x).float()
+        want = x.float() @ w.t()
+        assert (got - want).abs().max() <= 0.01 * want.abs().max(), rows

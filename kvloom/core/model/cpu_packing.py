@@ -239,7 +239,10 @@ class Int4CPUMethod:
             return int4_linear_op(*args) if torch.compiler.is_compiling() else int4_linear(*args)
         if x.shape[0] > self.max_rows:
             return self.dense.apply(layer, x)
-        y = int4_mm(x.contiguous(), layer.int4_weight, layer.int4_scale_zeros, self.group)
+        if codes is not None and x.shape[0] > self.torch_rows:  # the dense copy unpacked: the kernel, as the op picks
+            y = cpu_int4_amx.int4_amx_mm(x, codes, layer.int4_amx_scale_zeros, self.group)
+        else:
+            y = int4_mm(x.contiguous(), layer.int4_weight, layer.int4_scale_zeros, self.group)
         return y if bias is None else y + bias
 
     def process_weights_after_loading(self, layer) -> None:
