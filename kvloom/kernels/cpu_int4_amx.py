@@ -114,10 +114,10 @@ inline void scale_offset(const uint32_t* scale_zero, __m512& s, __m512& off) {
 struct Int4Tiles {
     const uint8_t* codes;
     const uint32_t* sz;
-    int64_t N, chunks, per_group;
+    int64_t groups, chunks, per_group;
     inline void operator()(int64_t t, int64_t k, uint16_t* out) const {
         __m512 s, off;
-        scale_offset(sz + (t * (chunks / per_group) + k / per_group) * 16, s, off);
+        scale_offset(sz + (t * groups + k / per_group) * 16, s, off);
         // words 0-15 of a B row are outputs 0-7's (each twice), words 16-31 outputs 8-15's
         const __m512i lo_idx = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
         const __m512i hi_idx = _mm512_set_epi32(15, 15, 14, 14, 13, 13, 12, 12, 11, 11, 10, 10, 9, 9, 8, 8);
@@ -514,7 +514,7 @@ extern "C" int kvloom_int4_amx_mm(const uint16_t* x, const uint8_t* codes, const
     if (M <= 16)  // GROUPED_ROWS
         int4_grouped(x, codes, sz, y, M, K, N, group);
     else
-        matmul(x, Int4Tiles{codes, sz, N, K / 32, group / 32}, y, M, K, N);
+        matmul(x, Int4Tiles{codes, sz, K / group, K / 32, group / 32}, y, M, K, N);
     return 0;
 }
 

@@ -115,19 +115,24 @@ def int4_max_rows() -> int:
     return int4_rows()[1]
 
 
+def int4_matmul(x: torch.Tensor, weight: torch.Tensor, scale_zeros: torch.Tensor, amx_codes: torch.Tensor | None,
+                amx_scale_zeros: torch.Tensor | None, group: int, torch_rows: int) -> torch.Tensor:
+    """``x @ W.T`` of 2-D bf16 ``x`` on the 4-bit weights: torch's int4 matmul (``weight``, ``scale_zeros``) up to
+    ``torch_rows`` rows or where the kernel has no copy, the 4-bit kernel (``amx_codes``, ``amx_scale_zeros``)
+    beyond."""
+    if amx_codes is None or x.shape[0] <= torch_rows:
+        return int4_mm(x.contiguous(), weight, scale_zeros, group)
+    return cpu_int4_amx.int4_amx_mm(x, amx_codes, amx_scale_zeros, group)
+
+
 def int4_linear(x: torch.Tensor, weight: torch.Tensor, scale_zeros: torch.Tensor, amx_codes: torch.Tensor,
                 amx_scale_zeros: torch.Tensor, group: int, dense_weight: torch.Tensor, bias: torch.Tensor | None,
                 torch_rows: int, max_rows: int) -> torch.Tensor:
-    """``x @ W.T + b`` of 2-D bf16 ``x`` on whichever copy of ``W`` its rows run fastest on: torch's int4 matmul
-    (``weight``, ``scale_zeros``) up to ``torch_rows`` rows, the 4-bit kernel (``amx_codes``, ``amx_scale_zeros``)
-    up to ``max_rows``, the oneDNN-packed bf16 copy (``dense_weight``) beyond."""
-    rows = x.shape[0]
-    if rows > max_rows:
+    """``x @ W.T + b`` of 2-D bf16 ``x`` on whichever copy of ``W`` its rows run fastest on: the 4-bit weights up
+    to ``max_rows`` rows (``int4_matmul``), the oneDNN-packed bf16 copy (``dense_weight``) beyond."""
+    if x.shape[0] > max_rows:
         return packed_linear(x, dense_weight, bias, amx_codes.shape[0] * cpu_int4_amx.OUTPUTS)
-    if rows <= torch_rows:
-        y = int4_mm(x.contiguous(), weight, scale_zeros, group)
-    else:
-        y = cpu_int4_amx.int4_amx_mm(x, amx_codes, amx_scale_zeros, group)
+    y = int4_matmul(x, weight, scale_zeros, amx_codes, amx_scale_zeros, group, torch_rows)
     return y if bias is None else y + bias
 
 
@@ -239,10 +244,8 @@ class Int4CPUMethod:
             return int4_linear_op(*args) if torch.compiler.is_compiling() else int4_linear(*args)
         if x.shape[0] > self.max_rows:
             return self.dense.apply(layer, x)
-        if codes is not None and x.shape[0] > self.torch_rows:  # the dense copy unpacked: the kernel, as the op picks
-            y = cpu_int4_amx.int4_amx_mm(x, codes, layer.int4_amx_scale_zeros, self.group)
-        else:
-            y = int4_mm(x.contiguous(), layer.int4_weight, layer.int4_scale_zeros, self.group)
+        y = int4_matmul(x, layer.int4_weight, layer.int4_scale_zeros, codes,
+                        getattr(layer, "int4_amx_scale_zeros", None), self.group, self.torch_rows)
         return y if bias is None else y + bias
 
     def process_weights_after_loading(self, layer) -> None:
