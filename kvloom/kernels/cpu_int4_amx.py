@@ -25,10 +25,12 @@ one fp16 ``d`` per 32 inputs, which a GGUF file's output projection (its tied em
 out by ``pack_q8_codes`` in the B operand's pair order, a tile needs no shuffle. 2.5-2.9 ms for SmolLM2's 49152 x 576
 table from 1 to 32 rows against 4.0-6.0 for its bf16 copy.
 
-On a CPU with AVX512-BF16 but no AMX (Zen 4/5, Cooper Lake) the same entry points run the same two loops on
-``vdpbf16ps``: a B tile's row of pairs is one operand, each row's pair of inputs broadcast is the other (the rows'
-pairs laid out pair-major first, so one pointer addresses them all). There they serve steps of 1 to 16 rows
-(``on_amx()`` tells the engine which; ``cpu_packing.int4_rows``), and the 8-bit head steps of 1 to 4 rows.
+On a CPU with AVX512-BF16 but no AMX (Zen 4/5, Cooper Lake) the same entry points run on ``vdpbf16ps``: a B tile's
+row of pairs is one operand, each row's pair of inputs broadcast is the other (the rows' pairs laid out pair-major
+first, so one pointer addresses them all). There the 4-bit weights take the first loop at any row count, the rows in
+blocks of up to 16 (``grouped_rows()``), each tile's codes read once for all blocks and fetched ahead of the loop; a
+dequantized tile would cost as many vector instructions as the dot products it feeds. They serve steps of 1 to 64
+rows (``on_amx()`` tells the engine which; ``cpu_packing.int4_rows``), and the 8-bit head steps of 1 to 4 rows.
 
 Linux lends AMX's tile registers only to a process that asks (``arch_prctl(ARCH_REQ_XCOMP_PERM)``); the library
 asks when it loads. Built like the other CPU kernels (``kvloom.kernels.cpu_build``); where the compiler or the CPU
@@ -41,6 +43,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import sys
 import threading
 
 import torch
@@ -51,7 +54,7 @@ logger = logging.getLogger("kvloom")
 
 OUTPUTS = 16  # outputs a tile (a B tile's 16 columns of float32 results)
 INPUTS = 32  # inputs a tile (one 64-byte row of bf16 an A tile row holds)
-GROUPED_ROWS = 16  # up to this many rows the codes are multiplied and each group's sums scaled (``int4_grouped``)
+GROUPED_ROWS = 16  # on AMX, up to this many rows the codes are multiplied and each group's sums scaled
 
 _SOURCE = r"""
 #include <cstdint>
@@ -423,65 +426,105 @@ void matmul(const uint16_t* x, const Tiles& tiles_in, uint16_t* y, int64_t M, in
     std::free(xp);
 }
 
-// Up to 16 rows of 4-bit weights, as the AMX loop does: the codes themselves as bf16 integers (a table lookup, in
+// The 4-bit weights, as the AMX loop does up to 16 rows: the codes themselves as bf16 integers (a table lookup, in
 // registers) and each group's float32 sums scaled once, y = sum over groups of scale * (x . q) + offset * sum(x).
+// One tile (16 outputs) for R rows (their pairs ``xp``, pair-major, and group sums ``xsum``, [groups, M]).
 template <int R>
-void int4_grouped_rows(const int32_t* xp, const uint8_t* codes, const uint32_t* sz, const float* xsum, uint16_t* y,
-                       int64_t K, int64_t N, int64_t group) {
+void grouped_tile(const int32_t* xp, const uint8_t* codes, const uint32_t* sz, const float* xsum, int64_t M,
+                  uint16_t* y, int64_t N, int64_t groups, int64_t per_group, __m512i table) {
     constexpr int A = SPLIT<R>;
-    const int64_t tiles = N / 16, chunks = K / 32, per_group = group / 32, groups = K / group;
-#pragma omp parallel
-    {
-        const __m512i table = code_table();
-#pragma omp for schedule(static)
-        for (int64_t t = 0; t < tiles; ++t) {
-            __m512 acc[R];
-            for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
-            for (int64_t g = 0; g < groups; ++g) {
-                __m512 gs[A][R];
-                for (int a = 0; a < A; ++a)
-                    for (int r = 0; r < R; ++r) gs[a][r] = _mm512_setzero_ps();
-                for (int64_t k = g * per_group; k < (g + 1) * per_group; ++k) {
-                    const uint8_t* c = codes + (t * chunks + k) * 256;
-                    const int32_t* xk = xp + k * 16 * R;
+    __m512 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < groups; ++g) {
+        __m512 gs[A][R];
+        for (int a = 0; a < A; ++a)
+            for (int r = 0; r < R; ++r) gs[a][r] = _mm512_setzero_ps();
+        for (int64_t k = g * per_group; k < (g + 1) * per_group; ++k) {
+            const uint8_t* c = codes + k * 256;
+            const int32_t* xk = xp + k * 16 * R;
+            // 8 chunks ahead (past the tile's end: the next tile's): ~20 % at 8 to 32 rows over the prefetcher's own
+            for (int l = 0; l < 4; ++l) _mm_prefetch(reinterpret_cast<const char*>(c + 2048 + l * 64), _MM_HINT_T0);
 #pragma GCC unroll 8
-                    for (int h = 0; h < 8; ++h) {  // B rows 2h (low nibbles) and 2h + 1: inputs 4h.. and 4h + 2..
-                        const __m512i v = _mm512_cvtepu8_epi16(
-                            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + h * 32)));
-                        const __m512bh w0 = (__m512bh)_mm512_permutexvar_epi16(v, table);
-                        const __m512bh w1 = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(v, 4), table);
+            for (int h = 0; h < 8; ++h) {  // B rows 2h (low nibbles) and 2h + 1: inputs 4h.. and 4h + 2..
+                const __m512i v = _mm512_cvtepu8_epi16(
+                    _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + h * 32)));
+                const __m512bh w0 = (__m512bh)_mm512_permutexvar_epi16(v, table);
+                const __m512bh w1 = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(v, 4), table);
 #pragma GCC unroll 16
-                        for (int r = 0; r < R; ++r)
-                            gs[(2 * h) % A][r] = _mm512_dpbf16_ps(gs[(2 * h) % A][r], w0,
-                                                                  (__m512bh)_mm512_set1_epi32(xk[2 * h * R + r]));
+                for (int r = 0; r < R; ++r)
+                    gs[(2 * h) % A][r] = _mm512_dpbf16_ps(gs[(2 * h) % A][r], w0,
+                                                          (__m512bh)_mm512_set1_epi32(xk[2 * h * R + r]));
 #pragma GCC unroll 16
-                        for (int r = 0; r < R; ++r)
-                            gs[(2 * h + 1) % A][r] = _mm512_dpbf16_ps(gs[(2 * h + 1) % A][r], w1,
-                                                                      (__m512bh)_mm512_set1_epi32(xk[(2 * h + 1) * R + r]));
-                    }
-                }
-                __m512 s, off;
-                scale_offset(sz + (t * groups + g) * 16, s, off);
-#pragma GCC unroll 16
-                for (int r = 0; r < R; ++r) {
-                    __m512 sum = gs[0][r];
-                    for (int a = 1; a < A; ++a) sum = _mm512_add_ps(sum, gs[a][r]);
-                    acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(xsum[r * groups + g]), off, _mm512_fmadd_ps(sum, s, acc[r]));
-                }
+                for (int r = 0; r < R; ++r)
+                    gs[(2 * h + 1) % A][r] = _mm512_dpbf16_ps(gs[(2 * h + 1) % A][r], w1,
+                                                              (__m512bh)_mm512_set1_epi32(xk[(2 * h + 1) * R + r]));
             }
-            for (int r = 0; r < R; ++r) store_bf16(y + r * N + t * 16, acc[r]);
+        }
+        __m512 s, off;
+        scale_offset(sz + g * 16, s, off);
+#pragma GCC unroll 16
+        for (int r = 0; r < R; ++r) {
+            __m512 sum = gs[0][r];
+            for (int a = 1; a < A; ++a) sum = _mm512_add_ps(sum, gs[a][r]);
+            acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(xsum[g * M + r]), off, _mm512_fmadd_ps(sum, s, acc[r]));
         }
     }
+    for (int r = 0; r < R; ++r) store_bf16(y + r * N, acc[r]);
 }
 
+// A buffer of the calling thread's, grown as needed and kept: a step calls the kernel ~100 times.
+inline void* scratch(int which, size_t bytes) {
+    thread_local void* buffers[2] = {nullptr, nullptr};
+    thread_local size_t sizes[2] = {0, 0};
+    if (sizes[which] < bytes) {
+        std::free(buffers[which]);
+        sizes[which] = (bytes + 4095) / 4096 * 4096;
+        buffers[which] = std::aligned_alloc(64, sizes[which]);
+    }
+    return buffers[which];
+}
+
+// Any rows, in even blocks of at most 16 (17 rows: 9 + 8, not 16 + 1): each block's pairs and group sums made by
+// the team, then each tile's codes read once for every block while they are in cache.
 void int4_grouped(const uint16_t* x, const uint8_t* codes, const uint32_t* sz, uint16_t* y, int64_t M, int64_t K,
                   int64_t N, int64_t group) {
-    float* xsum = group_sums(x, M, K, group);
-    int32_t* xp = static_cast<int32_t*>(std::aligned_alloc(64, (M * K * 2 + 63) / 64 * 64));
-    pack_pairs(x, M, K, xp);
-    KVLOOM_BY_ROWS(int4_grouped_rows, M, xp, codes, sz, xsum, y, K, N, group)
-    std::free(xp);
-    std::free(xsum);
+    const int64_t tiles = N / 16, chunks = K / 32, groups = K / group, blocks = (M + 15) / 16;
+    int32_t* xp = static_cast<int32_t*>(scratch(0, M * K * 2));
+    float* xsum = static_cast<float*>(scratch(1, M * groups * sizeof(float)));
+    const auto pack = [&](int64_t g) {
+        for (int64_t i = 0; i < blocks; ++i) {
+            const int64_t r0 = i * M / blocks, rows = (i + 1) * M / blocks - r0;
+            for (int64_t r = r0; r < r0 + rows; ++r) {
+                const int32_t* row = reinterpret_cast<const int32_t*>(x + r * K);
+                int32_t* out = xp + r0 * (K / 2) + (r - r0);
+                for (int64_t j = g * group / 2; j < (g + 1) * group / 2; ++j) out[j * rows] = row[j];
+                __m512 sum = _mm512_setzero_ps();
+                for (int64_t k = g * group; k < (g + 1) * group; k += 16)
+                    sum = _mm512_add_ps(sum, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
+                        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + r * K + k))), 16)));
+                xsum[g * M + r] = _mm512_reduce_add_ps(sum);
+            }
+        }
+    };
+    const bool shared = M > 16;  // a few rows are packed sooner than the team would meet at a barrier
+    if (!shared)
+        for (int64_t g = 0; g < groups; ++g) pack(g);
+#pragma omp parallel
+    {
+        if (shared) {
+#pragma omp for schedule(static)
+            for (int64_t g = 0; g < groups; ++g) pack(g);  // by groups: a thread writes whole cache lines of a block
+        }
+        const __m512i table = code_table();
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < tiles; ++t)
+            for (int64_t i = 0, r0 = 0; i < blocks; ++i) {
+                const int64_t r1 = (i + 1) * M / blocks;
+                KVLOOM_BY_ROWS(grouped_tile, r1 - r0, xp + r0 * (K / 2), codes + t * chunks * 256, sz + t * groups * 16,
+                               xsum + r0, M, y + r0 * N + t * 16, N, groups, group / 32, table)
+                r0 = r1;
+            }
+    }
 }
 #undef KVLOOM_BY_ROWS
 #endif
@@ -511,10 +554,13 @@ extern "C" int kvloom_int4_amx_mm(const uint16_t* x, const uint8_t* codes, const
                                   int64_t M, int64_t K, int64_t N, int64_t group) {
     if (M < 1 || N % 16 || K % 32 || group % 32 || K % group) return 1;
     const uint32_t* sz = reinterpret_cast<const uint32_t*>(scale_zeros);
-    if (M <= 16)  // GROUPED_ROWS
-        int4_grouped(x, codes, sz, y, M, K, N, group);
-    else
+#ifdef KVLOOM_AMX
+    if (M > 16) {  // GROUPED_ROWS
         matmul(x, Int4Tiles{codes, sz, K / group, K / 32, group / 32}, y, M, K, N);
+        return 0;
+    }
+#endif
+    int4_grouped(x, codes, sz, y, M, K, N, group);
     return 0;
 }
 
@@ -571,6 +617,12 @@ def _cpu_has_bf16_dot() -> bool:
 def available() -> bool:
     """Whether the kernel is built and may run here (building it on the first call)."""
     return bool(_load())
+
+
+def grouped_rows() -> int:
+    """The most rows a call multiplies by the codes themselves (each group's sums scaled) here: ``GROUPED_ROWS`` on
+    AMX, any number on the dot products (which dequantize no 4-bit tile)."""
+    return GROUPED_ROWS if on_amx() else sys.maxsize
 
 
 def on_amx() -> bool:
