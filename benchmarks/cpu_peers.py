@@ -12,6 +12,8 @@ table of output tok/s and TPOT per concurrency with the ratios, and each server'
 kvloom and llama.cpp read the GGUF file; vLLM reads a safetensors copy of it (``gguf_to_hf.py``, bf16). vLLM gets
 both cores (``VLLM_CPU_OMP_THREADS_BIND=0-1``), llama-server 2 threads and 32 slots. One server runs at a time;
 the order alternates between rounds. Peak memory: the server's processes' VmHWM summed, read after the load.
+``--offline`` adds the offline APIs (32 x (input + output), greedy): kvloom's ``LLM`` on the GGUF file against vLLM's
+on its bf16 copy, alternated the same way, with the ratio.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import statistics
 import subprocess
 import sys
@@ -105,21 +108,33 @@ def bench(url: str, args, concurrency: int, out: Path) -> dict:
     return json.loads(out.read_text())["levels"][0]
 
 
-def offline_kvloom(args) -> float:
-    """kvloom's offline API: 32 prompts of input_len random tokens, output_len tokens each; output tok/s."""
-    code = ("import sys, time, random\nfrom kvloom import LLM, SamplingParams\n"
-            f"llm = LLM({str(args.gguf)!r}, max_model_len={args.max_model_len})\n"
-            "rng = random.Random(0)\n"
-            f"ps = [[rng.randrange(100, 20000) for _ in range({args.input_len})] for _ in range(32)]\n"
-            f"sp = SamplingParams(temperature=0.0, max_tokens={args.output_len}, ignore_eos=True)\n"
-            "llm.generate(ps[:2], sp, use_tqdm=False)\n"
-            "t = time.perf_counter(); outs = llm.generate(ps, sp, use_tqdm=False)\n"
-            "print(sum(len(o.token_ids) for o in outs) / (time.perf_counter() - t))\n")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
-    if done.returncode != 0:
-        raise SystemExit(f"offline kvloom failed:\n{done.stderr[-2000:]}")
-    return float(done.stdout.strip().splitlines()[-1])
+def offline(args, engines: list[str]) -> dict:
+    """The offline APIs on 32 prompts of input_len random token ids, output_len tokens each (greedy, ignore_eos):
+    kvloom's ``LLM`` on the GGUF file and, where vLLM is among the engines, vLLM's on its bf16 copy (both cores),
+    each in its own process in turn, alternated per round; median output tok/s of two timed passes a round."""
+    from vllm_offline_peer import run_engine
+
+    rng = random.Random(0)
+    work = {"prompts": [[rng.randrange(100, 20000) for _ in range(args.input_len)] for _ in range(32)],
+            "outputs": [args.output_len] * 32}
+    sides = [("kvloom", str(args.gguf))]
+    if "vllm" in engines:
+        sides.append(("vllm", str(export(args.hf_folder, "bfloat16", str(args.gguf)))))
+    tok_s: dict[str, list[float]] = {name: [] for name, _ in sides}
+    tmp = Path(tempfile.mkdtemp(prefix="kvloom-cpu-peers-offline-"))
+    for rnd in range(args.rounds):
+        for name, model in sides if rnd % 2 == 0 else sides[::-1]:
+            run = argparse.Namespace(model=model, dtype="bfloat16", max_model_len=args.max_model_len, kv_cache_gib=1,
+                                     repeat=2, vllm_python=args.vllm_python, vllm_cores=f"0-{args.threads - 1}")
+            times = run_engine(name, run, work, tmp)
+            tok_s[name].append(32 * args.output_len / statistics.median(times))
+            print(f"[offline round {rnd}] {name}: {tok_s[name][-1]:.1f} tok/s", file=sys.stderr, flush=True)
+    result = {f"offline_32_{name}_tok_s": round(statistics.median(v), 1) for name, v in tok_s.items()}
+    result["offline_runs"] = {name: [round(x, 1) for x in v] for name, v in tok_s.items()}
+    if "vllm" in tok_s:
+        ratio = statistics.median(tok_s["kvloom"]) / statistics.median(tok_s["vllm"])
+        result["offline_kvloom_over_vllm"] = round(ratio, 3)
+    return result
 
 
 def main() -> None:
@@ -135,7 +150,8 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--max-model-len", type=int, default=2048)
-    p.add_argument("--offline", action="store_true", help="Also kvloom's offline 32 x (input + output) tok/s.")
+    p.add_argument("--offline", action="store_true", help="Also the offline APIs' 32 x (input + output) tok/s: "
+                   "kvloom's on the GGUF file, vLLM's (if among the engines) on its bf16 copy.")
     p.add_argument("--llama-bin", type=Path, default=LLAMA_BIN)
     p.add_argument("--vllm-python", type=Path, default=VLLM_PYTHON)
     p.add_argument("--kvloom-arg", action="append", default=[], help="An extra flag for kvloom's server (repeat).")
@@ -190,7 +206,7 @@ def main() -> None:
               "load_before": os.getloadavg(), "peak_rss_mib": {e: max(m) for e, m in memory.items() if m},
               "levels": rows, "logs": str(log_dir)}
     if args.offline and "kvloom" in engines:
-        result["offline_32_kvloom_tok_s"] = offline_kvloom(args)
+        result.update(offline(args, engines))
     text = json.dumps(result, indent=1)
     print(text)
     if args.output_json:
@@ -202,6 +218,9 @@ def main() -> None:
         ratios = [f"**{row[f'{engines[0]}_over_{e}']:.2f}**" for e in engines[1:]]
         print(f"| {row['concurrency']} | " + " | ".join(cells + ratios) + " |")
     print("peak RSS MiB: " + ", ".join(f"{e} {v:.0f}" for e, v in result["peak_rss_mib"].items()))
+    if "offline_kvloom_over_vllm" in result:
+        print(f"offline 32 x ({args.input_len} + {args.output_len}): kvloom {result['offline_32_kvloom_tok_s']:.1f}, "
+              f"vLLM {result['offline_32_vllm_tok_s']:.1f} tok/s, **{result['offline_kvloom_over_vllm']:.2f}x**")
 
 
 if __name__ == "__main__":

@@ -7,7 +7,8 @@ at once), the order alternating between rounds; prints JSON with every pass and 
     python benchmarks/vllm_offline_peer.py           # 32 x (128 + 64), greedy, ignore_eos
 
 Each engine is loaded once per round, warmed up on the same prompts with two output tokens, then timed
-over ``--repeat`` passes (the median is its figure for the round).
+over ``--repeat`` passes (the median is its figure for the round). vLLM's OpenMP threads are bound to every core
+(``VLLM_CPU_OMP_THREADS_BIND``, ``--vllm-cores``); unbound, its CPU build computes on one.
 """
 
 from __future__ import annotations
@@ -78,6 +79,8 @@ def run_engine(engine: str, args, work: dict, tmp: Path) -> list[float]:
     if engine == "vllm":
         python = str(args.vllm_python)
         env["VLLM_CPU_KVCACHE_SPACE"] = str(int(args.kv_cache_gib))
+        # its CPU build otherwise keeps a core for a frontend the offline API does not run: one core computes
+        env["VLLM_CPU_OMP_THREADS_BIND"] = args.vllm_cores or f"0-{len(os.sched_getaffinity(0)) - 1}"
         env.pop("PYTHONPATH", None)  # vLLM's own virtualenv, nothing of ours
     else:
         python = sys.executable
@@ -95,6 +98,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", type=Path, default=DEFAULT_FOLDER, help="A Hugging Face folder (made if missing).")
     p.add_argument("--vllm-python", type=Path, default=VLLM_PYTHON)
+    p.add_argument("--vllm-cores", help="VLLM_CPU_OMP_THREADS_BIND (default: every core, 0-N).")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--num-requests", type=int, default=32)
     p.add_argument("--input-len", type=int, default=128)
