@@ -30,7 +30,7 @@ row of pairs is one operand, each row's pair of inputs broadcast is the other (t
 first, so one pointer addresses them all). There the 4-bit weights take the first loop at any row count, the rows in
 blocks of up to 16 (``grouped_rows()``), each tile's codes read once for all blocks and fetched ahead of the loop; a
 dequantized tile would cost as many vector instructions as the dot products it feeds. They serve steps of 1 to 64
-rows (``on_amx()`` tells the engine which; ``cpu_packing.int4_rows``), and the 8-bit head steps of 1 to 4 rows.
+rows (``on_amx()`` tells the engine which; ``cpu_packing.int4_rows``), and the 8-bit head steps of 1 to 8 rows.
 
 Linux lends AMX's tile registers only to a process that asks (``arch_prctl(ARCH_REQ_XCOMP_PERM)``); the library
 asks when it loads. Built like the other CPU kernels (``kvloom.kernels.cpu_build``); where the compiler or the CPU
@@ -155,6 +155,7 @@ struct Int8Tiles {
         const __m512 s_hi = _mm512_permutexvar_ps(
             _mm512_set_epi32(15, 15, 14, 14, 13, 13, 12, 12, 11, 11, 10, 10, 9, 9, 8, 8), d);
         const int8_t* c = codes + (t * chunks + k) * 512;
+        for (int l = 0; l < 8; ++l) _mm_prefetch(reinterpret_cast<const char*>(c + 4096 + l * 64), _MM_HINT_T0);
         for (int p = 0; p < 16; ++p) {
             const __m512 lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
                 _mm_loadu_si128(reinterpret_cast<const __m128i*>(c + p * 32)))), s_lo);
@@ -351,6 +352,18 @@ void matmul(const uint16_t* x, const Tiles& W, uint16_t* y, int64_t M, int64_t K
 // hide it; two a row up to 9 rows still fit the registers beside the grouped loop's sums: 8 rows 10 % faster)
 template <int R> constexpr int SPLIT = R >= 10 ? 1 : R >= 4 ? 2 : R >= 2 ? 4 : 8;
 
+// A buffer of the calling thread's, grown as needed and kept: a step calls the kernel ~100 times.
+inline void* scratch(int which, size_t bytes) {
+    thread_local void* buffers[2] = {nullptr, nullptr};
+    thread_local size_t sizes[2] = {0, 0};
+    if (sizes[which] < bytes) {
+        std::free(buffers[which]);
+        sizes[which] = (bytes + 4095) / 4096 * 4096;
+        buffers[which] = std::aligned_alloc(64, sizes[which]);
+    }
+    return buffers[which];
+}
+
 // Rows x [R, K] as their pairs of inputs, pair-major: out[j * R + r] holds row r's inputs 2j and 2j + 1. A dot
 // product then broadcasts each row's pair from one pointer and a constant offset (from R row pointers, the loops
 // ran out of registers for addresses).
@@ -406,13 +419,13 @@ void dot_rows(const int32_t* xp, const uint16_t* b, int64_t chunks, uint16_t* y,
 template <typename Tiles>
 void matmul(const uint16_t* x, const Tiles& tiles_in, uint16_t* y, int64_t M, int64_t K, int64_t N) {
     const int64_t tiles = N / 16, chunks = K / 32, blocks = (M + 15) / 16;
-    int32_t* xp = static_cast<int32_t*>(std::aligned_alloc(64, (M * K * 2 + 63) / 64 * 64));
+    int32_t* xp = static_cast<int32_t*>(scratch(0, M * K * 2));
     for (int64_t i = 0; i < blocks; ++i)  // each block's pairs, pair-major within the block
         pack_pairs(x + i * M / blocks * K, (i + 1) * M / blocks - i * M / blocks, K, xp + i * M / blocks * (K / 2));
 #pragma omp parallel
     {
         const Tiles W = tiles_in;  // a thread's own copy: its fields stay in registers (bf16 stores may alias a ref)
-        uint16_t* b = static_cast<uint16_t*>(std::aligned_alloc(64, chunks * 512 * sizeof(uint16_t)));
+        uint16_t* b = static_cast<uint16_t*>(scratch(1, chunks * 512 * sizeof(uint16_t)));  // the thread's own
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < tiles; ++t) {
             for (int64_t k = 0; k < chunks; ++k) W(t, k, b + k * 512);
@@ -422,9 +435,7 @@ void matmul(const uint16_t* x, const Tiles& tiles_in, uint16_t* y, int64_t M, in
                 r0 = r1;
             }
         }
-        std::free(b);
     }
-    std::free(xp);
 }
 
 // The 4-bit weights, as the AMX loop does up to 16 rows: the codes themselves as bf16 integers (a table lookup, in
@@ -471,18 +482,6 @@ void grouped_tile(const int32_t* xp, const uint8_t* codes, const uint32_t* sz, c
         }
     }
     for (int r = 0; r < R; ++r) store_bf16(y + r * N, acc[r]);
-}
-
-// A buffer of the calling thread's, grown as needed and kept: a step calls the kernel ~100 times.
-inline void* scratch(int which, size_t bytes) {
-    thread_local void* buffers[2] = {nullptr, nullptr};
-    thread_local size_t sizes[2] = {0, 0};
-    if (sizes[which] < bytes) {
-        std::free(buffers[which]);
-        sizes[which] = (bytes + 4095) / 4096 * 4096;
-        buffers[which] = std::aligned_alloc(64, sizes[which]);
-    }
-    return buffers[which];
 }
 
 // Any rows, in even blocks of at most 16 (17 rows: 9 + 8, not 16 + 1): each block's pairs and group sums made by

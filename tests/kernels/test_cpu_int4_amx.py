@@ -207,7 +207,7 @@ def test_the_codes_attach_to_a_tied_or_an_own_output_projection():
         dense = get(model)
         assert cpu_packing.attach_q8_output(model, q, d, torch.bfloat16) == 64 * 128 + 64 * 4 * 2
         assert isinstance(get(model), cpu_packing.Q8Linear) and get(model).dense is dense
-        assert get(model).max_rows == cpu_packing.q8_max_rows()  # 32 on AMX, 4 on the dot products
+        assert get(model).max_rows == cpu_packing.q8_max_rows()  # 32 on AMX, 8 on the dot products
     assert cpu_packing.attach_q8_output(nn.Module(), q, d, torch.bfloat16) == 0  # nothing packed to attach to
     assert cpu_packing.attach_q8_output(tied, q, d, torch.float32) == 0  # float32 keeps the dequantized weights
 

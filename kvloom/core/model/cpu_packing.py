@@ -148,9 +148,9 @@ int4_linear_op = cpu_ops.define(
 # The output projection from GGUF's 8-bit codes (Q8_0) on AMX up to this many rows (the sampled positions of a
 # step): 2.5-2.9 ms on SmolLM2's 49152 x 576 table from memory against the bf16 copy's 4.0-6.0; beyond, the copy's.
 Q8_MAX_ROWS = 32
-# On AVX512-BF16's dot products converting the codes costs more a row: SmolLM2's decode steps on a 2-core Zen 5
-# took 0.5-0.7 ms less at 1 and 2 rows and 1-2 ms less at 4 with the 8-bit head, 1.4 ms more at 8.
-DOT_Q8_MAX_ROWS = 4
+# On AVX512-BF16's dot products (a 2-core Zen 5, SmolLM2's table): 0.85 / 1.03 / 1.30 ms at 1 / 4 / 8 rows against
+# the bf16 copy's 1.37 / 1.57 / 1.58, even with it from 16; 8-row decode steps 9.6-10.0 ms against 10.3-11.1.
+DOT_Q8_MAX_ROWS = 8
 
 
 def q8_max_rows() -> int:
