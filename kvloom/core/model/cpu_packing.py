@@ -148,8 +148,8 @@ int4_linear_op = cpu_ops.define(
 # The output projection from GGUF's 8-bit codes (Q8_0) on AMX up to this many rows (the sampled positions of a
 # step): 2.5-2.9 ms on SmolLM2's 49152 x 576 table from memory against the bf16 copy's 4.0-6.0; beyond, the copy's.
 Q8_MAX_ROWS = 32
-# On AVX512-BF16's dot products (a 2-core Zen 5, SmolLM2's table): 0.85 / 1.03 / 1.30 ms at 1 / 4 / 8 rows against
-# the bf16 copy's 1.37 / 1.57 / 1.58, even with it from 16 (benchmarks/cpu_int4.py).
+# On AVX512-BF16's dot products (a 2-core Zen 5, SmolLM2's table): 1.01 / 1.17 / 1.38 ms at 1 / 4 / 8 rows against
+# the bf16 copy's 1.75 / 1.73 / 1.81, even with it from 16 (benchmarks/cpu_int4.py).
 DOT_Q8_MAX_ROWS = 8
 
 
