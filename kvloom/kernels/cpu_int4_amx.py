@@ -352,16 +352,25 @@ void matmul(const uint16_t* x, const Tiles& W, uint16_t* y, int64_t M, int64_t K
 // hide it; two a row up to 9 rows still fit the registers beside the grouped loop's sums: 8 rows 10 % faster)
 template <int R> constexpr int SPLIT = R >= 10 ? 1 : R >= 4 ? 2 : R >= 2 ? 4 : 8;
 
-// A buffer of the calling thread's, grown as needed and kept: a step calls the kernel ~100 times.
-inline void* scratch(int which, size_t bytes) {
-    thread_local void* buffers[2] = {nullptr, nullptr};
-    thread_local size_t sizes[2] = {0, 0};
-    if (sizes[which] < bytes) {
-        std::free(buffers[which]);
-        sizes[which] = (bytes + 4095) / 4096 * 4096;
-        buffers[which] = std::aligned_alloc(64, sizes[which]);
+// A buffer of the calling thread's, grown as needed and kept (freed when the thread ends): a step calls the kernel
+// ~100 times.
+struct Scratch {
+    void* buffers[2] = {nullptr, nullptr};
+    size_t sizes[2] = {0, 0};
+    ~Scratch() {
+        std::free(buffers[0]);
+        std::free(buffers[1]);
     }
-    return buffers[which];
+};
+
+inline void* scratch(int which, size_t bytes) {
+    thread_local Scratch s;
+    if (s.sizes[which] < bytes) {
+        std::free(s.buffers[which]);
+        s.sizes[which] = (bytes + 4095) / 4096 * 4096;
+        s.buffers[which] = std::aligned_alloc(64, s.sizes[which]);
+    }
+    return s.buffers[which];
 }
 
 // Rows x [R, K] as their pairs of inputs, pair-major: out[j * R + r] holds row r's inputs 2j and 2j + 1. A dot
