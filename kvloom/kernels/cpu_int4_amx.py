@@ -96,20 +96,56 @@ inline __m512i code_table() {
     return _mm512_load_si512(words);
 }
 
-inline void code_tile(const uint8_t* codes, __m512i table, uint16_t* out) {
-    for (int h = 0; h < 8; ++h) {
-        const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + h * 32)));
-        _mm512_store_si512(out + (2 * h) * 32, _mm512_permutexvar_epi16(v, table));
-        _mm512_store_si512(out + (2 * h + 1) * 32, _mm512_permutexvar_epi16(_mm512_srli_epi16(v, 4), table));
-    }
-}
-
 // 16 (scale, zero) bf16 pairs -> the scales and W's offsets, zero - 8 * scale: W = q * scale + offset
 inline void scale_offset(const uint32_t* scale_zero, __m512& s, __m512& off) {
     const __m512i sz = _mm512_loadu_si512(scale_zero);
     s = _mm512_castsi512_ps(_mm512_slli_epi32(sz, 16));
     off = _mm512_fnmadd_ps(_mm512_set1_ps(8.0f), s,
                            _mm512_castsi512_ps(_mm512_and_si512(sz, _mm512_set1_epi32(static_cast<int>(0xffff0000u)))));
+}
+
+// 8-bit weights (GGUF's Q8_0): codes int8 [N / 16, K / 32, 16, 16, 2] (``pack_q8_codes``: byte 2j + e of row p is
+// output j's code of input 2p + e, already the B operand's pair order), one fp16 scale d per output and 32 inputs
+// [K / 32, N]; W = d * q rounded to bf16 (d * q is exact in float32).
+struct Int8Tiles {
+    const int8_t* codes;
+    const uint16_t* scales;
+    int64_t N, chunks;
+    inline void operator()(int64_t t, int64_t k, uint16_t* out) const {
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + k * N + t * 16)));
+        // lanes 2j and 2j + 1 take output j's scale: outputs 0-7 in the first 16 lanes, 8-15 in the second
+        const __m512 s_lo = _mm512_permutexvar_ps(_mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0), d);
+        const __m512 s_hi = _mm512_permutexvar_ps(
+            _mm512_set_epi32(15, 15, 14, 14, 13, 13, 12, 12, 11, 11, 10, 10, 9, 9, 8, 8), d);
+        const int8_t* c = codes + (t * chunks + k) * 512;
+        for (int l = 0; l < 8; ++l) _mm_prefetch(reinterpret_cast<const char*>(c + 4096 + l * 64), _MM_HINT_T0);
+        for (int p = 0; p < 16; ++p) {
+            const __m512 lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                _mm_loadu_si128(reinterpret_cast<const __m128i*>(c + p * 32)))), s_lo);
+            const __m512 hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                _mm_loadu_si128(reinterpret_cast<const __m128i*>(c + p * 32 + 16)))), s_hi);
+            _mm512_store_si512(out + p * 32, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+        }
+    }
+};
+
+// The sum of n bf16 values (n a multiple of 16), in float32.
+inline float sum_bf16(const uint16_t* x, int64_t n) {
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t k = 0; k < n; k += 16)
+        sum = _mm512_add_ps(sum, _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + k))), 16)));
+    return _mm512_reduce_add_ps(sum);
+}
+
+#ifdef KVLOOM_AMX
+// A chunk's codes as the bf16 integers (``code_table``) into a B tile, for AMX's grouped loop.
+inline void code_tile(const uint8_t* codes, __m512i table, uint16_t* out) {
+    for (int h = 0; h < 8; ++h) {
+        const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + h * 32)));
+        _mm512_store_si512(out + (2 * h) * 32, _mm512_permutexvar_epi16(v, table));
+        _mm512_store_si512(out + (2 * h + 1) * 32, _mm512_permutexvar_epi16(_mm512_srli_epi16(v, 4), table));
+    }
 }
 
 // More rows: the weights dequantized into the B tiles (W = (q - 8) * scale + zero in float32, rounded to bf16
@@ -141,31 +177,6 @@ struct Int4Tiles {
     }
 };
 
-// 8-bit weights (GGUF's Q8_0): codes int8 [N / 16, K / 32, 16, 16, 2] (``pack_q8_codes``: byte 2j + e of row p is
-// output j's code of input 2p + e, already the B operand's pair order), one fp16 scale d per output and 32 inputs
-// [K / 32, N]; W = d * q rounded to bf16 (d * q is exact in float32).
-struct Int8Tiles {
-    const int8_t* codes;
-    const uint16_t* scales;
-    int64_t N, chunks;
-    inline void operator()(int64_t t, int64_t k, uint16_t* out) const {
-        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + k * N + t * 16)));
-        // lanes 2j and 2j + 1 take output j's scale: outputs 0-7 in the first 16 lanes, 8-15 in the second
-        const __m512 s_lo = _mm512_permutexvar_ps(_mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0), d);
-        const __m512 s_hi = _mm512_permutexvar_ps(
-            _mm512_set_epi32(15, 15, 14, 14, 13, 13, 12, 12, 11, 11, 10, 10, 9, 9, 8, 8), d);
-        const int8_t* c = codes + (t * chunks + k) * 512;
-        for (int l = 0; l < 8; ++l) _mm_prefetch(reinterpret_cast<const char*>(c + 4096 + l * 64), _MM_HINT_T0);
-        for (int p = 0; p < 16; ++p) {
-            const __m512 lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-                _mm_loadu_si128(reinterpret_cast<const __m128i*>(c + p * 32)))), s_lo);
-            const __m512 hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-                _mm_loadu_si128(reinterpret_cast<const __m128i*>(c + p * 32 + 16)))), s_hi);
-            _mm512_store_si512(out + p * 32, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
-        }
-    }
-};
-
 inline void store_rows(const float* c, int64_t rows, uint16_t* y, int64_t N) {
     for (int64_t r = 0; r < rows; ++r)
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + r * N),
@@ -177,17 +188,10 @@ inline float* group_sums(const uint16_t* x, int64_t M, int64_t K, int64_t group)
     const int64_t groups = K / group;
     float* xsum = static_cast<float*>(std::aligned_alloc(64, (M * groups * sizeof(float) + 63) / 64 * 64));
     for (int64_t r = 0; r < M; ++r)
-        for (int64_t g = 0; g < groups; ++g) {
-            __m512 sum = _mm512_setzero_ps();
-            for (int64_t k = g * group; k < (g + 1) * group; k += 16)
-                sum = _mm512_add_ps(sum, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
-                    _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + r * K + k))), 16)));
-            xsum[r * groups + g] = _mm512_reduce_add_ps(sum);
-        }
+        for (int64_t g = 0; g < groups; ++g) xsum[r * groups + g] = sum_bf16(x + r * K + g * group, group);
     return xsum;
 }
 
-#ifdef KVLOOM_AMX
 // Up to 32 rows: the float32 sums of both 16-row blocks stay in tile registers (tmm0, tmm3) over all of K.
 // ``W(t, k, out)`` writes the B tile of outputs 16t.. and inputs 32k.. (bf16 pairs).
 template <typename Tiles>
@@ -373,13 +377,14 @@ inline void* scratch(int which, size_t bytes) {
     return s.buffers[which];
 }
 
-// Rows x [R, K] as their pairs of inputs, pair-major: out[j * R + r] holds row r's inputs 2j and 2j + 1. A dot
-// product then broadcasts each row's pair from one pointer and a constant offset (from R row pointers, the loops
-// ran out of registers for addresses).
-inline void pack_pairs(const uint16_t* x, int64_t R, int64_t K, int32_t* out) {
+// Rows x [R, K] as their pairs of inputs, pair-major: out[j * R + r] holds row r's inputs 2j and 2j + 1 (pairs j0
+// to j1, all by default). A dot product then broadcasts each row's pair from one pointer and a constant offset (from
+// R row pointers, the loops ran out of registers for addresses).
+inline void pack_pairs(const uint16_t* x, int64_t R, int64_t K, int32_t* out, int64_t j0 = 0, int64_t j1 = -1) {
+    if (j1 < 0) j1 = K / 2;
     for (int64_t r = 0; r < R; ++r) {
         const int32_t* row = reinterpret_cast<const int32_t*>(x + r * K);
-        for (int64_t j = 0; j < K / 2; ++j) out[j * R + r] = row[j];
+        for (int64_t j = j0; j < j1; ++j) out[j * R + r] = row[j];
     }
 }
 
@@ -500,20 +505,12 @@ void int4_grouped(const uint16_t* x, const uint8_t* codes, const uint32_t* sz, u
     const int64_t tiles = N / 16, chunks = K / 32, groups = K / group, blocks = (M + 15) / 16;
     int32_t* xp = static_cast<int32_t*>(scratch(0, M * K * 2));
     float* xsum = static_cast<float*>(scratch(1, M * groups * sizeof(float)));
-    const auto pack = [&](int64_t g) {
+    const auto pack = [&](int64_t g) {  // group g's pairs of each block, and each row's sum over it
         for (int64_t i = 0; i < blocks; ++i) {
             const int64_t r0 = i * M / blocks, rows = (i + 1) * M / blocks - r0;
-            for (int64_t r = r0; r < r0 + rows; ++r) {
-                const int32_t* row = reinterpret_cast<const int32_t*>(x + r * K);
-                int32_t* out = xp + r0 * (K / 2) + (r - r0);
-                for (int64_t j = g * group / 2; j < (g + 1) * group / 2; ++j) out[j * rows] = row[j];
-                __m512 sum = _mm512_setzero_ps();
-                for (int64_t k = g * group; k < (g + 1) * group; k += 16)
-                    sum = _mm512_add_ps(sum, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
-                        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + r * K + k))), 16)));
-                xsum[g * M + r] = _mm512_reduce_add_ps(sum);
-            }
+            pack_pairs(x + r0 * K, rows, K, xp + r0 * (K / 2), g * group / 2, (g + 1) * group / 2);
         }
+        for (int64_t r = 0; r < M; ++r) xsum[g * M + r] = sum_bf16(x + r * K + g * group, group);
     };
     const bool shared = M > 16;  // a few rows are packed sooner than the team would meet at a barrier
     if (!shared)
