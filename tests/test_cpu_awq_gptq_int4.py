@@ -122,8 +122,8 @@ def test_greedy_decoding_on_the_4_bit_copies_agrees_with_the_dense_path(checkpoi
     line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("Quantization:"))
     layers = [layer for layer in int4.engine.model.linear_layers() if layer.prefix.startswith("model.")]
     assert len(layers) == 4 * 2 and all(isinstance(layer.method, Int4CPUMethod) for layer in layers)
-    assert all(layer.method.name.startswith(f"int4 ({fmt}) for steps of <= {int4_max_rows()} rows, else dense, "
-                                            "oneDNN-packed")
+    rows = int4_max_rows(gguf=False)  # AWQ/GPTQ keep bf16 inputs by default
+    assert all(layer.method.name.startswith(f"int4 ({fmt}) for steps of <= {rows} rows, else dense, oneDNN-packed")
                for layer in layers)
     assert "kernel: 8 layers kept at 4 bits on the CPU" in line, line
     for layer in layers:  # each layer's 4-bit matmul (bias included) against its dense copy's: 2 rows take

@@ -11,7 +11,8 @@ from tests.server_utils import EngineServer
 
 pytestmark = pytest.mark.slow
 
-QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+# the bare question's first token is a near tie (0.12-0.25 nats) on 4-bit weights: "L'Étoile, ..." from llama.cpp too
+QUESTION = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
 
 
 @pytest.fixture(scope="module")

@@ -15,6 +15,9 @@ pytestmark = pytest.mark.slow
 KV_GIB = 0.25
 PROMPTS = ["The capital of Italy is", "def fibonacci(n):", "Once upon a time, in a small village,"]
 TOLERANCE_BF16 = 0.5  # nats; the worst measured here was 0.19 (3 prompts x 8 steps x top-5)
+# the 4-bit layers' inputs rounded to 8 bits a group of 32, as llama.cpp computes a GGUF file (the dot-product CPUs'
+# default, ``cpu_int4_amx.q8_inputs``): the worst measured 0.52
+TOLERANCE_INT8_INPUTS = 0.75
 
 
 @pytest.fixture(scope="module")
@@ -62,12 +65,15 @@ def test_bfloat16_stays_close_to_float32_transformers(llm_auto, hf):
         assert out.token_ids[0] == int(ref[0].argmax())
         for step, lp in enumerate(out.outputs[0].logprobs):
             worst = max(worst, max(abs(top.logprob - float(ref[step][top.token_id])) for top in lp.top))
-    assert worst < TOLERANCE_BF16, worst
+    int8_inputs = any(getattr(layer.method, "int8_inputs", False) for layer in llm_auto.engine.model.linear_layers())
+    assert worst < (TOLERANCE_INT8_INPUTS if int8_inputs else TOLERANCE_BF16), worst
 
 
 @pytest.mark.parametrize("which", ["llm", "llm_auto"])
 def test_chat_answers_paris(which, request):
-    out = request.getfixturevalue(which).chat([{"role": "user", "content": "What is the capital of France?"}],
+    # the bare question's first token is a near tie on 4-bit weights (0.12-0.25 nats; llama.cpp answers "L'Étoile")
+    question = "What is the capital of France? Answer in one sentence."
+    out = request.getfixturevalue(which).chat([{"role": "user", "content": question}],
                                               SamplingParams(temperature=0.0, max_tokens=32))[0]
     assert "Paris" in out.text
     assert out.finish_reason == "stop"

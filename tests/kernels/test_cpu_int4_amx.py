@@ -48,6 +48,57 @@ def test_amx_matmul_equals_the_weights_it_multiplies(shape, rows):
         assert (got - rounded).abs().mean() > (got - want).abs().mean()  # the mean: the max is one output's rounding
 
 
+def _rounded_inputs(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as ``int4_q8_mm`` rounds it: each row's 32 inputs of a chunk to int8 by 127 / max |x| (float32, ties to
+    even), times max |x| / 127."""
+    chunks = x.float().unflatten(1, (-1, 32))
+    m = chunks.abs().amax(-1, keepdim=True)
+    q = (chunks * torch.where(m > 0, torch.full_like(m, 127.0) / m, 0)).round()  # not 127 / m: a reciprocal's product
+    return (q.double() * (m / 127).double()).flatten(1)
+
+
+needs_q8_inputs = pytest.mark.skipif(cpu_int4_amx.on_amx(), reason="AMX's build has no 8-bit input loop")
+
+
+@needs_q8_inputs
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 12, 13, 24, 100, 300])
+@pytest.mark.parametrize("shape", [(64, 64, 32), (960, 576, 32), (48, 256, 128), (32, 512, 64), (64, 96, 32)])
+def test_int8_inputs_matmul_equals_the_weights_times_the_rounded_inputs(shape, rows):
+    """Rows of 1 to 3 (two chains a row), blocks of up to 12, spans of 192 rows; groups of one and several chunks."""
+    out_features, in_features, group = shape
+    q, _, sz, _ = _layer(*shape)
+    g = torch.Generator().manual_seed(rows)
+    x = (torch.randn(rows, in_features, generator=g) * torch.rand(rows, 1, generator=g) * 4).bfloat16()
+    x[0, :32] = 0  # an all-zero chunk: scale 0
+    got = cpu_int4_amx.int4_q8_mm(x, cpu_int4_amx.pack_codes(q), cpu_int4_amx.pack_scale_zeros(sz), group).double()
+    w = dequantize_int4(q, sz[..., 0].t().double(), sz[..., 1].t().double(), group)
+    want = _rounded_inputs(x) @ w.t()
+    assert got.shape == (rows, out_features)
+    assert ((got - want).abs() <= 2**-8 * want.abs() + 1e-4 * want.abs().max()).all(), (got - want).abs().max()
+    exact = x.double() @ w.t()  # and not the unrounded inputs' product
+    assert (got - want).abs().mean() < (got - exact).abs().mean()
+
+
+def test_int8_inputs_are_gguf_files_default_on_the_dot_products_and_a_setting(monkeypatch):
+    from kvloom.core.model import cpu_packing
+
+    bf16_rows = cpu_packing.AMX_INT4_MAX_ROWS if cpu_int4_amx.on_amx() else cpu_packing.DOT_INT4_MAX_ROWS
+    dots = not cpu_int4_amx.on_amx()
+    monkeypatch.delenv("KVLOOM_CPU_INT8_INPUTS", raising=False)
+    assert (cpu_int4_amx.q8_inputs(), cpu_int4_amx.q8_inputs(gguf=False)) == (dots, False)
+    assert cpu_packing.int4_rows(gguf=False)[1] == bf16_rows
+    if dots:
+        assert cpu_packing.int4_rows()[1] == cpu_packing.DOT_Q8_INPUTS_MAX_ROWS
+    monkeypatch.setenv("KVLOOM_CPU_INT8_INPUTS", "1")
+    assert (cpu_int4_amx.q8_inputs(), cpu_int4_amx.q8_inputs(gguf=False)) == (dots, dots)
+    monkeypatch.setenv("KVLOOM_CPU_INT8_INPUTS", "0")
+    assert (cpu_int4_amx.q8_inputs(), cpu_int4_amx.q8_inputs(gguf=False)) == (False, False)
+    assert cpu_packing.int4_rows()[1] == bf16_rows
+    monkeypatch.setenv("KVLOOM_CPU_INT8_INPUTS", "yes")
+    with pytest.raises(ValueError, match="KVLOOM_CPU_INT8_INPUTS='yes'"):
+        cpu_int4_amx.q8_inputs()
+
+
 def test_shapes_it_does_not_take_are_refused_by_name():
     assert not cpu_int4_amx.supports(40, 64, 32)  # outputs not a multiple of 16
     assert not cpu_int4_amx.supports(64, 48, 16)  # a group smaller than a tile's 32 inputs
@@ -83,6 +134,26 @@ def test_the_layer_takes_each_kernel_by_rows_and_they_agree(monkeypatch):
         want = x.float() @ w.t() + bias.float()
         assert (got - want).abs().max() <= 0.01 * want.abs().max(), (rows, (got - want).abs().max())
         torch.testing.assert_close(cpu_packing.int4_linear_op(*args), cpu_packing.int4_linear(*args))
+
+
+@needs_q8_inputs
+def test_the_layer_takes_the_int8_input_loop_where_asked():
+    from kvloom.core.model import cpu_packing
+    from kvloom.kernels.cpu_linear import PackedLinear, packing_supported
+
+    if not packing_supported(torch.bfloat16):
+        pytest.skip("no oneDNN bf16 packing in this torch")
+    q, packed, sz, w = _layer(96, 256, 32)
+    codes, amx_sz = cpu_int4_amx.pack_codes(q), cpu_int4_amx.pack_scale_zeros(sz)
+    dense = PackedLinear(w.bfloat16(), None, 32)
+    bias = torch.randn(96).bfloat16()
+    for rows in (1, 2, 40, 500):
+        x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows)).bfloat16()
+        args = (x, packed, sz, codes, amx_sz, 32, dense.packed_weight, bias, 0, 1 << 14, 1)
+        got = cpu_packing.int4_linear(*args)
+        want = cpu_int4_amx.int4_q8_mm(x, codes, amx_sz, 32) + bias
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+        torch.testing.assert_close(cpu_packing.int4_linear_op(*args), got, rtol=0, atol=0)
 
 
 def test_a_compiled_step_runs_every_row_count_through_one_graph():

@@ -101,38 +101,47 @@ AMX_INT4_MAX_ROWS = 48
 # Without AMX, the kernel on AVX512-BF16's dot products (a 2-core Zen 5, SmolLM2's 120 layers from memory): from one
 # row 1.1x torch's int4 matmul, 1.8x the bf16 copy at 16 rows, 1.4x at 32, 1.2x at 64, even with it at 96.
 DOT_INT4_MAX_ROWS = 64
+# With the inputs at 8 bits (``cpu_int4_amx.q8_inputs``), the kernel outruns the bf16 copy at every row count
+# measured (SmolLM2's 120 layers on a 2-core Zen 5: 0.65x the copy's time at 4,096 rows, 0.5x at 32).
+DOT_Q8_INPUTS_MAX_ROWS = 1 << 14
 
 
-def int4_rows() -> tuple[int, int]:
-    """(torch's int4 matmul up to, the 4-bit weights up to) this many rows of a step, on this machine."""
+def int4_rows(gguf: bool = True) -> tuple[int, int]:
+    """(torch's int4 matmul up to, the 4-bit weights up to) this many rows of a step, on this machine, for a GGUF
+    file's layers or (``gguf`` False) an AWQ/GPTQ checkpoint's."""
     if not cpu_int4_amx.available():
         return INT4_MAX_ROWS, INT4_MAX_ROWS
-    return (TORCH_INT4_ROWS, AMX_INT4_MAX_ROWS) if cpu_int4_amx.on_amx() else (0, DOT_INT4_MAX_ROWS)
+    if cpu_int4_amx.on_amx():
+        return TORCH_INT4_ROWS, AMX_INT4_MAX_ROWS
+    return 0, DOT_Q8_INPUTS_MAX_ROWS if cpu_int4_amx.q8_inputs(gguf) else DOT_INT4_MAX_ROWS
 
 
-def int4_max_rows() -> int:
+def int4_max_rows(gguf: bool = True) -> int:
     """The most rows a step runs on the 4-bit weights on this machine."""
-    return int4_rows()[1]
+    return int4_rows(gguf)[1]
 
 
 def int4_matmul(x: torch.Tensor, weight: torch.Tensor, scale_zeros: torch.Tensor, amx_codes: torch.Tensor | None,
-                amx_scale_zeros: torch.Tensor | None, group: int, torch_rows: int) -> torch.Tensor:
+                amx_scale_zeros: torch.Tensor | None, group: int, torch_rows: int,
+                int8_inputs: bool = False) -> torch.Tensor:
     """``x @ W.T`` of 2-D bf16 ``x`` on the 4-bit weights: torch's int4 matmul (``weight``, ``scale_zeros``) up to
     ``torch_rows`` rows or where the kernel has no copy, the 4-bit kernel (``amx_codes``, ``amx_scale_zeros``)
-    beyond."""
+    beyond, ``x`` rounded to 8 bits there where ``int8_inputs``."""
     if amx_codes is None or x.shape[0] <= torch_rows:
         return int4_mm(x.contiguous(), weight, scale_zeros, group)
+    if int8_inputs:
+        return cpu_int4_amx.int4_q8_mm(x, amx_codes, amx_scale_zeros, group)
     return cpu_int4_amx.int4_amx_mm(x, amx_codes, amx_scale_zeros, group)
 
 
 def int4_linear(x: torch.Tensor, weight: torch.Tensor, scale_zeros: torch.Tensor, amx_codes: torch.Tensor,
                 amx_scale_zeros: torch.Tensor, group: int, dense_weight: torch.Tensor, bias: torch.Tensor | None,
-                torch_rows: int, max_rows: int) -> torch.Tensor:
+                torch_rows: int, max_rows: int, int8_inputs: int = 0) -> torch.Tensor:
     """``x @ W.T + b`` of 2-D bf16 ``x`` on whichever copy of ``W`` its rows run fastest on: the 4-bit weights up
     to ``max_rows`` rows (``int4_matmul``), the oneDNN-packed bf16 copy (``dense_weight``) beyond."""
     if x.shape[0] > max_rows:
         return packed_linear(x, dense_weight, bias, amx_codes.shape[0] * cpu_int4_amx.OUTPUTS)
-    y = int4_matmul(x, weight, scale_zeros, amx_codes, amx_scale_zeros, group, torch_rows)
+    y = int4_matmul(x, weight, scale_zeros, amx_codes, amx_scale_zeros, group, torch_rows, bool(int8_inputs))
     return y if bias is None else y + bias
 
 
@@ -140,7 +149,7 @@ def int4_linear(x: torch.Tensor, weight: torch.Tensor, scale_zeros: torch.Tensor
 # guard on its row count for it (one variant serves 2 to 48 rows and beyond).
 int4_linear_op = cpu_ops.define(
     "int4_linear(Tensor x, Tensor weight, Tensor scale_zeros, Tensor amx_codes, Tensor amx_scale_zeros, int group, "
-    "Tensor dense_weight, Tensor? bias, int torch_rows, int max_rows) -> Tensor", int4_linear,
+    "Tensor dense_weight, Tensor? bias, int torch_rows, int max_rows, int int8_inputs=0) -> Tensor", int4_linear,
     lambda x, weight, scale_zeros, amx_codes, *rest: x.new_empty(
         (x.shape[0], amx_codes.shape[0] * cpu_int4_amx.OUTPUTS)))
 
@@ -219,14 +228,17 @@ class Int4CPUMethod:
     for bigger steps. ``source``: the format it came from (GGUF types, awq, gptq), for the log."""
 
     def __init__(self, dense, source: str, max_rows: int = INT4_MAX_ROWS, group: int = GROUP,
-                 torch_rows: int | None = None) -> None:
+                 torch_rows: int | None = None, int8_inputs: bool = False) -> None:
         self.dense, self.source, self.max_rows, self.group = dense, source, max_rows, group
         # with the AMX kernel's copy (``int4_amx_codes``): torch's int4 matmul up to this many rows, AMX's beyond
         self.torch_rows = max_rows if torch_rows is None else torch_rows
+        self.int8_inputs = int8_inputs  # the kernel rounds its rows to 8 bits (``cpu_int4_amx.q8_inputs``)
 
     @property
     def name(self) -> str:
-        return f"int4 ({self.source}) for steps of <= {self.max_rows} rows, else {getattr(self.dense, 'name', 'dense')}"
+        inputs = ", the kernel's inputs at 8 bits" if self.int8_inputs else ""
+        return (f"int4 ({self.source}) for steps of <= {self.max_rows} rows, else "
+                f"{getattr(self.dense, 'name', 'dense')}{inputs}")
 
     def create_weights(self, layer) -> None:
         raise RuntimeError("an int4 CPU layer is made from a loaded one")
@@ -240,12 +252,12 @@ class Int4CPUMethod:
         codes = getattr(layer, "int4_amx_codes", None)
         if codes is not None and packed is not None:
             args = (x, layer.int4_weight, layer.int4_scale_zeros, codes, layer.int4_amx_scale_zeros, self.group,
-                    packed.packed_weight, bias, self.torch_rows, self.max_rows)
+                    packed.packed_weight, bias, self.torch_rows, self.max_rows, int(self.int8_inputs))
             return int4_linear_op(*args) if torch.compiler.is_compiling() else int4_linear(*args)
         if x.shape[0] > self.max_rows:
             return self.dense.apply(layer, x)
         y = int4_matmul(x, layer.int4_weight, layer.int4_scale_zeros, codes,
-                        getattr(layer, "int4_amx_scale_zeros", None), self.group, self.torch_rows)
+                        getattr(layer, "int4_amx_scale_zeros", None), self.group, self.torch_rows, self.int8_inputs)
         return y if bias is None else y + bias
 
     def process_weights_after_loading(self, layer) -> None:
@@ -287,12 +299,13 @@ def attach_int4(model: nn.Module, codes: dict, stacked: dict, dtype: torch.dtype
 
 @torch.no_grad()
 def attach_layer_int4(layer, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group: int, source: str,
-                      dtype: torch.dtype) -> None:
+                      dtype: torch.dtype, gguf: bool = True) -> None:
     """Give ``layer`` (dense, or its dense copy oneDNN-packed) the 4-bit copy of codes ``q`` [N, K] with
-    ``scale``/``zero`` [N, K / group] (``W = (q - 8) * scale + zero``) and ``Int4CPUMethod``."""
+    ``scale``/``zero`` [N, K / group] (``W = (q - 8) * scale + zero``) and ``Int4CPUMethod``; ``gguf``: from a GGUF
+    file, not an AWQ/GPTQ checkpoint (``cpu_int4_amx.q8_inputs``)."""
     packed, sz = pack_int4(q, scale, zero, dtype)
     kernel = cpu_int4_amx.serves(*q.shape, group, dtype)
-    torch_rows, max_rows = int4_rows()
+    torch_rows, max_rows = int4_rows(gguf)
     kernel_sz = cpu_int4_amx.pack_scale_zeros(sz) if kernel else None
     if kernel and torch_rows == 0:  # torch's matmul never runs here: its copy is not kept
         packed, sz = packed.new_empty(0), sz.new_empty(0)
@@ -302,6 +315,7 @@ def attach_layer_int4(layer, q: torch.Tensor, scale: torch.Tensor, zero: torch.T
         # the same weights in the kernel's layouts, for steps of more than torch's rows up to the 4-bit weights' most
         layer.register_buffer("int4_amx_codes", cpu_int4_amx.pack_codes(q), persistent=False)
         layer.register_buffer("int4_amx_scale_zeros", kernel_sz, persistent=False)
-        layer.method = Int4CPUMethod(layer.method, source, max_rows, group, torch_rows=torch_rows)
+        layer.method = Int4CPUMethod(layer.method, source, max_rows, group, torch_rows=torch_rows,
+                                     int8_inputs=cpu_int4_amx.q8_inputs(gguf))
     else:
         layer.method = Int4CPUMethod(layer.method, source, group=group)

@@ -407,10 +407,12 @@ def _attach_gguf_int4(model: DecoderLM, int4: dict, dtype: torch.dtype) -> None:
     dense = sum(layer.method.dense.held_bytes(layer, "cpu") for layer in model.linear_layers()
                 if hasattr(layer.method, "dense"))
     name = str(dtype).removeprefix("torch.")
+    int8 = any(getattr(layer.method, "int8_inputs", False) for layer in model.linear_layers())
     logger.info("GGUF %s weights of %d linear layers kept at 4 bits on the CPU (%.1f MiB, for steps of <= %d "
-                "rows) beside their %s copy (%.1f MiB, for bigger steps); dequantized to %s at load: %s",
+                "rows%s) beside their %s copy (%.1f MiB, for bigger steps); dequantized to %s at load: %s",
                 "/".join(sorted({v[0] for v in int4.values()})) or "4-bit", layers, held / 2**20, _int4_max_rows(),
-                name, dense / 2**20, name, ", ".join(others) or "none")
+                ", their inputs rounded to 8 bits a group of 32 as llama.cpp does (KVLOOM_CPU_INT8_INPUTS=0: "
+                f"{name})" if int8 else "", name, dense / 2**20, name, ", ".join(others) or "none")
 
 
 def _int4_max_rows() -> int:

@@ -210,7 +210,7 @@ def set_cpu_weights(layer: LinearBase, method, weight: torch.Tensor, codes, grou
     if codes is None:
         tally["dense"][refusal] = tally["dense"].get(refusal, 0) + 1
     else:
-        attach_layer_int4(layer, *codes, group_size, method.name, layer.params_dtype)
+        attach_layer_int4(layer, *codes, group_size, method.name, layer.params_dtype, gguf=False)
         tally["int4"] += 1
         tally["int4_bytes"] += int4_bytes(layer)
     dtype = str(layer.params_dtype).removeprefix("torch.")
@@ -218,6 +218,6 @@ def set_cpu_weights(layer: LinearBase, method, weight: torch.Tensor, codes, grou
     line = f"dequantized at load to {dtype} (cpu: dense matmuls)"
     if tally["int4"]:
         line = (f"{tally['int4']} layers kept at 4 bits on the CPU ({tally['int4_bytes'] / 2**20:.1f} MiB, 4-bit "
-                f"matmuls for steps of <= {int4_max_rows()} rows) beside their {dtype} copy, {line}, "
+                f"matmuls for steps of <= {int4_max_rows(gguf=False)} rows) beside their {dtype} copy, {line}, "
                 "for bigger steps")
     method.kernel = line + (f"; dense only (no 4-bit copy): {', '.join(dense)}" if dense else "")
