@@ -55,8 +55,11 @@ def test_packed_int4_matmul_equals_the_dequantized_weight(rows):
 TEXT = (Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md").read_text()[:3000]
 AGREEMENT = 0.93  # measured over 511 positions of this text (SmolLM2 Q4_1): torch int4 0.965-0.967, AMX 0.963,
 # AMX grouped (the weights unrounded, so a little further from the bf16 copy's) 0.957, the dot products' loop 0.965
-# and its 8-bit inputs (a GGUF file's default there) 0.953
-Q8_AGREEMENT = 0.99  # the 8-bit output projection against its bf16 copy, same positions: measured 1.0
+# and its 8-bit inputs 0.953; with the output projection's inputs at 8 bits too (a GGUF file's default on the dot
+# products, as the layers'), 0.953 and 0.947
+Q8_AGREEMENT = 0.99  # the 8-bit output projection against its bf16 copy, same positions: measured 1.0 (0.957 with
+# its inputs at 8 bits; the layers' and the projection's inputs at 8 bits together, a GGUF file's default on the dot
+# products: 0.947)
 
 
 @pytest.fixture(scope="module")
@@ -143,9 +146,10 @@ def test_the_q8_output_projection_chooses_as_its_bf16_copy_over_a_real_text(int4
         for layer, max_rows in zip(layers, saved[0]):
             layer.method.max_rows = max_rows
         head.max_rows = saved[1]
-    # the same bf16 weights, their products summed in another order: the same choice nearly everywhere
+    # the same bf16 weights, their products summed in another order: the same choice nearly everywhere; with the
+    # inputs rounded to 8 bits (a GGUF file's default on the dot products), as the layers' agreement
     share = sum(x == y for x, y in zip(got, want)) / len(got)
-    assert len(got) == len(ids) - 1 and share >= Q8_AGREEMENT, share
+    assert len(got) == len(ids) - 1 and share >= (AGREEMENT if head.int8_inputs else Q8_AGREEMENT), share
 
 
 @pytest.mark.slow

@@ -577,34 +577,59 @@ inline void quantize_rows(const uint16_t* x, int64_t R, int64_t K, int32_t* out,
 constexpr int Q8_ROWS = 12;  // rows a block: its sums and results, two registers a row, fit beside the codes
 template <int R> constexpr int Q8_SPLIT = R >= 4 ? 1 : 2;  // chains a row: a few rows still hide the latency
 
+// The weights q8_tile multiplies, one tile's: a chunk's codes as eight vpdpbusd operands (lane j: output j's codes
+// of inputs 4h .. 4h + 3, unsigned bytes) and W = code * scale + offset per group of chunks.
+struct Int4Quads {  // the 4-bit codes (``pack_codes``), a scale and zero per group
+    const uint8_t* codes;
+    const uint32_t* sz;
+    int64_t per_group;
+    static constexpr int64_t chunk_bytes = 256;
+    inline __m512i quad(const uint8_t* c, int h) const {
+        // pair h's bytes 2j, 2j + 1 hold output j's inputs 4h .. 4h + 3 in their low and high nibbles:
+        // (v | v << 12) & 0x0f0f0f0f
+        const __m512i v = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + h * 32)));
+        return _mm512_ternarylogic_epi32(v, _mm512_slli_epi32(v, 12), _mm512_set1_epi32(0x0f0f0f0f), 0xA8);
+    }
+    inline void scale_offset(int64_t g, __m512& s, __m512& off) const { ::scale_offset(sz + g * 16, s, off); }
+};
+
+struct Int8Quads {  // GGUF's Q8_0 codes plus 128 (``pack_q8_quads``), one fp16 scale d per chunk: W = d * (u - 128)
+    const uint8_t* codes;
+    const uint16_t* scales;  // the tile's first, [chunks, N]
+    int64_t N;
+    static constexpr int64_t per_group = 1, chunk_bytes = 512;
+    inline __m512i quad(const uint8_t* c, int h) const { return _mm512_loadu_si512(c + h * 64); }
+    inline void scale_offset(int64_t g, __m512& s, __m512& off) const {
+        s = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + g * N)));
+        off = _mm512_mul_ps(s, _mm512_set1_ps(-128.0f));
+    }
+};
+
 // One tile (16 outputs) for R rows of 8-bit inputs (their quads ``xq``, scales ``d`` and group sums ``xsum``).
-template <int R>
-void q8_tile(const int32_t* xq, const float* d, const uint8_t* codes, const uint32_t* sz, const float* xsum,
-             int64_t M, uint16_t* y, int64_t N, int64_t groups, int64_t per_group) {
+template <int R, typename W>
+void q8_tile(const int32_t* xq, const float* d, const W& w_in, const float* xsum, int64_t M, uint16_t* y, int64_t N,
+             int64_t groups) {
     constexpr int A = Q8_SPLIT<R>;
-    const __m512i nibbles = _mm512_set1_epi32(0x0f0f0f0f);
+    const W w = w_in;
     __m512 acc[R];
     for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
     for (int64_t g = 0; g < groups; ++g) {
         __m512 s, off;
-        scale_offset(sz + g * 16, s, off);
-        for (int64_t k = g * per_group; k < (g + 1) * per_group; ++k) {
-            const uint8_t* c = codes + k * 256;
+        w.scale_offset(g, s, off);
+        for (int64_t k = g * w.per_group; k < (g + 1) * w.per_group; ++k) {
+            const uint8_t* c = w.codes + k * W::chunk_bytes;
             const int32_t* xk = xq + k * 8 * R;
-            for (int l = 0; l < 4; ++l) _mm_prefetch(reinterpret_cast<const char*>(c + 2048 + l * 64), _MM_HINT_T0);
+            for (int l = 0; l < W::chunk_bytes / 64; ++l)  // 8 chunks ahead, as the bf16 loop
+                _mm_prefetch(reinterpret_cast<const char*>(c + 8 * W::chunk_bytes + l * 64), _MM_HINT_T0);
             __m512i S[A][R];
             for (int a = 0; a < A; ++a)
                 for (int r = 0; r < R; ++r) S[a][r] = _mm512_setzero_si512();
 #pragma GCC unroll 8
             for (int h = 0; h < 8; ++h) {
-                // lane j: output j's codes of inputs 4h .. 4h + 3, one a byte (pair h's bytes 2j, 2j + 1 hold them
-                // in their low and high nibbles): (v | v << 12) & 0x0f0f0f0f
-                const __m512i v = _mm512_cvtepu16_epi32(
-                    _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + h * 32)));
-                const __m512i w = _mm512_ternarylogic_epi32(v, _mm512_slli_epi32(v, 12), nibbles, 0xA8);
+                const __m512i q = w.quad(c, h);
 #pragma GCC unroll 16
                 for (int r = 0; r < R; ++r)
-                    S[h % A][r] = _mm512_dpbusd_epi32(S[h % A][r], w, _mm512_set1_epi32(xk[h * R + r]));
+                    S[h % A][r] = _mm512_dpbusd_epi32(S[h % A][r], q, _mm512_set1_epi32(xk[h * R + r]));
             }
 #pragma GCC unroll 16
             for (int r = 0; r < R; ++r) {
@@ -620,8 +645,8 @@ void q8_tile(const int32_t* xq, const float* d, const uint8_t* codes, const uint
     for (int r = 0; r < R; ++r) store_bf16(y + r * N, acc[r]);
 }
 
-#define KVLOOM_BY_Q8_ROWS(F, M, ...)                                                                            \
-    switch (M) {                                                                                                \
+#define KVLOOM_BY_Q8_ROWS(F, M, ...)                                                                                \
+    switch (M) {                                                                                                    \
         case 1: F<1>(__VA_ARGS__); break;   case 2: F<2>(__VA_ARGS__); break;   case 3: F<3>(__VA_ARGS__); break;   \
         case 4: F<4>(__VA_ARGS__); break;   case 5: F<5>(__VA_ARGS__); break;   case 6: F<6>(__VA_ARGS__); break;   \
         case 7: F<7>(__VA_ARGS__); break;   case 8: F<8>(__VA_ARGS__); break;   case 9: F<9>(__VA_ARGS__); break;   \
@@ -629,11 +654,12 @@ void q8_tile(const int32_t* xq, const float* d, const uint8_t* codes, const uint
     }
 
 // Any rows, in even blocks of at most Q8_ROWS, quantized by the team beyond 16 rows; the blocks in spans of
-// Q8_SPAN rows (their inputs stay in a core's L2 while every tile's codes pass over them).
+// Q8_SPAN rows (their inputs stay in a core's L2 while every tile's codes pass over them). ``tile(t)``: tile t's
+// weights (Int4Quads, Int8Quads), their groups of ``group`` inputs.
 constexpr int64_t Q8_SPAN = 16 * Q8_ROWS;
 
-void int4_q8(const uint16_t* x, const uint8_t* codes, const uint32_t* sz, uint16_t* y, int64_t M, int64_t K,
-             int64_t N, int64_t group) {
+template <typename Tile>
+void q8_matmul(const uint16_t* x, Tile tile, uint16_t* y, int64_t M, int64_t K, int64_t N, int64_t group) {
     const int64_t tiles = N / 16, chunks = K / 32, groups = K / group, per_group = group / 32;
     const int64_t blocks = (M + Q8_ROWS - 1) / Q8_ROWS;
     int32_t* xq = static_cast<int32_t*>(scratch(0, M * K));
@@ -659,12 +685,14 @@ void int4_q8(const uint16_t* x, const uint8_t* codes, const uint32_t* sz, uint16
         for (int64_t b0 = 0; b0 < blocks; b0 += span_blocks) {
             const int64_t b1 = b0 + span_blocks < blocks ? b0 + span_blocks : blocks;
 #pragma omp for schedule(static)
-            for (int64_t t = 0; t < tiles; ++t)
+            for (int64_t t = 0; t < tiles; ++t) {
+                const auto w = tile(t);
                 for (int64_t i = b0; i < b1; ++i) {
                     const int64_t r0 = i * M / blocks, r1 = (i + 1) * M / blocks;
-                    KVLOOM_BY_Q8_ROWS(q8_tile, r1 - r0, xq + r0 * (K / 4), d + r0, codes + t * chunks * 256,
-                                      sz + t * groups * 16, xsum + r0, M, y + r0 * N + t * 16, N, groups, per_group)
+                    KVLOOM_BY_Q8_ROWS(q8_tile, r1 - r0, xq + r0 * (K / 4), d + r0, w, xsum + r0, M,
+                                      y + r0 * N + t * 16, N, groups)
                 }
+            }
         }
     }
 }
@@ -714,7 +742,24 @@ extern "C" int kvloom_int4_q8_mm(const uint16_t* x, const uint8_t* codes, const 
 #ifdef KVLOOM_AMX
     return 2;
 #else
-    int4_q8(x, codes, reinterpret_cast<const uint32_t*>(scale_zeros), y, M, K, N, group);
+    const uint32_t* sz = reinterpret_cast<const uint32_t*>(scale_zeros);
+    const int64_t chunks = K / 32, groups = K / group;
+    q8_matmul(x, [=](int64_t t) { return Int4Quads{codes + t * chunks * 256, sz + t * groups * 16, group / 32}; },
+              y, M, K, N, group);
+    return 0;
+#endif
+}
+
+// y [M, N] = x [M, K] @ W.T of GGUF's Q8_0 weights with each row's inputs rounded to 8 bits a chunk of 32: codes
+// plus 128 as ``pack_q8_quads`` lays them out, scales fp16 [K / 32, N]
+extern "C" int kvloom_int8_q8_mm(const uint16_t* x, const uint8_t* codes, const uint16_t* scales, uint16_t* y,
+                                 int64_t M, int64_t K, int64_t N) {
+    if (M < 1 || N % 16 || K % 32) return 1;
+#ifdef KVLOOM_AMX
+    return 2;
+#else
+    const int64_t chunks = K / 32;
+    q8_matmul(x, [=](int64_t t) { return Int8Quads{codes + t * chunks * 512, scales + t * 16, N}; }, y, M, K, N, 32);
     return 0;
 #endif
 }
@@ -732,6 +777,8 @@ extern "C" int kvloom_int4_amx_mm(const uint16_t*, const uint8_t*, const uint16_
                                   int64_t, int64_t) { return 2; }
 extern "C" int kvloom_int4_q8_mm(const uint16_t*, const uint8_t*, const uint16_t*, uint16_t*, int64_t, int64_t,
                                  int64_t, int64_t) { return 2; }
+extern "C" int kvloom_int8_q8_mm(const uint16_t*, const uint8_t*, const uint16_t*, uint16_t*, int64_t, int64_t,
+                                 int64_t) { return 2; }
 extern "C" int kvloom_int8_amx_mm(const uint16_t*, const int8_t*, const uint16_t*, uint16_t*, int64_t, int64_t,
                                   int64_t) { return 2; }
 #endif
@@ -755,7 +802,8 @@ def _load():
                                 "ARCH_REQ_XCOMP_PERM); 4-bit weights keep torch's matmul")
                     return _lib
                 lib.kvloom_int4_amx_kind.restype = ctypes.c_int
-                for fn, sizes in ((lib.kvloom_int4_amx_mm, 4), (lib.kvloom_int4_q8_mm, 4), (lib.kvloom_int8_amx_mm, 3)):
+                for fn, sizes in ((lib.kvloom_int4_amx_mm, 4), (lib.kvloom_int4_q8_mm, 4), (lib.kvloom_int8_amx_mm, 3),
+                                  (lib.kvloom_int8_q8_mm, 3)):
                     fn.restype = ctypes.c_int
                     fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * sizes
                 _lib = lib
@@ -868,6 +916,27 @@ def pack_q8_codes(q: torch.Tensor) -> torch.Tensor:
     n, k = q.shape
     q = q.to(torch.int8).reshape(n // OUTPUTS, OUTPUTS, k // INPUTS, INPUTS // 2, 2)
     return q.permute(0, 2, 3, 1, 4).reshape(n // OUTPUTS, k // INPUTS, INPUTS // 2, 2 * OUTPUTS).contiguous()
+
+
+def pack_q8_quads(q: torch.Tensor) -> torch.Tensor:
+    """8-bit codes [N, K] (int8) as ``q8_q8_mm`` reads them: uint8 [N / 16, K / 32, 8, 64], the codes plus 128, byte
+    4j + i of a chunk's quad h holding output j's code of input 4h + i (a ``vpdpbusd`` operand as it lies)."""
+    n, k = q.shape
+    u = (q.to(torch.int16) + 128).to(torch.uint8).reshape(n // OUTPUTS, OUTPUTS, k // INPUTS, 8, 4)
+    return u.permute(0, 2, 3, 1, 4).reshape(n // OUTPUTS, k // INPUTS, 8, 4 * OUTPUTS).contiguous()
+
+
+def q8_q8_mm(x: torch.Tensor, quads: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """``q8_amx_mm`` with each row's inputs rounded to int8 a chunk of 32 (as ``int4_q8_mm``), the codes laid out
+    by ``pack_q8_quads``: where ``q8_inputs()``."""
+    if x.dtype != torch.bfloat16 or scales.dtype != torch.float16:
+        raise TypeError(f"q8_q8_mm multiplies bfloat16 rows by float16 scales, got {x.dtype} and {scales.dtype}")
+    y, rc = _run(_load().kvloom_int8_q8_mm, x, quads, scales)
+    if rc:
+        raise ValueError(f"q8_q8_mm: unsupported shape ({x.shape[0]} x {x.shape[1]} by {y.shape[1]}; outputs must be "
+                         f"a multiple of {OUTPUTS} and inputs of {INPUTS})" if rc == 1
+                         else "q8_q8_mm: this build has no 8-bit input loop (AMX's)")
+    return y
 
 
 def q8_supports(out_features: int, in_features: int) -> bool:

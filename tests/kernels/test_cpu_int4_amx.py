@@ -260,6 +260,24 @@ def test_the_q8_projection_takes_amx_for_few_rows_and_its_bf16_copy_beyond(monke
         torch.testing.assert_close(cpu_packing.q8_linear_op(*args), cpu_packing.q8_linear(*args))
 
 
+@needs_q8_inputs
+def test_the_q8_projection_with_8_bit_inputs_takes_them_for_every_step_it_serves(monkeypatch):
+    from kvloom.core.model import cpu_packing
+    from kvloom.kernels.cpu_linear import PackedLinear, packing_supported
+
+    if not packing_supported(torch.bfloat16):
+        pytest.skip("no oneDNN bf16 packing in this torch")
+    q, d, w = _q8_layer(96, 128)
+    layer = cpu_packing.Q8Linear(PackedLinear(w.bfloat16(), None, 32), q, d, cpu_packing.q8_max_rows(True), True)
+    assert layer.held_bytes() == 96 * 128 + 96 * 4 * 2
+    for rows in (1, 9, 40, 300):
+        x = torch.randn(rows, 128, generator=torch.Generator().manual_seed(rows)).bfloat16()
+        got = layer(x)
+        torch.testing.assert_close(got, cpu_int4_amx.q8_q8_mm(x, layer.q8_codes, layer.q8_scales), rtol=0, atol=0)
+        args = (x, layer.q8_codes, layer.q8_scales, layer.dense.packed_weight, None, layer.max_rows, 1)
+        torch.testing.assert_close(cpu_packing.q8_linear_op(*args), got, rtol=0, atol=0)
+
+
 def test_the_codes_attach_to_a_tied_or_an_own_output_projection():
     from torch import nn
 
@@ -278,7 +296,9 @@ def test_the_codes_attach_to_a_tied_or_an_own_output_projection():
         dense = get(model)
         assert cpu_packing.attach_q8_output(model, q, d, torch.bfloat16) == 64 * 128 + 64 * 4 * 2
         assert isinstance(get(model), cpu_packing.Q8Linear) and get(model).dense is dense
-        assert get(model).max_rows == cpu_packing.q8_max_rows()  # 32 on AMX, 8 on the dot products
+        # 32 on AMX; on the dot products 8, or every step's (the inputs at 8 bits, a GGUF file's default)
+        assert get(model).int8_inputs == cpu_int4_amx.q8_inputs()
+        assert get(model).max_rows == cpu_packing.q8_max_rows(get(model).int8_inputs)
     assert cpu_packing.attach_q8_output(nn.Module(), q, d, torch.bfloat16) == 0  # nothing packed to attach to
     assert cpu_packing.attach_q8_output(tied, q, d, torch.float32) == 0  # float32 keeps the dequantized weights
 
@@ -301,3 +321,18 @@ def test_an_unpacked_layer_takes_the_kernel_for_its_rows_too():
         got = layer.method.apply(layer, x).float()
         want = x.float() @ w.t()
         assert (got - want).abs().max() <= 0.01 * want.abs().max(), rows
+
+
+@needs_q8_inputs
+@pytest.mark.parametrize("rows", [1, 3, 12, 13, 100])
+def test_int8_inputs_times_8_bit_codes_equal_the_weights_times_the_rounded_inputs(rows):
+    """GGUF's Q8_0 output projection with its inputs rounded to 8 bits (``q8_q8_mm``, codes by ``pack_q8_quads``)."""
+    g = torch.Generator().manual_seed(rows)
+    q = torch.randint(-127, 128, (64, 128), generator=g).to(torch.int8)
+    d = (torch.rand(64, 4, generator=g) * 0.01).half()
+    x = (torch.randn(rows, 128, generator=g) * 3).bfloat16()
+    got = cpu_int4_amx.q8_q8_mm(x, cpu_int4_amx.pack_q8_quads(q), d.t().contiguous()).double()
+    w = q.double() * d.double().repeat_interleave(32, 1)
+    want = _rounded_inputs(x) @ w.t()
+    assert ((got - want).abs() <= 2**-8 * want.abs() + 1e-4 * want.abs().max()).all(), (got - want).abs().max()
+    assert (got - want).abs().mean() < (got - x.double() @ w.t()).abs().mean()

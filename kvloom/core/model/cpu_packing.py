@@ -160,26 +160,33 @@ Q8_MAX_ROWS = 32
 # On AVX512-BF16's dot products (a 2-core Zen 5, SmolLM2's table): 1.01 / 1.17 / 1.38 ms at 1 / 4 / 8 rows against
 # the bf16 copy's 1.75 / 1.73 / 1.81, even with it from 16 (benchmarks/cpu_int4.py).
 DOT_Q8_MAX_ROWS = 8
+# With the inputs at 8 bits too (``cpu_int4_amx.q8_inputs``): 0.46 / 0.60 / 1.79 / 6.25 ms at 1 / 8 / 32 / 128 rows
+# against the bf16 copy's 1.41 / 1.55 / 2.81 / 8.27 (the table in cache, the same Zen 5).
+DOT_Q8_INPUTS_MAX_ROWS_HEAD = DOT_Q8_INPUTS_MAX_ROWS
 
 
-def q8_max_rows() -> int:
+def q8_max_rows(int8_inputs: bool = False) -> int:
     """The most sampled rows a step takes its logits from the 8-bit codes for, on this machine."""
-    return Q8_MAX_ROWS if cpu_int4_amx.on_amx() else DOT_Q8_MAX_ROWS
+    if cpu_int4_amx.on_amx():
+        return Q8_MAX_ROWS
+    return DOT_Q8_INPUTS_MAX_ROWS_HEAD if int8_inputs else DOT_Q8_MAX_ROWS
 
 
 def q8_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, dense_weight: torch.Tensor,
-              bias: torch.Tensor | None, max_rows: int) -> torch.Tensor:
-    """``x @ W.T + b`` of 2-D bf16 ``x``: the AMX kernel over the 8-bit codes up to ``max_rows`` rows, the
-    oneDNN-packed bf16 copy beyond."""
+              bias: torch.Tensor | None, max_rows: int, int8_inputs: int = 0) -> torch.Tensor:
+    """``x @ W.T + b`` of 2-D bf16 ``x``: the kernel over the 8-bit codes up to ``max_rows`` rows (its inputs
+    rounded to 8 bits where ``int8_inputs``, the codes then laid out by ``pack_q8_quads``), the oneDNN-packed bf16
+    copy beyond."""
     out_features = codes.shape[0] * cpu_int4_amx.OUTPUTS
     if x.shape[0] > max_rows:
         return packed_linear(x, dense_weight, bias, out_features)
-    y = cpu_int4_amx.q8_amx_mm(x, codes, scales)
+    y = (cpu_int4_amx.q8_q8_mm if int8_inputs else cpu_int4_amx.q8_amx_mm)(x, codes, scales)
     return y if bias is None else y + bias
 
 
 q8_linear_op = cpu_ops.define(
-    "q8_linear(Tensor x, Tensor codes, Tensor scales, Tensor dense_weight, Tensor? bias, int max_rows) -> Tensor",
+    "q8_linear(Tensor x, Tensor codes, Tensor scales, Tensor dense_weight, Tensor? bias, int max_rows, "
+    "int int8_inputs=0) -> Tensor",
     q8_linear, lambda x, codes, *rest: x.new_empty((x.shape[0], codes.shape[0] * cpu_int4_amx.OUTPUTS)))
 
 
@@ -188,17 +195,20 @@ class Q8Linear(nn.Module):
     q``, one fp16 ``d`` per 32 inputs), which steps of few rows multiply on AMX: half the bytes, the same bf16
     weights (``d * q`` is exact in float32 and rounds as the copy did)."""
 
-    def __init__(self, dense: PackedLinear, q: torch.Tensor, d: torch.Tensor, max_rows: int = Q8_MAX_ROWS) -> None:
+    def __init__(self, dense: PackedLinear, q: torch.Tensor, d: torch.Tensor, max_rows: int = Q8_MAX_ROWS,
+                 int8_inputs: bool = False) -> None:
         super().__init__()
-        self.dense, self.max_rows = dense, max_rows
+        self.dense, self.max_rows, self.int8_inputs = dense, max_rows, int8_inputs
         self.in_features, self.out_features = dense.in_features, dense.out_features
-        self.register_buffer("q8_codes", cpu_int4_amx.pack_q8_codes(q), persistent=False)
+        codes = cpu_int4_amx.pack_q8_quads(q) if int8_inputs else cpu_int4_amx.pack_q8_codes(q)
+        self.register_buffer("q8_codes", codes, persistent=False)
         self.register_buffer("q8_scales", d.t().contiguous().half(), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() != 2:
             return self.dense(x)
-        args = (x, self.q8_codes, self.q8_scales, self.dense.packed_weight, self.dense.bias, self.max_rows)
+        args = (x, self.q8_codes, self.q8_scales, self.dense.packed_weight, self.dense.bias, self.max_rows,
+                int(self.int8_inputs))
         return q8_linear_op(*args) if torch.compiler.is_compiling() else q8_linear(*args)
 
     def held_bytes(self) -> int:
@@ -212,12 +222,13 @@ def attach_q8_output(model: nn.Module, q: torch.Tensor, d: torch.Tensor, dtype: 
     where the kernel does not serve here or the projection is not packed."""
     if not cpu_int4_amx.q8_serves(*q.shape, dtype):
         return 0
+    int8_inputs = cpu_int4_amx.q8_inputs()  # a GGUF file's, as its 4-bit layers'
     head = getattr(model, "lm_head", None)
     if isinstance(head, PackedLinear):
-        model.lm_head = Q8Linear(head, q, d, q8_max_rows())
+        model.lm_head = Q8Linear(head, q, d, q8_max_rows(int8_inputs), int8_inputs)
         return model.lm_head.held_bytes()
     if isinstance(getattr(head, "packed", None), PackedLinear) and getattr(head, "tp_size", 1) == 1:
-        head.packed = Q8Linear(head.packed, q, d, q8_max_rows())
+        head.packed = Q8Linear(head.packed, q, d, q8_max_rows(int8_inputs), int8_inputs)
         return head.packed.held_bytes()
     return 0
 

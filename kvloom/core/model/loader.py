@@ -401,8 +401,11 @@ def _attach_gguf_int4(model: DecoderLM, int4: dict, dtype: torch.dtype) -> None:
     others = sorted(int4.pop(DEQUANTIZED, ()))
     output = int4.pop(Q8_OUTPUT, None)
     if output is not None and (held := attach_q8_output(model, *output, dtype)):
+        head = model.lm_head if hasattr(model.lm_head, "int8_inputs") else getattr(model.lm_head, "packed", None)
+        int8 = bool(getattr(head, "int8_inputs", False))
         logger.info("GGUF Q8_0 output projection kept at 8 bits on the CPU (%.1f MiB, for steps of <= %d sampled "
-                    "rows) beside its %s copy", held / 2**20, q8_max_rows(), str(dtype).removeprefix("torch."))
+                    "rows%s) beside its %s copy", held / 2**20, q8_max_rows(int8),
+                    ", its inputs rounded to 8 bits a group of 32" if int8 else "", str(dtype).removeprefix("torch."))
     layers, held = attach_int4(model, int4, type(model).stacked, dtype)
     dense = sum(layer.method.dense.held_bytes(layer, "cpu") for layer in model.linear_layers()
                 if hasattr(layer.method, "dense"))
