@@ -165,6 +165,22 @@ def test_cpu_greedy_argmax_takes_the_first_maximum_and_nan_as_argmax_does():
     logits[2, 500] = logits[2, 900] = float("nan")  # NaN wins, the first of them
     logits[3] = float("-inf")
     logits[4, 10] = logits[4, 999] = 50.0
-    for x in (logits, logits[:, :1], logits[:0], logits.bfloat16()):
+    for x in (logits, logits[:, :1], logits[:, :37], logits[:0], logits.bfloat16(), logits[:, 3:]):
         assert torch.equal(ops.greedy_argmax(x), x.argmax(dim=-1))
     assert ops.greedy_argmax(logits)[2] == 500 and ops.greedy_argmax(logits)[4] == 10
+
+
+def test_the_cpu_argmax_kernel_is_torch_max_s_index_for_every_tail_and_tie():
+    from kvloom.kernels import cpu_argmax
+
+    if not cpu_argmax.available():
+        pytest.skip("no C++ compiler: torch's max serves")
+    g = torch.Generator().manual_seed(1)
+    for n in (1, 15, 16, 17, 33, 49152):
+        x = torch.randint(-2, 2, (9, n), generator=g).float()  # ties in every lane
+        x[1] = float("-inf")
+        x[2, n // 2] = float("nan")
+        x[3, -1] = float("nan")  # a NaN in the tail
+        x[4, -1] = 99.0  # the maximum in the tail
+        assert cpu_argmax.serves(x)
+        assert torch.equal(cpu_argmax.argmax_rows(x), x.max(dim=-1).indices), n

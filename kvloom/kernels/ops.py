@@ -86,12 +86,17 @@ TRITON_ARGMAX_MIN_VOCAB = 4096  # smaller vocabularies keep PyTorch's argmax (ti
 
 def greedy_argmax(logits):
     """``logits.argmax(-1)``: on CUDA a two-stage Triton reduction (``triton_fused.greedy_argmax``); on the CPU
-    ``max``'s indices, the same first maximum (NaN first too) in 0.8 ms against argmax's 1.3 for 32 x 49152."""
+    float32 rows one pass each (``cpu_argmax``: 0.11 ms for 32 x 49152 on a 2-core Zen 5), else ``max``'s indices
+    (0.4 ms; argmax's 1.3), the same first maximum (NaN first too)."""
     if use_triton(logits) and logits.shape[-1] >= TRITON_ARGMAX_MIN_VOCAB:
         from kvloom.kernels import triton_fused
 
         return triton_fused.greedy_argmax(logits)
     if logits.device.type == "cpu" and logits.dim() > 0 and logits.shape[-1] > 0:
+        from kvloom.kernels import cpu_argmax
+
+        if cpu_argmax.serves(logits):
+            return cpu_argmax.argmax_rows(logits)
         return logits.max(dim=-1).indices
     return logits.argmax(dim=-1)
 
