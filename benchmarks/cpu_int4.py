@@ -16,7 +16,8 @@ and zero per ``G`` inputs, the bf16 copy from ``dequantize_awq`` (what the CPU r
 
 Where the kernel serves, the output projection (``--vocab`` x hidden, as a Q8_0 table) is timed too: its 8-bit loops
 (``cpu_int4_amx.q8_amx_mm``, ``head_q8_ms``) against the bf16 copy (``head_bf16_ms``), three copies in turn so that
-they come from memory: where the 8-bit one stops winning is ``Q8_MAX_ROWS``.
+they come from memory: where the 8-bit one stops winning is ``Q8_MAX_ROWS``. On the dot products (no AMX) the loops
+with 8-bit inputs are timed too (``int4_mm_q8_inputs``: ``q8in_ms``, ``head_q8in_ms``), a GGUF file's default there.
 
 ``--offline-awq MODEL`` instead times ``kvloom.LLM`` end to end: a ``benchmarks/shapes.py`` config with an AWQ
 quantization_config (group ``--awq-group``, default 128) and dummy weights, in bfloat16, with the 4-bit copies
@@ -123,6 +124,7 @@ def main() -> None:
     group = args.awq_group or 32
     gen = torch.Generator().manual_seed(0)
     amx = cpu_int4_amx.available()
+    q8in = amx and not cpu_int4_amx.on_amx()  # the 8-bit input loops are the dot products' alone
     dense, packed = [], []
     for n, k in shapes * layers:
         if args.awq_group:
@@ -142,12 +144,14 @@ def main() -> None:
             q8 = torch.randint(-127, 128, (vocab, hidden), generator=gen).to(torch.int8)
             d = (torch.rand(vocab, hidden // 32, generator=gen) * 0.01).half()
             w = (q8.float().view(vocab, -1, 32) * d.float()[..., None]).view(vocab, hidden).bfloat16()
-            heads.append((cpu_int4_amx.pack_q8_codes(q8), d.t().contiguous(), PackedLinear(w, None, 32)))
+            quads = cpu_int4_amx.pack_q8_quads(q8) if q8in else None
+            heads.append((cpu_int4_amx.pack_q8_codes(q8), d.t().contiguous(), PackedLinear(w, None, 32), quads))
             del q8, w
     rows_out = []
     for rows in (int(r) for r in args.rows.split(",")):
         xs = {k: torch.randn(rows, k, generator=gen).bfloat16() for k in {k for _, k in shapes}}
-        times: dict[str, list[float]] = {"bf16": [], "int4": [], "amx": [], "head_q8": [], "head_bf16": []}
+        times: dict[str, list[float]] = {"bf16": [], "int4": [], "amx": [], "q8in": [], "head_q8": [], "head_bf16": [],
+                                         "head_q8in": []}
         for _ in range(args.repeats):
             t = time.perf_counter()
             for k, layer in dense:
@@ -162,16 +166,26 @@ def main() -> None:
                 for k, _, _, (codes, sz) in packed:
                     cpu_int4_amx.int4_amx_mm(xs[k], codes, sz, group)
                 times["amx"].append(time.perf_counter() - t)
+            if q8in:
+                t = time.perf_counter()
+                for k, _, _, (codes, sz) in packed:
+                    cpu_int4_amx.int4_q8_mm(xs[k], codes, sz, group)
+                times["q8in"].append(time.perf_counter() - t)
             if heads:
                 x = xs[hidden]
                 t = time.perf_counter()
-                for codes, d, _ in heads:
+                for codes, d, _, _ in heads:
                     cpu_int4_amx.q8_amx_mm(x, codes, d)
                 times["head_q8"].append((time.perf_counter() - t) / len(heads))
                 t = time.perf_counter()
-                for _, _, copy in heads:
+                for _, _, copy, _ in heads:
                     copy(x)
                 times["head_bf16"].append((time.perf_counter() - t) / len(heads))
+                if q8in:
+                    t = time.perf_counter()
+                    for _, d, _, quads in heads:
+                        cpu_int4_amx.q8_q8_mm(x, quads, d)
+                    times["head_q8in"].append((time.perf_counter() - t) / len(heads))
         bf16, int4 = (statistics.median(times[n]) * 1e3 for n in ("bf16", "int4"))
         row = {"rows": rows, "bf16_ms": round(bf16, 3), "int4_ms": round(int4, 3),
                "bf16_over_int4": round(bf16 / int4, 2)}
@@ -179,10 +193,17 @@ def main() -> None:
             amx_ms = statistics.median(times["amx"]) * 1e3
             row.update(amx_ms=round(amx_ms, 3), bf16_over_amx=round(bf16 / amx_ms, 2),
                        int4_over_amx=round(int4 / amx_ms, 2))
+        if q8in:
+            q8in_ms = statistics.median(times["q8in"]) * 1e3
+            row.update(q8in_ms=round(q8in_ms, 3), bf16_over_q8in=round(bf16 / q8in_ms, 2),
+                       amx_over_q8in=round(amx_ms / q8in_ms, 2))
         if heads:
             q8_ms, head_ms = (statistics.median(times[n]) * 1e3 for n in ("head_q8", "head_bf16"))
             row.update(head_q8_ms=round(q8_ms, 3), head_bf16_ms=round(head_ms, 3),
                        head_bf16_over_q8=round(head_ms / q8_ms, 2))
+            if q8in:
+                q8in_head = statistics.median(times["head_q8in"]) * 1e3
+                row.update(head_q8in_ms=round(q8in_head, 3), head_bf16_over_q8in=round(head_ms / q8in_head, 2))
         rows_out.append(row)
     kernel = ("amx" if cpu_int4_amx.on_amx() else "avx512-bf16 dot") if amx else None
     print(json.dumps({"benchmark": "cpu_int4", "shape": args.shape, "threads": args.threads, "kernel": kernel,
