@@ -109,16 +109,22 @@ def test_shapes_it_does_not_take_are_refused_by_name():
         cpu_int4_amx.int4_amx_mm(torch.zeros(2, 64), cpu_int4_amx.pack_codes(q), cpu_int4_amx.pack_scale_zeros(sz), 32)
 
 
-def test_the_layer_takes_each_kernel_by_rows_and_they_agree(monkeypatch):
-    from kvloom.core.model import cpu_packing
+def _dispatched_layer():
+    """A 96 x 256 layer's copies as ``cpu_packing.int4_linear`` takes them: torch's packed codes and scales, the
+    kernel's codes and scales, the oneDNN bf16 copy, a bias; and its bf16 weights."""
     from kvloom.kernels.cpu_linear import PackedLinear, packing_supported
 
     if not packing_supported(torch.bfloat16):
         pytest.skip("no oneDNN bf16 packing in this torch")
     q, packed, sz, w = _layer(96, 256, 32)
     codes, amx_sz = cpu_int4_amx.pack_codes(q), cpu_int4_amx.pack_scale_zeros(sz)
-    dense = PackedLinear(w.bfloat16(), None, 32)
-    bias = torch.randn(96).bfloat16()
+    return packed, sz, codes, amx_sz, PackedLinear(w.bfloat16(), None, 32), torch.randn(96).bfloat16(), w
+
+
+def test_the_layer_takes_each_kernel_by_rows_and_they_agree(monkeypatch):
+    from kvloom.core.model import cpu_packing
+
+    packed, sz, codes, amx_sz, dense, bias, w = _dispatched_layer()
     for rows, kernel in ((1, "torch"), (2, "amx"), (16, "amx"), (17, "amx"), (48, "amx"), (49, "dense"),
                          (300, "dense")):
         x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows)).bfloat16()
@@ -139,14 +145,8 @@ def test_the_layer_takes_each_kernel_by_rows_and_they_agree(monkeypatch):
 @needs_q8_inputs
 def test_the_layer_takes_the_int8_input_loop_where_asked():
     from kvloom.core.model import cpu_packing
-    from kvloom.kernels.cpu_linear import PackedLinear, packing_supported
 
-    if not packing_supported(torch.bfloat16):
-        pytest.skip("no oneDNN bf16 packing in this torch")
-    q, packed, sz, w = _layer(96, 256, 32)
-    codes, amx_sz = cpu_int4_amx.pack_codes(q), cpu_int4_amx.pack_scale_zeros(sz)
-    dense = PackedLinear(w.bfloat16(), None, 32)
-    bias = torch.randn(96).bfloat16()
+    packed, sz, codes, amx_sz, dense, bias, _ = _dispatched_layer()
     for rows in (1, 2, 40, 500):
         x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows)).bfloat16()
         args = (x, packed, sz, codes, amx_sz, 32, dense.packed_weight, bias, 0, 1 << 14, 1)

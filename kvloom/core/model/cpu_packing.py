@@ -193,7 +193,8 @@ q8_linear_op = cpu_ops.define(
 class Q8Linear(nn.Module):
     """A ``PackedLinear`` (``dense``) with the 8-bit codes its weight was dequantized from (GGUF Q8_0: ``W = d *
     q``, one fp16 ``d`` per 32 inputs), which steps of few rows multiply on AMX: half the bytes, the same bf16
-    weights (``d * q`` is exact in float32 and rounds as the copy did)."""
+    weights (``d * q`` is exact in float32 and rounds as the copy did). With ``int8_inputs`` (the dot products'
+    default for a GGUF file) the codes are laid out for ``q8_q8_mm`` and the inputs rounded to 8 bits."""
 
     def __init__(self, dense: PackedLinear, q: torch.Tensor, d: torch.Tensor, max_rows: int = Q8_MAX_ROWS,
                  int8_inputs: bool = False) -> None:
