@@ -567,8 +567,9 @@ inline void quantize_rows(const uint16_t* x, int64_t R, int64_t K, int32_t* out,
             _mm_store_si128(reinterpret_cast<__m128i*>(quads), _mm512_cvtepi32_epi8(qlo));
             _mm_store_si128(reinterpret_cast<__m128i*>(quads + 4), _mm512_cvtepi32_epi8(qhi));
             for (int h = 0; h < 8; ++h) out[(c * 8 + h) * R + r] = quads[h];
-            d[c * M + r] = m / 127.0f;
-            sum += static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi))) * (m / 127.0f);
+            const float scale = m / 127.0f;
+            d[c * M + r] = scale;
+            sum += static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi))) * scale;
         }
         xsum[r] = sum;
     }
@@ -735,7 +736,7 @@ extern "C" int kvloom_int4_amx_mm(const uint16_t* x, const uint8_t* codes, const
     return 0;
 }
 
-// The same with each row's inputs rounded to 8 bits a chunk of 32 (``int4_q8``): 2 where this build has no such loop
+// The same with each row's inputs rounded to 8 bits a chunk of 32 (``q8_matmul``): 2 where this build has no such loop
 extern "C" int kvloom_int4_q8_mm(const uint16_t* x, const uint8_t* codes, const uint16_t* scale_zeros, uint16_t* y,
                                  int64_t M, int64_t K, int64_t N, int64_t group) {
     if (M < 1 || N % 16 || K % 32 || group % 32 || K % group) return 1;
@@ -880,11 +881,7 @@ def int4_amx_mm(x: torch.Tensor, codes: torch.Tensor, scale_zeros: torch.Tensor,
     """``x @ W.T`` of bf16 ``x`` [M, K] with ``W`` packed by ``pack_codes`` and ``pack_scale_zeros``."""
     if x.dtype != torch.bfloat16:
         raise TypeError(f"int4_amx_mm multiplies bfloat16 rows, got {x.dtype}")
-    y, rc = _run(_load().kvloom_int4_amx_mm, x, codes, scale_zeros, group)
-    if rc:
-        raise ValueError(f"int4_amx_mm: unsupported shape ({x.shape[0]} x {x.shape[1]} by {y.shape[1]}, group "
-                         f"{group}; outputs must be a multiple of {OUTPUTS} and the group of {INPUTS})")
-    return y
+    return _checked("int4_amx_mm", x, *_run(_load().kvloom_int4_amx_mm, x, codes, scale_zeros, group), group)
 
 
 def int4_q8_mm(x: torch.Tensor, codes: torch.Tensor, scale_zeros: torch.Tensor, group: int) -> torch.Tensor:
@@ -892,11 +889,18 @@ def int4_q8_mm(x: torch.Tensor, codes: torch.Tensor, scale_zeros: torch.Tensor, 
     multiplied on 8-bit dot products (``q8_inputs()`` tells whether this build has them)."""
     if x.dtype != torch.bfloat16:
         raise TypeError(f"int4_q8_mm multiplies bfloat16 rows, got {x.dtype}")
-    y, rc = _run(_load().kvloom_int4_q8_mm, x, codes, scale_zeros, group)
+    return _checked("int4_q8_mm", x, *_run(_load().kvloom_int4_q8_mm, x, codes, scale_zeros, group), group)
+
+
+def _checked(name: str, x: torch.Tensor, y: torch.Tensor, rc: int, group: int | None = None) -> torch.Tensor:
+    """``y`` where kernel ``name`` returned 0; else the error its return code stands for (1: a shape it does not
+    take, named with its limits; 2: a loop this build lacks)."""
+    if rc == 1:
+        rule = (f", group {group}; outputs must be a multiple of {OUTPUTS} and the group of {INPUTS})" if group
+                else f"; outputs must be a multiple of {OUTPUTS} and inputs of {INPUTS})")
+        raise ValueError(f"{name}: unsupported shape ({x.shape[0]} x {x.shape[1]} by {y.shape[1]}{rule}")
     if rc:
-        raise ValueError(f"int4_q8_mm: unsupported shape ({x.shape[0]} x {x.shape[1]} by {y.shape[1]}, group "
-                         f"{group}; outputs must be a multiple of {OUTPUTS} and the group of {INPUTS})"
-                         if rc == 1 else "int4_q8_mm: this build has no 8-bit input loop (AMX's)")
+        raise ValueError(f"{name}: this build has no 8-bit input loop (AMX's)")
     return y
 
 
@@ -931,12 +935,7 @@ def q8_q8_mm(x: torch.Tensor, quads: torch.Tensor, scales: torch.Tensor) -> torc
     by ``pack_q8_quads``: where ``q8_inputs()``."""
     if x.dtype != torch.bfloat16 or scales.dtype != torch.float16:
         raise TypeError(f"q8_q8_mm multiplies bfloat16 rows by float16 scales, got {x.dtype} and {scales.dtype}")
-    y, rc = _run(_load().kvloom_int8_q8_mm, x, quads, scales)
-    if rc:
-        raise ValueError(f"q8_q8_mm: unsupported shape ({x.shape[0]} x {x.shape[1]} by {y.shape[1]}; outputs must be "
-                         f"a multiple of {OUTPUTS} and inputs of {INPUTS})" if rc == 1
-                         else "q8_q8_mm: this build has no 8-bit input loop (AMX's)")
-    return y
+    return _checked("q8_q8_mm", x, *_run(_load().kvloom_int8_q8_mm, x, quads, scales))
 
 
 def q8_supports(out_features: int, in_features: int) -> bool:
@@ -960,8 +959,4 @@ def q8_amx_mm(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> tor
     fp16 scale ``d`` per output and 32 inputs (``scales`` [K / 32, N], GGUF's Q8_0 blocks)."""
     if x.dtype != torch.bfloat16 or scales.dtype != torch.float16:
         raise TypeError(f"q8_amx_mm multiplies bfloat16 rows by float16 scales, got {x.dtype} and {scales.dtype}")
-    y, rc = _run(_load().kvloom_int8_amx_mm, x, codes, scales)
-    if rc:
-        raise ValueError(f"q8_amx_mm: unsupported shape ({x.shape[0]} x {x.shape[1]} by {y.shape[1]}; outputs must be "
-                         f"a multiple of {OUTPUTS} and inputs of {INPUTS})")
-    return y
+    return _checked("q8_amx_mm", x, *_run(_load().kvloom_int8_amx_mm, x, codes, scales))

@@ -160,16 +160,15 @@ Q8_MAX_ROWS = 32
 # On AVX512-BF16's dot products (a 2-core Zen 5, SmolLM2's table): 1.01 / 1.17 / 1.38 ms at 1 / 4 / 8 rows against
 # the bf16 copy's 1.75 / 1.73 / 1.81, even with it from 16 (benchmarks/cpu_int4.py).
 DOT_Q8_MAX_ROWS = 8
-# With the inputs at 8 bits too (``cpu_int4_amx.q8_inputs``): 0.46 / 0.60 / 1.79 / 6.25 ms at 1 / 8 / 32 / 128 rows
-# against the bf16 copy's 1.41 / 1.55 / 2.81 / 8.27 (the table in cache, the same Zen 5).
-DOT_Q8_INPUTS_MAX_ROWS_HEAD = DOT_Q8_INPUTS_MAX_ROWS
+# With the inputs at 8 bits too (``cpu_int4_amx.q8_inputs``) every step up to DOT_Q8_INPUTS_MAX_ROWS: 0.46 / 0.60 /
+# 1.79 / 6.25 ms at 1 / 8 / 32 / 128 rows against the bf16 copy's 1.41 / 1.55 / 2.81 / 8.27 (the table in cache).
 
 
 def q8_max_rows(int8_inputs: bool = False) -> int:
     """The most sampled rows a step takes its logits from the 8-bit codes for, on this machine."""
     if cpu_int4_amx.on_amx():
         return Q8_MAX_ROWS
-    return DOT_Q8_INPUTS_MAX_ROWS_HEAD if int8_inputs else DOT_Q8_MAX_ROWS
+    return DOT_Q8_INPUTS_MAX_ROWS if int8_inputs else DOT_Q8_MAX_ROWS
 
 
 def q8_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, dense_weight: torch.Tensor,
