@@ -36,6 +36,7 @@ _SOURCE = r"""
 #include <cstdint>
 #include <cstring>
 #include <algorithm>
+#include <atomic>
 #include <omp.h>
 #include <vector>
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
@@ -163,6 +164,12 @@ void span(const T* q, const T* kc, const T* vc, const int32_t* table, int64_t st
     for (int64_t g = 0; g < G; ++g) { m_out[g] = m[g]; l_out[g] = l[g]; }
 }
 
+// The work item a thread runs next: its blocks [blk0, blk1) of KV head h through ``table`` (none where blk0 >= blk1).
+struct NextItem {
+    const int32_t* table;
+    int64_t blk0, blk1, h;
+};
+
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #define KVLOOM_AVX512_BF16 1
 
@@ -240,8 +247,10 @@ inline void pv_heads(const uint16_t* vb, int64_t lo, int64_t hi, const uint16_t*
 template <int D>
 void span_bf16(const uint16_t* q, const uint16_t* kc, const uint16_t* vc, const int32_t* table, int64_t start,
                int64_t end, int64_t blk0, int64_t blk1, int64_t h, int64_t G, int64_t Hkv, int64_t bs,
-               float scale, float softcap, float* acc, float* m_out, float* l_out) {
+               float scale, float softcap, float* acc, float* m_out, float* l_out, const NextItem& next) {
     constexpr int C = D / 32;
+    // the next item's blocks requested a share at each of this item's blocks: they arrive while this one computes
+    const int64_t ahead = next.blk1 > next.blk0 ? (next.blk1 - next.blk0 + (blk1 - blk0) - 1) / (blk1 - blk0) : 0;
     __m512bh qb[MAX_GROUP][C];
     alignas(64) float s[MAX_GROUP][MAX_BLOCK];
     alignas(64) uint16_t pb[MAX_GROUP][PB_STRIDE];
@@ -259,6 +268,14 @@ void span_bf16(const uint16_t* q, const uint16_t* kc, const uint16_t* vc, const 
         if (lo >= hi) continue;
         const uint16_t* kb = kc + row * D;
         const uint16_t* vb = vc + row * D;
+        const int64_t n0 = next.blk0 + (blk - blk0) * ahead;
+        for (int64_t nb = n0; nb < std::min(next.blk1, n0 + ahead); ++nb) {
+            const int64_t first = (static_cast<int64_t>(next.table[nb]) * Hkv + next.h) * bs * D;
+            for (int64_t off = 0; off < bs * D; off += 32) {
+                _mm_prefetch(reinterpret_cast<const char*>(kc + first + off), _MM_HINT_T0);
+                _mm_prefetch(reinterpret_cast<const char*>(vc + first + off), _MM_HINT_T0);
+            }
+        }
         if (blk + 1 < blk1) {  // the next block's K and V on their way while this one computes (misses bound it)
             const int64_t next = (static_cast<int64_t>(table[blk + 1]) * Hkv + h) * bs * D;
             for (int64_t off = 0; off < bs * D; off += 32) {
@@ -328,29 +345,49 @@ void decode(const T* q, const T* kc, const T* vc, const int32_t* tables, int64_t
     std::vector<float> buffer(B * Hkv * spans * item);
     float* work = buffer.data();
     const int64_t items = B * Hkv * spans;
-#pragma omp parallel for schedule(dynamic, 1)
-    for (int64_t i = 0; i < items; ++i) {
-        const int64_t b = i / (Hkv * spans), h = (i / spans) % Hkv, sp = i % spans;
-        const int64_t first_blk = starts[b] / bs;
-        const int64_t last_blk = (ends[b] + bs - 1) / bs;
-        const int64_t blk0 = first_blk + sp * span_blocks;
-        const int64_t blk1 = std::min(blk0 + span_blocks, last_blk);
-        float* w = work + i * item;
-        if (blk0 >= blk1) {  // a row shorter than the longest: this span is empty
-            for (int64_t g = 0; g < G; ++g) { w[G * D + g] = NEG; w[G * D + G + g] = 0.f; }
-            continue;
-        }
-#ifdef KVLOOM_AVX512_BF16
-        if constexpr (sizeof(T) == 2 && D % 32 == 0) {
-            if (fast && bs % 16 == 0) {
-                span_bf16<D>(q + b * Hq * D, kc, vc, tables + b * table_stride, starts[b], ends[b], blk0, blk1, h, G,
-                             Hkv, bs, scale, softcap, w, w + G * D, w + G * D + G);
+    const auto blocks_of = [&](int64_t i, int64_t& b, int64_t& h, int64_t& blk0, int64_t& blk1) {
+        b = i / (Hkv * spans);
+        h = (i / spans) % Hkv;
+        blk0 = starts[b] / bs + (i % spans) * span_blocks;
+        blk1 = std::min(blk0 + span_blocks, (ends[b] + bs - 1) / bs);
+    };
+    // Items in runs that the threads take in turn (a core that another process holds up takes fewer); a thread takes
+    // its next run before the last item of this one, so that it always knows which item's K/V to prefetch.
+    const int64_t run = std::max<int64_t>(1, items / (4 * omp_get_max_threads()));
+    const int64_t runs = (items + run - 1) / run;
+    std::atomic<int64_t> taken{0};
+#pragma omp parallel
+    for (int64_t r = taken.fetch_add(1); r < runs;) {
+        const int64_t run_end = std::min(items, (r + 1) * run);
+        int64_t r_next = runs;
+        for (int64_t i = r * run; i < run_end; ++i) {
+            int64_t b, h, blk0, blk1, next_b = 0;
+            blocks_of(i, b, h, blk0, blk1);
+            NextItem next{tables, 0, 0, 0};
+            if (i + 1 == run_end) r_next = taken.fetch_add(1);
+            const int64_t j = i + 1 < run_end ? i + 1 : r_next < runs ? r_next * run : -1;
+            if (j >= 0) {
+                blocks_of(j, next_b, next.h, next.blk0, next.blk1);
+                next.table = tables + next_b * table_stride;
+            }
+            float* w = work + i * item;
+            if (blk0 >= blk1) {  // a row shorter than the longest: this span is empty
+                for (int64_t g = 0; g < G; ++g) { w[G * D + g] = NEG; w[G * D + G + g] = 0.f; }
                 continue;
             }
-        }
+#ifdef KVLOOM_AVX512_BF16
+            if constexpr (sizeof(T) == 2 && D % 32 == 0) {
+                if (fast && bs % 16 == 0) {
+                    span_bf16<D>(q + b * Hq * D, kc, vc, tables + b * table_stride, starts[b], ends[b], blk0, blk1,
+                                 h, G, Hkv, bs, scale, softcap, w, w + G * D, w + G * D + G, next);
+                    continue;
+                }
+            }
 #endif
-        span<T, D>(q + b * Hq * D, kc, vc, tables + b * table_stride, starts[b], ends[b], blk0, blk1, h, G, Hkv,
-                   bs, scale, softcap, w, w + G * D, w + G * D + G);
+            span<T, D>(q + b * Hq * D, kc, vc, tables + b * table_stride, starts[b], ends[b], blk0, blk1, h, G, Hkv,
+                       bs, scale, softcap, w, w + G * D, w + G * D + G);
+        }
+        r = r_next;
     }
 #pragma omp parallel for schedule(static)
     for (int64_t i = 0; i < B * Hkv; ++i) {

@@ -51,6 +51,22 @@ def test_matches_reference(dtype, atol, heads, kv_heads, head_dim, bs, path):
     torch.testing.assert_close(out.float(), _expected(q, k_cache, v_cache, tables, ends, 0.125), atol=atol, rtol=0)
 
 
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_many_rows_each_item_once(threads, path):
+    # the threads take the (row, head, span) items in runs and prefetch the next: every item runs once, whatever the
+    # thread count and however the runs divide the items (33 rows x 3 heads x 3 spans, an empty span between)
+    g = torch.Generator().manual_seed(2)
+    lens = torch.randint(1, cpu_attention.SPAN_BLOCKS * 32 * 3, (33,), generator=g).tolist()
+    q, k_cache, v_cache, tables, ends = _case(len(lens), 9, 3, 64, 32, lens, torch.bfloat16, seed=2, num_blocks=1200)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = cpu_attention.paged_decode(q, k_cache, v_cache, tables, torch.zeros_like(ends), ends, 0.125, 0.0, None)
+    finally:
+        torch.set_num_threads(before)
+    torch.testing.assert_close(out.float(), _expected(q, k_cache, v_cache, tables, ends, 0.125), atol=2e-2, rtol=0)
+
+
 @pytest.mark.parametrize("dtype,atol", [(torch.float32, 2e-5), (torch.bfloat16, 2e-2)])
 def test_windows_softcap_and_sinks(dtype, atol, path):
     lens = [3, 40, 300, 17]
