@@ -606,10 +606,54 @@ struct Int8Quads {  // GGUF's Q8_0 codes plus 128 (``pack_q8_quads``), one fp16 
     }
 };
 
-// One tile (16 outputs) for R rows of 8-bit inputs (their quads ``xq``, scales ``d`` and group sums ``xsum``).
-template <int R, typename W>
-void q8_tile(const int32_t* xq, const float* d, const W& w_in, const float* xsum, int64_t M, uint16_t* y, int64_t N,
-             int64_t groups) {
+// Where q8_tile puts row r's 16 results: bf16 into y (rows N apart)
+struct StoreRows {
+    uint16_t* y;
+    int64_t N;
+    inline void operator()(int r, __m512 v) const { store_bf16(y + r * N, v); }
+};
+
+// float32 into a block's buffer (a gate tile, before its up tile)
+struct KeepRows {
+    float* buf;
+    inline void operator()(int r, __m512 v) const { _mm512_storeu_ps(buf + 16 * r, v); }
+};
+
+inline __m512 round_bf16(__m512 v) {  // v rounded to bf16 as a stored result is, back in float32
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
+}
+
+// e^x: 2^n * 2^f with n = round(x log2 e), |f| <= 1/2, 2^f by its degree-6 Taylor polynomial in f ln 2 (rel. error
+// < 2e-7); scalef takes n to 0 or infinity where e^x leaves float's range, as expf does
+inline __m512 exp_ps(__m512 x) {
+    const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
+    const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 r = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.693147180559945309f));
+    __m512 p = _mm512_set1_ps(1.f / 720.f);
+    constexpr float coef[6] = {1.f / 120.f, 1.f / 24.f, 1.f / 6.f, 0.5f, 1.f, 1.f};
+    for (int i = 0; i < 6; ++i) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(coef[i]));
+    return _mm512_scalef_ps(p, n);
+}
+
+// silu(gate) * up into y (bf16, rows N apart), gate and up each rounded to bf16 first as the two results of the
+// unfused matmul are, the product in float32 rounded once as the compiled step's elementwise kernel does
+struct GluRows {
+    const float* gate;
+    uint16_t* y;
+    int64_t N;
+    inline void operator()(int r, __m512 v) const {
+        const __m512 g = round_bf16(_mm512_loadu_ps(gate + 16 * r));
+        const __m512 e = exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), g));
+        const __m512 sig = _mm512_div_ps(_mm512_set1_ps(1.f), _mm512_add_ps(_mm512_set1_ps(1.f), e));
+        store_bf16(y + r * N, _mm512_mul_ps(_mm512_mul_ps(g, sig), round_bf16(v)));
+    }
+};
+
+// One tile (16 outputs) for R rows of 8-bit inputs (their quads ``xq``, scales ``d`` and group sums ``xsum``), each
+// row's results handed to ``out``.
+template <int R, typename W, typename Out>
+void q8_tile(const int32_t* xq, const float* d, const W& w_in, const float* xsum, int64_t M, int64_t groups,
+             const Out& out) {
     constexpr int A = Q8_SPLIT<R>;
     const W w = w_in;
     __m512 acc[R];
@@ -643,7 +687,7 @@ void q8_tile(const int32_t* xq, const float* d, const W& w_in, const float* xsum
 #pragma GCC unroll 16
         for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(xsum[g * M + r]), off, acc[r]);
     }
-    for (int r = 0; r < R; ++r) store_bf16(y + r * N, acc[r]);
+    for (int r = 0; r < R; ++r) out(r, acc[r]);
 }
 
 #define KVLOOM_BY_Q8_ROWS(F, M, ...)                                                                                \
@@ -656,12 +700,16 @@ void q8_tile(const int32_t* xq, const float* d, const W& w_in, const float* xsum
 
 // Any rows, in even blocks of at most Q8_ROWS, quantized by the team beyond 16 rows; the blocks in spans of
 // Q8_SPAN rows (their inputs stay in a core's L2 while every tile's codes pass over them). ``tile(t)``: tile t's
-// weights (Int4Quads, Int8Quads), their groups of ``group`` inputs.
+// weights (Int4Quads, Int8Quads), their groups of ``group`` inputs. With ``glu``, y [M, N / 2] is silu of outputs
+// [0, N / 2) times outputs [N / 2, N) (a gate and up projection's halves): each gate tile's results kept for its up
+// tile's, a block at a time.
 constexpr int64_t Q8_SPAN = 16 * Q8_ROWS;
 
 template <typename Tile>
-void q8_matmul(const uint16_t* x, Tile tile, uint16_t* y, int64_t M, int64_t K, int64_t N, int64_t group) {
-    const int64_t tiles = N / 16, chunks = K / 32, groups = K / group, per_group = group / 32;
+void q8_matmul(const uint16_t* x, Tile tile, uint16_t* y, int64_t M, int64_t K, int64_t N, int64_t group,
+               bool glu = false) {
+    const int64_t tiles = glu ? N / 32 : N / 16, chunks = K / 32, groups = K / group, per_group = group / 32;
+    const int64_t stride = glu ? N / 2 : N;
     const int64_t blocks = (M + Q8_ROWS - 1) / Q8_ROWS;
     int32_t* xq = static_cast<int32_t*>(scratch(0, M * K));
     float* xsum = static_cast<float*>(scratch(1, M * groups * sizeof(float)));
@@ -690,8 +738,16 @@ void q8_matmul(const uint16_t* x, Tile tile, uint16_t* y, int64_t M, int64_t K, 
                 const auto w = tile(t);
                 for (int64_t i = b0; i < b1; ++i) {
                     const int64_t r0 = i * M / blocks, r1 = (i + 1) * M / blocks;
-                    KVLOOM_BY_Q8_ROWS(q8_tile, r1 - r0, xq + r0 * (K / 4), d + r0, w, xsum + r0, M,
-                                      y + r0 * N + t * 16, N, groups)
+                    const StoreRows rows{y + r0 * stride + t * 16, stride};
+                    if (!glu) {
+                        KVLOOM_BY_Q8_ROWS(q8_tile, r1 - r0, xq + r0 * (K / 4), d + r0, w, xsum + r0, M, groups, rows)
+                        continue;
+                    }
+                    alignas(64) float gate[Q8_ROWS * 16];
+                    KVLOOM_BY_Q8_ROWS(q8_tile, r1 - r0, xq + r0 * (K / 4), d + r0, w, xsum + r0, M, groups,
+                                      KeepRows{gate})
+                    KVLOOM_BY_Q8_ROWS(q8_tile, r1 - r0, xq + r0 * (K / 4), d + r0, tile(t + tiles), xsum + r0, M,
+                                      groups, (GluRows{gate, rows.y, stride}))
                 }
             }
         }
@@ -751,6 +807,21 @@ extern "C" int kvloom_int4_q8_mm(const uint16_t* x, const uint8_t* codes, const 
 #endif
 }
 
+// y [M, N / 2] = silu(g) * u of [g, u] = x [M, K] @ W.T (``kvloom_int4_q8_mm``'s, N / 2 outputs each)
+extern "C" int kvloom_int4_q8_glu(const uint16_t* x, const uint8_t* codes, const uint16_t* scale_zeros, uint16_t* y,
+                                  int64_t M, int64_t K, int64_t N, int64_t group) {
+    if (M < 1 || N % 32 || K % 32 || group % 32 || K % group) return 1;
+#ifdef KVLOOM_AMX
+    return 2;
+#else
+    const uint32_t* sz = reinterpret_cast<const uint32_t*>(scale_zeros);
+    const int64_t chunks = K / 32, groups = K / group;
+    q8_matmul(x, [=](int64_t t) { return Int4Quads{codes + t * chunks * 256, sz + t * groups * 16, group / 32}; },
+              y, M, K, N, group, true);
+    return 0;
+#endif
+}
+
 // y [M, N] = x [M, K] @ W.T of GGUF's Q8_0 weights with each row's inputs rounded to 8 bits a chunk of 32: codes
 // plus 128 as ``pack_q8_quads`` lays them out, scales fp16 [K / 32, N]
 extern "C" int kvloom_int8_q8_mm(const uint16_t* x, const uint8_t* codes, const uint16_t* scales, uint16_t* y,
@@ -778,6 +849,8 @@ extern "C" int kvloom_int4_amx_mm(const uint16_t*, const uint8_t*, const uint16_
                                   int64_t, int64_t) { return 2; }
 extern "C" int kvloom_int4_q8_mm(const uint16_t*, const uint8_t*, const uint16_t*, uint16_t*, int64_t, int64_t,
                                  int64_t, int64_t) { return 2; }
+extern "C" int kvloom_int4_q8_glu(const uint16_t*, const uint8_t*, const uint16_t*, uint16_t*, int64_t, int64_t,
+                                  int64_t, int64_t) { return 2; }
 extern "C" int kvloom_int8_q8_mm(const uint16_t*, const uint8_t*, const uint16_t*, uint16_t*, int64_t, int64_t,
                                  int64_t) { return 2; }
 extern "C" int kvloom_int8_amx_mm(const uint16_t*, const int8_t*, const uint16_t*, uint16_t*, int64_t, int64_t,
@@ -803,8 +876,8 @@ def _load():
                                 "ARCH_REQ_XCOMP_PERM); 4-bit weights keep torch's matmul")
                     return _lib
                 lib.kvloom_int4_amx_kind.restype = ctypes.c_int
-                for fn, sizes in ((lib.kvloom_int4_amx_mm, 4), (lib.kvloom_int4_q8_mm, 4), (lib.kvloom_int8_amx_mm, 3),
-                                  (lib.kvloom_int8_q8_mm, 3)):
+                for fn, sizes in ((lib.kvloom_int4_amx_mm, 4), (lib.kvloom_int4_q8_mm, 4), (lib.kvloom_int4_q8_glu, 4),
+                                  (lib.kvloom_int8_amx_mm, 3), (lib.kvloom_int8_q8_mm, 3)):
                     fn.restype = ctypes.c_int
                     fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * sizes
                 _lib = lib
@@ -890,6 +963,25 @@ def int4_q8_mm(x: torch.Tensor, codes: torch.Tensor, scale_zeros: torch.Tensor, 
     if x.dtype != torch.bfloat16:
         raise TypeError(f"int4_q8_mm multiplies bfloat16 rows, got {x.dtype}")
     return _checked("int4_q8_mm", x, *_run(_load().kvloom_int4_q8_mm, x, codes, scale_zeros, group), group)
+
+
+def int4_q8_glu(x: torch.Tensor, codes: torch.Tensor, scale_zeros: torch.Tensor, group: int) -> torch.Tensor:
+    """``silu(g) * u`` of ``[g, u] = int4_q8_mm(x, ...)`` (a merged gate and up projection) in the matmul's epilogue:
+    [M, N / 2], ``g`` and ``u`` rounded to bf16 first as the two-step result is, the product rounded once."""
+    if x.dtype != torch.bfloat16:
+        raise TypeError(f"int4_q8_glu multiplies bfloat16 rows, got {x.dtype}")
+    rows, in_features = x.shape
+    outputs = codes.shape[0] * OUTPUTS
+    y = torch.empty(rows, outputs // 2, dtype=torch.bfloat16)
+    if rows == 0:
+        return y
+    x = x.contiguous()
+    rc = _load().kvloom_int4_q8_glu(x.data_ptr(), codes.data_ptr(), scale_zeros.data_ptr(), y.data_ptr(), rows,
+                                    in_features, outputs, group)
+    if rc == 1:
+        raise ValueError(f"int4_q8_glu: unsupported shape ({rows} x {in_features} by {outputs}, group {group}; "
+                         f"outputs must be a multiple of {2 * OUTPUTS} and the group of {INPUTS})")
+    return _checked("int4_q8_glu", x, y, rc, group)
 
 
 def _checked(name: str, x: torch.Tensor, y: torch.Tensor, rc: int, group: int | None = None) -> torch.Tensor:

@@ -156,6 +156,50 @@ def test_the_layer_takes_the_int8_input_loop_where_asked():
         torch.testing.assert_close(cpu_packing.int4_linear_op(*args), got, rtol=0, atol=0)
 
 
+@needs_q8_inputs
+@pytest.mark.parametrize("rows", [1, 3, 12, 13, 100, 300])
+@pytest.mark.parametrize("shape", [(64, 64, 32), (960, 576, 32), (96, 256, 128)])
+def test_the_glu_epilogue_equals_silu_of_the_gate_times_the_up_results(shape, rows):
+    """``int4_q8_glu``: the gate half's results and the up half's, each rounded to bf16, silu(g) * u in float32
+    rounded once; the epilogue's exp against torch's may round a product the other way: at most one bf16 step, in
+    under 0.1 % of the outputs."""
+    out_features, in_features, group = shape
+    q, _, sz, _ = _layer(*shape)
+    codes, amx_sz = cpu_int4_amx.pack_codes(q), cpu_int4_amx.pack_scale_zeros(sz)
+    x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(rows)).bfloat16() * 8
+    gate, up = cpu_int4_amx.int4_q8_mm(x, codes, amx_sz, group).float().chunk(2, dim=-1)
+    want = (torch.nn.functional.silu(gate) * up).bfloat16()
+    got = cpu_int4_amx.int4_q8_glu(x, codes, amx_sz, group)
+    assert got.shape == (rows, out_features // 2) and got.dtype == torch.bfloat16
+    differ = got != want
+    assert differ.float().mean() < 1e-3, differ.sum()
+    step = want.float().abs() * 2**-7  # one bf16 step (or less) at the value
+    assert ((got.float() - want.float()).abs() <= step + 1e-30).all()
+    with pytest.raises(ValueError, match="multiple of 32"):
+        cpu_int4_amx.int4_q8_glu(x, codes[:3], amx_sz, group)  # 48 outputs: no even split into 16s
+
+
+@needs_q8_inputs
+def test_the_glu_op_takes_the_epilogue_for_the_rows_it_serves_and_the_matmul_beyond(monkeypatch):
+    from kvloom.core.model import cpu_packing
+
+    packed, sz, codes, amx_sz, dense, _, _ = _dispatched_layer()
+    for rows, fused in ((1, True), (40, True), (64, True), (65, False), (200, False)):
+        x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows)).bfloat16()
+        calls = []
+        monkeypatch.setattr(cpu_int4_amx, "int4_q8_glu",
+                            lambda *a, f=cpu_int4_amx.int4_q8_glu: (calls.append("glu"), f(*a))[1])
+        args = (x, packed, sz, codes, amx_sz, 32, dense.packed_weight, 0, 64, 1)
+        got = cpu_packing.int4_glu(*args)
+        monkeypatch.undo()
+        assert calls == (["glu"] if fused else []), (rows, calls)
+        y = cpu_packing.int4_linear(x, packed, sz, codes, amx_sz, 32, dense.packed_weight, None, 0, 64, 1)
+        gate, up = y.float().chunk(2, dim=-1)
+        want = (torch.nn.functional.silu(gate) * up).bfloat16()
+        assert got.shape == (rows, 48) and (got != want).float().mean() < 1e-2, rows
+        torch.testing.assert_close(cpu_packing.int4_glu_op(*args), got, rtol=0, atol=0)
+
+
 def test_a_compiled_step_runs_every_row_count_through_one_graph():
     """The kernel choice happens inside the op: a function compiled once (its rows dynamic, as the engine's steps
     are) takes 2, 7, 30 and 100 rows, three kernels, without compiling again."""

@@ -4,6 +4,7 @@ once (``kvloom.kernels.cpu_linear.PackedLinear``), and 4-bit weights (GGUF, AWQ,
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from kvloom.core.model.linear import LinearBase, UnquantizedLinearMethod
@@ -154,6 +155,28 @@ int4_linear_op = cpu_ops.define(
         (x.shape[0], amx_codes.shape[0] * cpu_int4_amx.OUTPUTS)))
 
 
+def int4_glu(x: torch.Tensor, weight: torch.Tensor, scale_zeros: torch.Tensor, amx_codes: torch.Tensor,
+             amx_scale_zeros: torch.Tensor, group: int, dense_weight: torch.Tensor, torch_rows: int,
+             max_rows: int, int8_inputs: int = 0) -> torch.Tensor:
+    """``silu(g) * u`` of a merged gate and up projection ``[g, u] = int4_linear(x, ...)`` (no bias): in the 8-bit
+    input loop's epilogue where that loop serves these rows (``cpu_int4_amx.int4_q8_glu``: the gate and up results
+    never written out), else after ``int4_linear``, in float32 rounded once as the compiled step computes it."""
+    rows = x.shape[0]
+    if int8_inputs and torch_rows < rows <= max_rows:
+        return cpu_int4_amx.int4_q8_glu(x, amx_codes, amx_scale_zeros, group)
+    y = int4_linear(x, weight, scale_zeros, amx_codes, amx_scale_zeros, group, dense_weight, None, torch_rows,
+                    max_rows, int8_inputs)
+    gate, up = y.float().chunk(2, dim=-1)
+    return (F.silu(gate) * up).to(y.dtype)
+
+
+int4_glu_op = cpu_ops.define(
+    "int4_glu(Tensor x, Tensor weight, Tensor scale_zeros, Tensor amx_codes, Tensor amx_scale_zeros, int group, "
+    "Tensor dense_weight, int torch_rows, int max_rows, int int8_inputs=0) -> Tensor", int4_glu,
+    lambda x, weight, scale_zeros, amx_codes, *rest: x.new_empty(
+        (x.shape[0], amx_codes.shape[0] * cpu_int4_amx.OUTPUTS // 2)))
+
+
 # The output projection from GGUF's 8-bit codes (Q8_0) on AMX up to this many rows (the sampled positions of a
 # step): 2.5-2.9 ms on SmolLM2's 49152 x 576 table from memory against the bf16 copy's 4.0-6.0; beyond, the copy's.
 Q8_MAX_ROWS = 32
@@ -270,6 +293,18 @@ class Int4CPUMethod:
         y = int4_matmul(x, layer.int4_weight, layer.int4_scale_zeros, codes,
                         getattr(layer, "int4_amx_scale_zeros", None), self.group, self.torch_rows, self.int8_inputs)
         return y if bias is None else y + bias
+
+    def apply_silu_and_mul(self, layer, x: torch.Tensor) -> torch.Tensor | None:
+        """``silu(gate) * up`` of this merged layer's output in one op (``int4_glu``) where the 8-bit input loop
+        serves its rows; None (the matmul, then the activation) where it never does or a bias comes between."""
+        packed = getattr(layer, "packed", None)
+        codes = getattr(layer, "int4_amx_codes", None)
+        if (not self.int8_inputs or codes is None or packed is None or x.dim() != 2
+                or x.dtype != layer.int4_scale_zeros.dtype or packed.bias is not None or codes.shape[0] % 2):
+            return None
+        args = (x, layer.int4_weight, layer.int4_scale_zeros, codes, layer.int4_amx_scale_zeros, self.group,
+                packed.packed_weight, self.torch_rows, self.max_rows, int(self.int8_inputs))
+        return int4_glu_op(*args) if torch.compiler.is_compiling() else int4_glu(*args)
 
     def process_weights_after_loading(self, layer) -> None:
         pass
