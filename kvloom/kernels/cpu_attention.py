@@ -428,6 +428,112 @@ int dispatch(int64_t D, const void* q, const void* kc, const void* vc, const int
 #undef KVLOOM_CASE
 }
 
+
+#ifdef KVLOOM_AVX512_BF16
+// Causal attention of prompt rows over their K/V, bf16 (``prompt_attention``): query i of Q sees keys
+// [0, S - Q + i]. A work item is (sequence, KV head, PROMPT_CHUNK queries): its keys transposed once (Kt: 16 keys a
+// group, lane j holding key j's pair of dimensions p, so that a tile's scores are 16 keys a vector for each of 16
+// queries) and its values copied contiguous (pv_block's rows); then for each query head of the group, tiles of 16
+// queries over blocks of PROMPT_KEYS keys: scores, the online softmax of decode (online_softmax), the probabilities
+// rounded to bf16 and pv_block.
+constexpr int64_t PROMPT_CHUNK = 64;
+constexpr int64_t PROMPT_KEYS = 64;
+
+template <int D>
+void prompt_item(const uint16_t* q, int64_t q_row, int64_t q_head, const uint16_t* k, int64_t k_row,
+                 const uint16_t* v, int64_t v_row, uint16_t* out, int64_t o_row, int64_t Q, int64_t S, int64_t i_lo,
+                 int64_t i_hi, int64_t G, float scale, std::vector<uint32_t>& kt, std::vector<uint16_t>& vc) {
+    constexpr int P = D / 2;  // dimension pairs
+    const int64_t offset = S - Q, kend = offset + i_hi, groups = (kend + 15) / 16;
+    kt.assign(groups * P * 16, 0u);
+    vc.resize((kend + 1) * D);
+    for (int64_t t = 0; t < kend; ++t) {
+        const uint32_t* row = reinterpret_cast<const uint32_t*>(k + t * k_row);
+        uint32_t* dst = kt.data() + (t / 16) * P * 16 + t % 16;
+        for (int p = 0; p < P; ++p) dst[p * 16] = row[p];
+        std::memcpy(vc.data() + t * D, v + t * v_row, D * sizeof(uint16_t));
+    }
+    alignas(64) float s[16][PROMPT_KEYS];
+    alignas(64) uint16_t pb[16][PB_STRIDE];
+    alignas(64) float acc[16 * D];
+    float m[16], l[16];
+    const __m512 vscale = _mm512_set1_ps(scale);
+    for (int64_t g = 0; g < G; ++g) {
+        const uint16_t* qg = q + g * q_head;
+        for (int64_t i0 = i_lo; i0 < i_hi; i0 += 16) {
+            const int64_t nq = std::min<int64_t>(16, i_hi - i0), last = offset + i0 + nq;
+            for (int64_t i = 0; i < 16; ++i) { m[i] = NEG; l[i] = 0.f; }
+            std::memset(acc, 0, sizeof(acc));
+            for (int64_t kb = 0; kb < last; kb += PROMPT_KEYS) {
+                const int64_t nk = std::min<int64_t>(PROMPT_KEYS, last - kb);
+                for (int64_t kg = 0; kg < (nk + 15) / 16; ++kg) {
+                    const uint32_t* kp = kt.data() + ((kb / 16) + kg) * P * 16;
+                    __m512 a[16];
+                    for (int i = 0; i < 16; ++i) a[i] = _mm512_setzero_ps();
+                    for (int p = 0; p < P; ++p) {
+                        const __m512bh kv = (__m512bh)_mm512_loadu_si512(kp + p * 16);
+#pragma GCC unroll 16
+                        for (int i = 0; i < 16; ++i) {  // rows past nq repeat the last query: computed, never read
+                            int32_t bits;
+                            std::memcpy(&bits, qg + std::min<int64_t>(i0 + i, i0 + nq - 1) * q_row + 2 * p, 4);
+                            a[i] = _mm512_dpbf16_ps(a[i], (__m512bh)_mm512_set1_epi32(bits), kv);
+                        }
+                    }
+                    for (int i = 0; i < 16; ++i) _mm512_store_ps(&s[i][kg * 16], _mm512_mul_ps(a[i], vscale));
+                }
+                for (int64_t i = 0; i < nq; ++i) {
+                    // the keys this query sees in the block: up to its own position
+                    const int64_t seen = std::clamp<int64_t>(offset + i0 + i - kb + 1, 0, nk);
+                    if (seen > 0) online_softmax<D>(s[i], 0, seen, m[i], l[i], acc + i * D);
+                    for (int64_t t = 0; t < seen; t += 16) {
+                        const __mmask16 mk = static_cast<__mmask16>(seen - t >= 16 ? 0xffff : (1u << (seen - t)) - 1);
+                        const __m512 x = _mm512_maskz_loadu_ps(mk, &s[i][t]);
+                        _mm256_mask_storeu_epi16(&pb[i][t], mk, (__m256i)_mm512_cvtneps_pbh(x));
+                    }
+                    std::memset(&pb[i][seen], 0, (nk + 1 - seen) * sizeof(uint16_t));
+                }
+                for (int64_t i = 0; i < nq; i += PV_HEADS<D>)
+                    pv_heads<D>(vc.data() + kb * D, 0, nk, &pb[i][0], acc + i * D,
+                                std::min<int64_t>(PV_HEADS<D>, nq - i));
+            }
+            // pv_block's lanes back in order (as span_bf16's end), divided by the softmax's sum
+            for (int64_t i = 0; i < nq; ++i) {
+                const float* a = acc + i * D;
+                const float inv = l[i] > 0.f ? 1.f / l[i] : 0.f;
+                uint16_t* o = out + (i0 + i) * o_row + g * D;
+                for (int c = 0; c < D / 32; ++c)
+                    for (int kk = 0; kk < 4; ++kk)
+                        for (int j = 0; j < 4; ++j) {
+                            o[32 * c + 8 * kk + j] = float_to_bf16(a[32 * c + 4 * kk + j] * inv);
+                            o[32 * c + 8 * kk + 4 + j] = float_to_bf16(a[32 * c + 16 + 4 * kk + j] * inv);
+                        }
+            }
+        }
+    }
+}
+
+template <int D>
+void prompt(const uint16_t* q, const int64_t* qs, const uint16_t* k, const int64_t* ks, const uint16_t* v,
+            const int64_t* vs, uint16_t* out, int64_t n, int64_t Q, int64_t S, int64_t Hq, int64_t Hkv, float scale) {
+    const int64_t G = Hq / Hkv, chunks = (Q + PROMPT_CHUNK - 1) / PROMPT_CHUNK, items = n * Hkv * chunks;
+#pragma omp parallel
+    {
+        std::vector<uint32_t> kt;
+        std::vector<uint16_t> vc;
+        // the last chunks of a sequence see the most keys: taken first
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t it = 0; it < items; ++it) {
+            const int64_t c = chunks - 1 - it % chunks, h = (it / chunks) % Hkv, j = it / (chunks * Hkv);
+            const int64_t i_lo = c * PROMPT_CHUNK, i_hi = std::min(Q, i_lo + PROMPT_CHUNK);
+            // qs/ks/vs: strides of (sequence, position, head) for q, (sequence, head, position) for k and v
+            prompt_item<D>(q + j * qs[0] + h * G * qs[2], qs[1], qs[2], k + j * ks[0] + h * ks[1], ks[2],
+                           v + j * vs[0] + h * vs[1], vs[2], out + j * Q * Hq * D + h * G * D, Hq * D, Q, S, i_lo,
+                           i_hi, G, scale, kt, vc);
+        }
+    }
+}
+#endif
+
 }  // namespace
 
 extern "C" int kvloom_paged_decode(int dtype, int64_t D, const void* q, const void* kc, const void* vc,
@@ -441,6 +547,31 @@ extern "C" int kvloom_paged_decode(int dtype, int64_t D, const void* q, const vo
                                span_blocks, scale, softcap, fast);
     return dispatch<uint16_t>(D, q, kc, vc, tables, table_stride, starts, ends, sinks, out, B, Hq, Hkv, bs,
                               span_blocks, scale, softcap, fast);
+}
+
+// out [n, Q, Hq, D] (contiguous) = causal attention of bf16 q [n, Q, Hq, D] over k, v [n, Hkv, S, D] (strides in
+// qs, ks, vs; the last dimension contiguous), query i at position S - Q + i. 1: a shape it does not take; 2: this build
+// has no AVX512-BF16 path.
+extern "C" int kvloom_prompt_attention(int64_t D, const void* q, const int64_t* qs, const void* k, const int64_t* ks,
+                                       const void* v, const int64_t* vs, void* out, int64_t n, int64_t Q, int64_t S,
+                                       int64_t Hq, int64_t Hkv, float scale) {
+#ifdef KVLOOM_AVX512_BF16
+    if (Hq % Hkv != 0 || Q > S || PROMPT_KEYS + 1 > PB_STRIDE) return 1;
+    const auto* qq = static_cast<const uint16_t*>(q);
+    const auto* kk = static_cast<const uint16_t*>(k);
+    const auto* vv = static_cast<const uint16_t*>(v);
+    auto* oo = static_cast<uint16_t*>(out);
+    switch (D) {
+        case 32: prompt<32>(qq, qs, kk, ks, vv, vs, oo, n, Q, S, Hq, Hkv, scale); return 0;
+        case 64: prompt<64>(qq, qs, kk, ks, vv, vs, oo, n, Q, S, Hq, Hkv, scale); return 0;
+        case 96: prompt<96>(qq, qs, kk, ks, vv, vs, oo, n, Q, S, Hq, Hkv, scale); return 0;
+        case 128: prompt<128>(qq, qs, kk, ks, vv, vs, oo, n, Q, S, Hq, Hkv, scale); return 0;
+        case 256: prompt<256>(qq, qs, kk, ks, vv, vs, oo, n, Q, S, Hq, Hkv, scale); return 0;
+        default: return 1;
+    }
+#else
+    return 2;
+#endif
 }
 
 // whether this build has the AVX512-BF16 path (the machine compiled for has those instructions)
@@ -461,22 +592,33 @@ _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 # KVLOOM_CPU_PAGED_DECODE=portable asks for, to compare the two)
 VECTORIZED = os.environ.get("KVLOOM_CPU_PAGED_DECODE") != "portable"
 
+# prompt rows in bf16 take ``prompt_attention`` where the AVX512-BF16 build serves (``KVLOOM_CPU_PROMPT_ATTENTION=0``:
+# the backend's batched matmuls, to compare)
+PROMPT_ENABLED = os.environ.get("KVLOOM_CPU_PROMPT_ATTENTION", "1") != "0"
+PROMPT_HEAD_DIMS = (32, 64, 96, 128, 256)
+
 _lock = threading.Lock()
 _lib = None  # the loaded function, False once building or loading failed
+_prompt = None  # the prompt kernel, False where this build has none (no AVX512-BF16)
 
 
 def _load():
-    global _lib
+    global _lib, _prompt
     with _lock:
         if _lib is None:
             try:
-                fn = ctypes.CDLL(build_library("paged_decode", _SOURCE)).kvloom_paged_decode
+                lib = ctypes.CDLL(build_library("paged_decode", _SOURCE))
+                fn = lib.kvloom_paged_decode
                 fn.restype = ctypes.c_int
                 fn.argtypes = [ctypes.c_int, ctypes.c_int64] + [ctypes.c_void_p] * 4 + [ctypes.c_int64] + \
                     [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 5 + [ctypes.c_float] * 2 + [ctypes.c_int]
+                prompt = lib.kvloom_prompt_attention
+                prompt.restype = ctypes.c_int
+                prompt.argtypes = [ctypes.c_int64] + [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 5 + [ctypes.c_float]
+                _prompt = prompt if lib.kvloom_paged_decode_vectorized() == 1 else False
                 _lib = fn
             except Exception as exc:  # noqa: BLE001 - no compiler or a failed build: the gather path serves
-                _lib = False
+                _lib = _prompt = False
                 logger.warning("CPU paged decode attention unavailable (%s: %s); attention gathers the cache instead",
                                type(exc).__name__, str(exc)[:300])
     return _lib
@@ -496,6 +638,35 @@ def supports(dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: in
     """Whether the kernel takes this cache and these heads (otherwise the gather path serves)."""
     return (dtype in _DTYPES and head_dim in HEAD_DIMS and num_heads % num_kv_heads == 0
             and num_heads // num_kv_heads <= MAX_GROUP and block_size <= MAX_BLOCK)
+
+
+def prompt_serves(dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
+    """Whether ``prompt_attention`` takes prompt rows of this dtype and these heads here."""
+    return (PROMPT_ENABLED and VECTORIZED and dtype == torch.bfloat16 and head_dim in PROMPT_HEAD_DIMS
+            and num_heads % num_kv_heads == 0 and available() and bool(_prompt))
+
+
+def prompt_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal attention of bf16 prompt rows ``q`` ``[n, Q, Hq, D]`` at the last ``Q`` of ``S`` positions over
+    ``keys``/``values`` ``[n, Hkv, S, D]`` (any strides, the last dimension contiguous): ``[n, Q, Hq, D]``. Scores and
+    softmax in float32, the probabilities rounded to bf16 for the values' dot products, as decode rows are
+    (``paged_decode``); where ``prompt_serves``."""
+    n, length, num_heads, head_dim = q.shape
+    num_kv_heads, total = keys.shape[1], keys.shape[2]
+    out = torch.empty(n, length, num_heads, head_dim, dtype=q.dtype)
+    if n == 0 or length == 0:
+        return out
+    if any(t.stride(-1) != 1 for t in (q, keys, values)):
+        q, keys, values = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, keys, values))
+    strides = [torch.tensor([t.stride(0), t.stride(1), t.stride(2)], dtype=torch.int64) for t in (q, keys, values)]
+    rc = _prompt(head_dim, q.data_ptr(), strides[0].data_ptr(), keys.data_ptr(), strides[1].data_ptr(),
+                 values.data_ptr(), strides[2].data_ptr(), out.data_ptr(), n, length, total, num_heads,
+                 num_kv_heads, scale)
+    if rc:
+        raise ValueError(f"prompt_attention: unsupported shape (head_dim {head_dim}, heads {num_heads}/{num_kv_heads}, "
+                         f"{length} queries over {total} keys; head_dim in {PROMPT_HEAD_DIMS}, at most as many queries "
+                         "as keys)")
+    return out
 
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,

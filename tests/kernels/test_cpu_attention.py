@@ -117,3 +117,54 @@ def test_without_a_compiler_the_gather_serves(tmp_path):
     assert done.returncode == 0, done.stderr
     assert "available False" in done.stdout
     assert "attention gathers the cache instead" in done.stderr and "no-such-compiler" in done.stderr
+
+
+needs_prompt_kernel = pytest.mark.skipif(
+    not cpu_attention.prompt_serves(torch.bfloat16, 8, 2, 64), reason="no AVX512-BF16 build of the prompt kernel here")
+
+
+def _prompt_expected(q, keys, values, scale):
+    """Causal attention in float32, query i of Q at position S - Q + i: ``q`` [n, Q, Hq, D], K/V [n, Hkv, S, D]."""
+    n, length, heads, _ = q.shape
+    kv_heads, total = keys.shape[1], keys.shape[2]
+    k = keys.float().repeat_interleave(heads // kv_heads, dim=1)
+    v = values.float().repeat_interleave(heads // kv_heads, dim=1)
+    scores = torch.einsum("nqhd,nhkd->nhqk", q.float(), k) * scale
+    visible = torch.arange(total)[None, :] <= torch.arange(total - length, total)[:, None]
+    probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
+    return torch.einsum("nhqk,nhkd->nqhd", probs, v)
+
+
+@needs_prompt_kernel
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (8, 8, 128), (4, 1, 64), (4, 2, 32), (2, 1, 256),
+                                                     (6, 2, 96)])
+@pytest.mark.parametrize("n,length,total", [(1, 1, 1), (2, 17, 17), (3, 70, 70), (2, 5, 40), (1, 130, 200),
+                                            (2, 64, 64), (1, 129, 129)])
+def test_prompt_attention_matches_reference(heads, kv_heads, head_dim, n, length, total):
+    """Whole prompts (Q = S) and chunks after a cached prefix (Q < S); q, k and v cut from one fused projection's
+    rows as the layers hand them over (strided views), and K/V as a gathered prefix's contiguous copy."""
+    g = torch.Generator().manual_seed(length * 7 + total)
+    width = (heads + 2 * kv_heads) * head_dim
+    if length == total:
+        qkv = torch.randn(n, length, width, generator=g).bfloat16()
+        q = qkv[..., : heads * head_dim].unflatten(-1, (heads, head_dim))
+        keys = qkv[..., heads * head_dim: (heads + kv_heads) * head_dim].unflatten(-1, (kv_heads, head_dim))
+        values = qkv[..., (heads + kv_heads) * head_dim:].unflatten(-1, (kv_heads, head_dim))
+        keys, values = keys.transpose(1, 2), values.transpose(1, 2)
+    else:
+        q = torch.randn(n, length, heads, head_dim, generator=g).bfloat16()
+        keys = torch.randn(n, kv_heads, total, head_dim, generator=g).bfloat16()
+        values = torch.randn(n, kv_heads, total, head_dim, generator=g).bfloat16()
+    out = cpu_attention.prompt_attention(q, keys, values, head_dim ** -0.5)
+    assert out.shape == (n, length, heads, head_dim) and out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), _prompt_expected(q, keys, values, head_dim ** -0.5), atol=2e-2, rtol=0)
+
+
+@needs_prompt_kernel
+def test_prompt_attention_refuses_shapes_by_name():
+    q = torch.zeros(1, 4, 2, 80, dtype=torch.bfloat16)
+    kv = torch.zeros(1, 1, 4, 80, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="head_dim 80"):
+        cpu_attention.prompt_attention(q, kv, kv, 0.1)
+    assert not cpu_attention.prompt_serves(torch.bfloat16, 2, 1, 80)
+    assert not cpu_attention.prompt_serves(torch.float32, 2, 1, 64)

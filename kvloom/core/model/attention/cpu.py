@@ -14,13 +14,16 @@ Decode rows over a float32 or bfloat16 cache skip that gather where the C++ kern
 20 % off a 32-stream step on SmolLM2 (docs/benchmarks.md, "CPU: decode attention in place");
 ``KVLOOM_CPU_PAGED_DECODE=0`` keeps the gather.
 
-In bf16/fp16, attention is batched matmuls (scores in the model dtype, softmax in float32, as
-transformers' eager attention does), faster there than PyTorch's fused CPU kernel; in float32 the
-fused kernel (``scaled_dot_product_attention``) is the faster one and is used. Prompts of equal length
-are batched together (as views when they are adjacent in the batch), and a prompt's fresh K/V are read
-directly when nothing is cached before it. A chunk after a cached prefix goes through the same formula
-as a whole prompt, so in bf16 prefix caching changes outputs only as far as its smaller matmuls round
-differently (1 of 32 greedy sequences in ``benchmarks/prefix_cache_ab.py``, 15 with two formulas).
+In bf16 on a CPU with AVX512-BF16, prompt rows attend in a C++ kernel (``cpu_attention.prompt_attention``: scores
+and softmax in float32, the probabilities rounded to bf16 for the values, as decode rows' are; 144 -> 60 ms of
+SmolLM2's 4,096-token prompt step). ``KVLOOM_CPU_PROMPT_ATTENTION=0``, fp16, soft-caps, sinks, or a window
+narrower than the span keep batched matmuls (scores in the model dtype, softmax in float32, as transformers' eager
+attention does), faster there than PyTorch's fused CPU kernel; in float32 the fused kernel
+(``scaled_dot_product_attention``) is the faster one and is used. Prompts of equal length are batched together (as
+views when they are adjacent in the batch), and a prompt's fresh K/V are read directly when nothing is cached before
+it. A chunk after a cached prefix goes through the same formula as a whole prompt, so in bf16 prefix caching changes
+outputs only as far as its smaller matmuls round differently (1 of 32 greedy sequences in
+``benchmarks/prefix_cache_ab.py``, 15 with two formulas).
 
 An fp8 cache (``kv_cache_dtype="fp8"``) is quantized on write and dequantized on read: the gathers move
 half the bytes, then one conversion per gathered tensor gives the model dtype; a prompt with nothing
@@ -343,6 +346,7 @@ class CPUAttentionBackend:
             out[:nd] = self._decode(q[:nd], k_cache, v_cache, dec, scale, kv_scales, softcap, sinks)
         starts = index.starts
         bs = k_cache.shape[2]
+        kernel = not explicit and cpu_attention.prompt_serves(q.dtype, num_heads, k_cache.shape[1], head_dim)
         for seqs, q_len, s_len, first in index.prefill_groups:
             n = len(seqs)
             if first is not None:  # one run of the flat batch: views, no copies
@@ -364,29 +368,33 @@ class CPUAttentionBackend:
                                                    s_len, q.dtype, kv_scales)
             # the keys' positions start at first_key; a window narrower than the span needs a mask of its own
             windowed = window is not None and s_len - first_key > window
-            mask = None
-            mask_key = (q_len, s_len, first_key, window if windowed else None)
-            if q_len != s_len or windowed:
-                mask = index.masks.get(mask_key)
-                if mask is None:
-                    mask = index.masks[mask_key] = reference.visible(
-                        torch.arange(s_len - q_len, s_len, device=q.device),
-                        torch.arange(first_key, s_len, device=q.device), window)
-            if explicit:
-                o = self._prefill_explicit(qs, keys, values, scale, mask, softcap, sinks, s_len - first_key)
-            elif q.dtype != torch.float32:
-                group = q.shape[1] // k_cache.shape[1]
-                bias = index.masks.get((mask_key, group, q.dtype))
-                if bias is None:
-                    bias = index.masks[(mask_key, group, q.dtype)] = self._prefill_bias(q_len, s_len - first_key,
-                                                                                       group, q.dtype, mask)
-                o = self._prefill_grouped(qs, keys, values, scale, bias)
-            elif mask is None:
-                o = F.scaled_dot_product_attention(qs.transpose(1, 2), keys, values, is_causal=True, scale=scale,
-                                                   enable_gqa=True).transpose(1, 2)
+            if kernel and not windowed:  # causal over the keys from first_key, in C++ (``prompt_attention``)
+                o = cpu_attention.prompt_attention(qs, keys, values, scale)
             else:
-                o = F.scaled_dot_product_attention(qs.transpose(1, 2), keys, values, attn_mask=mask, scale=scale,
-                                                   enable_gqa=True).transpose(1, 2)
+                mask = None
+                mask_key = (q_len, s_len, first_key, window if windowed else None)
+                if q_len != s_len or windowed:
+                    mask = index.masks.get(mask_key)
+                    if mask is None:
+                        mask = index.masks[mask_key] = reference.visible(
+                            torch.arange(s_len - q_len, s_len, device=q.device),
+                            torch.arange(first_key, s_len, device=q.device), window)
+                if explicit:
+                    o = self._prefill_explicit(qs, keys, values, scale, mask, softcap, sinks, s_len - first_key)
+                elif q.dtype != torch.float32:
+                    group = q.shape[1] // k_cache.shape[1]
+                    bias_key = (mask_key, group, q.dtype)
+                    bias = index.masks.get(bias_key)
+                    if bias is None:
+                        bias = index.masks[bias_key] = self._prefill_bias(q_len, s_len - first_key, group, q.dtype,
+                                                                          mask)
+                    o = self._prefill_grouped(qs, keys, values, scale, bias)
+                elif mask is None:
+                    o = F.scaled_dot_product_attention(qs.transpose(1, 2), keys, values, is_causal=True, scale=scale,
+                                                       enable_gqa=True).transpose(1, 2)
+                else:
+                    o = F.scaled_dot_product_attention(qs.transpose(1, 2), keys, values, attn_mask=mask, scale=scale,
+                                                       enable_gqa=True).transpose(1, 2)
             if out is None:
                 return o.flatten(0, 1)
             if first is not None:
