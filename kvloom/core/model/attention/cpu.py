@@ -22,8 +22,8 @@ attention does), faster there than PyTorch's fused CPU kernel; in float32 the fu
 (``scaled_dot_product_attention``) is the faster one and is used. Prompts of equal length are batched together (as
 views when they are adjacent in the batch), and a prompt's fresh K/V are read directly when nothing is cached before
 it. A chunk after a cached prefix goes through the same formula as a whole prompt, so in bf16 prefix caching changes
-outputs only as far as its smaller matmuls round differently (1 of 32 greedy sequences in
-``benchmarks/prefix_cache_ab.py``, 15 with two formulas).
+outputs only as far as its smaller matmuls round differently (``benchmarks/prefix_cache_ab.py`` on the GGUF: none of
+32 greedy sequences with the prompt kernel, 1 with the batched matmuls, 15 with two formulas).
 
 An fp8 cache (``kv_cache_dtype="fp8"``) is quantized on write and dequantized on read: the gathers move
 half the bytes, then one conversion per gathered tensor gives the model dtype; a prompt with nothing
