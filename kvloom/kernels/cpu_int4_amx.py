@@ -792,34 +792,31 @@ extern "C" int kvloom_int4_amx_mm(const uint16_t* x, const uint8_t* codes, const
     return 0;
 }
 
-// The same with each row's inputs rounded to 8 bits a chunk of 32 (``q8_matmul``): 2 where this build has no such loop
-extern "C" int kvloom_int4_q8_mm(const uint16_t* x, const uint8_t* codes, const uint16_t* scale_zeros, uint16_t* y,
-                                 int64_t M, int64_t K, int64_t N, int64_t group) {
-    if (M < 1 || N % 16 || K % 32 || group % 32 || K % group) return 1;
+// The 8-bit input loop over the 4-bit codes (``q8_matmul``): y [M, N], or with ``glu`` [M, N / 2] (its epilogue)
+static inline int int4_q8(const uint16_t* x, const uint8_t* codes, const uint16_t* scale_zeros, uint16_t* y, int64_t M,
+                          int64_t K, int64_t N, int64_t group, bool glu) {
+    if (M < 1 || N % (glu ? 32 : 16) || K % 32 || group % 32 || K % group) return 1;
 #ifdef KVLOOM_AMX
     return 2;
 #else
     const uint32_t* sz = reinterpret_cast<const uint32_t*>(scale_zeros);
     const int64_t chunks = K / 32, groups = K / group;
     q8_matmul(x, [=](int64_t t) { return Int4Quads{codes + t * chunks * 256, sz + t * groups * 16, group / 32}; },
-              y, M, K, N, group);
+              y, M, K, N, group, glu);
     return 0;
 #endif
+}
+
+// kvloom_int4_amx_mm with each row's inputs rounded to 8 bits a chunk of 32: 2 where this build has no such loop
+extern "C" int kvloom_int4_q8_mm(const uint16_t* x, const uint8_t* codes, const uint16_t* scale_zeros, uint16_t* y,
+                                 int64_t M, int64_t K, int64_t N, int64_t group) {
+    return int4_q8(x, codes, scale_zeros, y, M, K, N, group, false);
 }
 
 // y [M, N / 2] = silu(g) * u of [g, u] = x [M, K] @ W.T (``kvloom_int4_q8_mm``'s, N / 2 outputs each)
 extern "C" int kvloom_int4_q8_glu(const uint16_t* x, const uint8_t* codes, const uint16_t* scale_zeros, uint16_t* y,
                                   int64_t M, int64_t K, int64_t N, int64_t group) {
-    if (M < 1 || N % 32 || K % 32 || group % 32 || K % group) return 1;
-#ifdef KVLOOM_AMX
-    return 2;
-#else
-    const uint32_t* sz = reinterpret_cast<const uint32_t*>(scale_zeros);
-    const int64_t chunks = K / 32, groups = K / group;
-    q8_matmul(x, [=](int64_t t) { return Int4Quads{codes + t * chunks * 256, sz + t * groups * 16, group / 32}; },
-              y, M, K, N, group, true);
-    return 0;
-#endif
+    return int4_q8(x, codes, scale_zeros, y, M, K, N, group, true);
 }
 
 // y [M, N] = x [M, K] @ W.T of GGUF's Q8_0 weights with each row's inputs rounded to 8 bits a chunk of 32: codes
