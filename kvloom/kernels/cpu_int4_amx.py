@@ -856,32 +856,40 @@ extern "C" int kvloom_int8_amx_mm(const uint16_t*, const int8_t*, const uint16_t
 """
 
 _lock = threading.Lock()
-_lib = None  # the loaded library (its two functions set up), False once building, loading or AMX's permission failed
+_lib = None  # the loaded library (its functions set up), False where building, loading or AMX's permission failed
 
 
 def _load():
     global _lib
+    lib = _lib
+    if lib is not None:  # built (or refused) already: no lock on the path every matmul takes
+        return lib
     with _lock:
         if _lib is None:
-            _lib = False
-            if os.environ.get("KVLOOM_CPU_INT4_AMX", "1") == "0" or not _cpu_has_bf16_dot():
-                return _lib
-            try:
-                lib = ctypes.CDLL(build_library("int4_amx", _SOURCE))
-                if lib.kvloom_int4_amx_ready() != 1:
-                    logger.info("CPU: AMX is listed but this process may not use it (the kernel refused "
-                                "ARCH_REQ_XCOMP_PERM); 4-bit weights keep torch's matmul")
-                    return _lib
-                lib.kvloom_int4_amx_kind.restype = ctypes.c_int
-                for fn, sizes in ((lib.kvloom_int4_amx_mm, 4), (lib.kvloom_int4_q8_mm, 4), (lib.kvloom_int4_q8_glu, 4),
-                                  (lib.kvloom_int8_amx_mm, 3), (lib.kvloom_int8_q8_mm, 3)):
-                    fn.restype = ctypes.c_int
-                    fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * sizes
-                _lib = lib
-            except Exception as exc:  # noqa: BLE001 - no compiler or a failed build: torch's kernel serves
-                logger.warning("CPU 4-bit matmul kernel unavailable (%s: %s); 4-bit weights keep torch's matmul",
-                               type(exc).__name__, str(exc)[:300])
+            _lib = _build()  # assigned once whole: a caller without the lock sees None or the result
     return _lib
+
+
+def _build():
+    """The loaded library, its functions set up; False where it may not run here."""
+    if os.environ.get("KVLOOM_CPU_INT4_AMX", "1") == "0" or not _cpu_has_bf16_dot():
+        return False
+    try:
+        lib = ctypes.CDLL(build_library("int4_amx", _SOURCE))
+        if lib.kvloom_int4_amx_ready() != 1:
+            logger.info("CPU: AMX is listed but this process may not use it (the kernel refused "
+                        "ARCH_REQ_XCOMP_PERM); 4-bit weights keep torch's matmul")
+            return False
+        lib.kvloom_int4_amx_kind.restype = ctypes.c_int
+        for fn, sizes in ((lib.kvloom_int4_amx_mm, 4), (lib.kvloom_int4_q8_mm, 4), (lib.kvloom_int4_q8_glu, 4),
+                          (lib.kvloom_int8_amx_mm, 3), (lib.kvloom_int8_q8_mm, 3)):
+            fn.restype = ctypes.c_int
+            fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * sizes
+        return lib
+    except Exception as exc:  # noqa: BLE001 - no compiler or a failed build: torch's kernel serves
+        logger.warning("CPU 4-bit matmul kernel unavailable (%s: %s); 4-bit weights keep torch's matmul",
+                       type(exc).__name__, str(exc)[:300])
+        return False
 
 
 def _cpu_has_bf16_dot() -> bool:

@@ -154,6 +154,28 @@ def test_the_layer_takes_the_int8_input_loop_where_asked():
         want = cpu_int4_amx.int4_q8_mm(x, codes, amx_sz, 32) + bias
         torch.testing.assert_close(got, want, rtol=0, atol=0)
         torch.testing.assert_close(cpu_packing.int4_linear_op(*args), got, rtol=0, atol=0)
+        # a layer keeping no copy for torch's matmul takes the op of fewer arguments: the same results
+        slim = (x, codes, amx_sz, 32, dense.packed_weight, bias, 1 << 14, 1)
+        torch.testing.assert_close(cpu_packing.kernel_linear(*slim), got, rtol=0, atol=0)
+        torch.testing.assert_close(cpu_packing.kernel_linear_op(*slim), got, rtol=0, atol=0)
+
+
+def test_the_slim_op_takes_the_kernel_up_to_its_rows_and_the_dense_copy_beyond(monkeypatch):
+    from kvloom.core.model import cpu_packing
+
+    _, _, codes, amx_sz, dense, bias, w = _dispatched_layer()
+    for rows, kernel in ((1, True), (48, True), (49, False), (300, False)):
+        x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows)).bfloat16()
+        calls = []
+        monkeypatch.setattr(cpu_int4_amx, "int4_amx_mm",
+                            lambda *a, f=cpu_int4_amx.int4_amx_mm: (calls.append("amx"), f(*a))[1])
+        args = (x, codes, amx_sz, 32, dense.packed_weight, bias, 48, 0)
+        got = cpu_packing.kernel_linear(*args).float()
+        monkeypatch.undo()
+        assert calls == (["amx"] if kernel else []), (rows, calls)
+        want = x.float() @ w.t() + bias.float()
+        assert (got - want).abs().max() <= 0.01 * want.abs().max(), (rows, (got - want).abs().max())
+        torch.testing.assert_close(cpu_packing.kernel_linear_op(*args).float(), got, rtol=0, atol=0)
 
 
 @needs_q8_inputs
@@ -189,15 +211,15 @@ def test_the_glu_op_takes_the_epilogue_for_the_rows_it_serves_and_the_matmul_bey
         calls = []
         monkeypatch.setattr(cpu_int4_amx, "int4_q8_glu",
                             lambda *a, f=cpu_int4_amx.int4_q8_glu: (calls.append("glu"), f(*a))[1])
-        args = (x, packed, sz, codes, amx_sz, 32, dense.packed_weight, 0, 64, 1)
-        got = cpu_packing.int4_glu(*args)
+        args = (x, codes, amx_sz, 32, dense.packed_weight, 64)
+        got = cpu_packing.kernel_glu(*args)
         monkeypatch.undo()
         assert calls == (["glu"] if fused else []), (rows, calls)
         y = cpu_packing.int4_linear(x, packed, sz, codes, amx_sz, 32, dense.packed_weight, None, 0, 64, 1)
         gate, up = y.float().chunk(2, dim=-1)
         want = (torch.nn.functional.silu(gate) * up).bfloat16()
         assert got.shape == (rows, 48) and (got != want).float().mean() < 1e-2, rows
-        torch.testing.assert_close(cpu_packing.int4_glu_op(*args), got, rtol=0, atol=0)
+        torch.testing.assert_close(cpu_packing.kernel_glu_op(*args), got, rtol=0, atol=0)
 
 
 def test_a_compiled_step_runs_every_row_count_through_one_graph():

@@ -155,26 +155,39 @@ int4_linear_op = cpu_ops.define(
         (x.shape[0], amx_codes.shape[0] * cpu_int4_amx.OUTPUTS)))
 
 
-def int4_glu(x: torch.Tensor, weight: torch.Tensor, scale_zeros: torch.Tensor, amx_codes: torch.Tensor,
-             amx_scale_zeros: torch.Tensor, group: int, dense_weight: torch.Tensor, torch_rows: int,
-             max_rows: int, int8_inputs: int = 0) -> torch.Tensor:
-    """``silu(g) * u`` of a merged gate and up projection ``[g, u] = int4_linear(x, ...)`` (no bias): in the 8-bit
-    input loop's epilogue where that loop serves these rows (``cpu_int4_amx.int4_q8_glu``: the gate and up results
-    never written out), else after ``int4_linear``, in float32 rounded once as the compiled step computes it."""
-    rows = x.shape[0]
-    if int8_inputs and torch_rows < rows <= max_rows:
-        return cpu_int4_amx.int4_q8_glu(x, amx_codes, amx_scale_zeros, group)
-    y = int4_linear(x, weight, scale_zeros, amx_codes, amx_scale_zeros, group, dense_weight, None, torch_rows,
-                    max_rows, int8_inputs)
+def kernel_linear(x: torch.Tensor, codes: torch.Tensor, scale_zeros: torch.Tensor, group: int,
+                  dense_weight: torch.Tensor, bias: torch.Tensor | None, max_rows: int,
+                  int8_inputs: int = 0) -> torch.Tensor:
+    """``int4_linear`` of a layer that keeps no copy for torch's int4 matmul (``torch_rows`` 0): the kernel up to
+    ``max_rows`` rows, the dense copy beyond. Its own op, for fewer arguments a call: a compiled step gathers and
+    passes each layer's tensors every call (~720 for SmolLM2's 30 layers through ``int4_linear``, ~480 so)."""
+    if x.shape[0] > max_rows:
+        return packed_linear(x, dense_weight, bias, codes.shape[0] * cpu_int4_amx.OUTPUTS)
+    y = (cpu_int4_amx.int4_q8_mm if int8_inputs else cpu_int4_amx.int4_amx_mm)(x, codes, scale_zeros, group)
+    return y if bias is None else y + bias
+
+
+kernel_linear_op = cpu_ops.define(
+    "kernel_linear(Tensor x, Tensor codes, Tensor scale_zeros, int group, Tensor dense_weight, Tensor? bias, "
+    "int max_rows, int int8_inputs=0) -> Tensor", kernel_linear,
+    lambda x, codes, *rest: x.new_empty((x.shape[0], codes.shape[0] * cpu_int4_amx.OUTPUTS)))
+
+
+def kernel_glu(x: torch.Tensor, codes: torch.Tensor, scale_zeros: torch.Tensor, group: int,
+               dense_weight: torch.Tensor, max_rows: int) -> torch.Tensor:
+    """``silu(g) * u`` of a merged gate and up projection ``[g, u] = kernel_linear(x, ...)`` (no bias): in the 8-bit
+    input loop's epilogue up to ``max_rows`` rows (``cpu_int4_amx.int4_q8_glu``: the gate and up results never
+    written out), else after the dense copy's matmul, in float32 rounded once as the compiled step computes it."""
+    if x.shape[0] <= max_rows:
+        return cpu_int4_amx.int4_q8_glu(x, codes, scale_zeros, group)
+    y = packed_linear(x, dense_weight, None, codes.shape[0] * cpu_int4_amx.OUTPUTS)
     gate, up = y.float().chunk(2, dim=-1)
     return (F.silu(gate) * up).to(y.dtype)
 
 
-int4_glu_op = cpu_ops.define(
-    "int4_glu(Tensor x, Tensor weight, Tensor scale_zeros, Tensor amx_codes, Tensor amx_scale_zeros, int group, "
-    "Tensor dense_weight, int torch_rows, int max_rows, int int8_inputs=0) -> Tensor", int4_glu,
-    lambda x, weight, scale_zeros, amx_codes, *rest: x.new_empty(
-        (x.shape[0], amx_codes.shape[0] * cpu_int4_amx.OUTPUTS // 2)))
+kernel_glu_op = cpu_ops.define(
+    "kernel_glu(Tensor x, Tensor codes, Tensor scale_zeros, int group, Tensor dense_weight, int max_rows) -> Tensor",
+    kernel_glu, lambda x, codes, *rest: x.new_empty((x.shape[0], codes.shape[0] * cpu_int4_amx.OUTPUTS // 2)))
 
 
 # The output projection from GGUF's 8-bit codes (Q8_0) on AMX up to this many rows (the sampled positions of a
@@ -284,6 +297,10 @@ class Int4CPUMethod:
         packed = getattr(layer, "packed", None)
         bias = layer.bias if layer.bias is not None else getattr(packed, "bias", None)
         codes = getattr(layer, "int4_amx_codes", None)
+        if codes is not None and packed is not None and self.torch_rows == 0:
+            args = (x, codes, layer.int4_amx_scale_zeros, self.group, packed.packed_weight, bias, self.max_rows,
+                    int(self.int8_inputs))
+            return kernel_linear_op(*args) if torch.compiler.is_compiling() else kernel_linear(*args)
         if codes is not None and packed is not None:
             args = (x, layer.int4_weight, layer.int4_scale_zeros, codes, layer.int4_amx_scale_zeros, self.group,
                     packed.packed_weight, bias, self.torch_rows, self.max_rows, int(self.int8_inputs))
@@ -295,16 +312,15 @@ class Int4CPUMethod:
         return y if bias is None else y + bias
 
     def apply_silu_and_mul(self, layer, x: torch.Tensor) -> torch.Tensor | None:
-        """``silu(gate) * up`` of this merged layer's output in one op (``int4_glu``) where the 8-bit input loop
+        """``silu(gate) * up`` of this merged layer's output in one op (``kernel_glu``) where the 8-bit input loop
         serves its rows; None (the matmul, then the activation) where it never does or a bias comes between."""
         packed = getattr(layer, "packed", None)
         codes = getattr(layer, "int4_amx_codes", None)
-        if (not self.int8_inputs or codes is None or packed is None or x.dim() != 2
+        if (not self.int8_inputs or self.torch_rows or codes is None or packed is None or x.dim() != 2
                 or x.dtype != layer.int4_scale_zeros.dtype or packed.bias is not None or codes.shape[0] % 2):
             return None
-        args = (x, layer.int4_weight, layer.int4_scale_zeros, codes, layer.int4_amx_scale_zeros, self.group,
-                packed.packed_weight, self.torch_rows, self.max_rows, int(self.int8_inputs))
-        return int4_glu_op(*args) if torch.compiler.is_compiling() else int4_glu(*args)
+        args = (x, codes, layer.int4_amx_scale_zeros, self.group, packed.packed_weight, self.max_rows)
+        return kernel_glu_op(*args) if torch.compiler.is_compiling() else kernel_glu(*args)
 
     def process_weights_after_loading(self, layer) -> None:
         pass

@@ -68,7 +68,8 @@ def _compiled_copy(fn, name: str, threads: int):
     another model never matches this one's graphs), its loops on ``threads`` threads, guards skipping the modules'
     attributes."""
     copy = types.FunctionType(fn.__code__.replace(), fn.__globals__, name)
-    options = {"cpp.threads": threads}
+    # no size/stride asserts around each op call: ~12 a layer, ~0.2 ms of a decode step (3 % at one stream)
+    options = {"cpp.threads": threads, "size_asserts": False}
     if hasattr(torch.compiler, "skip_guard_on_all_nn_modules_unsafe"):
         options["guard_filter_fn"] = torch.compiler.skip_guard_on_all_nn_modules_unsafe
     return torch.compile(copy, dynamic=None, options=options)
