@@ -574,6 +574,37 @@ extern "C" int kvloom_prompt_attention(int64_t D, const void* q, const int64_t* 
 #endif
 }
 
+// Rotary embedding and the cache write in one pass, bf16: heads [T, H, D] of q (H = Hq) and k (Hkv), rows of
+// q_row / k_row / v_row elements apart, each head's D contiguous and heads D apart; cos, sin [T, D] contiguous (sin's
+// first half negated, ``rotary_tables``' form): x * cos + swap(x) * sin in float32 rounded once. Into q_out [T, Hq,
+// D] and k_out [T, Hkv, D] (contiguous), and the rotated k and the v rows into the caches' rows write_rows[t * Hkv + h]
+// (of D elements).
+extern "C" void kvloom_rope_write(int64_t D, int64_t T, int64_t Hq, int64_t Hkv, const uint16_t* q, int64_t q_row,
+                                  const uint16_t* k, int64_t k_row, const uint16_t* v, int64_t v_row,
+                                  const uint16_t* cos, const uint16_t* sin, uint16_t* q_out, uint16_t* k_out,
+                                  uint16_t* k_cache, uint16_t* v_cache, const int64_t* write_rows) {
+    const int64_t half = D / 2;
+    const auto rotate = [=](const uint16_t* x, const uint16_t* c, const uint16_t* s, uint16_t* out) {
+        for (int64_t i = 0; i < D; ++i) {
+            const float swapped = bf16_to_float(x[i < half ? i + half : i - half]);
+            out[i] = float_to_bf16(bf16_to_float(x[i]) * bf16_to_float(c[i]) + swapped * bf16_to_float(s[i]));
+        }
+    };
+#pragma omp parallel for schedule(static) if (T * (Hq + Hkv) >= 128)
+    for (int64_t t = 0; t < T; ++t) {
+        const uint16_t* c = cos + t * D;
+        const uint16_t* s = sin + t * D;
+        for (int64_t h = 0; h < Hq; ++h) rotate(q + t * q_row + h * D, c, s, q_out + (t * Hq + h) * D);
+        for (int64_t h = 0; h < Hkv; ++h) {
+            uint16_t* rotated = k_out + (t * Hkv + h) * D;
+            rotate(k + t * k_row + h * D, c, s, rotated);
+            const int64_t row = write_rows[t * Hkv + h];
+            std::memcpy(k_cache + row * D, rotated, D * sizeof(uint16_t));
+            std::memcpy(v_cache + row * D, v + t * v_row + h * D, D * sizeof(uint16_t));
+        }
+    }
+}
+
 // whether this build has the AVX512-BF16 path (the machine compiled for has those instructions)
 extern "C" int kvloom_paged_decode_vectorized() {
 #ifdef KVLOOM_AVX512_BF16
@@ -600,10 +631,14 @@ PROMPT_HEAD_DIMS = (32, 64, 96, 128, 256)
 _lock = threading.Lock()
 _lib = None  # the loaded function, False once building or loading failed
 _prompt = None  # the prompt kernel, False where this build has none (no AVX512-BF16)
+_rope = None  # the rotary-and-cache-write kernel
+_rope_built = False  # whether it is (a plain bool: the compiler reads it while tracing a step)
 
 
 def _load():
-    global _lib, _prompt
+    global _lib, _prompt, _rope, _rope_built
+    if _lib is not None:  # built (or refused) already: no lock on the path every call takes
+        return _lib
     with _lock:
         if _lib is None:
             try:
@@ -616,9 +651,13 @@ def _load():
                 prompt.restype = ctypes.c_int
                 prompt.argtypes = [ctypes.c_int64] + [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 5 + [ctypes.c_float]
                 _prompt = prompt if lib.kvloom_paged_decode_vectorized() == 1 else False
-                _lib = fn
+                rope = lib.kvloom_rope_write
+                rope.restype = None
+                rope.argtypes = [ctypes.c_int64] * 4 + [ctypes.c_void_p, ctypes.c_int64] * 3 + [ctypes.c_void_p] * 7
+                _rope, _rope_built = rope, True
+                _lib = fn  # last: a caller without the lock sees the kernels set up once this is
             except Exception as exc:  # noqa: BLE001 - no compiler or a failed build: the gather path serves
-                _lib = _prompt = False
+                _lib = _prompt = _rope = False
                 logger.warning("CPU paged decode attention unavailable (%s: %s); attention gathers the cache instead",
                                type(exc).__name__, str(exc)[:300])
     return _lib
@@ -704,3 +743,49 @@ def _paged_decode(q, k_cache, v_cache, tables, starts, ends, scale, softcap, sin
 _paged_decode_op = cpu_ops.define(
     "paged_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor tables, Tensor starts, Tensor ends, float scale, "
     "float softcap, Tensor? sinks) -> Tensor", _paged_decode, lambda q, *rest: torch.empty_like(q))
+
+
+# bf16 steps rotate q and k and write the cache in ``rope_write`` (``KVLOOM_CPU_ROPE_WRITE=0``: the traced rotary and
+# ``index_copy_``, to compare)
+ROPE_ENABLED = os.environ.get("KVLOOM_CPU_ROPE_WRITE", "1") != "0"
+
+
+def rope_serves(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, cos: torch.Tensor) -> bool:
+    """Whether ``rope_write`` takes these: bf16 throughout, heads of an even size side by side in each row, the
+    cache contiguous, and the kernel built."""
+    if not _rope_built and not torch.compiler.is_compiling():  # (the lock is no code to trace)
+        _load()
+    head_dim = q.shape[-1]
+    return (ROPE_ENABLED and _rope_built and head_dim % 2 == 0
+            and q.dtype == k.dtype == v.dtype == k_cache.dtype == cos.dtype == torch.bfloat16
+            and k_cache.is_contiguous()
+            and all(x.dim() == 3 and x.stride(2) == 1 and x.stride(1) == head_dim for x in (q, k, v)))
+
+
+def rope_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               k_cache: torch.Tensor, v_cache: torch.Tensor,
+               write_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``q`` [T, Hq, D] and ``k`` [T, Hkv, D] rotated by ``reference.rotary_tables``' ``cos``/``sin`` ([T, 1, D]),
+    ``x * cos + swap(x) * sin`` in float32 rounded once to bf16, returned (new, contiguous); the rotated ``k`` and
+    ``v`` written to the caches' rows ``write_rows`` ([T * Hkv], of the cache viewed as [-1, D]) in the same pass
+    (where ``rope_serves``). One call a layer in place of the compiled step's rotary loops and ``index_copy_``s
+    (25 us of a 32-row decode step's layer on a 2-core Zen 5, 1.3 ms of a 4,096-row prompt step's)."""
+    _load()
+    tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    q_out = torch.empty(tokens, num_heads, head_dim, dtype=q.dtype)
+    k_out = torch.empty(tokens, num_kv_heads, head_dim, dtype=k.dtype)
+    if tokens == 0:
+        return q_out, k_out
+    cos, sin = cos.reshape(tokens, head_dim).contiguous(), sin.reshape(tokens, head_dim).contiguous()
+    write_rows = write_rows.contiguous()
+    _rope(head_dim, tokens, num_heads, num_kv_heads, q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0),
+          v.data_ptr(), v.stride(0), cos.data_ptr(), sin.data_ptr(), q_out.data_ptr(), k_out.data_ptr(),
+          k_cache.data_ptr(), v_cache.data_ptr(), write_rows.data_ptr())
+    return q_out, k_out
+
+
+rope_write_op = cpu_ops.define(
+    "cpu_rope_write(Tensor q, Tensor k, Tensor v, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, "
+    "Tensor write_rows) -> (Tensor, Tensor)", rope_write,
+    lambda q, k, *rest: (q.new_empty(q.shape), k.new_empty(k.shape)))

@@ -168,3 +168,70 @@ def test_prompt_attention_refuses_shapes_by_name():
         cpu_attention.prompt_attention(q, kv, kv, 0.1)
     assert not cpu_attention.prompt_serves(torch.bfloat16, 2, 1, 80)
     assert not cpu_attention.prompt_serves(torch.float32, 2, 1, 64)
+
+
+def _rope_case(tokens, heads, kv_heads, head_dim, seed=0):
+    """q/k/v as views of one fused projection's rows, a step's rotary tables, caches of 16-position blocks and the
+    rows the step writes (distinct, in random order)."""
+    g = torch.Generator().manual_seed(seed)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=g).bfloat16()
+    q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], -1)
+    q, k, v = (x.view(tokens, -1, head_dim) for x in (q, k, v))
+    cos, sin = reference.rotary_tables(torch.randint(0, 500, (tokens,), generator=g),
+                                       torch.randn(500, head_dim, generator=g), torch.bfloat16)
+    k_cache = torch.randn(max(4, tokens), kv_heads, 16, head_dim, generator=g).bfloat16()
+    v_cache = torch.randn(k_cache.shape, generator=g).bfloat16()
+    rows = torch.randperm(k_cache.numel() // head_dim, generator=g)[: tokens * kv_heads]
+    return q, k, v, cos, sin, k_cache, v_cache, rows
+
+
+def _rotated(x, cos, sin):  # x * cos + swap(x) * sin in float32, rounded once
+    half = x.shape[-1] // 2
+    return (x.float() * cos.float() + torch.cat([x[..., half:], x[..., :half]], -1).float() * sin.float()).bfloat16()
+
+
+@pytest.mark.parametrize("tokens", [1, 5, 32, 300])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 4, 32), (8, 2, 128), (6, 1, 80)])
+def test_rope_write_rotates_and_writes_the_cache_rows(tokens, heads, kv_heads, head_dim):
+    q, k, v, cos, sin, k_cache, v_cache, rows = _rope_case(tokens, heads, kv_heads, head_dim, seed=tokens)
+    assert cpu_attention.rope_serves(q, k, v, k_cache, cos)
+    before_k, before_v = k_cache.clone(), v_cache.clone()
+    q_out, k_out = cpu_attention.rope_write(q, k, v, cos, sin, k_cache, v_cache, rows)
+    assert q_out.is_contiguous() and k_out.is_contiguous()
+    assert torch.equal(q_out, _rotated(q, cos, sin)) and torch.equal(k_out, _rotated(k, cos, sin))
+    written = torch.zeros(k_cache.numel() // head_dim, dtype=torch.bool)
+    written[rows] = True
+    assert torch.equal(k_cache.view(-1, head_dim)[rows], k_out.reshape(-1, head_dim))
+    assert torch.equal(v_cache.view(-1, head_dim)[rows], v.reshape(-1, head_dim))
+    assert torch.equal(k_cache.view(-1, head_dim)[~written], before_k.view(-1, head_dim)[~written])  # no other row
+    assert torch.equal(v_cache.view(-1, head_dim)[~written], before_v.view(-1, head_dim)[~written])
+    # against the reference's rotary (both products and their sum rounded to bf16): within those roundings
+    want_q, _ = reference.apply_rotary((cos, sin), q, k)
+    half = head_dim // 2
+    products = (q.float() * cos.float()).abs() + (torch.cat([q[..., half:], q[..., :half]], -1).float()
+                                                  * sin.float()).abs()
+    assert ((q_out.float() - want_q.float()).abs() <= products * 2**-7).all()
+
+
+def test_rope_write_refuses_what_it_does_not_take_and_the_backend_rotates_those_itself():
+    q, k, v, cos, sin, k_cache, v_cache, rows = _rope_case(6, 4, 2, 64)
+    assert not cpu_attention.rope_serves(q.float(), k.float(), v.float(), k_cache.float(), cos.float())
+    assert not cpu_attention.rope_serves(q, k, v, k_cache.to(torch.float8_e4m3fn), cos)  # fp8 cache
+    assert not cpu_attention.rope_serves(q.transpose(0, 1).transpose(0, 1)[:, ::2], k, v, k_cache, cos)  # heads apart
+    assert cpu_attention.rope_write(q[:0], k[:0], v[:0], cos[:0], sin[:0], k_cache, v_cache, rows[:0])[0].shape == \
+        (0, 4, 64)
+
+
+def test_rope_write_compiles_as_one_op_that_writes_the_cache_in_place():
+    q, k, v, cos, sin, k_cache, v_cache, rows = _rope_case(7, 6, 2, 64, seed=3)
+    eager_k, eager_v = k_cache.clone(), v_cache.clone()
+    want = cpu_attention.rope_write(q, k, v, cos, sin, eager_k, eager_v, rows)
+
+    def step(q, k, v, cos, sin, rows):
+        q_out, k_out = cpu_attention.rope_write_op(q, k, v, cos, sin, k_cache, v_cache, rows)
+        return q_out * 2, k_out
+
+    with torch._dynamo.config.patch(disable=False):  # the suite runs eagerly (tests/conftest.py)
+        got = torch.compile(step, fullgraph=True)(q, k, v, cos, sin, rows)
+    assert torch.equal(got[0], want[0] * 2) and torch.equal(got[1], want[1])
+    assert torch.equal(k_cache, eager_k) and torch.equal(v_cache, eager_v)

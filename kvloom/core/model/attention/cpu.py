@@ -188,6 +188,12 @@ kv_write_op = cpu_ops.define("cpu_kv_write(Tensor k, Tensor v, Tensor(a!) k_cach
                              "Tensor write_rows, float k_scale, float v_scale) -> ()", kv_write, lambda *args: None)
 
 
+def _rope_write(q, k, v, rope, k_cache, v_cache, write_rows):
+    """``cpu_attention.rope_write``, as an op where a step is compiled (it writes the cache where it lies)."""
+    write = cpu_attention.rope_write_op if torch.compiler.is_compiling() else cpu_attention.rope_write
+    return write(q, k, v, rope[0], rope[1], k_cache, v_cache, write_rows)
+
+
 @dataclass
 class DecodeStep:
     """A decode-only step's indices, built before the layers run (``CPUAttentionBackend.decode_step``): what the
@@ -202,6 +208,9 @@ class DecodeStep:
 
 class CPUAttentionBackend:
     name = "cpu"
+    # forward takes the step's rotary tables (``rope``): in bf16 one kernel rotates q and k and writes the cache
+    # (``cpu_attention.rope_write``), elsewhere the reference's rotary and the cache write as before
+    fuses_rotary = True
 
     def decode_step(self, meta: AttentionMetadata, k_cache: torch.Tensor, dtype: torch.dtype,
                     windows: set, paged: bool = False, shared_pages: bool = False) -> DecodeStep:
@@ -288,12 +297,20 @@ class CPUAttentionBackend:
         window: int | None = None,
         softcap: float | None = None,
         sinks: torch.Tensor | None = None,
+        rope=None,
     ) -> torch.Tensor:
-        """See ``AttentionBackend.forward`` (the layer's variant: ``window``, ``softcap``, ``sinks``)."""
+        """See ``AttentionBackend.forward`` (the layer's variant: ``window``, ``softcap``, ``sinks``); ``rope``: the
+        step's ``(cos, sin)`` (``reference.rotary_tables``) when q and k come unrotated."""
         k_cache, v_cache = kv_cache
+        if rope is not None and not cpu_attention.rope_serves(q, k, v, k_cache, rope[0]):
+            q, k = reference.apply_rotary(rope, q, k)
+            rope = None
         if isinstance(meta, DecodeStep):  # plain ops, traceable: the compiler fuses the mask and scale in
-            write = kv_write_op if meta.shared_pages else kv_write
-            write(k, v, k_cache, v_cache, meta.write_rows, k_scale, v_scale)
+            if rope is not None:
+                q, k = _rope_write(q, k, v, rope, k_cache, v_cache, meta.write_rows)
+            else:
+                write = kv_write_op if meta.shared_pages else kv_write
+                write(k, v, k_cache, v_cache, meta.write_rows, k_scale, v_scale)
             if isinstance(meta.decode[window], _PagedIndex):
                 return self._paged(q, k_cache, v_cache, meta.decode[window], scale, softcap, sinks)
             rows, bias = meta.decode[window]
@@ -302,14 +319,20 @@ class CPUAttentionBackend:
             return self._decode(q, k_cache, v_cache, index, scale, softcap=softcap, sinks=sinks,
                                 sdpa=q.shape[0] <= SDPA_DECODE_ROWS)
         if isinstance(meta, PromptStep):  # the cache write traced (or opaque: shared pages); the attention opaque
-            write = kv_write_op if meta.shared_pages else kv_write
-            write(k, v, k_cache, v_cache, meta.write_rows, k_scale, v_scale)
+            if rope is not None:
+                q, k = _rope_write(q, k, v, rope, k_cache, v_cache, meta.write_rows)
+            else:
+                write = kv_write_op if meta.shared_pages else kv_write
+                write(k, v, k_cache, v_cache, meta.write_rows, k_scale, v_scale)
             return prompt_attention(q, k, v, k_cache, v_cache, meta.group, scale, -1 if window is None else window,
                                     0.0 if softcap is None else float(softcap), sinks, k_scale, v_scale)
         index = meta.backend_data
         if index is None:  # first layer of the step
             index = meta.backend_data = self._index(meta, k_cache)
-        kv_write(k, v, k_cache, v_cache, index.write_rows, k_scale, v_scale)
+        if rope is not None:
+            q, k = _rope_write(q, k, v, rope, k_cache, v_cache, index.write_rows)
+        else:
+            kv_write(k, v, k_cache, v_cache, index.write_rows, k_scale, v_scale)
         return self._attend(q, k, v, k_cache, v_cache, meta, index, scale, (k_scale, v_scale), window, softcap, sinks)
 
     def _attend(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, index: _StepIndex, scale: float,
