@@ -68,6 +68,19 @@ def test_defaults_and_chosen_plugins_are_built_through_the_facade():
     assert isinstance(cache, HashPrefixCache) and cache.block_size == 8
 
 
+def test_the_free_list_reuses_freed_blocks_first_unless_a_prefix_cache_keeps_them():
+    plain = FreeListAllocator(8)
+    first = plain.allocate(3)
+    plain.free(first)
+    assert sorted(plain.allocate(3)) == first  # the warm blocks again; the never-written ones wait
+    cached = FreeListAllocator(8)
+    evicted = []
+    cached.on_evict = evicted.append
+    first = cached.allocate(3)
+    cached.free(first)
+    assert cached.allocate(3) == [3, 4, 5] and evicted == [0, 1, 2, 3, 4, 5]  # cached blocks reused last (LRU)
+
+
 def test_unknown_plugin_fails_listing_the_known_ones():
     with pytest.raises(UnknownPluginError, match="unknown plugin 'prefix_cach'; available plugins: ") as e:
         PluginManager(["prefix_cach"])
