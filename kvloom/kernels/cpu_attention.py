@@ -12,6 +12,10 @@ It is C++ built with the machine's compiler the first time (``kvloom.kernels.cpu
 own OpenMP runtime and thread count. Where no build works (no C++ compiler), ``available()`` is False
 and the backend keeps the gather. The op is registered as ``kvloom::paged_decode`` so the compiled decode step
 calls it as one opaque node.
+
+The same library rotates a bf16 step's q and k and writes its K/V rows to the cache in one pass (``rope_write``,
+``kvloom::cpu_rope_write``, which writes the cache where it lies): the compiled steps' own loops for the rotary and
+``index_copy_`` took 24 us a layer at 32 rows, against ~8 here.
 """
 
 from __future__ import annotations

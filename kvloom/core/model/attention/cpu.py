@@ -25,6 +25,10 @@ it. A chunk after a cached prefix goes through the same formula as a whole promp
 outputs only as far as its smaller matmuls round differently (``benchmarks/prefix_cache_ab.py`` on the GGUF: none of
 32 greedy sequences with the prompt kernel, 1 with the batched matmuls, 15 with two formulas).
 
+The backend rotates q and k itself (``fuses_rotary``): in bf16 with the C++ library, one pass rotates them (float32
+arithmetic on the bf16 tables, rounded once) and writes the step's K/V rows (``cpu_attention.rope_write``); other
+dtypes and fp8 caches take the reference's rotary and ``index_copy_``, as does ``KVLOOM_CPU_ROPE_WRITE=0``.
+
 An fp8 cache (``kv_cache_dtype="fp8"``) is quantized on write and dequantized on read: the gathers move
 half the bytes, then one conversion per gathered tensor gives the model dtype; a prompt with nothing
 cached before it attends to its fresh, unquantized K/V.
