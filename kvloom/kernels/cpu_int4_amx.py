@@ -975,40 +975,36 @@ def int4_q8_glu(x: torch.Tensor, codes: torch.Tensor, scale_zeros: torch.Tensor,
     [M, N / 2], ``g`` and ``u`` rounded to bf16 first as the two-step result is, the product rounded once."""
     if x.dtype != torch.bfloat16:
         raise TypeError(f"int4_q8_glu multiplies bfloat16 rows, got {x.dtype}")
-    rows, in_features = x.shape
-    outputs = codes.shape[0] * OUTPUTS
-    y = torch.empty(rows, outputs // 2, dtype=torch.bfloat16)
-    if rows == 0:
-        return y
-    x = x.contiguous()
-    rc = _load().kvloom_int4_q8_glu(x.data_ptr(), codes.data_ptr(), scale_zeros.data_ptr(), y.data_ptr(), rows,
-                                    in_features, outputs, group)
-    if rc == 1:
-        raise ValueError(f"int4_q8_glu: unsupported shape ({rows} x {in_features} by {outputs}, group {group}; "
-                         f"outputs must be a multiple of {2 * OUTPUTS} and the group of {INPUTS})")
-    return _checked("int4_q8_glu", x, y, rc, group)
+    y, rc = _run(_load().kvloom_int4_q8_glu, x, codes, scale_zeros, group, outputs=codes.shape[0] * OUTPUTS // 2)
+    return _checked("int4_q8_glu", x, y, rc, group, pairs=True)
 
 
-def _checked(name: str, x: torch.Tensor, y: torch.Tensor, rc: int, group: int | None = None) -> torch.Tensor:
+def _checked(name: str, x: torch.Tensor, y: torch.Tensor, rc: int, group: int | None = None,
+             pairs: bool = False) -> torch.Tensor:
     """``y`` where kernel ``name`` returned 0; else the error its return code stands for (1: a shape it does not
-    take, named with its limits; 2: a loop this build lacks)."""
+    take, named with its limits; 2: a loop this build lacks). ``pairs``: ``y`` holds one output a pair of the
+    codes' (a gate and up projection's halves)."""
     if rc == 1:
-        rule = (f", group {group}; outputs must be a multiple of {OUTPUTS} and the group of {INPUTS})" if group
-                else f"; outputs must be a multiple of {OUTPUTS} and inputs of {INPUTS})")
-        raise ValueError(f"{name}: unsupported shape ({x.shape[0]} x {x.shape[1]} by {y.shape[1]}{rule}")
+        outputs, multiple = (2 * y.shape[1], 2 * OUTPUTS) if pairs else (y.shape[1], OUTPUTS)
+        rule = (f", group {group}; outputs must be a multiple of {multiple} and the group of {INPUTS})" if group
+                else f"; outputs must be a multiple of {multiple} and inputs of {INPUTS})")
+        raise ValueError(f"{name}: unsupported shape ({x.shape[0]} x {x.shape[1]} by {outputs}{rule}")
     if rc:
         raise ValueError(f"{name}: this build has no 8-bit input loop (AMX's)")
     return y
 
 
-def _run(fn, x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, *args) -> tuple[torch.Tensor, int]:
-    """Kernel ``fn`` on bf16 rows ``x`` into a new bf16 result of the codes' outputs, and its return code."""
+def _run(fn, x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, *args,
+         outputs: int | None = None) -> tuple[torch.Tensor, int]:
+    """Kernel ``fn`` on bf16 rows ``x`` into a new bf16 result of ``outputs`` columns (the codes' outputs unless
+    given), and its return code; the kernel is told the codes' outputs."""
     rows, in_features = x.shape
-    y = torch.empty(rows, codes.shape[0] * OUTPUTS, dtype=torch.bfloat16)
+    width = codes.shape[0] * OUTPUTS
+    y = torch.empty(rows, width if outputs is None else outputs, dtype=torch.bfloat16)
     if rows == 0:
         return y, 0
     x = x.contiguous()
-    return y, fn(x.data_ptr(), codes.data_ptr(), scales.data_ptr(), y.data_ptr(), rows, in_features, y.shape[1], *args)
+    return y, fn(x.data_ptr(), codes.data_ptr(), scales.data_ptr(), y.data_ptr(), rows, in_features, width, *args)
 
 
 def pack_q8_codes(q: torch.Tensor) -> torch.Tensor:
