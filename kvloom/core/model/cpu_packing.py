@@ -138,11 +138,12 @@ def int4_matmul(x: torch.Tensor, weight: torch.Tensor, scale_zeros: torch.Tensor
 def int4_linear(x: torch.Tensor, weight: torch.Tensor, scale_zeros: torch.Tensor, amx_codes: torch.Tensor,
                 amx_scale_zeros: torch.Tensor, group: int, dense_weight: torch.Tensor, bias: torch.Tensor | None,
                 torch_rows: int, max_rows: int, int8_inputs: int = 0) -> torch.Tensor:
-    """``x @ W.T + b`` of 2-D bf16 ``x`` on whichever copy of ``W`` its rows run fastest on: the 4-bit weights up
-    to ``max_rows`` rows (``int4_matmul``), the oneDNN-packed bf16 copy (``dense_weight``) beyond."""
-    if x.shape[0] > max_rows:
-        return packed_linear(x, dense_weight, bias, amx_codes.shape[0] * cpu_int4_amx.OUTPUTS)
-    y = int4_matmul(x, weight, scale_zeros, amx_codes, amx_scale_zeros, group, torch_rows, bool(int8_inputs))
+    """``x @ W.T + b`` of 2-D bf16 ``x`` on whichever copy of ``W`` its rows run fastest on: torch's int4 matmul
+    (``weight``, ``scale_zeros``) up to ``torch_rows`` rows, the kernel's copy up to ``max_rows``, the oneDNN-packed
+    bf16 copy (``dense_weight``) beyond (the last two as ``kernel_linear``)."""
+    if x.shape[0] > torch_rows or x.shape[0] > max_rows:
+        return kernel_linear(x, amx_codes, amx_scale_zeros, group, dense_weight, bias, max_rows, int8_inputs)
+    y = int4_mm(x.contiguous(), weight, scale_zeros, group)
     return y if bias is None else y + bias
 
 
