@@ -192,10 +192,15 @@ kv_write_op = cpu_ops.define("cpu_kv_write(Tensor k, Tensor v, Tensor(a!) k_cach
                              "Tensor write_rows, float k_scale, float v_scale) -> ()", kv_write, lambda *args: None)
 
 
-def _rope_write(q, k, v, rope, k_cache, v_cache, write_rows):
-    """``cpu_attention.rope_write``, as an op where a step is compiled (it writes the cache where it lies)."""
-    write = cpu_attention.rope_write_op if torch.compiler.is_compiling() else cpu_attention.rope_write
-    return write(q, k, v, rope[0], rope[1], k_cache, v_cache, write_rows)
+def _write_step(q, k, v, rope, k_cache, v_cache, write_rows, k_scale: float, v_scale: float, opaque: bool):
+    """The step's K/V into their cache rows, and q and k as attention takes them: with ``rope``, rotated by
+    ``cpu_attention.rope_write`` (an op where a step is compiled: it writes the cache where it lies), else as they
+    came, written by ``kv_write`` (its op where ``opaque``: a hybrid cache's shared pages)."""
+    if rope is not None:
+        write = cpu_attention.rope_write_op if torch.compiler.is_compiling() else cpu_attention.rope_write
+        return write(q, k, v, rope[0], rope[1], k_cache, v_cache, write_rows)
+    (kv_write_op if opaque else kv_write)(k, v, k_cache, v_cache, write_rows, k_scale, v_scale)
+    return q, k
 
 
 @dataclass
@@ -310,11 +315,7 @@ class CPUAttentionBackend:
             q, k = reference.apply_rotary(rope, q, k)
             rope = None
         if isinstance(meta, DecodeStep):  # plain ops, traceable: the compiler fuses the mask and scale in
-            if rope is not None:
-                q, k = _rope_write(q, k, v, rope, k_cache, v_cache, meta.write_rows)
-            else:
-                write = kv_write_op if meta.shared_pages else kv_write
-                write(k, v, k_cache, v_cache, meta.write_rows, k_scale, v_scale)
+            q, k = _write_step(q, k, v, rope, k_cache, v_cache, meta.write_rows, k_scale, v_scale, meta.shared_pages)
             if isinstance(meta.decode[window], _PagedIndex):
                 return self._paged(q, k_cache, v_cache, meta.decode[window], scale, softcap, sinks)
             rows, bias = meta.decode[window]
@@ -323,20 +324,13 @@ class CPUAttentionBackend:
             return self._decode(q, k_cache, v_cache, index, scale, softcap=softcap, sinks=sinks,
                                 sdpa=q.shape[0] <= SDPA_DECODE_ROWS)
         if isinstance(meta, PromptStep):  # the cache write traced (or opaque: shared pages); the attention opaque
-            if rope is not None:
-                q, k = _rope_write(q, k, v, rope, k_cache, v_cache, meta.write_rows)
-            else:
-                write = kv_write_op if meta.shared_pages else kv_write
-                write(k, v, k_cache, v_cache, meta.write_rows, k_scale, v_scale)
+            q, k = _write_step(q, k, v, rope, k_cache, v_cache, meta.write_rows, k_scale, v_scale, meta.shared_pages)
             return prompt_attention(q, k, v, k_cache, v_cache, meta.group, scale, -1 if window is None else window,
                                     0.0 if softcap is None else float(softcap), sinks, k_scale, v_scale)
         index = meta.backend_data
         if index is None:  # first layer of the step
             index = meta.backend_data = self._index(meta, k_cache)
-        if rope is not None:
-            q, k = _rope_write(q, k, v, rope, k_cache, v_cache, index.write_rows)
-        else:
-            kv_write(k, v, k_cache, v_cache, index.write_rows, k_scale, v_scale)
+        q, k = _write_step(q, k, v, rope, k_cache, v_cache, index.write_rows, k_scale, v_scale, False)
         return self._attend(q, k, v, k_cache, v_cache, meta, index, scale, (k_scale, v_scale), window, softcap, sinks)
 
     def _attend(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, index: _StepIndex, scale: float,
