@@ -547,8 +547,9 @@ void int4_grouped(const uint16_t* x, const uint8_t* codes, const uint32_t* sz, u
 // weigh each input's rounding by its code, 0..15, rather than by its weight: twice the error, measured.)
 
 // Chunks c0..c1 (one group) of rows x [R, K] quantized: out[(c * 8 + h) * R + r] holds row r's inputs 32c + 4h ..
-// 32c + 4h + 3 as int8, d[c * M + r] its scale, xsum[r] the group's rounded inputs summed.
-inline void quantize_rows(const uint16_t* x, int64_t R, int64_t K, int32_t* out, float* d, float* xsum, int64_t M,
+// 32c + 4h + 3 as int8, d[c * M + r] its scale, xsum[r] the group's rounded inputs summed. A row at a time (a step
+// of a few rows takes this; ``quantize_rows`` puts more side by side).
+inline void quantize_each_row(const uint16_t* x, int64_t R, int64_t K, int32_t* out, float* d, float* xsum, int64_t M,
                           int64_t c0, int64_t c1) {
     const __m512 sign = _mm512_set1_ps(-0.0f);
     for (int64_t r = 0; r < R; ++r) {
@@ -573,6 +574,94 @@ inline void quantize_rows(const uint16_t* x, int64_t R, int64_t K, int32_t* out,
         }
         xsum[r] = sum;
     }
+}
+
+// Lane j of the result: v[j]'s 16 lanes reduced by ``op`` (a transposing tree: 46 instructions for 16 vectors, not
+// ~8 a vector one at a time)
+template <typename V, typename Op>
+inline V reduce16(V (&v)[16], Op op) {
+    V w[8], u[4], y[2];
+    for (int k = 0; k < 8; ++k)  // lanes 0-7: v[2k]'s halves reduced, 8-15: v[2k + 1]'s
+        w[k] = op(V(_mm512_shuffle_i32x4(__m512i(v[2 * k]), __m512i(v[2 * k + 1]), 0x44)),
+                  V(_mm512_shuffle_i32x4(__m512i(v[2 * k]), __m512i(v[2 * k + 1]), 0xEE)));
+    for (int k = 0; k < 4; ++k)  // quarter i: v[4k + i]'s, 4 lanes
+        u[k] = op(V(_mm512_shuffle_i32x4(__m512i(w[2 * k]), __m512i(w[2 * k + 1]), 0x88)),
+                  V(_mm512_shuffle_i32x4(__m512i(w[2 * k]), __m512i(w[2 * k + 1]), 0xDD)));
+    for (int k = 0; k < 2; ++k)  // quarter i: lanes 0-1 v[8k + i]'s, 2-3 v[8k + 4 + i]'s
+        y[k] = op(V(_mm512_unpacklo_epi64(__m512i(u[2 * k]), __m512i(u[2 * k + 1]))),
+                  V(_mm512_unpackhi_epi64(__m512i(u[2 * k]), __m512i(u[2 * k + 1]))));
+    // quarter i: v[i], v[4 + i], v[8 + i], v[12 + i] (each lane pair's sum); put in order
+    const __m512 y0 = __m512(y[0]), y1 = __m512(y[1]);
+    const V z = op(V(_mm512_shuffle_ps(y0, y1, 0x88)), V(_mm512_shuffle_ps(y0, y1, 0xDD)));
+    return V(_mm512_permutexvar_epi32(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15),
+                                      __m512i(z)));
+}
+
+// Chunks c0..c1 (one group) of rows x [R, K] quantized as ``quantize_each_row`` does (R <= 16), the rows side by
+// side in a vector's lanes for the maxima, scales and sums, and the codes transposed in registers to their layout
+// (4,096 x 1,536 inputs by one tile on a 2-core Zen 5: 1.13 against 1.81 ms). Fewer than 4 rows go a row at a time.
+inline void quantize_rows(const uint16_t* x, int64_t R, int64_t K, int32_t* out, float* d, float* xsum, int64_t M,
+                          int64_t c0, int64_t c1) {
+    if (R < 4) return quantize_each_row(x, R, K, out, d, xsum, M, c0, c1);
+    const __m512 sign = _mm512_set1_ps(-0.0f);
+    const __mmask16 rows = static_cast<__mmask16>((1u << R) - 1);
+    const auto half = [&](int64_t r, int64_t c, int h) {  // inputs 32c + 16h .. + 15 of row r, as float32
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + r * K + c * 32 + 16 * h))), 16));
+    };
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t c = c0; c < c1; ++c) {
+        __m512 a[16];
+#pragma GCC unroll 16
+        for (int r = 0; r < 16; ++r)
+            a[r] = r < R ? _mm512_max_ps(_mm512_andnot_ps(sign, half(r, c, 0)), _mm512_andnot_ps(sign, half(r, c, 1)))
+                         : _mm512_setzero_ps();
+        const __m512 m = reduce16(a, [](__m512 p, __m512 q) { return _mm512_max_ps(p, q); });
+        const __m512 inv = _mm512_maskz_div_ps(_mm512_cmp_ps_mask(m, _mm512_setzero_ps(), _CMP_GT_OQ),
+                                               _mm512_set1_ps(127.0f), m);
+        const __m512 scale = _mm512_div_ps(m, _mm512_set1_ps(127.0f));
+        alignas(64) int32_t quads[16][8];  // row r's 32 codes
+        __m512i s[16];
+#pragma GCC unroll 16
+        for (int r = 0; r < 16; ++r) {
+            if (r >= R) {
+                s[r] = _mm512_setzero_si512();
+                continue;
+            }
+            const __m512 f = _mm512_permutexvar_ps(_mm512_set1_epi32(r), inv);
+            const __m512i lo = _mm512_cvtps_epi32(_mm512_mul_ps(half(r, c, 0), f));
+            const __m512i hi = _mm512_cvtps_epi32(_mm512_mul_ps(half(r, c, 1), f));
+            _mm_store_si128(reinterpret_cast<__m128i*>(quads[r]), _mm512_cvtepi32_epi8(lo));
+            _mm_store_si128(reinterpret_cast<__m128i*>(quads[r] + 4), _mm512_cvtepi32_epi8(hi));
+            s[r] = _mm512_add_epi32(lo, hi);
+        }
+        const __m512i isum = reduce16(s, [](__m512i p, __m512i q) { return _mm512_add_epi32(p, q); });
+        sum = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), scale, sum);
+        _mm512_mask_storeu_ps(d + c * M, rows, scale);
+        // [16 rows][8 quads] -> out [8][R]: rows j and j + 8 side by side, an 8 x 8 transpose in each half
+        __m512i z[8], t[8], u[8];
+        for (int j = 0; j < 8; ++j)
+            z[j] = _mm512_inserti64x4(
+                _mm512_castsi256_si512(_mm256_load_si256(reinterpret_cast<const __m256i*>(quads[j]))),
+                _mm256_load_si256(reinterpret_cast<const __m256i*>(quads[j + 8])), 1);
+        for (int k = 0; k < 4; ++k) {
+            t[2 * k] = _mm512_unpacklo_epi32(z[2 * k], z[2 * k + 1]);
+            t[2 * k + 1] = _mm512_unpackhi_epi32(z[2 * k], z[2 * k + 1]);
+        }
+        for (int k = 0; k < 2; ++k) {
+            u[4 * k] = _mm512_unpacklo_epi64(t[4 * k], t[4 * k + 2]);
+            u[4 * k + 1] = _mm512_unpackhi_epi64(t[4 * k], t[4 * k + 2]);
+            u[4 * k + 2] = _mm512_unpacklo_epi64(t[4 * k + 1], t[4 * k + 3]);
+            u[4 * k + 3] = _mm512_unpackhi_epi64(t[4 * k + 1], t[4 * k + 3]);
+        }
+        for (int i = 0; i < 4; ++i) {  // u[i]: quads i and i + 4 of rows 0-3 and 8-11; u[4 + i] of rows 4-7, 12-15
+            const __m512i lo = _mm512_shuffle_i32x4(u[i], u[4 + i], 0x88);
+            const __m512i hi = _mm512_shuffle_i32x4(u[i], u[4 + i], 0xDD);
+            _mm512_mask_storeu_epi32(out + (c * 8 + i) * R, rows, _mm512_shuffle_i32x4(lo, lo, 0xD8));
+            _mm512_mask_storeu_epi32(out + (c * 8 + i + 4) * R, rows, _mm512_shuffle_i32x4(hi, hi, 0xD8));
+        }
+    }
+    _mm512_mask_storeu_ps(xsum, rows, sum);
 }
 
 constexpr int Q8_ROWS = 12;  // rows a block: its sums and results, two registers a row, fit beside the codes
