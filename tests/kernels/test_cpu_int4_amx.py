@@ -79,6 +79,26 @@ def test_int8_inputs_matmul_equals_the_weights_times_the_rounded_inputs(shape, r
     assert (got - want).abs().mean() < (got - exact).abs().mean()
 
 
+@needs_q8_inputs
+@pytest.mark.parametrize("rows", [4, 7, 12, 13, 24, 200])
+@pytest.mark.parametrize("shape", [(64, 64, 32), (960, 576, 32), (48, 256, 128), (64, 96, 32)])
+def test_int8_inputs_of_a_block_round_as_each_row_alone(shape, rows):
+    """Blocks of 4 or more rows are quantized side by side (lanes a row), a row alone one at a time: each row's
+    result is the same to the bit either way (its codes, scales and sums; the integer sums do not depend on the
+    block), zero chunks, an outlier and exact ties of the rounding among them."""
+    out_features, in_features, group = shape
+    q, _, sz, _ = _layer(*shape)
+    g = torch.Generator().manual_seed(rows)
+    x = (torch.randn(rows, in_features, generator=g) * torch.rand(rows, 1, generator=g) * 4).bfloat16()
+    x[0, :32] = 0
+    x[rows // 2, 5] = 1000.0
+    x[-1, 32:64] = torch.tensor([127.0, 0.5, -0.5, 1.5, 2.5] * 6 + [3.5, -127.0]).bfloat16()  # halves at scale 1
+    codes, scales = cpu_int4_amx.pack_codes(q), cpu_int4_amx.pack_scale_zeros(sz)
+    together = cpu_int4_amx.int4_q8_mm(x, codes, scales, group)
+    alone = torch.cat([cpu_int4_amx.int4_q8_mm(x[i:i + 1], codes, scales, group) for i in range(rows)])
+    torch.testing.assert_close(together, alone, rtol=0, atol=0)
+
+
 def test_int8_inputs_are_gguf_files_default_on_the_dot_products_and_a_setting(monkeypatch):
     from kvloom.core.model import cpu_packing
 
