@@ -728,7 +728,7 @@ def _paged_decode(q, k_cache, v_cache, tables, starts, ends, scale, softcap, sin
     fn = _load()
     batch, num_heads, head_dim = q.shape
     _, num_kv_heads, bs, _ = k_cache.shape
-    out = torch.empty_like(q)
+    out = torch.empty(q.shape, dtype=q.dtype)  # contiguous, as the kernel writes it (not ``q``'s strides)
     if batch == 0:
         return out
     q, tables = q.contiguous(), tables.contiguous()
