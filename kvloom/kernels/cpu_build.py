@@ -32,16 +32,19 @@ def cpu_signature() -> str:
         return platform.processor() + platform.machine()
 
 
-def build_library(name: str, source: str, flag_sets=FLAG_SETS) -> str:
+def build_library(name: str, source: str, flag_sets=FLAG_SETS, link: tuple[str, ...] = ()) -> str:
     """The path of ``source`` compiled to a shared library (built now unless a build of the same source, compiler,
-    flags and CPU is cached). Raises RuntimeError with each flag set's error when no build works."""
+    flags and CPU is cached); ``link``: libraries to link, after the source (a linker that drops libraries nothing
+    before them needs would drop them ahead of it). Raises RuntimeError with each flag set's error when no build
+    works."""
     cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
     if cxx is None:
         raise RuntimeError("no C++ compiler (g++, c++ or clang++ on PATH, or CXX)")
     os.makedirs(cache_dir(), exist_ok=True)
     errors = []
     for flags in flag_sets:
-        key = hashlib.sha256("\0".join([source, cxx, *flags, cpu_signature()]).encode()).hexdigest()[:24]
+        parts = [source, cxx, *flags, *(["--", *link] if link else []), cpu_signature()]
+        key = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:24]
         path = os.path.join(cache_dir(), f"{name}_{key}.so")
         if os.path.exists(path):
             return path
@@ -49,7 +52,7 @@ def build_library(name: str, source: str, flag_sets=FLAG_SETS) -> str:
             src, out = os.path.join(tmp, f"{name}.cpp"), os.path.join(tmp, f"{name}.so")
             with open(src, "w") as f:
                 f.write(source)
-            done = subprocess.run([cxx, *flags, "-std=c++17", "-shared", "-fPIC", src, "-o", out],
+            done = subprocess.run([cxx, *flags, "-std=c++17", "-shared", "-fPIC", src, *link, "-o", out],
                                   capture_output=True, text=True, timeout=300)
             if done.returncode == 0:
                 os.replace(out, path)  # atomic: a process building beside this one loads a whole file

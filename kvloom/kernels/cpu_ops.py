@@ -19,9 +19,15 @@ _LIB = torch.library.Library("kvloom", "FRAGMENT")
 
 def define(schema: str, fn: Callable, fake: Callable) -> Callable:
     """Register ``fn`` as the op ``kvloom::<schema>`` (``"name(Tensor x, ...) -> Tensor"``), ``fake`` its
-    shape function; returns the op to call where a step is compiled."""
+    shape function; returns the op to call where a step is compiled. An op with a C++ kernel
+    (``cpu_native.NATIVE_OPS``) also gets ``fn`` as ``<name>_python``, which that kernel hands the cases it leaves."""
+    from kvloom.kernels.cpu_native import NATIVE_OPS
+
     name = schema.split("(", 1)[0]
     _LIB.define(schema)
     _LIB.impl(name, fn, "CompositeExplicitAutograd")
     torch.library.register_fake(f"kvloom::{name}", fake, lib=_LIB)
+    if name in NATIVE_OPS:
+        _LIB.define(f"{name}_python{schema[len(name):]}")
+        _LIB.impl(f"{name}_python", fn, "CompositeExplicitAutograd")
     return getattr(torch.ops.kvloom, name).default

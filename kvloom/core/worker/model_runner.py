@@ -510,14 +510,18 @@ class ModelRunner:
         the log why they stay eager. ``adjust_threads()``: the thread governor's check, run before each compiled
         step (its layer hooks do not run inside the graph)."""
         from kvloom.core.worker.cpu_compile import CompiledDecode, CompiledPrompts, compile_refusal
+        from kvloom.kernels import cpu_native
 
         backend = self.model.layers[0].self_attn.backend if hasattr(self.model, "layers") else None
         refusal = compile_refusal(self.model, backend, self.kv_caches, self.lora)
         if refusal is not None:
             logger.info("CPU steps eager: %s", refusal)
             return
+        t0 = time.perf_counter()
+        cpu_native.load()  # the per-layer ops dispatched in C++ (built once a machine)
         compiled = CompiledDecode(self.model, backend, self.kv_caches, adjust_threads)
-        seconds = compiled.warm_up(max_num_seqs, self.block_size, self._scratch_meta, threads)
+        seconds = time.perf_counter() - t0 + compiled.warm_up(max_num_seqs, self.block_size, self._scratch_meta,
+                                                              threads)
         self.compiled_decode = compiled
         if os.environ.get("KVLOOM_CPU_COMPILE_PROMPTS", "1") != "0":
             prompts = CompiledPrompts(self.model, backend, self.kv_caches, adjust_threads)
