@@ -16,13 +16,14 @@ import torch
 
 _LIB = torch.library.Library("kvloom", "FRAGMENT")
 
+# the ops ``kvloom.kernels.cpu_native`` gives C++ kernels: each also registered as ``<op>_python``
+NATIVE_OPS = ("kernel_linear", "kernel_glu", "paged_decode", "cpu_rope_write")
+
 
 def define(schema: str, fn: Callable, fake: Callable) -> Callable:
     """Register ``fn`` as the op ``kvloom::<schema>`` (``"name(Tensor x, ...) -> Tensor"``), ``fake`` its
     shape function; returns the op to call where a step is compiled. An op with a C++ kernel
-    (``cpu_native.NATIVE_OPS``) also gets ``fn`` as ``<name>_python``, which that kernel hands the cases it leaves."""
-    from kvloom.kernels.cpu_native import NATIVE_OPS
-
+    (``NATIVE_OPS``) also gets ``fn`` as ``<name>_python``, which that kernel hands the cases it leaves."""
     name = schema.split("(", 1)[0]
     _LIB.define(schema)
     _LIB.impl(name, fn, "CompositeExplicitAutograd")

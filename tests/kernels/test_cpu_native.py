@@ -117,6 +117,14 @@ def test_the_cases_it_leaves_take_the_python_body():
         ops.kernel_linear.default(x, codes, scales, 16, dense, None, 64, 0)
 
 
+def test_every_op_named_native_has_its_cpp_kernel():
+    from kvloom.kernels.cpu_ops import NATIVE_OPS
+
+    for name in NATIVE_OPS:
+        assert torch._C._dispatch_has_kernel_for_dispatch_key(f"kvloom::{name}", "CPU"), name
+        assert hasattr(ops, f"{name}_python"), name
+
+
 def test_a_compiled_step_reaches_the_cpp_kernels():
     codes, scales = _layer()
     dense = _dense()
