@@ -3,13 +3,14 @@
 A compiled CPU step calls each kvloom op through torch's dispatcher; an op registered from Python
 (``kvloom.kernels.cpu_ops``) re-enters the interpreter for its body: arguments unpacked, the result allocated, the
 pointers handed to ctypes. That costs ~4 us a call over the kernel's own (one 576 x 576 one-row 4-bit layer on a
-2-core Zen 5: 7.9-8.5 us through the Python op, 4.6-4.7 through this one, 3.6 the ctypes call alone), and a SmolLM2 decode
-step makes ~180 such calls. This small C++ library, built against the installed torch the first time (~5 s, cached
-like the kernels by source, flags, torch version and CPU: ``kvloom.kernels.cpu_build``), registers CPU kernels for
-the ops a decode step calls per layer (``cpu_ops.NATIVE_OPS``): the common case in C++ (the result allocated, the kernel
-called through the pointer its ctypes library exports), every other case (rows beyond the kernel's, an empty step,
-a shape or build the kernel refuses, attention sinks) handed whole to the op's Python body (registered beside it as
-``<op>_python``), which computes or raises as it always did. The results are the kernels' own, bit for bit.
+2-core Zen 5: 7.9-8.5 us through the Python op, 4.6-4.7 through this one, 3.6 the ctypes call alone), and a SmolLM2
+decode step makes ~180 such calls. This small C++ library, built against the installed torch the first time (~5 s,
+cached like the kernels by source, flags, torch version and CPU: ``kvloom.kernels.cpu_build``), registers CPU
+kernels for the ops a decode step calls per layer (``cpu_ops.NATIVE_OPS``): the common case in C++ (the result
+allocated, the kernel called through the pointer its ctypes library exports), every other case (rows beyond the
+kernel's, an empty step, a shape or build the kernel refuses, attention sinks) handed whole to the op's Python body
+(registered beside it as ``<op>_python``), which computes or raises as it always did. The results are the kernels'
+own, bit for bit.
 
 Where there is no C++ compiler or torch's headers, or the build fails (one log line says why), or
 ``KVLOOM_CPU_NATIVE_OPS=0``, the ops keep their Python bodies."""
