@@ -246,6 +246,9 @@ inline void pv_heads(const uint16_t* vb, int64_t lo, int64_t hi, const uint16_t*
     }
 }
 
+// blocks span_bf16 requests ahead: 3.5 % faster than one at 32 rows x 160 positions (2, 4: 3 %; 6: slower)
+constexpr int64_t PREFETCH_BLOCKS = 3;
+
 // span<> for a bfloat16 cache with AVX512-BF16: scores as bf16 pair dot products, 16 keys summed at once; values
 // through pv_block, which leaves acc's lanes permuted within each 32: put back in order at the end.
 template <int D>
@@ -253,8 +256,6 @@ void span_bf16(const uint16_t* q, const uint16_t* kc, const uint16_t* vc, const 
                int64_t end, int64_t blk0, int64_t blk1, int64_t h, int64_t G, int64_t Hkv, int64_t bs,
                float scale, float softcap, float* acc, float* m_out, float* l_out, const NextItem& next) {
     constexpr int C = D / 32;
-    // the next item's blocks requested a share at each of this item's blocks: they arrive while this one computes
-    const int64_t ahead = next.blk1 > next.blk0 ? (next.blk1 - next.blk0 + (blk1 - blk0) - 1) / (blk1 - blk0) : 0;
     __m512bh qb[MAX_GROUP][C];
     alignas(64) float s[MAX_GROUP][MAX_BLOCK];
     alignas(64) uint16_t pb[MAX_GROUP][PB_STRIDE];
@@ -272,19 +273,17 @@ void span_bf16(const uint16_t* q, const uint16_t* kc, const uint16_t* vc, const 
         if (lo >= hi) continue;
         const uint16_t* kb = kc + row * D;
         const uint16_t* vb = vc + row * D;
-        const int64_t n0 = next.blk0 + (blk - blk0) * ahead;
-        for (int64_t nb = n0; nb < std::min(next.blk1, n0 + ahead); ++nb) {
-            const int64_t first = (static_cast<int64_t>(next.table[nb]) * Hkv + next.h) * bs * D;
+        // K and V requested PREFETCH_BLOCKS blocks ahead in this thread's order (the rest of this item's blocks,
+        // then the next item's; an item's first blocks at its start): misses bound the loop (written out here: as a
+        // lambda the loop ran ~50 % slower)
+        for (int64_t ahead = blk == blk0 ? 1 : PREFETCH_BLOCKS; ahead <= PREFETCH_BLOCKS; ++ahead) {
+            const int64_t b = blk + ahead, nb = next.blk0 + (b - blk1);
+            if (b >= blk1 && nb >= next.blk1) break;
+            const int64_t first = b < blk1 ? (static_cast<int64_t>(table[b]) * Hkv + h) * bs * D
+                                           : (static_cast<int64_t>(next.table[nb]) * Hkv + next.h) * bs * D;
             for (int64_t off = 0; off < bs * D; off += 32) {
                 _mm_prefetch(reinterpret_cast<const char*>(kc + first + off), _MM_HINT_T0);
                 _mm_prefetch(reinterpret_cast<const char*>(vc + first + off), _MM_HINT_T0);
-            }
-        }
-        if (blk + 1 < blk1) {  // the next block's K and V on their way while this one computes (misses bound it)
-            const int64_t next = (static_cast<int64_t>(table[blk + 1]) * Hkv + h) * bs * D;
-            for (int64_t off = 0; off < bs * D; off += 32) {
-                _mm_prefetch(reinterpret_cast<const char*>(kc + next + off), _MM_HINT_T0);
-                _mm_prefetch(reinterpret_cast<const char*>(vc + next + off), _MM_HINT_T0);
             }
         }
         // whole tiles of 16 rows from the block's 16-row boundaries (bs is a multiple of 16): rows outside
