@@ -37,6 +37,7 @@ _SOURCE = r"""
 
 #include <atomic>
 #include <cstdint>
+#include <utility>
 
 namespace {
 
@@ -62,30 +63,34 @@ void python(const char* name, Stack* stack) {
     c10::Dispatcher::singleton().findSchemaOrThrow(name, "").callBoxed(stack);
 }
 
-void finish(Stack* stack, size_t args, at::Tensor y) {
+template <typename... Outputs>
+void finish(Stack* stack, size_t args, Outputs&&... outputs) {
     torch::jit::drop(*stack, args);
-    torch::jit::push(*stack, std::move(y));
+    torch::jit::push(*stack, std::forward<Outputs>(outputs)...);
     served.fetch_add(1, std::memory_order_relaxed);
 }
 
-bool kernel_rows(const at::Tensor& x, int64_t max_rows) {
-    return x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.size(0) > 0 && x.size(0) <= max_rows;
+// fn's ``columns`` results for bf16 rows x (a[0]) by the codes and scales a[1], a[2] in groups of a[3]; undefined
+// where x is not rows the kernel takes (1 to max_rows) or the kernel refuses the shape
+at::Tensor matmul(MatmulFn fn, c10::ArrayRef<c10::IValue> a, int64_t max_rows, int64_t columns) {
+    const at::Tensor& x0 = a[0].toTensor();
+    if (fn == nullptr || x0.dim() != 2 || x0.scalar_type() != at::kBFloat16 || x0.size(0) == 0 ||
+        x0.size(0) > max_rows)
+        return at::Tensor();
+    const at::Tensor x = x0.contiguous();
+    const at::Tensor &codes = a[1].toTensor(), &scales = a[2].toTensor();
+    at::Tensor y = at::empty({x.size(0), columns}, x.options());
+    const int rc = fn(x.data_ptr(), codes.data_ptr(), scales.data_ptr(), y.data_ptr(), x.size(0), x.size(1),
+                      codes.size(0) * 16, a[3].toInt());
+    return rc == 0 ? y : at::Tensor();
 }
 
 // kernel_linear(Tensor x, Tensor codes, Tensor scale_zeros, int group, Tensor dense_weight, Tensor? bias,
 //               int max_rows, int int8_inputs=0) -> Tensor
 void kernel_linear(const c10::OperatorHandle&, c10::DispatchKeySet, Stack* stack) {
     auto a = torch::jit::last(*stack, 8);
-    const MatmulFn fn = a[7].toInt() ? q8_mm : amx_mm;
-    if (fn == nullptr || !kernel_rows(a[0].toTensor(), a[6].toInt()))
-        return python("kvloom::kernel_linear_python", stack);
-    const at::Tensor x = a[0].toTensor().contiguous();
-    const at::Tensor &codes = a[1].toTensor(), &scales = a[2].toTensor();
-    const int64_t width = codes.size(0) * 16;
-    at::Tensor y = at::empty({x.size(0), width}, x.options());
-    if (fn(x.data_ptr(), codes.data_ptr(), scales.data_ptr(), y.data_ptr(), x.size(0), x.size(1), width,
-           a[3].toInt()) != 0)
-        return python("kvloom::kernel_linear_python", stack);  // it names the refusal
+    at::Tensor y = matmul(a[7].toInt() ? q8_mm : amx_mm, a, a[6].toInt(), a[1].toTensor().size(0) * 16);
+    if (!y.defined()) return python("kvloom::kernel_linear_python", stack);  // it computes, or names the refusal
     if (!a[5].isNone()) y = y.add(a[5].toTensor());
     finish(stack, 8, std::move(y));
 }
@@ -93,15 +98,8 @@ void kernel_linear(const c10::OperatorHandle&, c10::DispatchKeySet, Stack* stack
 // kernel_glu(Tensor x, Tensor codes, Tensor scale_zeros, int group, Tensor dense_weight, int max_rows) -> Tensor
 void kernel_glu(const c10::OperatorHandle&, c10::DispatchKeySet, Stack* stack) {
     auto a = torch::jit::last(*stack, 6);
-    if (q8_glu == nullptr || !kernel_rows(a[0].toTensor(), a[5].toInt()))
-        return python("kvloom::kernel_glu_python", stack);
-    const at::Tensor x = a[0].toTensor().contiguous();
-    const at::Tensor &codes = a[1].toTensor(), &scales = a[2].toTensor();
-    const int64_t width = codes.size(0) * 16;
-    at::Tensor y = at::empty({x.size(0), width / 2}, x.options());
-    if (q8_glu(x.data_ptr(), codes.data_ptr(), scales.data_ptr(), y.data_ptr(), x.size(0), x.size(1), width,
-               a[3].toInt()) != 0)
-        return python("kvloom::kernel_glu_python", stack);
+    at::Tensor y = matmul(q8_glu, a, a[5].toInt(), a[1].toTensor().size(0) * 8);  // silu(gate) * up: half the outputs
+    if (!y.defined()) return python("kvloom::kernel_glu_python", stack);
     finish(stack, 6, std::move(y));
 }
 
@@ -139,9 +137,7 @@ void rope_write(const c10::OperatorHandle&, c10::DispatchKeySet, Stack* stack) {
     rope(dim, tokens, heads, kv_heads, q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(),
          v.stride(0), cos.data_ptr(), sin.data_ptr(), q_out.data_ptr(), k_out.data_ptr(), a[5].toTensor().data_ptr(),
          a[6].toTensor().data_ptr(), rows.data_ptr());
-    torch::jit::drop(*stack, 8);
-    torch::jit::push(*stack, std::move(q_out), std::move(k_out));
-    served.fetch_add(1, std::memory_order_relaxed);
+    finish(stack, 8, std::move(q_out), std::move(k_out));
 }
 
 }  // namespace
