@@ -549,8 +549,8 @@ void int4_grouped(const uint16_t* x, const uint8_t* codes, const uint32_t* sz, u
 // Chunks c0..c1 (one group) of rows x [R, K] quantized: out[(c * 8 + h) * R + r] holds row r's inputs 32c + 4h ..
 // 32c + 4h + 3 as int8, d[c * M + r] its scale, xsum[r] the group's rounded inputs summed. A row at a time (a step
 // of a few rows takes this; ``quantize_rows`` puts more side by side).
-inline void quantize_each_row(const uint16_t* x, int64_t R, int64_t K, int32_t* out, float* d, float* xsum, int64_t M,
-                          int64_t c0, int64_t c1) {
+inline void quantize_each_row(const uint16_t* x, int64_t R, int64_t K, int32_t* out, float* d, float* xsum,
+                              int64_t M, int64_t c0, int64_t c1) {
     const __m512 sign = _mm512_set1_ps(-0.0f);
     for (int64_t r = 0; r < R; ++r) {
         float sum = 0.0f;
