@@ -69,6 +69,7 @@ _SOURCE = r"""
 #include <cstdlib>
 #include <cstring>
 #include <omp.h>
+#include <type_traits>
 #include <sys/syscall.h>
 #include <unistd.h>
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
@@ -712,6 +713,15 @@ inline __m512 round_bf16(__m512 v) {  // v rounded to bf16 as a stored result is
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
 }
 
+// StoreRows' bf16 values widened to float32 in y (rows N apart): logits, as the sampler reads them, without a second
+// pass to widen them; streamed past the caches (each store a whole line of its row; scattered rows' read-for-ownership
+// made the two-pass head 0.3-0.8 ms slower a 32-row step)
+struct StoreFloatRows {
+    float* y;
+    int64_t N;
+    inline void operator()(int r, __m512 v) const { _mm512_stream_ps(y + r * N, round_bf16(v)); }
+};
+
 // e^x: 2^n * 2^f with n = round(x log2 e), |f| <= 1/2, 2^f by its degree-6 Taylor polynomial in f ln 2 (rel. error
 // < 2e-7); scalef takes n to 0 or infinity where e^x leaves float's range, as expf does
 inline __m512 exp_ps(__m512 x) {
@@ -794,9 +804,10 @@ void q8_tile(const int32_t* xq, const float* d, const W& w_in, const float* xsum
 // tile's, a block at a time.
 constexpr int64_t Q8_SPAN = 16 * Q8_ROWS;
 
-template <typename Tile>
-void q8_matmul(const uint16_t* x, Tile tile, uint16_t* y, int64_t M, int64_t K, int64_t N, int64_t group,
+template <typename Tile, typename Y>
+void q8_matmul(const uint16_t* x, Tile tile, Y* y, int64_t M, int64_t K, int64_t N, int64_t group,
                bool glu = false) {
+    using Rows = std::conditional_t<std::is_same_v<Y, float>, StoreFloatRows, StoreRows>;
     const int64_t tiles = glu ? N / 32 : N / 16, chunks = K / 32, groups = K / group, per_group = group / 32;
     const int64_t stride = glu ? N / 2 : N;
     const int64_t blocks = (M + Q8_ROWS - 1) / Q8_ROWS;
@@ -827,16 +838,19 @@ void q8_matmul(const uint16_t* x, Tile tile, uint16_t* y, int64_t M, int64_t K, 
                 const auto w = tile(t);
                 for (int64_t i = b0; i < b1; ++i) {
                     const int64_t r0 = i * M / blocks, r1 = (i + 1) * M / blocks;
-                    const StoreRows rows{y + r0 * stride + t * 16, stride};
+                    const Rows rows{y + r0 * stride + t * 16, stride};
                     if (!glu) {
                         KVLOOM_BY_Q8_ROWS(q8_tile, r1 - r0, xq + r0 * (K / 4), d + r0, w, xsum + r0, M, groups, rows)
+                        if constexpr (std::is_same_v<Y, float>) _mm_sfence();  // the streamed stores, done
                         continue;
                     }
-                    alignas(64) float gate[Q8_ROWS * 16];
-                    KVLOOM_BY_Q8_ROWS(q8_tile, r1 - r0, xq + r0 * (K / 4), d + r0, w, xsum + r0, M, groups,
-                                      KeepRows{gate})
-                    KVLOOM_BY_Q8_ROWS(q8_tile, r1 - r0, xq + r0 * (K / 4), d + r0, tile(t + tiles), xsum + r0, M,
-                                      groups, (GluRows{gate, rows.y, stride}))
+                    if constexpr (std::is_same_v<Y, uint16_t>) {  // the GLU's epilogue writes bf16
+                        alignas(64) float gate[Q8_ROWS * 16];
+                        KVLOOM_BY_Q8_ROWS(q8_tile, r1 - r0, xq + r0 * (K / 4), d + r0, w, xsum + r0, M, groups,
+                                          KeepRows{gate})
+                        KVLOOM_BY_Q8_ROWS(q8_tile, r1 - r0, xq + r0 * (K / 4), d + r0, tile(t + tiles), xsum + r0,
+                                          M, groups, (GluRows{gate, rows.y, stride}))
+                    }
                 }
             }
         }
@@ -909,15 +923,20 @@ extern "C" int kvloom_int4_q8_glu(const uint16_t* x, const uint8_t* codes, const
 }
 
 // y [M, N] = x [M, K] @ W.T of GGUF's Q8_0 weights with each row's inputs rounded to 8 bits a chunk of 32: codes
-// plus 128 as ``pack_q8_quads`` lays them out, scales fp16 [K / 32, N]
-extern "C" int kvloom_int8_q8_mm(const uint16_t* x, const uint8_t* codes, const uint16_t* scales, uint16_t* y,
-                                 int64_t M, int64_t K, int64_t N) {
-    if (M < 1 || N % 16 || K % 32) return 1;
+// plus 128 as ``pack_q8_quads`` lays them out, scales fp16 [K / 32, N]; y bf16, or (``float_out``) those values as
+// float32
+extern "C" int kvloom_int8_q8_mm(const uint16_t* x, const uint8_t* codes, const uint16_t* scales, void* y,
+                                 int64_t M, int64_t K, int64_t N, int64_t float_out) {
+    if (M < 1 || N % 16 || K % 32 || (float_out && reinterpret_cast<uintptr_t>(y) % 64)) return 1;  // streamed lines
 #ifdef KVLOOM_AMX
     return 2;
 #else
     const int64_t chunks = K / 32;
-    q8_matmul(x, [=](int64_t t) { return Int8Quads{codes + t * chunks * 512, scales + t * 16, N}; }, y, M, K, N, 32);
+    const auto tile = [=](int64_t t) { return Int8Quads{codes + t * chunks * 512, scales + t * 16, N}; };
+    if (float_out)
+        q8_matmul(x, tile, static_cast<float*>(y), M, K, N, 32);
+    else
+        q8_matmul(x, tile, static_cast<uint16_t*>(y), M, K, N, 32);
     return 0;
 #endif
 }
@@ -937,8 +956,8 @@ extern "C" int kvloom_int4_q8_mm(const uint16_t*, const uint8_t*, const uint16_t
                                  int64_t, int64_t) { return 2; }
 extern "C" int kvloom_int4_q8_glu(const uint16_t*, const uint8_t*, const uint16_t*, uint16_t*, int64_t, int64_t,
                                   int64_t, int64_t) { return 2; }
-extern "C" int kvloom_int8_q8_mm(const uint16_t*, const uint8_t*, const uint16_t*, uint16_t*, int64_t, int64_t,
-                                 int64_t) { return 2; }
+extern "C" int kvloom_int8_q8_mm(const uint16_t*, const uint8_t*, const uint16_t*, void*, int64_t, int64_t,
+                                 int64_t, int64_t) { return 2; }
 extern "C" int kvloom_int8_amx_mm(const uint16_t*, const int8_t*, const uint16_t*, uint16_t*, int64_t, int64_t,
                                   int64_t) { return 2; }
 #endif
@@ -971,7 +990,7 @@ def _build():
             return False
         lib.kvloom_int4_amx_kind.restype = ctypes.c_int
         for fn, sizes in ((lib.kvloom_int4_amx_mm, 4), (lib.kvloom_int4_q8_mm, 4), (lib.kvloom_int4_q8_glu, 4),
-                          (lib.kvloom_int8_amx_mm, 3), (lib.kvloom_int8_q8_mm, 3)):
+                          (lib.kvloom_int8_amx_mm, 3), (lib.kvloom_int8_q8_mm, 4)):
             fn.restype = ctypes.c_int
             fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * sizes
         return lib
@@ -1084,12 +1103,12 @@ def _checked(name: str, x: torch.Tensor, y: torch.Tensor, rc: int, group: int | 
 
 
 def _run(fn, x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, *args,
-         outputs: int | None = None) -> tuple[torch.Tensor, int]:
-    """Kernel ``fn`` on bf16 rows ``x`` into a new bf16 result of ``outputs`` columns (the codes' outputs unless
-    given), and its return code; the kernel is told the codes' outputs."""
+         outputs: int | None = None, dtype: torch.dtype = torch.bfloat16) -> tuple[torch.Tensor, int]:
+    """Kernel ``fn`` on bf16 rows ``x`` into a new result of ``outputs`` columns (the codes' outputs unless
+    given) and ``dtype``, and its return code; the kernel is told the codes' outputs."""
     rows, in_features = x.shape
     width = codes.shape[0] * OUTPUTS
-    y = torch.empty(rows, width if outputs is None else outputs, dtype=torch.bfloat16)
+    y = torch.empty(rows, width if outputs is None else outputs, dtype=dtype)
     if rows == 0:
         return y, 0
     x = x.contiguous()
@@ -1112,12 +1131,17 @@ def pack_q8_quads(q: torch.Tensor) -> torch.Tensor:
     return u.permute(0, 2, 3, 1, 4).reshape(n // OUTPUTS, k // INPUTS, 8, 4 * OUTPUTS).contiguous()
 
 
-def q8_q8_mm(x: torch.Tensor, quads: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+def q8_q8_mm(x: torch.Tensor, quads: torch.Tensor, scales: torch.Tensor,
+             out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """``q8_amx_mm`` with each row's inputs rounded to int8 a chunk of 32 (as ``int4_q8_mm``), the codes laid out
-    by ``pack_q8_quads``: where ``q8_inputs()``."""
+    by ``pack_q8_quads``: where ``q8_inputs()``. ``out_dtype`` float32: the same bf16 results widened as they are
+    stored (an output projection's logits, which the sampler reads in float32)."""
     if x.dtype != torch.bfloat16 or scales.dtype != torch.float16:
         raise TypeError(f"q8_q8_mm multiplies bfloat16 rows by float16 scales, got {x.dtype} and {scales.dtype}")
-    return _checked("q8_q8_mm", x, *_run(_load().kvloom_int8_q8_mm, x, quads, scales))
+    if out_dtype not in (torch.bfloat16, torch.float32):
+        raise TypeError(f"q8_q8_mm writes bfloat16 or float32, not {out_dtype}")
+    return _checked("q8_q8_mm", x, *_run(_load().kvloom_int8_q8_mm, x, quads, scales,
+                                         int(out_dtype == torch.float32), dtype=out_dtype))
 
 
 def q8_supports(out_features: int, in_features: int) -> bool:

@@ -362,6 +362,19 @@ def test_the_q8_projection_with_8_bit_inputs_takes_them_for_every_step_it_serves
         torch.testing.assert_close(got, cpu_int4_amx.q8_q8_mm(x, layer.q8_codes, layer.q8_scales), rtol=0, atol=0)
         args = (x, layer.q8_codes, layer.q8_scales, layer.dense.packed_weight, None, layer.max_rows, 1)
         torch.testing.assert_close(cpu_packing.q8_linear_op(*args), got, rtol=0, atol=0)
+    head = cpu_packing.Q8Linear(layer.dense, q, d, layer.max_rows, True, float_out=True)  # an output projection's
+    for rows in (1, 40, layer.max_rows + 1):
+        x = torch.randn(rows, 128, generator=torch.Generator().manual_seed(rows)).bfloat16()
+        got = head(x)
+        args = (x, head.q8_codes, head.q8_scales, head.dense.packed_weight, None, head.max_rows, 1, 1)
+        if rows > head.max_rows:  # beyond the kernel's rows: the dense bf16 copy, as before
+            assert got.dtype == torch.bfloat16
+            continue
+        assert got.dtype == torch.float32
+        torch.testing.assert_close(got, cpu_int4_amx.q8_q8_mm(x, head.q8_codes, head.q8_scales, torch.float32),
+                                   rtol=0, atol=0)
+        torch.testing.assert_close(got, layer(x).float(), rtol=0, atol=0)
+        torch.testing.assert_close(cpu_packing.q8_linear_op(*args), got, rtol=0, atol=0)
 
 
 def test_the_codes_attach_to_a_tied_or_an_own_output_projection():
@@ -385,6 +398,7 @@ def test_the_codes_attach_to_a_tied_or_an_own_output_projection():
         # 32 on AMX; on the dot products 8, or every step's (the inputs at 8 bits, a GGUF file's default)
         assert get(model).int8_inputs == cpu_int4_amx.q8_inputs()
         assert get(model).max_rows == cpu_packing.q8_max_rows(get(model).int8_inputs)
+        assert get(model).float_out  # logits: the kernel widens them to float32 as it stores them
     assert cpu_packing.attach_q8_output(nn.Module(), q, d, torch.bfloat16) == 0  # nothing packed to attach to
     assert cpu_packing.attach_q8_output(tied, q, d, torch.float32) == 0  # float32 keeps the dequantized weights
 
@@ -422,3 +436,8 @@ def test_int8_inputs_times_8_bit_codes_equal_the_weights_times_the_rounded_input
     want = _rounded_inputs(x) @ w.t()
     assert ((got - want).abs() <= 2**-8 * want.abs() + 1e-4 * want.abs().max()).all(), (got - want).abs().max()
     assert (got - want).abs().mean() < (got - x.double() @ w.t()).abs().mean()
+    # float32 results (an output projection's logits): the bf16 results themselves, widened
+    wide = cpu_int4_amx.q8_q8_mm(x, cpu_int4_amx.pack_q8_quads(q), d.t().contiguous(), torch.float32)
+    assert wide.dtype == torch.float32 and torch.equal(wide.double(), got)
+    with pytest.raises(TypeError, match="float16"):
+        cpu_int4_amx.q8_q8_mm(x, cpu_int4_amx.pack_q8_quads(q), d.t().contiguous(), torch.float16)

@@ -209,33 +209,43 @@ def q8_max_rows(int8_inputs: bool = False) -> int:
 
 
 def q8_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, dense_weight: torch.Tensor,
-              bias: torch.Tensor | None, max_rows: int, int8_inputs: int = 0) -> torch.Tensor:
+              bias: torch.Tensor | None, max_rows: int, int8_inputs: int = 0, float_out: int = 0) -> torch.Tensor:
     """``x @ W.T + b`` of 2-D bf16 ``x``: the kernel over the 8-bit codes up to ``max_rows`` rows (its inputs
     rounded to 8 bits where ``int8_inputs``, the codes then laid out by ``pack_q8_quads``), the oneDNN-packed bf16
-    copy beyond."""
+    copy beyond. ``float_out``: the 8-bit input loop's bf16 results widened to float32 as the kernel stores them
+    (logits; the other paths return bf16)."""
     out_features = codes.shape[0] * cpu_int4_amx.OUTPUTS
     if x.shape[0] > max_rows:
         return packed_linear(x, dense_weight, bias, out_features)
-    y = (cpu_int4_amx.q8_q8_mm if int8_inputs else cpu_int4_amx.q8_amx_mm)(x, codes, scales)
+    if int8_inputs:
+        y = cpu_int4_amx.q8_q8_mm(x, codes, scales, torch.float32 if float_out else torch.bfloat16)
+    else:
+        y = cpu_int4_amx.q8_amx_mm(x, codes, scales)
     return y if bias is None else y + bias
+
+
+def _q8_linear_shape(x, codes, scales, dense_weight, bias, max_rows, int8_inputs=0, float_out=0):
+    dtype = torch.float32 if float_out and int8_inputs and x.shape[0] <= max_rows else x.dtype
+    return x.new_empty((x.shape[0], codes.shape[0] * cpu_int4_amx.OUTPUTS), dtype=dtype)
 
 
 q8_linear_op = cpu_ops.define(
     "q8_linear(Tensor x, Tensor codes, Tensor scales, Tensor dense_weight, Tensor? bias, int max_rows, "
-    "int int8_inputs=0) -> Tensor",
-    q8_linear, lambda x, codes, *rest: x.new_empty((x.shape[0], codes.shape[0] * cpu_int4_amx.OUTPUTS)))
+    "int int8_inputs=0, int float_out=0) -> Tensor",
+    q8_linear, _q8_linear_shape)
 
 
 class Q8Linear(nn.Module):
     """A ``PackedLinear`` (``dense``) with the 8-bit codes its weight was dequantized from (GGUF Q8_0: ``W = d *
     q``, one fp16 ``d`` per 32 inputs), which steps of few rows multiply on AMX: half the bytes, the same bf16
     weights (``d * q`` is exact in float32 and rounds as the copy did). With ``int8_inputs`` (the dot products'
-    default for a GGUF file) the codes are laid out for ``q8_q8_mm`` and the inputs rounded to 8 bits."""
+    default for a GGUF file) the codes are laid out for ``q8_q8_mm`` and the inputs rounded to 8 bits; with
+    ``float_out`` as well (an output projection: logits) that loop stores its bf16 results as float32."""
 
     def __init__(self, dense: PackedLinear, q: torch.Tensor, d: torch.Tensor, max_rows: int = Q8_MAX_ROWS,
-                 int8_inputs: bool = False) -> None:
+                 int8_inputs: bool = False, float_out: bool = False) -> None:
         super().__init__()
-        self.dense, self.max_rows, self.int8_inputs = dense, max_rows, int8_inputs
+        self.dense, self.max_rows, self.int8_inputs, self.float_out = dense, max_rows, int8_inputs, float_out
         self.in_features, self.out_features = dense.in_features, dense.out_features
         codes = cpu_int4_amx.pack_q8_quads(q) if int8_inputs else cpu_int4_amx.pack_q8_codes(q)
         self.register_buffer("q8_codes", codes, persistent=False)
@@ -245,7 +255,7 @@ class Q8Linear(nn.Module):
         if x.dim() != 2:
             return self.dense(x)
         args = (x, self.q8_codes, self.q8_scales, self.dense.packed_weight, self.dense.bias, self.max_rows,
-                int(self.int8_inputs))
+                int(self.int8_inputs), int(self.float_out))
         return q8_linear_op(*args) if torch.compiler.is_compiling() else q8_linear(*args)
 
     def held_bytes(self) -> int:
@@ -262,10 +272,10 @@ def attach_q8_output(model: nn.Module, q: torch.Tensor, d: torch.Tensor, dtype: 
     int8_inputs = cpu_int4_amx.q8_inputs()  # a GGUF file's, as its 4-bit layers'
     head = getattr(model, "lm_head", None)
     if isinstance(head, PackedLinear):
-        model.lm_head = Q8Linear(head, q, d, q8_max_rows(int8_inputs), int8_inputs)
+        model.lm_head = Q8Linear(head, q, d, q8_max_rows(int8_inputs), int8_inputs, float_out=True)
         return model.lm_head.held_bytes()
     if isinstance(getattr(head, "packed", None), PackedLinear) and getattr(head, "tp_size", 1) == 1:
-        head.packed = Q8Linear(head.packed, q, d, q8_max_rows(int8_inputs), int8_inputs)
+        head.packed = Q8Linear(head.packed, q, d, q8_max_rows(int8_inputs), int8_inputs, float_out=True)
         return head.packed.held_bytes()
     return 0
 
